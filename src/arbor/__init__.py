@@ -1,0 +1,1 @@
+"""arbor: asynchronous RL post-training for LLMs and agents."""

@@ -1,0 +1,20 @@
+"""`[model]`: which model every process builds."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from arbor.config.base import Config
+
+
+class ModelConfig(Config):
+    name: str = "qwen3-tiny"
+    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small) or a local Hugging Face checkpoint directory."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the checkpoint's own, or the built-in byte tokenizer for presets."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype. On CPU keep float32 so trainer and inference logprobs match."""
+    init_seed: int = Field(0, ge=0)
+    """Seed of the deterministic initialisation of a preset (ignored for checkpoints)."""

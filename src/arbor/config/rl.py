@@ -1,0 +1,112 @@
+"""`rl` config: the three processes' sections plus shared fields that are pushed down into them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from arbor.config.base import Config
+from arbor.config.inference import InferenceConfig
+from arbor.config.model import ModelConfig
+from arbor.config.monitor import WandbConfig
+from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.sft import SFTConfig
+from arbor.config.trainer import TrainerConfig
+
+SECTIONS = ("trainer", "orchestrator", "inference", "sft")
+SHARED = ("model", "output_dir", "max_steps", "seq_len", "seed", "resume")
+
+
+class RLConfig(Config):
+    """Runs inference, orchestrator and trainer together (and an optional SFT warm-up first)."""
+
+    model: ModelConfig = ModelConfig()
+    """The model, shared by every process."""
+    output_dir: Path = Path("outputs/run")
+    """Run directory: configs/, logs/, metrics.jsonl, rollouts/, broadcasts/, checkpoints/."""
+    max_steps: int = Field(20, ge=1)
+    """RL training steps."""
+    seq_len: int = Field(512, ge=8)
+    """Longest sequence (prompt + completion)."""
+    seed: int = 0
+    """Base seed."""
+    resume: bool = False
+    """Continue a killed run from its latest checkpoint."""
+    dry_run: bool = False
+    """Write the resolved configs to `<output_dir>/configs/` and exit."""
+    inference_startup_timeout: float = Field(300.0, gt=0)
+    """Seconds to wait for the inference server to become healthy."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The trainer."""
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """The orchestrator."""
+    inference: InferenceConfig = InferenceConfig()
+    """The inference server."""
+    sft: SFTConfig = SFTConfig()
+    """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
+    wandb: WandbConfig | None = None
+    """Log to Weights & Biases (trainer and orchestrator figures in one run)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _push_down_shared(cls, data: Any) -> Any:
+        """Copies each shared field into every section that has it; a section may only repeat the same value."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in SHARED:
+            top = data.get(key, _default(cls, key))
+            top_cmp = _comparable(top)
+            for section in SECTIONS:
+                if key not in cls.model_fields[section].annotation.model_fields:
+                    continue
+                sub = dict(data.get(section) or {})
+                if key in sub:
+                    if key == "model":
+                        merged = {**_comparable(top), **_comparable(sub[key])}
+                        if merged != _comparable(top):
+                            diff = sorted(k for k in merged if merged[k] != _comparable(top).get(k))
+                            raise ValueError(
+                                f"{section}.model.{diff[0]} differs from model.{diff[0]}: set shared fields once, at the top level"
+                            )
+                    elif _comparable(sub[key]) != top_cmp:
+                        raise ValueError(
+                            f"{section}.{key} = {sub[key]!r} differs from {key} = {top!r}: set shared fields once, at the top level"
+                        )
+                sub[key] = top
+                data[section] = sub
+        if data.get("wandb") is not None:
+            orch = dict(data.get("orchestrator") or {})
+            orch["wandb"] = data["wandb"]
+            data["orchestrator"] = orch
+        return data
+
+    @model_validator(mode="after")
+    def _derived(self) -> "RLConfig":
+        # The orchestrator writes one rollout file per trainer rank.
+        ranks = self.trainer.parallel.nproc
+        if self.orchestrator.batching.trainer_ranks not in (1, ranks):
+            raise ValueError(
+                f"orchestrator.batching.trainer_ranks ({self.orchestrator.batching.trainer_ranks}) differs from "
+                f"trainer.parallel.nproc ({ranks}); leave it unset"
+            )
+        self.orchestrator.batching.trainer_ranks = ranks
+        if self.sft.steps:
+            self.sft.environment = self.orchestrator.environment
+        return self
+
+
+def _default(cls: type[Config], key: str) -> Any:
+    return cls.model_fields[key].get_default(call_default_factory=True)
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, Config):
+        return value.model_dump(exclude_unset=True, mode="json")
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,39 @@
+"""`sft` process config: supervised fine-tuning on prompt/completion pairs (also `rl`'s optional warm-up)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from arbor.config.base import Config
+from arbor.config.environment import EnvironmentConfig
+from arbor.config.model import ModelConfig
+
+
+class SFTConfig(Config):
+    """Cross-entropy on completion tokens; writes a Hugging Face checkpoint directory to `<output_dir>/sft`."""
+
+    model: ModelConfig = ModelConfig()
+    """The model to fine-tune."""
+    output_dir: Path = Path("outputs/run")
+    """Run directory; the result goes to `<output_dir>/sft/`."""
+    seq_len: int = Field(512, ge=8)
+    """Longest example; longer ones are skipped."""
+    seed: int = 0
+    """Seed of example order."""
+    steps: int = Field(0, ge=0)
+    """Optimizer steps; 0 disables the warm-up in `rl`."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per step."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate (linear warm-up over the first 10% of steps, then constant)."""
+    max_norm: float = Field(1.0, gt=0)
+    """Gradient clipping by global norm."""
+    data: str | None = None
+    """A JSONL file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows; default: the environment's
+    reference answers."""
+    environment: EnvironmentConfig = EnvironmentConfig()
+    """Environment whose tasks and reference answers form the data when `data` is not set."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads; default: torch's choice."""

@@ -1,0 +1,55 @@
+"""Model definitions, tiny presets, tokenizers and Hugging Face checkpoint loading.
+
+`build_model(cfg)` is the one way every process gets its model: a preset name builds a tiny model initialised
+deterministically from `cfg.init_seed` (identical in trainer and inference), a directory loads a Hugging Face
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from arbor.models.args import ModelArgs
+from arbor.models.presets import PRESETS
+from arbor.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from arbor.config.model import ModelConfig
+    from arbor.models.qwen3 import Qwen3ForCausalLM
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def model_args(cfg: "ModelConfig") -> ModelArgs:
+    if cfg.name in PRESETS:
+        return PRESETS[cfg.name]
+    return ModelArgs.from_dir(cfg.name)
+
+
+def build_tokenizer(cfg: "ModelConfig") -> Tokenizer:
+    if cfg.tokenizer is not None:
+        return load_tokenizer(cfg.tokenizer)
+    if cfg.name in PRESETS:
+        return ByteTokenizer()
+    return load_tokenizer(cfg.name)
+
+
+def build_model(cfg: "ModelConfig", device: str = "cpu", load: bool = True) -> "Qwen3ForCausalLM":
+    """The model on `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
+    import torch
+
+    from arbor.models.hf import load_weights
+    from arbor.models.qwen3 import Qwen3ForCausalLM
+
+    args = model_args(cfg)
+    model = Qwen3ForCausalLM(args)
+    if load:
+        if cfg.name in PRESETS:
+            model.init_weights(cfg.init_seed)
+        else:
+            load_weights(model, Path(cfg.name))
+    return model.to(device=device, dtype=getattr(torch, cfg.dtype))
+
+
+__all__ = ["ModelArgs", "PRESETS", "Tokenizer", "build_model", "build_tokenizer", "load_tokenizer", "model_args"]

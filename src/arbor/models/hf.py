@@ -1,0 +1,63 @@
+"""Hugging Face checkpoint directories: config.json + safetensors (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from arbor.models.args import ModelArgs
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The state dict as a Hugging Face checkpoint stores it: tied heads are written once, tensors contiguous."""
+    out = {k: v.detach().contiguous() for k, v in state.items()}
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    return state
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly)."""
+    state = read_safetensors_dir(path)
+    args: ModelArgs = model.args
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    own = dict(model.named_parameters())
+    missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if args.tie_word_embeddings else set()))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            p = own[name]
+            if p.shape != tensor.shape:
+                raise ValueError(f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, model has {tuple(p.shape)}")
+            p.copy_(tensor.to(p.dtype))
+
+
+def save_checkpoint_dir(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, tokenizer=None) -> None:
+    """Writes config.json, model.safetensors and the tokenizer into `path` (the caller makes it atomic)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2))
+    save_file(hf_state_dict(state, args), str(path / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(path)

@@ -1,0 +1,1 @@
+"""Transport between processes: rollout batches (orchestrator -> trainer) and published weights (trainer -> inference)."""

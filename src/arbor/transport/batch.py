@@ -1,0 +1,97 @@
+"""The typed wire format of one training step: per trainer rank, a list of packed micro-batches.
+
+A micro-batch is one packed row of several samples. Every per-token array has the length of `input_ids`;
+`seq_lens` gives the packed samples' lengths (their sum may be shorter than the row: the rest is padding).
+Token `t`'s `inference_logprobs[t]`, `advantages[t]` and `loss_mask[t]` describe the prediction *of* token
+`t` from the tokens before it, so the trainer shifts logits by one. `policy_versions[t]` is the trainer step
+whose weights sampled token `t` (-1 for prompt tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions")
+DTYPES = {
+    "input_ids": torch.int64,
+    "position_ids": torch.int64,
+    "loss_mask": torch.bool,
+    "advantages": torch.float32,
+    "inference_logprobs": torch.float32,
+    "policy_versions": torch.int32,
+    "seq_lens": torch.int32,
+}
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    policy_versions: torch.Tensor
+    seq_lens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n = self.input_ids.shape[0]
+        for name in PER_TOKEN:
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != n:
+                raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({n},)")
+        if int(self.seq_lens.sum()) > n:
+            raise ValueError(f"seq_lens sum to {int(self.seq_lens.sum())}, more than the row's {n} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """What one trainer rank trains on in one step, plus the step-wide facts every rank needs."""
+
+    step: int
+    micro_batches: list[MicroBatch]
+    loss_tokens_total: int
+    """Loss tokens across all ranks in this step: the token-level normaliser, identical on every rank."""
+    num_samples_total: int
+    """Samples across all ranks in this step: the sequence-level normaliser."""
+    temperature: float
+    """Sampling temperature the tokens were generated with; the trainer scales its logits by it."""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors: dict[str, torch.Tensor] = {}
+        for i, mb in enumerate(self.micro_batches):
+            for f in dataclasses.fields(MicroBatch):
+                tensors[f"{i}.{f.name}"] = getattr(mb, f.name).to(DTYPES[f.name]).contiguous()
+        header = {
+            "step": self.step,
+            "num_micro_batches": len(self.micro_batches),
+            "loss_tokens_total": self.loss_tokens_total,
+            "num_samples_total": self.num_samples_total,
+            "temperature": self.temperature,
+            "metadata": self.metadata,
+        }
+        return tensors, {"arbor": json.dumps(header)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "StepBatch":
+        header = json.loads(meta["arbor"])
+        mbs = [
+            MicroBatch(**{f.name: tensors[f"{i}.{f.name}"] for f in dataclasses.fields(MicroBatch)})
+            for i in range(header["num_micro_batches"])
+        ]
+        return cls(
+            step=header["step"],
+            micro_batches=mbs,
+            loss_tokens_total=header["loss_tokens_total"],
+            num_samples_total=header["num_samples_total"],
+            temperature=header["temperature"],
+            metadata=header.get("metadata", {}),
+        )
