@@ -20,7 +20,7 @@ class InferenceConfig(Config):
     host: str = "127.0.0.1"
     """Address to bind. Keep loopback unless the network is trusted."""
     port: int = Field(8000, ge=0, le=65535)
-    """Port to bind; 0 picks a free one (written to the ready file)."""
+    """Port to bind; 0 picks a free one (written to the ready file). Under `rl`, unset means a free port."""
     seq_len: int = Field(512, ge=8)
     """Longest sequence (prompt + completion) a request may reach: the KV cache length per slot."""
     max_batch_size: int = Field(64, ge=1)

@@ -67,9 +67,14 @@ class StepBatch:
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
         for i, mb in enumerate(self.micro_batches):
             for f in dataclasses.fields(MicroBatch):
-                tensors[f"{i}.{f.name}"] = getattr(mb, f.name).to(DTYPES[f.name]).contiguous()
+                t = getattr(mb, f.name).to(DTYPES[f.name]).contiguous()
+                if t.data_ptr() in seen:  # safetensors refuses aliased tensors (e.g. one micro-batch reused)
+                    t = t.clone()
+                seen.add(t.data_ptr())
+                tensors[f"{i}.{f.name}"] = t
         header = {
             "step": self.step,
             "num_micro_batches": len(self.micro_batches),

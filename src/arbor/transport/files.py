@@ -7,11 +7,13 @@ reader that sees the final name always sees a whole file. The temporary name sta
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import time
 from pathlib import Path
 
-from safetensors import safe_open
+import safetensors.torch
 from safetensors.torch import save_file
 
 from arbor.transport.batch import StepBatch
@@ -46,10 +48,13 @@ def write_step(output_dir: str | Path, step: int, batches: list[StepBatch]) -> N
 
 
 def read_step(path: str | Path) -> StepBatch:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return StepBatch.from_tensors(tensors, meta)
+    # Read the bytes through one file handle: safetensors' safe_open re-opens the path for its mmap, so a
+    # concurrent rename between the two opens would pair one version's header with another's data.
+    with open(path, "rb") as f:
+        data = f.read()
+    header_len = struct.unpack("<Q", data[:8])[0]
+    meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+    return StepBatch.from_tensors(safetensors.torch.load(data), meta)
 
 
 def wait_for_step(

@@ -1,0 +1,55 @@
+"""Sampling parameters of the local engine and their validation (no torch here: the server imports it early).
+
+Logprob convention (shared with the trainer): the logprob reported for a generated token is taken from the
+temperature-scaled distribution `log_softmax(logits / T)` *before* top-p truncation; at T = 0 (greedy) it is
+`log_softmax(logits)`. The trainer scales its logits by the same T, so importance ratios compare like with like,
+and top-p only changes which token is drawn, never the reported probability.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (vLLM's default `max_logprobs`)."""
+
+
+class WeightUpdateError(ValueError):
+    """A weights directory could not be loaded; the engine kept its previous weights and version."""
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve as given; `param` names the offending field (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one prompt is sampled. `seed=None` draws a seed from the engine's own seeded generator."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+    """Alternatives reported per generated token (the chosen token's logprob is always recorded)."""
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {self.n}", "n")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "logprobs")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty", "stop")

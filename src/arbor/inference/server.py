@@ -1,0 +1,439 @@
+"""The `inference` process: an OpenAI/vLLM-compatible HTTP server (aiohttp) in front of the local engine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
+arbor extension `policy_versions`: one int per generated token), GET /health, GET /v1/models, GET /metrics
+(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. Bad input gets a 400 with
+`{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field; the server never dies on it.
+
+Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
+writes its base URL to `ready_file` (atomically) and logs "inference ready at URL"; SIGTERM/SIGINT exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from aiohttp import web
+
+from arbor.config.inference import InferenceConfig
+from arbor.config.loader import load_config, main_guard
+from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
+
+if TYPE_CHECKING:
+    from arbor.inference.engine import Engine, RequestOutput
+
+log = logging.getLogger("arbor.inference.server")
+
+STREAM_UNSUPPORTED = "stream is not supported by the local backend"
+
+
+class BadRequest(Exception):
+    """Invalid client input; becomes a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Turns every failure into a JSON error so clients see one shape and the server keeps serving."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(400, e.message, e.param)
+    except InvalidRequest as e:
+        return _error(400, str(e), e.param)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return _error(e.status, f"{e.reason}: {request.method} {request.path}", None, kind)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("request %s %s failed", request.method, request.path)
+        return _error(500, str(e) or type(e).__name__, None, "internal_error")
+
+
+# ---- request parsing ----
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the JSON body must be an object, got {type(body).__name__}")
+    return body
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int subclass: accept it only where bool is asked for.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"{name} must be {want}, got {type(value).__name__}", name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or a list of non-empty strings", "stop")
+    return tuple(stop)
+
+
+def _sampling(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:
+    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    if temperature < 0:
+        raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
+    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= max_batch_size:
+        raise BadRequest(f"n must be in [1, {max_batch_size}] (the server's max_batch_size), got {n}", "n")
+    if max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if body.get("stream"):
+        raise BadRequest(STREAM_UNSUPPORTED, "stream")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, stop=_stop(body),
+        seed=_get(body, "seed", (int,), None), top_logprobs=top_logprobs,
+        skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
+    )
+
+
+def _prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+    """`prompt` as a string, a list of token ids, or a list of either (several prompts)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return [tokenizer.encode(p) for p in prompt]
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # OpenAI content parts: only text is understood here
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+# ---- response building ----
+
+def _token_str(tokenizer: Any, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
+    tokens = [_token_str(tokenizer, t, as_ids) for t in c.token_ids]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    top = []
+    for t, tok, alts in zip(c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids)):
+        entry = {_token_str(tokenizer, i, as_ids): lp for i, lp in alts}
+        entry.setdefault(_token_str(tokenizer, t, as_ids), tok)  # vLLM always lists the chosen token
+        top.append(entry)
+    return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
+    def item(token_id: int, lp: float) -> dict[str, Any]:
+        s = _token_str(tokenizer, token_id, as_ids)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    alts = c.top_logprobs or [[]] * len(c.token_ids)
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, a) for i, a in alt]}
+                        for t, lp, alt in zip(c.token_ids, c.logprobs, alts)]}
+
+
+def _usage(outputs: list["RequestOutput"]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.completions)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- handlers ----
+
+class InferenceServer:
+    """The aiohttp application around one started engine."""
+
+    def __init__(self, engine: "Engine", tokenizer: Any, model_name: str) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.started = time.time()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.get("/metrics", self.metrics),
+            web.post("/update_weights", self.update_weights),
+            web.post("/pause", self.pause),
+            web.post("/resume", self.resume),
+        ])
+        return app
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list["RequestOutput"]:
+        for p in prompts:  # validate every prompt before queuing any, so a bad one leaves nothing running
+            try:
+                self.engine.check(p, params)
+            except InvalidRequest as e:
+                raise BadRequest(str(e), param if e.param == "prompt" else e.param) from None
+        futures = [self.engine.submit(p, params) for p in prompts]
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        finally:
+            for f in futures:  # a disconnected client or a failed sibling: free the engine's slots
+                f.cancel()
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        prompts = _prompts(body, self.tokenizer)
+        logprobs = _get(body, "logprobs", (int,), None)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
+        params = _sampling(body, _get(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
+        return_ids = _get(body, "return_token_ids", (bool,), False)
+        as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+        outputs = await self._generate(prompts, params, "prompt")
+        choices = []
+        for pi, out in enumerate(outputs):
+            for c in out.completions:
+                choice: dict[str, Any] = {
+                    "index": pi * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "logprobs": _completion_logprobs(self.tokenizer, c, as_ids) if logprobs is not None else None,
+                }
+                if return_ids:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = c.token_ids
+                choice["policy_versions"] = c.policy_versions
+                choices.append(choice)
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices, "usage": _usage(outputs),
+        })
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        messages = _messages(body)
+        want_logprobs = _get(body, "logprobs", (bool,), False)
+        top = _get(body, "top_logprobs", (int,), 0)
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # a template that rejects these messages is the client's problem
+            raise BadRequest(f"messages could not be rendered with the chat template: {e}", "messages") from None
+        max_tokens = _get(body, "max_completion_tokens", (int,), None)
+        max_tokens = _get(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
+        if max_tokens is None:  # as vLLM: fill the rest of the context
+            max_tokens = max(1, self.engine.seq_len - len(prompt))
+        params = _sampling(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
+        return_ids = _get(body, "return_token_ids", (bool,), False)
+        as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+        (out,) = await self._generate([prompt], params, "messages")
+        choices = []
+        for c in out.completions:
+            choice: dict[str, Any] = {
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "logprobs": _chat_logprobs(self.tokenizer, c, as_ids) if want_logprobs else None,
+            }
+            if return_ids:
+                choice["token_ids"] = c.token_ids
+            choice["policy_versions"] = c.policy_versions
+            choices.append(choice)
+        response: dict[str, Any] = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices, "usage": _usage([out]),
+        }
+        if return_ids:
+            response["prompt_token_ids"] = out.prompt_token_ids
+        return web.json_response(response)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "policy_version": self.engine.version})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "arbor",
+            "max_model_len": self.engine.seq_len,
+        }]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        s = self.engine.stats()
+        rows = [
+            ("running", "gauge", "Sequences being decoded", s.running),
+            ("waiting", "gauge", "Sequences queued for a free KV-cache slot", s.waiting),
+            ("paused", "gauge", "1 while scheduling is paused", int(s.paused)),
+            ("policy_version", "gauge", "Policy version of the loaded weights", s.policy_version),
+            ("max_decode_batch", "gauge", "Largest decode batch seen", s.max_decode_batch),
+            ("generated_tokens_total", "counter", "Tokens generated", s.generated_tokens),
+            ("prompt_tokens_total", "counter", "Prompt tokens prefilled", s.prompt_tokens),
+            ("requests_total", "counter", "Requests admitted", s.requests),
+            ("decode_steps_total", "counter", "Batched decode steps", s.decode_steps),
+        ]
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP arbor_{name} {help_text}", f"# TYPE arbor_{name} {kind}", f"arbor_{name} {value}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        path = _get(body, "path", (str,), None)
+        version = _get(body, "version", (int,), None)
+        if path is None:
+            raise BadRequest("path (a checkpoint directory) is required", "path")
+        if version is None or version < 0:
+            raise BadRequest("version (a non-negative int) is required", "version")
+        try:
+            applied = await asyncio.wrap_future(self.engine.update_weights(path, version))
+        except WeightUpdateError as e:  # a bad directory: the engine kept its old weights
+            raise BadRequest(str(e), "path") from None
+        return web.json_response({"policy_version": applied})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        return web.json_response({"paused": await asyncio.wrap_future(self.engine.resume())})
+
+
+# ---- running ----
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Binds `app`; returns the runner and the base URL (with the real port when `port` is 0)."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return runner, f"http://{shown}:{bound}"
+
+
+def write_ready_file(path: str | Path, url: str) -> None:
+    """Writes the URL under a temporary name and renames it, so readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(url + "\n")
+    tmp.replace(path)
+
+
+class BackgroundServer:
+    """Serves an engine from an event loop in a daemon thread (tests, notebooks); `url` once constructed."""
+
+    def __init__(self, engine: "Engine", tokenizer: Any, model_name: str = "arbor", host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-http", daemon=True)
+        self._thread.start()
+        app = InferenceServer(engine, tokenizer, model_name).app()
+        self._runner, self.url = asyncio.run_coroutine_threadsafe(start_site(app, host, port), self._loop).result()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> None:
+    """Serves until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner, url = await start_site(InferenceServer(engine, tokenizer, cfg.model.name).app(), cfg.host, cfg.port)
+    try:
+        if cfg.ready_file:
+            write_ready_file(cfg.ready_file, url)
+        log.info("inference ready at %s", url)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from arbor.inference.engine import build_engine
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    engine, tokenizer = build_engine(cfg)
+    engine.start()
+    try:
+        asyncio.run(serve(cfg, engine, tokenizer))
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The `rl` terminal view: one summary line per finished step, read from metrics.jsonl as it grows."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from arbor.monitor.metrics import metrics_path, read_jsonl
+
+COLUMNS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("loss", "loss", "{:+.4f}"),
+    ("mismatch_kl", "mismatch_kl", "{:.1e}"),
+    ("tokens/s", "trainer tok/s", "{:.0f}"),
+    ("rollouts/s", "rollouts/s", "{:.1f}"),
+    ("staleness/max", "staleness", "{}"),
+)
+
+
+def format_step(row: dict, max_steps: int) -> str:
+    parts = [f"step {row['step'] + 1:>4}/{max_steps}"]
+    for key, label, fmt in COLUMNS:
+        if row.get(key) is not None:
+            parts.append(f"{label} {fmt.format(row[key])}")
+    return " | ".join(parts)
+
+
+class Console:
+    def __init__(self, output_dir: Path, max_steps: int, start: int) -> None:
+        self.path = metrics_path(output_dir)
+        self.max_steps = max_steps
+        self.seen = start
+        self.t0 = time.monotonic()
+
+    def say(self, text: str, err: bool = False) -> None:
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+    def poll(self) -> None:
+        for row in read_jsonl(self.path):
+            if row.get("step", -1) >= self.seen:
+                self.seen = row["step"] + 1
+                self.say(format_step(row, self.max_steps) + f" | {time.monotonic() - self.t0:.0f}s")

@@ -1,0 +1,81 @@
+"""Child-process supervision for `rl`: per-process logs, one process group each, nothing left behind.
+
+Each child runs in its own session (so torchrun's workers and any helpers are killed with it) and asks the
+kernel to SIGTERM it if the launcher dies (PR_SET_PDEATHSIG), so even a `kill -9` of `rl` leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the session-kill in stop() still applies
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name, self.argv, self.log_path = name, argv, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        self._log.close()
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir, self.env = log_dir, env
+        self.children: dict[str, Child] = {}
+
+    def start(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.log_dir / f"{name}.log", self.env)
+        self.children[name] = child
+        return child
+
+    def stop(self, names: list[str] | None = None, grace: float = 10.0) -> None:
+        """SIGTERM every child's process group, then SIGKILL what is left after `grace` seconds."""
+        targets = [c for n, c in self.children.items() if names is None or n in names]
+        for c in targets:
+            if c.poll() is None:
+                c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in targets:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            c.signal_group(signal.SIGKILL)  # also reaps grandchildren that outlived their parent
+            c.proc.wait()
+            c.close()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    if not path.exists():
+        return ""
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])

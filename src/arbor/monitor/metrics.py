@@ -1,0 +1,121 @@
+"""`metrics.jsonl`: one JSON object per step, the orchestrator's figures merged with the trainer's.
+
+The trainer appends its per-step figures to `metrics/trainer.jsonl`; the orchestrator owns `metrics.jsonl` and
+writes step N's line once both halves exist, in step order, so a reader (the `rl` console, a plot) sees whole
+steps only. Lines are appended and flushed one at a time; a resumed run first truncates both files to the
+steps before the checkpoint it resumes from, so no step is missing or repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("arbor.monitor")
+
+
+def metrics_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "metrics.jsonl"
+
+
+def trainer_metrics_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "metrics" / "trainer.jsonl"
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now; it is complete on the next read
+            break
+    return out
+
+
+def truncate_jsonl(path: str | Path, below_step: int) -> None:
+    """Keeps only the lines with `step < below_step` (atomically)."""
+    p = Path(path)
+    if not p.exists():
+        return
+    keep = [r for r in read_jsonl(p) if r.get("step", -1) < below_step]
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, p)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+class MetricsWriter:
+    """Merges orchestrator and trainer figures per step into metrics.jsonl and forwards them to W&B."""
+
+    def __init__(self, output_dir: str | Path, wandb_run=None) -> None:
+        self.path = metrics_path(output_dir)
+        self.trainer_path = trainer_metrics_path(output_dir)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.trainer: dict[int, dict[str, Any]] = {}
+        self.wandb_run = wandb_run
+        self.written = {r["step"] for r in read_jsonl(self.path)}
+
+    def add(self, step: int, figures: dict[str, Any]) -> None:
+        self.pending.setdefault(step, {}).update(figures)
+
+    def poll(self) -> list[int]:
+        """Writes every pending step whose trainer half has arrived, lowest first; returns the steps written."""
+        for r in read_jsonl(self.trainer_path):
+            self.trainer[r["step"]] = r
+        done = []
+        for step in sorted(self.pending):
+            if step not in self.trainer:
+                break
+            row = {"step": step, **self.pending.pop(step), **{k: v for k, v in self.trainer[step].items() if k != "step"}}
+            row = {k: _clean(v) for k, v in row.items()}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+            self.written.add(step)
+            if self.wandb_run is not None:
+                self.wandb_run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)
+            done.append(step)
+        return done
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def init_wandb(cfg, output_dir: str | Path, run_config: dict[str, Any]):
+    """Starts a W&B run (offline when no API key is configured), or returns None when `cfg` is None."""
+    if cfg is None:
+        return None
+    import wandb
+
+    offline = cfg.offline if cfg.offline is not None else not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb())
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=cfg.name or Path(output_dir).resolve().name,
+        tags=cfg.tags,
+        dir=str(output_dir),
+        config=run_config,
+        mode="offline" if offline else "online",
+    )
+
+
+def _netrc_has_wandb() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")

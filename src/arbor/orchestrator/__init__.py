@@ -1,0 +1,1 @@
+"""Orchestrator: rollouts, rewards, advantages and batches for the trainer."""

@@ -1,0 +1,88 @@
+"""Packs one step's rollouts into micro-batches per trainer rank, balancing tokens across ranks.
+
+Samples go to ranks longest-first onto the rank with the fewest tokens (LPT scheduling, within 4/3 of the
+optimum), then each rank packs first-fit-decreasing into rows of at most `micro_batch_tokens`. Every rank gets
+the same number of micro-batches (FSDP's collectives need the same number of forward passes): short ranks get
+one-token rows with an empty loss mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from arbor.models.attention import position_ids_for
+from arbor.orchestrator.rollout import Rollout
+from arbor.transport.batch import MicroBatch, StepBatch
+
+
+def sample_arrays(r: Rollout) -> dict[str, np.ndarray]:
+    P, C = len(r.prompt_ids), len(r.completion_ids)
+    return {
+        "input_ids": np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64),
+        "loss_mask": np.concatenate([np.zeros(P, bool), np.ones(C, bool)]),
+        "advantages": np.concatenate([np.zeros(P, np.float32), np.full(C, r.advantage, np.float32)]),
+        "inference_logprobs": np.concatenate([np.zeros(P, np.float32), np.asarray(r.logprobs, np.float32)]),
+        "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
+    }
+
+
+def assign_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
+    load = [0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = min(range(ranks), key=lambda k: load[k])
+        out[r].append(i)
+        load[r] += lengths[i]
+    return out
+
+
+def pack_rows(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: -lengths[i]):
+        for k, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[k].append(i)
+                room[k] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(budget - lengths[i])
+    return rows
+
+
+def _micro_batch(samples: list[dict[str, np.ndarray]]) -> MicroBatch:
+    cat = {k: torch.from_numpy(np.concatenate([s[k] for s in samples])) for k in samples[0]}
+    lens = [len(s["input_ids"]) for s in samples]
+    return MicroBatch(position_ids=position_ids_for(lens)[0], seq_lens=torch.tensor(lens, dtype=torch.int32), **cat)
+
+
+def _empty_micro_batch(pad_id: int) -> MicroBatch:
+    one = {
+        "input_ids": np.array([pad_id], np.int64),
+        "loss_mask": np.zeros(1, bool),
+        "advantages": np.zeros(1, np.float32),
+        "inference_logprobs": np.zeros(1, np.float32),
+        "policy_versions": np.full(1, -1, np.int32),
+    }
+    return _micro_batch([one])
+
+
+def build_step_batches(
+    rollouts: list[Rollout], step: int, ranks: int, micro_batch_tokens: int, temperature: float, pad_id: int
+) -> list[StepBatch]:
+    samples = [sample_arrays(r) for r in rollouts]
+    lengths = [len(s["input_ids"]) for s in samples]
+    per_rank = [
+        [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, micro_batch_tokens)]
+        for idx in assign_ranks(lengths, ranks)
+    ]
+    most = max(len(m) for m in per_rank)
+    for mbs in per_rank:
+        mbs += [_empty_micro_batch(pad_id) for _ in range(most - len(mbs))]
+    loss_tokens = max(1, int(sum(len(r.completion_ids) for r in rollouts)))
+    return [
+        StepBatch(step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts), temperature=temperature)
+        for mbs in per_rank
+    ]

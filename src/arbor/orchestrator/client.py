@@ -1,0 +1,129 @@
+"""HTTP client for the inference fleet: token ids in, token ids + logprobs + per-token policy versions out.
+
+Speaks the vLLM field names (`return_token_ids`, `logprobs`), so it works against arbor's local engine, a vLLM
+server, or a router in front of either. Requests rotate over `base_urls`; a connection error, timeout or 5xx
+is retried on the next server with backoff, a 4xx is a bug in the request and raised at once with the server's
+message. Admin calls (update weights) go to every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger("arbor.orchestrator.client")
+
+
+class InferenceError(RuntimeError):
+    """A request that failed for good (bad request, or retries exhausted)."""
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    text: str
+    finish_reason: str
+
+
+class InferenceClient:
+    def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor") -> None:
+        if not base_urls:
+            raise ValueError("orchestrator.client.base_urls is empty")
+        self.base_urls = [u.rstrip("/") for u in base_urls]
+        self.timeout, self.max_retries, self.model = timeout, max_retries, model
+        self._next = itertools.cycle(range(len(self.base_urls)))
+        self._session: aiohttp.ClientSession | None = None
+        self.retries = 0
+
+    async def __aenter__(self) -> "InferenceClient":
+        conn = aiohttp.TCPConnector(limit=0)  # concurrency is bounded by the orchestrator, not the pool
+        self._session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _post(self, path: str, body: dict[str, Any], url: str | None = None) -> dict[str, Any]:
+        assert self._session is not None, "use InferenceClient as an async context manager"
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            base = url or self.base_urls[next(self._next)]
+            try:
+                async with self._session.post(base + path, json=body) as resp:
+                    data = await resp.json(content_type=None)
+                    if resp.status < 400:
+                        return data
+                    message = (data.get("error") or {}).get("message", data) if isinstance(data, dict) else data
+                    if resp.status < 500:
+                        raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}")
+                    last = InferenceError(f"{base}{path} failed ({resp.status}): {message}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                last = e
+            if attempt < self.max_retries:
+                self.retries += 1
+                log.warning("request to %s%s failed (%s); retry %d/%d", base, path, last, attempt + 1, self.max_retries)
+                await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+        raise InferenceError(f"{path} failed after {self.max_retries + 1} attempts: {last}")
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+    ) -> list[Completion]:
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        data = await self._post("/v1/completions", body)
+        out = []
+        for choice in sorted(data["choices"], key=lambda c: c["index"]):
+            ids = choice["token_ids"]
+            lps = choice["logprobs"]["token_logprobs"]
+            versions = choice.get("policy_versions") or [-1] * len(ids)
+            if not (len(ids) == len(lps) == len(versions)):
+                raise InferenceError(f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions")
+            out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""), choice.get("finish_reason", "")))
+        return out
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
+        await asyncio.gather(*(self._post("/update_weights", {"path": path, "version": version}, url=u) for u in self.base_urls))
+
+    async def wait_healthy(self, timeout: float) -> int:
+        """Waits until every server answers /health; returns the lowest policy version they report."""
+        assert self._session is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        versions = []
+        for base in self.base_urls:
+            while True:
+                try:
+                    async with self._session.get(base + "/health") as resp:
+                        if resp.status == 200:
+                            versions.append(int((await resp.json()).get("policy_version", 0)))
+                            break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if asyncio.get_running_loop().time() > deadline:
+                    raise InferenceError(f"inference server {base} is not healthy after {timeout:.0f}s")
+                await asyncio.sleep(0.5)
+        return min(versions)

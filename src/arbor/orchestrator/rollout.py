@@ -1,0 +1,77 @@
+"""One group of rollouts: a task's prompt completed `group_size` times through the inference API, then scored.
+
+A rollout keeps exactly the tokens the engine produced (never re-tokenised text), their logprobs and the
+policy version that sampled each token; that is what the trainer's importance ratio and the staleness bound
+are computed from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from arbor.environments import Environment, Task, total_reward
+from arbor.orchestrator.client import InferenceClient
+
+log = logging.getLogger("arbor.orchestrator.rollout")
+
+
+@dataclasses.dataclass
+class Rollout:
+    task_id: int | str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    text: str
+    finish_reason: str
+    reward: float = 0.0
+    components: dict[str, float] = dataclasses.field(default_factory=dict)
+    advantage: float = 0.0
+    score_failed: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def staleness(self, step: int) -> int:
+        """Trainer steps between the oldest policy that sampled a token of this rollout and `step`."""
+        return step - min(self.policy_versions) if self.policy_versions else 0
+
+
+@dataclasses.dataclass
+class GroupSpec:
+    task: Task
+    prompt_ids: list[int]
+    seed: int
+
+
+async def generate_group(
+    client: InferenceClient,
+    env: Environment,
+    spec: GroupSpec,
+    group_size: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    reward_weights: dict[str, float],
+    score_timeout: float,
+) -> list[Rollout]:
+    completions = await client.generate(spec.prompt_ids, group_size, max_tokens, temperature, top_p, spec.seed)
+    rollouts = [
+        Rollout(spec.task.get("id", -1), spec.prompt_ids, c.token_ids, c.logprobs, c.policy_versions, c.text, c.finish_reason)
+        for c in completions
+    ]
+    await asyncio.gather(*(_score(env, spec.task, r, reward_weights, score_timeout) for r in rollouts))
+    return rollouts
+
+
+async def _score(env: Environment, task: Task, r: Rollout, weights: dict[str, float], timeout: float) -> None:
+    # A verifier that crashes or hangs must not stop the run: the rollout scores 0 and is counted as failed.
+    try:
+        r.components = await asyncio.wait_for(env.score(task, r.text), timeout)
+        r.reward = total_reward(r.components, weights)
+    except Exception as e:  # noqa: BLE001 - any verifier failure is scored, logged and counted
+        log.warning("scoring task %s failed: %r", r.task_id, e)
+        r.components, r.reward, r.score_failed = {}, 0.0, True

@@ -1,0 +1,81 @@
+"""The orchestrator's resumable state: which step comes next and where in the dataset it is.
+
+State for step N is written to `checkpoints/step_N/orchestrator.json` before batch N is generated, so that it
+sits beside the trainer checkpoint taken after N optimizer steps; a resume from trainer checkpoint N restores
+exactly the dataset position that produced batch N the first time, and no task is skipped or repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class OrchestratorState:
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+
+
+class TaskSampler:
+    """Walks the dataset in a fresh seeded permutation each epoch; (epoch, position) is the whole state."""
+
+    def __init__(self, tasks: list[dict[str, Any]], seed: int, epoch: int = 0, position: int = 0) -> None:
+        if not tasks:
+            raise ValueError("the environment's dataset is empty")
+        self.tasks, self.seed, self.epoch, self.position = tasks, seed, epoch, position
+        self._order = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> dict[str, Any]:
+        if self.position >= len(self._order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        task = self.tasks[self._order[self.position]]
+        self.position += 1
+        return task
+
+
+def state_path(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step}" / "orchestrator.json"
+
+
+def save_state(output_dir: str | Path, state: OrchestratorState) -> None:
+    path = state_path(output_dir, state.step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(state)))
+    os.replace(tmp, path)
+
+
+def load_state(output_dir: str | Path, step: int) -> OrchestratorState:
+    path = state_path(output_dir, step)
+    if not path.exists():
+        raise FileNotFoundError(f"cannot resume at step {step}: {path} is missing")
+    return OrchestratorState(**json.loads(path.read_text()))
+
+
+def prune_states(output_dir: str | Path, below_step: int) -> None:
+    """Removes orchestrator states older than the oldest step a resume could still start from."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    for d in root.glob("step_*"):
+        try:
+            n = int(d.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        f = d / "orchestrator.json"
+        if n < below_step and f.exists():
+            f.unlink()
+            if not any(d.iterdir()):
+                d.rmdir()

@@ -1,0 +1,78 @@
+"""Keeps the inference fleet on the newest published policy.
+
+A background task watches `broadcasts/` and, as soon as the trainer publishes a newer version, tells every
+server to load it (servers swap weights between decode steps, so in-flight requests continue and their later
+tokens carry the new version). `ensure(v)` blocks a step until the fleet serves version >= v: that is the
+async-lag bound (`ensure(step - async_lag)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from arbor.orchestrator.client import InferenceClient, InferenceError
+from arbor.transport.weights import broadcast_dir, latest_published
+
+log = logging.getLogger("arbor.orchestrator.weights")
+
+
+class WeightSync:
+    def __init__(self, client: InferenceClient, output_dir: str | Path, loaded_version: int, poll: float = 0.05) -> None:
+        self.client, self.output_dir, self.poll = client, Path(output_dir), poll
+        self.loaded_version = loaded_version
+        self.updates = 0
+        self.update_seconds = 0.0
+        self._changed = asyncio.Event()
+        self.error: Exception | None = None
+
+    async def run(self) -> None:
+        try:
+            await self._watch()
+        except Exception as e:  # surfaced by ensure()/check() in the main loop instead of dying unseen
+            self.error = e
+            self._changed.set()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight update failed: {self.error}") from self.error
+
+    async def _watch(self) -> None:
+        while True:
+            newest = latest_published(self.output_dir)
+            if newest is not None and newest > self.loaded_version:
+                t0 = time.perf_counter()
+                try:
+                    await self.client.update_weights(str(broadcast_dir(self.output_dir, newest)), newest)
+                except InferenceError:
+                    # The directory may have been pruned after a newer one appeared; retry with the newest.
+                    if (latest_published(self.output_dir) or -1) > newest:
+                        continue
+                    raise
+                self.loaded_version = newest
+                self.updates += 1
+                self.update_seconds += time.perf_counter() - t0
+                log.info("inference serves policy version %d", newest)
+                self._changed.set()
+                self._changed = asyncio.Event()
+            await asyncio.sleep(self.poll)
+
+    async def ensure(self, version: int, timeout: float) -> float:
+        """Waits until the fleet serves `version` or newer; returns the seconds waited."""
+        t0 = time.perf_counter()
+        deadline = t0 + timeout
+        while self.loaded_version < version:
+            self.check()
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"policy version {version} was not published within {timeout:.0f}s "
+                    f"(newest in {self.output_dir / 'broadcasts'}: {latest_published(self.output_dir)})"
+                )
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return time.perf_counter() - t0

@@ -1,0 +1,191 @@
+"""One optimizer step on one rank's rollout batch: packed forward, shifted token logprobs, loss, backward, clip,
+AdamW; then the step's figures reduced over ranks. The RL loop, the tests and the benchmark call these same
+functions, so what is measured is what trains.
+
+Normalisation: each micro-batch's loss is `loss_sum / loss_tokens_total * dp_size`. FSDP2 averages gradients
+over the `dp_size` ranks, so the update follows the exact token mean over the whole step, however the samples
+were packed or split across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from arbor.config.trainer import LossConfig
+from arbor.models.attention import packed_causal_mask
+from arbor.trainer.loss import LossFn
+from arbor.transport.batch import MicroBatch, StepBatch
+
+
+def shifted_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs `[T]` of `input_ids` under `logits` `[T, V]` (token t scored by the logits at t-1; token
+    0 gets 0) and, optionally, the entropy of the distribution that predicted each token (no gradient)."""
+    logits = logits.float()
+    if temperature > 0:  # greedy rollouts (temperature 0) are scored untempered
+        logits = logits / temperature
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    picked = logp.gather(-1, input_ids[1:, None]).squeeze(-1)
+    logprobs = torch.cat([picked.new_zeros(1), picked])
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp.exp() * logp).sum(-1)
+            entropy = torch.cat([ent.new_zeros(1), ent])
+    return logprobs, entropy
+
+
+def packed_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    seq_lens: torch.Tensor | list[int],
+    temperature: float,
+    device: torch.device,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`."""
+    input_ids = input_ids.to(device, non_blocking=True)
+    position_ids = position_ids.to(device, non_blocking=True)
+    mask = packed_causal_mask(seq_lens, input_ids.shape[0]).to(device, non_blocking=True)
+    logits = model(input_ids[None], position_ids[None], mask)[0]
+    return shifted_logprobs(logits, input_ids, temperature, with_entropy)
+
+
+def micro_batch_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy)
+
+
+@dataclasses.dataclass
+class _Accumulator:
+    """Per-rank running sums and extrema, kept as device tensors so micro-batches never sync with the host."""
+
+    sums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    maxes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    mins: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        if key.endswith("_max"):
+            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
+        elif key.endswith("_min"):
+            self.mins[key] = torch.minimum(self.mins[key], value) if key in self.mins else value
+        else:
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def reduce(self, world_size: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """All-reduces over ranks (two collectives: SUM, and MAX of maxima with negated minima)."""
+        names_s, names_x, names_n = sorted(self.sums), sorted(self.maxes), sorted(self.mins)
+        sums = torch.stack([self.sums[k] for k in names_s])
+        ext = torch.stack([self.maxes[k] for k in names_x] + [-self.mins[k] for k in names_n])
+        if world_size > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        s, e = sums.tolist(), ext.tolist()
+        return (
+            dict(zip(names_s, s)),
+            dict(zip(names_x, e[: len(names_x)])),
+            {k: -v for k, v in zip(names_n, e[len(names_x):])},
+        )
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: StepBatch,
+    loss_fn: LossFn,
+    loss_cfg: LossConfig,
+    max_norm: float,
+    device: torch.device,
+    dp_size: int = 1,
+    forward_ctx: contextlib.AbstractContextManager | None = None,
+) -> dict[str, float]:
+    """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures."""
+    normaliser = max(batch.loss_tokens_total, 1)
+    acc = _Accumulator()
+    for mb in batch.micro_batches:
+        with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+            logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device)
+        mask = mb.loss_mask.to(device, non_blocking=True)
+        inf_lp = mb.inference_logprobs.to(device, non_blocking=True)
+        adv = mb.advantages.to(device, non_blocking=True)
+        out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg)
+        (out.loss_sum * (dp_size / normaliser)).backward()
+        _account(acc, mb, mask, logprobs.detach(), inf_lp, entropy, out.loss_sum, batch.step, device)
+        for key, value in out.metrics.items():
+            acc.add(f"loss/{key}", value)
+    grad_norm = clip_grad_norm(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
+    return _figures(acc, dp_size, normaliser)
+
+
+def _account(
+    acc: _Accumulator,
+    mb: MicroBatch,
+    mask: torch.Tensor,
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    loss_sum: torch.Tensor,
+    step: int,
+    device: torch.device,
+) -> None:
+    zero = torch.zeros_like(logprobs)
+    d = logprobs - inference_logprobs
+    acc.add("loss_sum", loss_sum)
+    acc.add("mismatch_kl_sum", torch.where(mask, torch.exp(d) - d - 1, zero).sum())
+    if entropy is not None:
+        acc.add("entropy_sum", torch.where(mask, entropy, zero).sum())
+    acc.add("loss_tokens", mask.sum())
+    acc.add("num_tokens", mb.seq_lens.sum().to(device))
+    # Staleness: how many optimizer steps behind the policy that sampled each loss token is.
+    versions = mb.policy_versions.to(device, non_blocking=True)
+    sampled = mask & (versions >= 0)
+    stale = (step - versions).float()
+    acc.add("staleness_sum", torch.where(sampled, stale, zero).sum())
+    acc.add("staleness_tokens", sampled.sum())
+    acc.add("staleness_max", torch.where(sampled, stale, torch.full_like(stale, -1.0)).max())
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clips by the global gradient norm; with FSDP2 the norm is a replicated DTensor, made a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+def _figures(acc: _Accumulator, world_size: int, normaliser: int) -> dict[str, float]:
+    sums, maxes, mins = acc.reduce(world_size)
+    loss_tokens = max(sums.pop("loss_tokens"), 1.0)
+    out: dict[str, float] = {
+        "loss": sums.pop("loss_sum") / normaliser,
+        "mismatch_kl": sums.pop("mismatch_kl_sum") / loss_tokens,
+        "entropy": sums.pop("entropy_sum", 0.0) / loss_tokens,
+        "grad_norm": maxes.pop("grad_norm_max"),
+        "num_tokens": sums.pop("num_tokens"),
+        "loss_tokens": loss_tokens,
+    }
+    stale_tokens = sums.pop("staleness_tokens")
+    stale_sum = sums.pop("staleness_sum")
+    if stale_tokens > 0:
+        out["policy_staleness/mean"] = stale_sum / stale_tokens
+        out["policy_staleness/max"] = maxes["staleness_max"]
+    maxes.pop("staleness_max")
+    for key, value in sums.items():  # loss metrics: sums over loss tokens -> per-token means
+        name = key[: -len("_sum")] + "_mean" if key.endswith("_sum") else key
+        out[name] = value / loss_tokens
+    for key, value in {**maxes, **mins}.items():
+        if abs(value) != float("inf"):  # +-inf: no loss token anywhere, nothing to report
+            out[key] = value
+    return out
