@@ -35,6 +35,16 @@ TOK = build_tokenizer(CFG)
 SEQ_LEN = 128
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The engine thread and the tests' reference forwards run torch at the same time: two OpenMP teams
+    spinning against each other on a small machine make these tests several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_model(seed: int = 0) -> torch.nn.Module:
     model = build_model(CFG)
     model.init_weights(seed, std=0.3)
@@ -269,7 +279,9 @@ def test_http_completions_and_chat() -> None:
         assert c["message"] == {"role": "assistant", "content": TOK.decode(c["token_ids"])}
         content = c["logprobs"]["content"]
         assert len(content) == len(c["token_ids"]) == len(c["policy_versions"])
-        assert all(len(t["top_logprobs"]) == 2 and isinstance(t["bytes"], list) for t in content)
+        assert all(len(t["top_logprobs"]) == 2 for t in content)
+        raw = b"".join(bytes(t["bytes"]) for t, i in zip(content, c["token_ids"]) if i < 256)
+        assert raw.decode("utf-8", errors="replace") == c["message"]["content"]
         _, lp = reference_logprobs(ref, prompt, c["token_ids"])
         torch.testing.assert_close(torch.tensor([t["logprob"] for t in content]), lp, atol=1e-5, rtol=0)
 
@@ -335,13 +347,16 @@ def test_http_health_metrics_pause_and_errors(tmp_path: Path) -> None:
         status, err = http(url + "/no/such/route")
         assert status == 404 and "error" in err
 
-        tiny = build_model(ModelConfig(name="qwen3-tiny"))  # a checkpoint of the wrong shape
-        save_checkpoint_dir(tiny.state_dict(), tiny.args, tmp_path / "tiny")
-        status, err = http(url + "/update_weights", {"path": str(tmp_path / "tiny"), "version": 1})
-        assert status == 400 and "shape" in err["error"]["message"]
-        assert http(url + "/v1/completions", body)[1]["choices"][0]["text"] == result[0][1]["choices"][0]["text"]
-
         new = make_model(seed=1)
+        broken = {**new.state_dict(), "model.norm.weight": torch.ones(5)}  # new values, but one bad shape
+        save_checkpoint_dir(broken, new.args, tmp_path / "broken")
+        status, err = http(url + "/update_weights", {"path": str(tmp_path / "broken"), "version": 1})
+        assert status == 400 and "shape" in err["error"]["message"] and err["error"]["param"] == "path"
+        # Nothing was copied: the old weights still produce the same text, still as version 0.
+        _, again = http(url + "/v1/completions", body)
+        assert again["choices"][0]["text"] == result[0][1]["choices"][0]["text"]
+        assert again["choices"][0]["policy_versions"] == [0] * 5
+
         save_checkpoint_dir(new.state_dict(), new.args, tmp_path / "step_1")
         assert http(url + "/update_weights", {"path": str(tmp_path / "step_1"), "version": 1}) == \
             (200, {"policy_version": 1})
@@ -349,6 +364,33 @@ def test_http_health_metrics_pause_and_errors(tmp_path: Path) -> None:
         assert r["choices"][0]["policy_versions"] == [1] * 5
         assert r["choices"][0]["token_ids"] == greedy_reference(new, TOK.encode("x"), 5)
         assert http(url + "/health")[1]["policy_version"] == 1
+
+
+def test_http_engine_errors_and_disconnects() -> None:
+    model = make_model()
+    forward, fail = model.forward, threading.Event()
+
+    def flaky(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if fail.is_set() and args[0].shape[1] == 1:  # a decode step, not a prefill
+            fail.clear()
+            raise RuntimeError("injected decode failure")
+        time.sleep(0.01)
+        return forward(*args, **kwargs)
+
+    model.forward = flaky
+    with server(model) as (url, engine):
+        fail.set()
+        status, err = http(url + "/v1/completions", {"prompt": "x", "max_tokens": 5})
+        assert status == 500 and "injected decode failure" in err["error"]["message"]
+        assert engine.stats().running == 0  # its slot was given back
+        assert http(url + "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
+
+        req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "x", "max_tokens": 100}).encode())
+        with pytest.raises(OSError):  # the client gives up long before 100 slow tokens are done
+            _OPENER.open(req, timeout=0.3)
+        wait_until(lambda: engine.stats().running == 0, timeout=5)  # the hang-up aborted the request
+        assert engine.stats().generated_tokens < 60
 
 
 # ---- process ----

@@ -88,11 +88,12 @@ class _Request:
 class _Seq:
     """One running sample: its slot, generated tokens so far and their logprobs and versions."""
 
-    def __init__(self, req: _Request, index: int, slot: int) -> None:
+    def __init__(self, req: _Request, index: int, slot: int, device: torch.device) -> None:
         self.req, self.index, self.slot = req, index, slot
         self.holds_slot = True
         p = req.params
-        self.generator = torch.Generator().manual_seed(req.seed + index) if p.temperature > 0 else None
+        self.generator = (torch.Generator(device=device).manual_seed(req.seed + index)
+                          if p.temperature > 0 else None)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
@@ -168,6 +169,8 @@ class Engine:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        elif self._thread.ident is None:  # never started: fail what was queued here
+            self._shutdown()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -379,7 +382,7 @@ class Engine:
                 if not self._waiting or self._waiting[0].params.n > len(self._free):
                     return
                 req = self._waiting.popleft()
-            req.seqs = [_Seq(req, i, self._free.pop()) for i in range(req.params.n)]
+            req.seqs = [_Seq(req, i, self._free.pop(), self._device) for i in range(req.params.n)]
             try:
                 logits = self._forward(req.prompt, 0, req.seqs[0].slot)
                 if len(req.seqs) > 1:

@@ -183,10 +183,17 @@ def _completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]
     return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def _token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    # The byte tokenizer's ids below 256 are raw bytes: a lone UTF-8 continuation byte has no text of its own.
+    if getattr(tokenizer, "name", None) == "byte" and token_id < 256:
+        return [token_id]
+    return list(tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
+
+
 def _chat_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
     def item(token_id: int, lp: float) -> dict[str, Any]:
         s = _token_str(tokenizer, token_id, as_ids)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": lp, "bytes": _token_bytes(tokenizer, token_id)}
 
     alts = c.top_logprobs or [[]] * len(c.token_ids)
     return {"content": [{**item(t, lp), "top_logprobs": [item(i, a) for i, a in alt]}
@@ -326,8 +333,8 @@ class InferenceServer:
         lines = []
         for name, kind, help_text, value in rows:
             lines += [f"# HELP arbor_{name} {help_text}", f"# TYPE arbor_{name} {kind}", f"arbor_{name} {value}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=("\n".join(lines) + "\n").encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -354,10 +361,15 @@ class InferenceServer:
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Binds `app`; returns the runner and the base URL (with the real port when `port` is 0)."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its engine request.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(e.errno, f"cannot bind {host}:{port}: {e.strerror}") from None
     bound = runner.addresses[0][1]
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     if ":" in shown:
@@ -383,13 +395,20 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-http", daemon=True)
         self._thread.start()
         app = InferenceServer(engine, tokenizer, model_name).app()
-        self._runner, self.url = asyncio.run_coroutine_threadsafe(start_site(app, host, port), self._loop).result()
+        try:
+            self._runner, self.url = asyncio.run_coroutine_threadsafe(start_site(app, host, port), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
 
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result()
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result()
+        self._stop_loop()
 
     def __enter__(self) -> "BackgroundServer":
         return self
@@ -411,6 +430,8 @@ async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> None:
         log.info("inference ready at %s", url)
         await stop.wait()
         log.info("shutting down")
+        # Stop the engine first: its unfinished requests fail at once instead of holding up the HTTP shutdown.
+        await asyncio.to_thread(engine.stop)
     finally:
         await runner.cleanup()
 
@@ -430,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()
     try:
         asyncio.run(serve(cfg, engine, tokenizer))
+    except OSError as e:  # the port is taken or the address is wrong: one line, not a traceback
+        log.error("%s", e)
+        return 1
     finally:
         engine.stop()
     return 0

@@ -6,7 +6,8 @@ mean over the whole step (DAPO-style normalisation), independent of how samples 
 
 Metric convention: every value in `LossOutput.metrics` is a 0-d tensor. A key ending in `_max` (`_min`) is
 reduced by maximum (minimum) over micro-batches and ranks; any other key is a SUM over loss tokens that the loop
-divides by the step's loss-token count (so `clip_frac` reports the fraction of clipped tokens).
+divides by the step's loss-token count (so `clip_frac` reports the fraction of clipped tokens), renaming a
+trailing `_sum` to `_mean`. The loop logs them as `loss/<key>` (`loss/clip_frac`, `loss/ratio_mean`, ...).
 """
 
 from __future__ import annotations

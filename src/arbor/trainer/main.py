@@ -61,8 +61,16 @@ def run(cfg: TrainerConfig) -> int:
                 f"`torchrun --nproc-per-node {cfg.parallel.nproc} -m arbor.trainer.main ...` or set --parallel.nproc"
             )
         train(cfg, device, loss_fn)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Tearing the group down while peers may sit in a collective can deadlock (torchtitan #1342); torchrun
+        # kills the peers instead. Alone there is no peer, and an in-process caller may start again.
+        if dist.get_world_size() == 1:
+            dist.destroy_process_group()
+        raise
+    # Leave together: a gloo rank tearing down while a peer still finishes its last checkpoint write can abort
+    # the peer ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 

@@ -28,6 +28,7 @@ def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
 
     Under torchrun the group comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); a plain process
     gets a world of one over an in-process store, so the same collectives run either way with no port to pick.
+    Backend "gloo" means training on CPU even where CUDA is present; "auto" picks NCCL and the GPU when it can.
     """
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     if backend == "nccl" and not torch.cuda.is_available():

@@ -1,0 +1,99 @@
+"""End-to-end `rl` runs on CPU: the real processes, HTTP API, files and configs, with a tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arbor.monitor.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "--model.name", "qwen3-test", "--seq-len", "48",
+    "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "--orchestrator.sampling.max-tokens", "8",
+    "--orchestrator.environment.args", "{ min_len = 2, max_len = 5, num_tasks = 200 }",
+    "--trainer.num-threads", "1", "--inference.num-threads", "1", "--inference.max-batch-size", "32",
+]
+
+
+def _rl(out: Path, *extra: str, **kw) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), *TINY, *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_sync_run_with_warmup_trains_and_stays_on_policy(tmp_path):
+    out = tmp_path / "run"
+    rc, stdout, stderr = _finish(_rl(out, "--max-steps", "3", "--orchestrator.async-lag", "0", "--sft.steps", "5", "--sft.batch-size", "8"))
+    assert rc == 0, stderr + stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        for key in ("reward/mean", "loss", "tokens/s", "rollouts/s", "staleness/max", "mismatch_kl"):
+            assert key in r, key
+        assert r["staleness/max"] == 0
+        assert r["mismatch_kl"] < 1e-3
+    assert "step    3/3" in stdout
+    for name in ("sft", "inference", "trainer", "orchestrator"):
+        assert (out / "logs" / f"{name}.log").exists()
+    assert (out / "sft" / "config.json").exists()
+    assert (out / "broadcasts" / "step_3" / "STABLE").exists()
+    assert (out / "checkpoints" / "step_3" / "trainer" / "DONE").exists()
+
+
+def test_killed_run_resumes_with_no_step_missing_or_repeated(tmp_path):
+    out = tmp_path / "run"
+    args = ("--max-steps", "6", "--trainer.ckpt.interval", "2")
+    proc = _rl(out, *args)
+    _wait_for(lambda: (out / "checkpoints" / "step_2" / "trainer" / "DONE").exists() and len(read_jsonl(out / "metrics.jsonl")) >= 3,
+              180, "a checkpoint and three steps")
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and everything in its session, no clean-up
+    proc.wait()
+    rc, stdout, stderr = _finish(_rl(out, *args, "--resume"))
+    assert rc == 0, stderr + stdout
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert steps == list(range(6)), steps
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_2" / "trainer").mkdir(parents=True)
+    (out / "checkpoints" / "step_2" / "trainer" / "DONE").write_text("")
+    rc, _, stderr = _finish(_rl(out, "--max-steps", "2"), timeout=30)
+    assert rc != 0 and "--resume" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_dead_inference_server_stops_the_run_naming_it(tmp_path):
+    out = tmp_path / "run"
+    proc = _rl(out, "--max-steps", "200")
+    _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 1, 180, "the first step")
+    pids = subprocess.run(["pgrep", "-f", f"arbor.inference.server @ {out}"], capture_output=True, text=True).stdout.split()
+    assert pids, "inference process not found"
+    t0 = time.monotonic()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    rc, _, stderr = _finish(proc, timeout=90)
+    assert time.monotonic() - t0 < 60
+    assert rc != 0
+    assert "inference exited" in stderr and str(out / "logs" / "inference.log") in stderr
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, "processes outlived the launcher"
