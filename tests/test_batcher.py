@@ -84,7 +84,6 @@ def test_metrics_merge_in_step_order_and_truncate(tmp_path):
     w.add(0, {"reward/mean": 0.1})
     w.add(1, {"reward/mean": 0.2})
     tpath = trainer_metrics_path(tmp_path)
-    tpath.parent.mkdir(parents=True)
     tpath.write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
     assert w.poll() == []  # step 0's trainer half is missing, so step 1 waits too
     with open(tpath, "a") as f:
@@ -94,3 +93,8 @@ def test_metrics_merge_in_step_order_and_truncate(tmp_path):
     assert [r["step"] for r in rows] == [0, 1] and rows[1] == {"step": 1, "reward/mean": 0.2, "loss": 0.5}
     truncate_jsonl(tmp_path / "metrics.jsonl", 1)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
+    # a restarted writer picks up orchestrator halves that were never merged
+    w.add(1, {"reward/mean": 0.3})
+    again = MetricsWriter(tmp_path)
+    assert again.pending == {1: {"reward/mean": 0.3}}  # the newest half of a step wins
+    assert again.poll() == [1]

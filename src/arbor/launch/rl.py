@@ -61,7 +61,7 @@ def write_configs(cfg: RLConfig) -> Path:
 
 def prepare_run_dir(cfg: RLConfig) -> int:
     """Returns the step the run starts at; clears what a previous attempt left past that step."""
-    from arbor.monitor.metrics import metrics_path, trainer_metrics_path, truncate_jsonl
+    from arbor.monitor.metrics import all_metrics_paths, truncate_jsonl
     from arbor.trainer.checkpoint import latest_checkpoint
     from arbor.transport.weights import broadcast_dir, published_steps
 
@@ -76,8 +76,8 @@ def prepare_run_dir(cfg: RLConfig) -> int:
     for step in published_steps(out):
         if step > start or not cfg.resume:
             shutil.rmtree(broadcast_dir(out, step))
-    truncate_jsonl(metrics_path(out), start)
-    truncate_jsonl(trainer_metrics_path(out), start)
+    for path in all_metrics_paths(out):
+        truncate_jsonl(path, start)
     return start
 
 

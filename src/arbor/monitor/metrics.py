@@ -1,8 +1,9 @@
 """`metrics.jsonl`: one JSON object per step, the orchestrator's figures merged with the trainer's.
 
-The trainer appends its per-step figures to `metrics/trainer.jsonl`; the orchestrator owns `metrics.jsonl` and
-writes step N's line once both halves exist, in step order, so a reader (the `rl` console, a plot) sees whole
-steps only. Lines are appended and flushed one at a time; a resumed run first truncates both files to the
+The trainer appends its per-step figures to `metrics/trainer.jsonl` and the orchestrator its own to
+`metrics/orchestrator.jsonl`, each as soon as a step is done; the orchestrator owns `metrics.jsonl` and writes
+step N's line once both halves are on disk, in step order, so a reader (the `rl` console, a plot) sees whole
+steps only, and a kill at any moment loses no half that a resume would not redo. Lines are appended and flushed one at a time; a resumed run first truncates both files to the
 steps before the checkpoint it resumes from, so no step is missing or repeated.
 """
 
@@ -24,6 +25,21 @@ def metrics_path(output_dir: str | Path) -> Path:
 
 def trainer_metrics_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / "metrics" / "trainer.jsonl"
+
+
+def orchestrator_metrics_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "metrics" / "orchestrator.jsonl"
+
+
+def all_metrics_paths(output_dir: str | Path) -> list[Path]:
+    return [metrics_path(output_dir), trainer_metrics_path(output_dir), orchestrator_metrics_path(output_dir)]
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        f.flush()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -65,13 +81,20 @@ class MetricsWriter:
     def __init__(self, output_dir: str | Path, wandb_run=None) -> None:
         self.path = metrics_path(output_dir)
         self.trainer_path = trainer_metrics_path(output_dir)
+        self.orchestrator_path = orchestrator_metrics_path(output_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.pending: dict[int, dict[str, Any]] = {}
         self.trainer: dict[int, dict[str, Any]] = {}
         self.wandb_run = wandb_run
         self.written = {r["step"] for r in read_jsonl(self.path)}
+        # Halves written before a restart whose merged line is still missing.
+        self.pending: dict[int, dict[str, Any]] = {
+            r["step"]: {k: v for k, v in r.items() if k != "step"}
+            for r in read_jsonl(self.orchestrator_path)
+            if r["step"] not in self.written
+        }
 
     def add(self, step: int, figures: dict[str, Any]) -> None:
+        append_jsonl(self.orchestrator_path, {"step": step, **figures})
         self.pending.setdefault(step, {}).update(figures)
 
     def poll(self) -> list[int]:
@@ -83,10 +106,7 @@ class MetricsWriter:
             if step not in self.trainer:
                 break
             row = {"step": step, **self.pending.pop(step), **{k: v for k, v in self.trainer[step].items() if k != "step"}}
-            row = {k: _clean(v) for k, v in row.items()}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
+            append_jsonl(self.path, row)
             self.written.add(step)
             if self.wandb_run is not None:
                 self.wandb_run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)

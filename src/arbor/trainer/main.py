@@ -10,7 +10,7 @@ Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl`:
 trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
 trainer) per loss token, before the update), `entropy`, `grad_norm`, `lr`, `tokens/s` (non-padding tokens over
 the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/compute`, `time/publish`,
-`time/checkpoint`, `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
+`time/checkpoint` (of the previous checkpoint), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
 figures (see arbor.trainer.loss).
 """
 
@@ -114,6 +114,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
             load_checkpoint(cfg.output_dir, start, model, optimizer)
             publish(cfg, model, start, tokenizer)
             log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
+    last_checkpoint_seconds = 0.0  # reported with the step after the checkpoint
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
         batch = wait_for_step(cfg.output_dir, step, rank, cfg.rollout_timeout)
@@ -129,9 +130,8 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         t2 = time.perf_counter()
         publish(cfg, model, step + 1, tokenizer)
         t3 = time.perf_counter()
-        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps:
-            save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
-        t4 = time.perf_counter()
+        # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
+        # and its figures must already be on disk (metrics.jsonl may miss no step).
         if rank == 0:
             record = {
                 "step": step,
@@ -139,16 +139,19 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
                 **{k: figures[k] for k in ("loss", "mismatch_kl", "entropy", "grad_norm")},
                 "lr": optimizer.param_groups[0]["lr"],
                 "tokens/s": figures["num_tokens"] / max(t2 - t1, 1e-9),
-                "time/step": t4 - t0,
+                "time/step": t3 - t0,
                 "time/wait": t1 - t0,
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
-                "time/checkpoint": t4 - t3,
+                "time/checkpoint": last_checkpoint_seconds,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
             }
             write_metrics(cfg.output_dir, record)
             log(rank, f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
                       f"{record['tokens/s']:.0f} tok/s")
+        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps:
+            save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
+            last_checkpoint_seconds = time.perf_counter() - t3
 
 
 def publish(cfg: TrainerConfig, model: "nn.Module", version: int, tokenizer) -> None:
