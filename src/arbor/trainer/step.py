@@ -143,7 +143,10 @@ def _account(
     zero = torch.zeros_like(logprobs)
     d = logprobs - inference_logprobs
     acc.add("loss_sum", loss_sum)
-    acc.add("mismatch_kl_sum", torch.where(mask, torch.exp(d) - d - 1, zero).sum())
+    # k3 = exp(d) - d - 1 ~ d^2/2: in float32 a d of 1e-6 cancels to exactly 0, so use expm1 in float64.
+    d64 = d.double()
+    acc.add("mismatch_kl_sum", torch.where(mask, torch.expm1(d64) - d64, torch.zeros_like(d64)).sum())
+    acc.add("mismatch_abs_max", torch.where(mask, d.abs(), zero).max() if d.numel() else zero.sum())
     if entropy is not None:
         acc.add("entropy_sum", torch.where(mask, entropy, zero).sum())
     acc.add("loss_tokens", mask.sum())
