@@ -55,7 +55,7 @@ def test_grpo_advantages():
 
 def test_user_advantage_by_dotted_path():
     groups = [[_rollout(2, 2, r) for r in (1.0, 0.0)]]
-    compute_advantages(groups, AdvantageConfig(name="tests.test_batcher:double_reward"))
+    compute_advantages(groups, AdvantageConfig(name="test_batcher:double_reward"))
     assert [r.advantage for r in groups[0]] == [2.0, 0.0]
 
 
@@ -98,3 +98,21 @@ def test_metrics_merge_in_step_order_and_truncate(tmp_path):
     again = MetricsWriter(tmp_path)
     assert again.pending == {1: {"reward/mean": 0.3}}  # the newest half of a step wins
     assert again.poll() == [1]
+
+
+def test_wandb_offline_run_receives_merged_steps(tmp_path, monkeypatch):
+    from arbor.config.monitor import WandbConfig
+    from arbor.monitor.metrics import init_wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = init_wandb(WandbConfig(project="arbor-test"), tmp_path, {"lr": 1.0})
+    assert run.settings.mode == "offline"  # no key: never tries the network
+    w = MetricsWriter(tmp_path, run)
+    w.add(0, {"reward/mean": 0.5})
+    path = trainer_metrics_path(tmp_path)
+    path.write_text(json.dumps({"step": 0, "loss": 0.1}) + "\n")
+    assert w.poll() == [0]
+    w.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

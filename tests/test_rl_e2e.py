@@ -42,9 +42,13 @@ def _wait_for(pred, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_sync_run_with_warmup_trains_and_stays_on_policy(tmp_path):
+def test_sync_run_with_warmup_and_two_trainer_ranks_stays_on_policy(tmp_path):
+    """SFT warm-up, then synchronous RL with the trainer under torchrun (2 ranks, FSDP2 over gloo)."""
     out = tmp_path / "run"
-    rc, stdout, stderr = _finish(_rl(out, "--max-steps", "3", "--orchestrator.async-lag", "0", "--sft.steps", "5", "--sft.batch-size", "8"))
+    rc, stdout, stderr = _finish(_rl(
+        out, "--max-steps", "3", "--orchestrator.async-lag", "0", "--sft.steps", "5", "--sft.batch-size", "8",
+        "--trainer.parallel.nproc", "2",
+    ))
     assert rc == 0, stderr + stdout
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -58,6 +62,7 @@ def test_sync_run_with_warmup_trains_and_stays_on_policy(tmp_path):
         assert (out / "logs" / f"{name}.log").exists()
     assert (out / "sft" / "config.json").exists()
     assert (out / "broadcasts" / "step_3" / "STABLE").exists()
+    assert sorted(p.name for p in (out / "rollouts" / "step_2").iterdir()) == ["rank_0.safetensors", "rank_1.safetensors"]
     assert (out / "checkpoints" / "step_3" / "trainer" / "DONE").exists()
 
 
