@@ -38,6 +38,9 @@ class RLConfig(Config):
     """Write the resolved configs to `<output_dir>/configs/` and exit."""
     inference_startup_timeout: float = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
+    stall_timeout: float = Field(1800.0, gt=0)
+    """Watchdog: when no RL step completes for this many seconds, dump every process's Python stacks into
+    `<output_dir>/logs/stacks/`, name what each process was waiting on, and stop the run (exit code 3)."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()

@@ -24,9 +24,14 @@ from arbor.config.rl import RLConfig
 from arbor.config.toml_writer import dumps
 from arbor.launch.console import Console
 from arbor.launch.process import Supervisor, tail
+from arbor.launch.watchdog import Watchdog
 
 
 class ChildFailed(RuntimeError):
+    pass
+
+
+class Stalled(RuntimeError):
     pass
 
 
@@ -78,6 +83,8 @@ def prepare_run_dir(cfg: RLConfig) -> int:
             shutil.rmtree(broadcast_dir(out, step))
     for path in all_metrics_paths(out):
         truncate_jsonl(path, start)
+    # Heartbeats of an earlier attempt name pids that may now belong to someone else: never signal those.
+    shutil.rmtree(out / "heartbeats", ignore_errors=True)
     return start
 
 
@@ -144,9 +151,16 @@ def run(cfg: RLConfig) -> int:
         sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
         sup.start("orchestrator", [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")])
         finished = {"sft"}
+        watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:
             check_children(sup, finished)
             console.poll()
+            if watchdog.stalled(console.seen):
+                dumps = watchdog.dump_stacks()
+                raise Stalled(
+                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); stacks of {len(dumps)} "
+                    f"processes in {cfg.output_dir / 'logs' / 'stacks'}; last heartbeats:\n{watchdog.diagnosis()}"
+                )
             time.sleep(0.2)
         console.poll()
         console.say(f"done: {cfg.output_dir / 'metrics.jsonl'}")
@@ -154,6 +168,9 @@ def run(cfg: RLConfig) -> int:
     except ChildFailed as e:
         console.say(f"rl: error: {e}", err=True)
         return 1
+    except Stalled as e:
+        console.say(f"rl: error: {e}", err=True)
+        return 3
     except KeyboardInterrupt:
         console.say("rl: interrupted; stopping every process", err=True)
         return 130
