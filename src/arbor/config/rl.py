@@ -13,6 +13,7 @@ from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.config.sft import SFTConfig
+from arbor.config.slurm import SlurmConfig
 from arbor.config.trainer import TrainerConfig
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
@@ -51,6 +52,8 @@ class RLConfig(Config):
     """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
     wandb: WandbConfig | None = None
     """Log to Weights & Biases (trainer and orchestrator figures in one run)."""
+    slurm: SlurmConfig | None = None
+    """Submit the run to SLURM (writes `<output_dir>/rl.sbatch` and calls `sbatch`) instead of running it here."""
 
     @model_validator(mode="before")
     @classmethod

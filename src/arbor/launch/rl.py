@@ -180,7 +180,13 @@ def run(cfg: RLConfig) -> int:
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
-    cfg = resolve(load_config(RLConfig, argv, prog="rl"))
+    cfg = load_config(RLConfig, argv, prog="rl")
+    if cfg.slurm is not None:
+        from arbor.launch.slurm import submit
+
+        write_configs(resolve(cfg.model_copy(deep=True)))
+        return submit(cfg, cfg.dry_run)
+    cfg = resolve(cfg)
     write_configs(cfg)
     if cfg.dry_run:
         print(f"resolved configs written to {cfg.output_dir / 'configs'}")
