@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
         write_configs(resolve(cfg.model_copy(deep=True)))
         return submit(cfg, cfg.dry_run)
+    if not cfg.dry_run:
+        from arbor.launch.preflight import run_checks
+
+        run_checks(cfg)  # before resolve(): an explicitly set port is still marked as set
     cfg = resolve(cfg)
     write_configs(cfg)
     if cfg.dry_run:
