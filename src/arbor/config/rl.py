@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config
+from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
@@ -52,6 +53,8 @@ class RLConfig(Config):
     """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
     wandb: WandbConfig | None = None
     """Log to Weights & Biases (trainer and orchestrator figures in one run)."""
+    cost: CostConfig = CostConfig()
+    """GPU-hour price and pool sizes for the cost figure of `arbor-report`."""
     slurm: SlurmConfig | None = None
     """Submit the run to SLURM (writes `<output_dir>/rl.sbatch` and calls `sbatch`) instead of running it here."""
 

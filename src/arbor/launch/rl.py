@@ -132,6 +132,13 @@ def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, .
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
 
 
+def record_timings(output_dir: Path, sup: Supervisor) -> None:
+    """Appends each process's wall-clock seconds of this launch to `timings.jsonl` (arbor-report's cost figure)."""
+    row = {name: round(c.ended - c.started, 3) for name, c in sup.children.items() if c.ended is not None}
+    with open(output_dir / "timings.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "seconds": row}) + "\n")
+
+
 def run(cfg: RLConfig) -> int:
     start = prepare_run_dir(cfg)
     conf = cfg.output_dir / "configs"
@@ -176,6 +183,7 @@ def run(cfg: RLConfig) -> int:
         return 130
     finally:
         sup.stop()
+        record_timings(cfg.output_dir, sup)
 
 
 @main_guard
