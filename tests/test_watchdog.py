@@ -55,3 +55,50 @@ def test_hang_dumps_every_stack_and_stops_within_stall_timeout(tmp_path):
     assert elapsed < stall + 30 + 30, elapsed
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftovers, "processes outlived the launcher"
+
+
+def _sleeper(out: Path, name: str) -> subprocess.Popen:
+    code = (f"import time; from arbor.monitor.heartbeat import install, beat; install({str(out)!r}, {name!r}); "
+            f"beat('waiting for nothing'); print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_stall_detection_and_faulthandler_dump(tmp_path, monkeypatch):
+    from arbor.launch.watchdog import Watchdog
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no py-spy: the SIGUSR1/faulthandler path
+    proc = _sleeper(tmp_path, "sleeper")
+    try:
+        dog = Watchdog(tmp_path, stall_timeout=0.3)
+        assert not dog.stalled(0)
+        time.sleep(0.4)
+        assert dog.stalled(0) and not dog.stalled(1)  # progress resets the clock
+        (path,) = dog.dump_stacks()
+        assert path.name == "sleeper.txt"
+        assert 'File "<string>", line 1' in path.read_text()
+        assert proc.poll() is None, "SIGUSR1 must not kill a process that registered the dump"
+        assert "sleeper (pid" in dog.diagnosis() and "waiting for nothing" in dog.diagnosis()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_py_spy_is_used_when_on_path(tmp_path, monkeypatch):
+    from arbor.launch.watchdog import Watchdog
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "py-spy"
+    fake.write_text('#!/bin/sh\necho "Thread 1 (idle): MainThread (py-spy $1 $2 $3)"\n')
+    fake.chmod(0o755)
+    proc = _sleeper(tmp_path, "sleeper")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    try:
+        (path,) = Watchdog(tmp_path, 1.0).dump_stacks()
+        assert path.name == "sleeper.py-spy.txt"
+        assert f"py-spy dump --pid {proc.pid}" in path.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
