@@ -101,6 +101,13 @@ def test_environment_not_importable(tmp_path):
     assert "orchestrator.environment.id" in line and "not importable" in line
 
 
+def test_loss_or_advantage_module_not_importable(tmp_path):
+    line = _fails(tmp_path / "run", "--trainer.loss.name", "no_such_pkg.losses:mine")
+    assert "trainer.loss.name" in line and "not importable" in line
+    line = _fails(tmp_path / "run2", "--orchestrator.advantage.name", "no_such_mod:adv")
+    assert "orchestrator.advantage.name" in line
+
+
 def test_checks_pass_for_a_valid_config(tmp_path):
     cfg = load_config(RLConfig, ["--output-dir", str(tmp_path / "run"), *TINY])
     preflight.run_checks(cfg)

@@ -3,9 +3,9 @@
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
 port free (when set explicitly), model files present, the GPUs a config asks for present, requested backends
-importable (vllm, DeepEP), the SFT dataset readable, the environment importable. Nothing here imports torch or
-the backends themselves: GPUs are counted with `nvidia-smi -L` (or /proc/driver/nvidia), modules are found with
-`importlib.util.find_spec`.
+importable (vllm, DeepEP), the SFT dataset readable, the environment and any loss or advantage function given by
+dotted path importable. Nothing here imports torch or the backends themselves: GPUs are counted with
+`nvidia-smi -L` (or /proc/driver/nvidia), modules are found with `importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def run_checks(cfg: RLConfig) -> None:
     """Runs every check; raises PreflightError with the first failure."""
     check_model_files(cfg.model)
     check_environment(cfg.orchestrator.environment.id)
+    check_plugins(cfg)
     check_dataset(cfg)
     check_backends(cfg)
     check_gpus(cfg)
@@ -116,6 +117,16 @@ def check_environment(env_id: str) -> None:
         raise PreflightError(f"orchestrator.environment.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path 'package.module:factory'")
     if not _importable(module):
         raise PreflightError(f"orchestrator.environment.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+
+
+def check_plugins(cfg: RLConfig) -> None:
+    """A loss or advantage function given by dotted path must be importable (built-in names pass)."""
+    for field, value in (("trainer.loss.name", cfg.trainer.loss.name), ("orchestrator.advantage.name", cfg.orchestrator.advantage.name)):
+        if ":" not in value and "." not in value:
+            continue  # a built-in name, checked by the process that uses it
+        module = value.partition(":")[0] if ":" in value else value.rpartition(".")[0]
+        if not _importable(module):
+            raise PreflightError(f"{field} {value!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
 
 
 def check_dataset(cfg: RLConfig) -> None:
