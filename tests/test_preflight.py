@@ -112,3 +112,10 @@ def test_checks_pass_for_a_valid_config(tmp_path):
     cfg = load_config(RLConfig, ["--output-dir", str(tmp_path / "run"), *TINY])
     preflight.run_checks(cfg)
     assert 0 < preflight.estimate_run_bytes(cfg) < 1e8
+
+
+@pytest.mark.gpu
+def test_gpu_count_without_torch_matches_torch():
+    import torch
+
+    assert preflight.count_gpus() == torch.cuda.device_count()
