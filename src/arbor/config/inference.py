@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -29,5 +30,7 @@ class InferenceConfig(Config):
     """Default sampling seed for requests that give none."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads for the engine; default: torch's choice."""
+    output_dir: Path | None = None
+    """Run directory for heartbeats and stack dumps (`rl` sets it); none: the server writes neither."""
     ready_file: str | None = None
     """When set, the server writes its base URL to this file once it accepts requests."""

@@ -8,11 +8,13 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config
+from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.config.sft import SFTConfig
+from arbor.config.slurm import SlurmConfig
 from arbor.config.trainer import TrainerConfig
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
@@ -38,6 +40,9 @@ class RLConfig(Config):
     """Write the resolved configs to `<output_dir>/configs/` and exit."""
     inference_startup_timeout: float = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
+    stall_timeout: float = Field(1800.0, gt=0)
+    """Watchdog: when no RL step completes for this many seconds, dump every process's Python stacks into
+    `<output_dir>/logs/stacks/`, name what each process was waiting on, and stop the run (exit code 3)."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -48,6 +53,10 @@ class RLConfig(Config):
     """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
     wandb: WandbConfig | None = None
     """Log to Weights & Biases (trainer and orchestrator figures in one run)."""
+    cost: CostConfig = CostConfig()
+    """GPU-hour price and pool sizes for the cost figure of `arbor-report`."""
+    slurm: SlurmConfig | None = None
+    """Submit the run to SLURM (writes `<output_dir>/rl.sbatch` and calls `sbatch`) instead of running it here."""
 
     @model_validator(mode="before")
     @classmethod

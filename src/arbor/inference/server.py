@@ -428,12 +428,24 @@ async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> None:
         if cfg.ready_file:
             write_ready_file(cfg.ready_file, url)
         log.info("inference ready at %s", url)
+        if cfg.output_dir is not None:
+            asyncio.get_running_loop().create_task(_heartbeats(cfg, engine))
         await stop.wait()
         log.info("shutting down")
         # Stop the engine first: its unfinished requests fail at once instead of holding up the HTTP shutdown.
         await asyncio.to_thread(engine.stop)
     finally:
         await runner.cleanup()
+
+
+async def _heartbeats(cfg: InferenceConfig, engine: "Engine") -> None:
+    from arbor.monitor.heartbeat import beat, install
+
+    install(cfg.output_dir, "inference", "serving")
+    while True:  # the event loop beats, so a blocked loop shows as a stale heartbeat
+        s = engine.stats()
+        beat(f"serving policy version {s.policy_version}: {s.running} running, {s.waiting} waiting")
+        await asyncio.sleep(2.0)
 
 
 @main_guard

@@ -1,4 +1,8 @@
-"""The `rl` terminal view: one summary line per finished step, read from metrics.jsonl as it grows."""
+"""The `rl` terminal view: one summary line per finished step, read from metrics.jsonl as it grows.
+
+Each line starts with a progress bar and ends with the elapsed time and an estimate of the time left (from the
+mean time per step of this launch), so a plain log file shows progress as well as a terminal does.
+"""
 
 from __future__ import annotations
 
@@ -26,11 +30,16 @@ def format_step(row: dict, max_steps: int) -> str:
     return " | ".join(parts)
 
 
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = min(width, done * width // max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
 class Console:
     def __init__(self, output_dir: Path, max_steps: int, start: int) -> None:
         self.path = metrics_path(output_dir)
         self.max_steps = max_steps
-        self.seen = start
+        self.seen = self.start = start
         self.t0 = time.monotonic()
 
     def say(self, text: str, err: bool = False) -> None:
@@ -40,4 +49,7 @@ class Console:
         for row in read_jsonl(self.path):
             if row.get("step", -1) >= self.seen:
                 self.seen = row["step"] + 1
-                self.say(format_step(row, self.max_steps) + f" | {time.monotonic() - self.t0:.0f}s")
+                elapsed = time.monotonic() - self.t0
+                eta = elapsed / (self.seen - self.start) * (self.max_steps - self.seen) if self.seen > self.start else 0.0
+                self.say(f"{progress_bar(self.seen, self.max_steps)} {format_step(row, self.max_steps)} | "
+                         f"{elapsed:.0f}s, eta {eta:.0f}s")

@@ -29,13 +29,17 @@ class Child:
         self.name, self.argv, self.log_path = name, argv, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
+        self.started, self.ended = time.time(), None
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        rc = self.proc.poll()
+        if rc is not None and self.ended is None:
+            self.ended = time.time()
+        return rc
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -71,6 +75,7 @@ class Supervisor:
                 pass
             c.signal_group(signal.SIGKILL)  # also reaps grandchildren that outlived their parent
             c.proc.wait()
+            c.poll()
             c.close()
 
 

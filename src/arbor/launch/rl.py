@@ -24,9 +24,14 @@ from arbor.config.rl import RLConfig
 from arbor.config.toml_writer import dumps
 from arbor.launch.console import Console
 from arbor.launch.process import Supervisor, tail
+from arbor.launch.watchdog import Watchdog
 
 
 class ChildFailed(RuntimeError):
+    pass
+
+
+class Stalled(RuntimeError):
     pass
 
 
@@ -78,6 +83,8 @@ def prepare_run_dir(cfg: RLConfig) -> int:
             shutil.rmtree(broadcast_dir(out, step))
     for path in all_metrics_paths(out):
         truncate_jsonl(path, start)
+    # Heartbeats of an earlier attempt name pids that may now belong to someone else: never signal those.
+    shutil.rmtree(out / "heartbeats", ignore_errors=True)
     return start
 
 
@@ -125,6 +132,13 @@ def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, .
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
 
 
+def record_timings(output_dir: Path, sup: Supervisor) -> None:
+    """Appends each process's wall-clock seconds of this launch to `timings.jsonl` (arbor-report's cost figure)."""
+    row = {name: round(c.ended - c.started, 3) for name, c in sup.children.items() if c.ended is not None}
+    with open(output_dir / "timings.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "seconds": row}) + "\n")
+
+
 def run(cfg: RLConfig) -> int:
     start = prepare_run_dir(cfg)
     conf = cfg.output_dir / "configs"
@@ -144,9 +158,16 @@ def run(cfg: RLConfig) -> int:
         sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
         sup.start("orchestrator", [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")])
         finished = {"sft"}
+        watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:
             check_children(sup, finished)
             console.poll()
+            if watchdog.stalled(console.seen):
+                dumps = watchdog.dump_stacks()
+                raise Stalled(
+                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); stacks of {len(dumps)} "
+                    f"processes in {cfg.output_dir / 'logs' / 'stacks'}; last heartbeats:\n{watchdog.diagnosis()}"
+                )
             time.sleep(0.2)
         console.poll()
         console.say(f"done: {cfg.output_dir / 'metrics.jsonl'}")
@@ -154,16 +175,30 @@ def run(cfg: RLConfig) -> int:
     except ChildFailed as e:
         console.say(f"rl: error: {e}", err=True)
         return 1
+    except Stalled as e:
+        console.say(f"rl: error: {e}", err=True)
+        return 3
     except KeyboardInterrupt:
         console.say("rl: interrupted; stopping every process", err=True)
         return 130
     finally:
         sup.stop()
+        record_timings(cfg.output_dir, sup)
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
-    cfg = resolve(load_config(RLConfig, argv, prog="rl"))
+    cfg = load_config(RLConfig, argv, prog="rl")
+    if cfg.slurm is not None:
+        from arbor.launch.slurm import submit
+
+        write_configs(resolve(cfg.model_copy(deep=True)))
+        return submit(cfg, cfg.dry_run)
+    if not cfg.dry_run:
+        from arbor.launch.preflight import run_checks
+
+        run_checks(cfg)  # before resolve(): an explicitly set port is still marked as set
+    cfg = resolve(cfg)
     write_configs(cfg)
     if cfg.dry_run:
         print(f"resolved configs written to {cfg.output_dir / 'configs'}")

@@ -38,6 +38,7 @@ class Orchestrator:
         self.skipped_long = 0
 
     async def run(self) -> None:
+        from arbor.monitor.heartbeat import install
         from arbor.monitor.metrics import MetricsWriter, init_wandb
         from arbor.orchestrator.client import InferenceClient
         from arbor.orchestrator.state import OrchestratorState, TaskSampler, load_state
@@ -45,6 +46,7 @@ class Orchestrator:
         from arbor.trainer.checkpoint import latest_checkpoint
 
         cfg = self.cfg
+        install(cfg.output_dir, "orchestrator")
         start = (latest_checkpoint(cfg.output_dir) or 0) if cfg.resume else 0
         state = load_state(cfg.output_dir, start) if start else OrchestratorState()
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
@@ -67,6 +69,7 @@ class Orchestrator:
 
     async def _step(self, step: int, client, weights, metrics) -> None:
         from arbor.orchestrator.advantages import compute_advantages
+        from arbor.monitor.heartbeat import beat
         from arbor.orchestrator.batcher import build_step_batches
         from arbor.orchestrator.state import OrchestratorState, prune_states, save_state
         from arbor.trainer.checkpoint import latest_checkpoint
@@ -74,11 +77,14 @@ class Orchestrator:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        beat(f"waiting for policy version {max(0, step - cfg.async_lag)} (step {step})")
         waited = await weights.ensure(step - cfg.async_lag, cfg.weight_update_timeout)
         save_state(cfg.output_dir, OrchestratorState(step, self.sampler.epoch, self.sampler.position))
         prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         t_gen = time.perf_counter()
+        beat(f"generating and scoring step {step}")
         groups = await self._collect_groups(step, client)
+        beat(f"packing and writing rollouts step {step}")
         gen_seconds = time.perf_counter() - t_gen
         compute_advantages(groups, cfg.advantage)
         rollouts = [r for g in groups for r in g]

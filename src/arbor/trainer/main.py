@@ -100,9 +100,11 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
     from arbor.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from arbor.trainer.parallel import forward_context
     from arbor.trainer.step import train_step
+    from arbor.monitor.heartbeat import beat, install
     from arbor.transport.files import wait_for_step
 
     rank = dist.get_rank()
+    install(cfg.output_dir, f"trainer_rank{rank}", "building the model")
     model, optimizer, dims = build_training(cfg, device)
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
     start = 0
@@ -117,7 +119,9 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
     last_checkpoint_seconds = 0.0  # reported with the step after the checkpoint
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
+        beat(f"waiting for rollouts step {step}")
         batch = wait_for_step(cfg.output_dir, step, rank, cfg.rollout_timeout)
+        beat(f"training step {step}")
         if batch.step != step:
             raise ValueError(f"rollouts/step_{step}/rank_{rank} holds step {batch.step}")
         t1 = time.perf_counter()
@@ -128,6 +132,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t2 = time.perf_counter()
+        beat(f"publishing weights version {step + 1}")
         publish(cfg, model, step + 1, tokenizer)
         t3 = time.perf_counter()
         # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,

@@ -1,0 +1,204 @@
+"""Preflight checks `rl` runs after validating the config and before starting any process.
+
+Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
+hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
+port free (when set explicitly), model files present, the GPUs a config asks for present, requested backends
+importable (vllm, DeepEP), the SFT dataset readable, the environment and any loss or advantage function given by
+dotted path importable. Nothing here imports torch or the backends themselves: GPUs are counted with
+`nvidia-smi -L` (or /proc/driver/nvidia), modules are found with `importlib.util.find_spec`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from arbor.config.loader import ConfigError
+from arbor.config.model import ModelConfig
+from arbor.config.rl import RLConfig
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Config values that name a backend -> the module it needs (a key named `backend` or ending in `_backend`).
+BACKEND_MODULES = {"vllm": "vllm", "deepep": "deep_ep", "deep_ep": "deep_ep"}
+BACKEND_NEEDS_GPU = {"vllm", "nccl", "deepep", "deep_ep"}
+
+
+class PreflightError(ConfigError):
+    """A preflight check failed; the message is one line."""
+
+
+def run_checks(cfg: RLConfig) -> None:
+    """Runs every check; raises PreflightError with the first failure."""
+    check_model_files(cfg.model)
+    check_environment(cfg.orchestrator.environment.id)
+    check_plugins(cfg)
+    check_dataset(cfg)
+    check_backends(cfg)
+    check_gpus(cfg)
+    check_port(cfg)
+    check_output_dir(cfg)
+
+
+def estimate_run_bytes(cfg: RLConfig) -> int:
+    """Disk the run keeps at its peak: trainer checkpoints (fp32 weights + two AdamW moments, one more while a new
+    one is written), weight broadcasts in the model dtype, and the SFT warm-up's output."""
+    n = model_params(cfg.model)
+    ckpt = 12 * n * (cfg.trainer.ckpt.keep + 1)
+    broadcasts = BYTES[cfg.model.dtype] * n * (cfg.trainer.keep_broadcasts + 1)
+    sft = BYTES[cfg.model.dtype] * n if cfg.sft.steps else 0
+    return ckpt + broadcasts + sft
+
+
+def model_params(model: ModelConfig) -> int:
+    from arbor.models.args import ModelArgs
+    from arbor.models.presets import PRESETS
+
+    args = PRESETS.get(model.name) or ModelArgs.from_dir(model.name)
+    return args.num_params()
+
+
+def check_output_dir(cfg: RLConfig) -> None:
+    out = cfg.output_dir
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".preflight"):
+            pass
+    except OSError as e:
+        raise PreflightError(f"output_dir {out} is not writable: {e.strerror or e}") from None
+    need = estimate_run_bytes(cfg)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise PreflightError(
+            f"output_dir {out} has {_gb(free)} free but the run keeps up to {_gb(need)} (trainer.ckpt.keep = "
+            f"{cfg.trainer.ckpt.keep} checkpoints, trainer.keep_broadcasts = {cfg.trainer.keep_broadcasts}): free space or lower them"
+        )
+
+
+def check_port(cfg: RLConfig) -> None:
+    inf = cfg.inference
+    if "port" not in inf.model_fields_set or inf.port == 0:
+        return  # `rl` picks a free one
+    with socket.socket() as s:
+        try:
+            s.bind((inf.host, inf.port))
+        except OSError as e:
+            raise PreflightError(f"inference.port {inf.port} on {inf.host} is not free ({e.strerror}): choose another or leave it unset") from None
+
+
+def check_model_files(model: ModelConfig) -> None:
+    from arbor.models.presets import PRESETS
+
+    if model.name in PRESETS:
+        return
+    path = Path(model.name)
+    if not path.is_dir():
+        raise PreflightError(f"model.name {model.name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    if not (path / "config.json").is_file():
+        raise PreflightError(f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)")
+    if not any(path.glob("*.safetensors")):
+        raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
+    if model.tokenizer and not Path(model.tokenizer).is_dir():
+        raise PreflightError(f"model.tokenizer {model.tokenizer} is not a directory")
+
+
+def check_environment(env_id: str) -> None:
+    from arbor.environments.base import BUILTINS
+
+    path = BUILTINS.get(env_id, env_id)
+    module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+    if not module:
+        raise PreflightError(f"orchestrator.environment.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path 'package.module:factory'")
+    if not _importable(module):
+        raise PreflightError(f"orchestrator.environment.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+
+
+def check_plugins(cfg: RLConfig) -> None:
+    """A loss or advantage function given by dotted path must be importable (built-in names pass)."""
+    for field, value in (("trainer.loss.name", cfg.trainer.loss.name), ("orchestrator.advantage.name", cfg.orchestrator.advantage.name)):
+        if ":" not in value and "." not in value:
+            continue  # a built-in name, checked by the process that uses it
+        module = value.partition(":")[0] if ":" in value else value.rpartition(".")[0]
+        if not _importable(module):
+            raise PreflightError(f"{field} {value!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+
+
+def check_dataset(cfg: RLConfig) -> None:
+    if not cfg.sft.steps or not cfg.sft.data:
+        return
+    path = Path(cfg.sft.data)
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError as e:
+        raise PreflightError(f"sft.data {path} is not readable: {e.strerror or e}") from None
+    try:
+        row = json.loads(first)
+    except ValueError:
+        raise PreflightError(f"sft.data {path}: the first line is not JSON (expected JSONL rows)") from None
+    if not isinstance(row, dict) or not ({"prompt", "completion"} <= row.keys() or "messages" in row):
+        raise PreflightError(f'sft.data {path}: rows need "prompt" and "completion", or "messages"')
+
+
+def check_backends(cfg: RLConfig) -> None:
+    for where, value in _backend_values(cfg):
+        module = BACKEND_MODULES.get(value)
+        if module and not _importable(module):
+            raise PreflightError(f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu)")
+
+
+def check_gpus(cfg: RLConfig) -> None:
+    need = 0
+    for where, value in _backend_values(cfg):
+        if value in BACKEND_NEEDS_GPU:
+            need = max(need, cfg.trainer.parallel.nproc if where.startswith("trainer.") else 1)
+    if not need:
+        return
+    have = count_gpus()
+    if have < need:
+        raise PreflightError(f"the config needs {need} CUDA GPU(s) (a backend asks for nccl/vllm/DeepEP) but {have} are visible on {socket.gethostname()}")
+
+
+def count_gpus() -> int:
+    """Visible NVIDIA GPUs, honouring CUDA_VISIBLE_DEVICES, without importing torch."""
+    count = 0
+    if shutil.which("nvidia-smi"):
+        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        count = sum(1 for line in res.stdout.splitlines() if line.startswith("GPU "))
+    elif Path("/proc/driver/nvidia/gpus").is_dir():
+        count = len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def _backend_values(cfg: RLConfig) -> Iterator[tuple[str, str]]:
+    """(dotted key, value) of every string config value whose key is `backend` or ends in `_backend`."""
+    def walk(prefix: str, d: Any) -> Iterator[tuple[str, str]]:
+        if isinstance(d, dict):
+            for k, v in d.items():
+                key = f"{prefix}.{k}" if prefix else k
+                if isinstance(v, str) and (k == "backend" or k.endswith("_backend")):
+                    yield key, v.lower()
+                else:
+                    yield from walk(key, v)
+
+    yield from walk("", cfg.model_dump(mode="json", exclude={"slurm"}))
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package
+        return False
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
