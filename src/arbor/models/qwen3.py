@@ -89,11 +89,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        inter = args.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -113,10 +114,11 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Backbone(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
+        layer_cls = DecoderLayer if layer_cls is None else layer_cls
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta)
 
