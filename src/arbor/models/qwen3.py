@@ -52,6 +52,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    cp = None
+    """Context-parallel attention (arbor.trainer.context_parallel.ContextParallel), installed by `apply_cp`."""
+
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -78,6 +81,8 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.cp is not None and kv_cache is None:
+            return self.o_proj(self.cp.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
         if kv_cache is not None:
             k, v, attn_mask = kv_cache.write_and_read(self.layer_idx, k, v, cache_slots, position_ids)
         gqa = self.n_heads != self.n_kv
