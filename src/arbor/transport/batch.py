@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions")
 DTYPES = {
@@ -110,3 +113,26 @@ class StepBatch:
             temperature=header["temperature"],
             metadata=header.get("metadata", {}),
         )
+
+
+def encode_routes(routes: "np.ndarray") -> dict[str, Any]:
+    """Router-replay payload for JSON: `{"dtype", "shape", "data": base64 of the raw bytes}` (no per-element work)."""
+    import base64
+
+    return {"dtype": str(routes.dtype), "shape": list(routes.shape), "data": base64.b64encode(routes.tobytes()).decode()}
+
+
+def decode_routes(payload: dict[str, Any]) -> "np.ndarray":
+    """Inverse of `encode_routes`; raises ValueError naming the field on a malformed payload."""
+    import base64
+
+    import numpy as np
+
+    try:
+        dtype = np.dtype(payload["dtype"])
+        if dtype not in (np.uint8, np.int16):
+            raise ValueError(f"dtype {dtype} is not uint8 or int16")
+        arr = np.frombuffer(base64.b64decode(payload["data"]), dtype=dtype)
+        return arr.reshape([int(n) for n in payload["shape"]])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"routed_experts payload is malformed: {e}") from None
