@@ -28,15 +28,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, *args, world: int = 2) -> None:
+def _spawn(fn, *args, world: int = 2, backend: str = "gloo") -> None:
     port = _free_port()
-    mp.start_processes(_entry, args=(world, port, fn, args), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(world, port, fn, args, backend), nprocs=world, join=True, start_method="spawn")
 
 
-def _entry(rank: int, world: int, port: int, fn, args) -> None:
+def _entry(rank: int, world: int, port: int, fn, args, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     fn(rank, world, *args)  # an exception here reaches the parent through torch.multiprocessing
     dist.barrier()
     dist.destroy_process_group()
@@ -94,6 +96,45 @@ def _ep_worker(rank: int, world: int) -> None:
 
 def test_expert_parallel_two_ranks_matches_one_process():
     _spawn(_ep_worker)
+
+
+def test_deepep_backend_without_deep_ep_fails_with_one_line():
+    from arbor.trainer.expert_parallel import DeepEPDispatcher
+
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="ep_backend = 'deepep' needs DeepEP"):
+            DeepEPDispatcher(None, 4, 2, 32, 64)
+    else:
+        pytest.skip("deep_ep is installed")
+
+
+def _deepep_worker(rank: int, world: int) -> None:
+    from arbor.models.qwen3_moe import local_dispatch
+    from arbor.trainer.expert_parallel import DeepEPDispatcher
+
+    model = build_model(ModelConfig(name="qwen3-moe-test", dtype="bfloat16"), device=f"cuda:{rank}")
+    moe = model.model.layers[0].mlp
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, model.args.hidden_size, generator=gen).to(f"cuda:{rank}", torch.bfloat16)
+    _, w, idx = moe.gate(x)
+    ref = local_dispatch(x, w, idx, moe.experts)
+    n = moe.experts.num_experts // world
+    moe.experts.gate_up_proj.data = moe.experts.gate_up_proj.data[rank * n:(rank + 1) * n].clone()
+    moe.experts.down_proj.data = moe.experts.down_proj.data[rank * n:(rank + 1) * n].clone()
+    d = DeepEPDispatcher(dist.group.WORLD, moe.experts.num_experts, model.args.num_experts_per_tok,
+                         model.args.hidden_size, 64)
+    out = d(x, w, idx, moe.experts)
+    assert_close(out.float(), ref.float(), "DeepEP vs local dispatch", rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_deepep_dispatch_matches_local_dispatch_on_two_gpus():
+    pytest.importorskip("deep_ep")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(_deepep_worker, backend="nccl")
 
 
 # --- context parallel ------------------------------------------------------------------------------------------
