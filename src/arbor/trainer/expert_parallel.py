@@ -124,7 +124,6 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", backend: str = "all_to_all
             sharded = nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)]))
             sharded.register_hook(lambda g, ep=ep: g / ep)
             setattr(experts, name, sharded)
-        experts.num_experts_local = experts.num_experts // ep
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

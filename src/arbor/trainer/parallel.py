@@ -1,6 +1,6 @@
 """Process group setup, the device mesh (`ParallelDims`) and model parallelisation (`parallelize`).
 
-Follows torchtitan's structure (ParallelDims -> build_mesh -> parallelize applying one transform per kind of
+Follows torchtitan's structure (ParallelDims -> build_meshes -> parallelize applying one transform per kind of
 parallelism) but builds its mesh on CPU with gloo as well as on CUDA with NCCL, which torchtitan's ParallelDims
 does not (and depends on torchtitan's own config classes). Named dimensions dp_replicate, dp_shard, cp and ep; the
 transforms and their order are documented in `parallelize`. Gradient clipping is our own because parameters
@@ -136,10 +136,6 @@ class ParallelDims:
             ep=experts["ep"],
             expert_replicas=experts["dp_replicate", "efsdp"]._flatten("expert_replicas") if r * s * c > self.ep else None,
         )
-
-    def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """The FSDP2 mesh alone."""
-        return self.build_meshes(device_type).fsdp
 
 
 @dataclasses.dataclass
