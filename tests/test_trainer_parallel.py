@@ -51,3 +51,19 @@ def test_ep_checkpoints_reshard_between_two_ranks_and_one(tmp_path: Path):
     shutil.copytree(checkpoint_dir(one, 3), checkpoint_dir(to_two, 3))
     run_torchrun(2, moe_args(to_two, 5, *EP2, "--resume"))
     assert_same_weights(broadcast_dir(to_two, 5), broadcast_dir(one, 5), atol=1e-5)
+
+
+def test_context_parallel_trainer_matches_one_rank(tmp_path: Path):
+    """CP=2 (ring, zig-zag) under torchrun: both ranks split every row of the one rollout file and train exactly
+    as a single rank does (loss figures and weights after each step)."""
+    one, cp = tmp_path / "one", tmp_path / "cp"
+    write_rollouts({1: one}, steps=2)
+    shutil.copytree(one / "rollouts", cp / "rollouts")
+    assert trainer_main(moe_args(one, 2)) == 0
+    run_torchrun(2, moe_args(cp, 2, "--parallel.nproc", "2", "--parallel.cp", "2", "--parallel.cp-style", "ring"))
+    for r1, r2 in zip(read_metrics(one), read_metrics(cp), strict=True):
+        assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
+        assert r1["mismatch_kl"] == pytest.approx(r2["mismatch_kl"], rel=1e-4)
+        assert r1["num_tokens"] == r2["num_tokens"] and r1["loss_tokens"] == r2["loss_tokens"]
+    for version in (1, 2):
+        assert_same_weights(broadcast_dir(one, version), broadcast_dir(cp, version), atol=1e-5)

@@ -177,6 +177,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.last_routed_experts: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
+        # Set by context parallelism (arbor.trainer.context_parallel): which local tokens count in the aux loss
+        # (not the row's cp padding) and the group whose statistics it sums.
+        self.aux_valid: torch.Tensor | None = None
+        self.aux_group = None
 
     def forward(
         self,
@@ -209,19 +213,42 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 all_logits.append(logits)
                 all_idx.append(idx)
         self.last_routed_experts = torch.stack(all_idx, dim=1).reshape(B, T, n_moe, -1).detach() if all_idx else None
-        self.aux_loss = load_balancing_loss(all_logits, all_idx, self.args) if self.training and all_logits else None
+        self.aux_loss = None
+        if self.training and all_logits:
+            self.aux_loss = load_balancing_loss(all_logits, all_idx, self.args, self.aux_valid, self.aux_group)
         x = self.model.norm(x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)
 
 
-def load_balancing_loss(logits: list[torch.Tensor], indices: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
+def load_balancing_loss(
+    logits: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    args: ModelArgs,
+    valid: torch.Tensor | None = None,
+    group=None,
+) -> torch.Tensor:
     """Switch Transformer's loss as transformers computes it for Qwen3-MoE: `E * sum_e f_e * P_e` over all MoE
     layers' tokens, f_e = top-k assignments to expert e per token, P_e = mean router probability; times the
-    coefficient. Computed on this rank's tokens (padding included, as transformers does without a mask)."""
-    E = args.num_experts
+    coefficient. Counts this rank's tokens (padding included, as transformers does without a mask) except
+    where `valid [N]` is False; with `group` (context parallel) the counts and probability sums are summed over
+    the group first, so every rank gets the loss of the whole row (the sum's backward all-reduces gradients,
+    matching how the CP trainer treats its duplicated policy loss)."""
+    E, k = args.num_experts, args.num_experts_per_tok
     probs = torch.cat([torch.softmax(lg.float(), dim=-1) for lg in logits])
     chosen = torch.cat([i.reshape(-1) for i in indices])
-    f = torch.bincount(chosen, minlength=E).float() / probs.shape[0]
-    return args.router_aux_loss_coef * E * (f * probs.mean(0)).sum()
+    w = probs.new_ones(logits[0].shape[0]) if valid is None else valid.to(probs.dtype).reshape(-1)
+    w = w.repeat(len(logits))
+    counts = torch.zeros(E, dtype=probs.dtype, device=probs.device).index_add(0, chosen, w.repeat_interleave(k))
+    psum = (probs * w[:, None]).sum(0)
+    n = w.sum()
+    if group is not None:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce
+
+        stats = torch.cat([counts, n[None]]).detach()
+        dist.all_reduce(stats, group=group)
+        counts, n = stats[:E], stats[E]
+        psum = all_reduce(psum, group=group)
+    return args.router_aux_loss_coef * E * ((counts / n) * (psum / n)).sum()

@@ -234,6 +234,8 @@ def packed_logprobs_cp(
         re = routed_experts.to(device)
         re = torch.cat([re, re.new_zeros((Tp - T, *re.shape[1:]))]) if Tp > T else re
         kwargs["routed_experts"] = re[idx][None]
+    if hasattr(model, "aux_valid"):  # MoE: the load-balancing loss of the whole row, cp padding excluded
+        model.aux_valid, model.aux_group = idx < T, ctx.group
     logits = model(ids[idx][None], pos[idx][None], None, **kwargs)[0].float()
     if temperature > 0:
         logits = logits / temperature
