@@ -88,3 +88,15 @@ def test_routes_payload_roundtrip_and_errors():
     assert np.array_equal(decode_routes(encode_routes(arr)), arr)
     with pytest.raises(ValueError, match="routed_experts payload is malformed"):
         decode_routes({"dtype": "float32", "shape": [1], "data": ""})
+
+
+def test_engine_loads_published_moe_weights(tmp_path):
+    from arbor.models.hf import save_checkpoint_dir
+
+    model = build_model(ModelConfig(name="qwen3-moe-test"))
+    other = build_model(ModelConfig(name="qwen3-moe-test", init_seed=5))
+    save_checkpoint_dir(other.state_dict(), other.args, tmp_path, ByteTokenizer())  # per-expert names on disk
+    with Engine(model, ByteTokenizer(), seq_len=32, max_batch_size=2) as engine:
+        assert engine.update_weights(tmp_path, 1).result(timeout=60) == 1
+    for (n, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), n

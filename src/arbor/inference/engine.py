@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.models.hf import read_safetensors_dir
+from arbor.models.hf import fuse_experts, read_safetensors_dir
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -335,7 +335,7 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = read_safetensors_dir(path)
+        state = fuse_experts(read_safetensors_dir(path))  # MoE checkpoints store experts one by one
         own = dict(self.model.named_parameters())
         if self.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)

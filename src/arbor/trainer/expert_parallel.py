@@ -6,8 +6,9 @@ Two dispatch backends behind the model's `Dispatcher` interface (`arbor.models.q
 - `AllToAllDispatcher` ("all_to_all"): sort (token, k) pairs by expert, exchange per-expert counts, send rows
   with `all_to_all_single` (uneven splits; autograd through `torch.distributed.nn.functional`), regroup the
   received rows by local expert, run one grouped matmul, and send the outputs back the same way. Works on gloo
-  (CPU) and NCCL. torchtitan's own EP (`ExpertParallel` + `TokenReorderer`) relies on
-  `torch.distributed._functional_collectives` and Triton index kernels that need CUDA, hence our own.
+  (CPU) and NCCL. torchtitan 0.3's `AllToAllTokenDispatcher` is bound to its Configurable/spmd_types model
+  stack (SPMD mesh annotations, its own MoE module and config), which our plain-PyTorch Qwen3-MoE does not
+  use, hence a small dispatcher of our own with the same algorithm.
 - `DeepEPDispatcher` ("deepep", CUDA only): torchtitan's DeepEP v2 wrapper (`dispatch_tokens`/`combine_tokens`);
   `deep_ep` is an optional install and selecting it without one fails at start-up with one line.
 
