@@ -54,13 +54,15 @@ def test_ep_checkpoints_reshard_between_two_ranks_and_one(tmp_path: Path):
 
 
 def test_context_parallel_trainer_matches_one_rank(tmp_path: Path):
-    """CP=2 (ring, zig-zag) under torchrun: both ranks split every row of the one rollout file and train exactly
-    as a single rank does (loss figures and weights after each step)."""
+    """CP=2 (ring, zig-zag) composed with EP=2 and activation checkpointing under torchrun: both ranks split every
+    row of the one rollout file and train exactly as a single rank does (loss figures and weights after each
+    step)."""
     one, cp = tmp_path / "one", tmp_path / "cp"
     write_rollouts({1: one}, steps=2)
     shutil.copytree(one / "rollouts", cp / "rollouts")
     assert trainer_main(moe_args(one, 2)) == 0
-    run_torchrun(2, moe_args(cp, 2, "--parallel.nproc", "2", "--parallel.cp", "2", "--parallel.cp-style", "ring"))
+    run_torchrun(2, moe_args(cp, 2, "--parallel.nproc", "2", "--parallel.cp", "2", "--parallel.cp-style", "ring",
+                                  "--parallel.ep", "2", "--parallel.activation-checkpointing", "true"))
     for r1, r2 in zip(read_metrics(one), read_metrics(cp), strict=True):
         assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
         assert r1["mismatch_kl"] == pytest.approx(r2["mismatch_kl"], rel=1e-4)
