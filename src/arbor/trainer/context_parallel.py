@@ -179,6 +179,10 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def apply_cp(model: nn.Module, cp_mesh: "DeviceMesh", style: str) -> None:
     """Installs context-parallel attention in every attention module; the trainer lays out each row."""
     ctx = ContextParallel(cp_mesh.get_group(), style)
+    H = model.args.num_attention_heads
+    if style == "ulysses" and H % ctx.cp:
+        raise ValueError(f"trainer.parallel.cp_style = 'ulysses' needs num_attention_heads ({H}) divisible by "
+                         f"trainer.parallel.cp ({ctx.cp}); use cp_style = 'ring'")
     for layer in model.model.layers:
         layer.self_attn.cp = ctx
     model._arbor_cp = ctx

@@ -50,7 +50,7 @@ class AllToAllDispatcher:
         self.group = group
         self.ep = dist.get_world_size(group)
         if num_experts % self.ep:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by parallel.ep ({self.ep})")
+            raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide the model's num_experts ({num_experts})")
         self.num_experts = num_experts
         self.local = num_experts // self.ep
 

@@ -88,7 +88,10 @@ def build_training(cfg: TrainerConfig, device: "torch.device") -> tuple["nn.Modu
         raise ConfigError(str(e)) from None
     if not dims.fsdp_enabled:
         model.to(device)  # before EP: its DTensors live on the mesh's device
-    model = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
+    try:
+        model = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
+    except ValueError as e:  # e.g. ep on a dense model, experts or heads not divisible: a config error
+        raise ConfigError(str(e)) from None
     return model, build_optimizer(model, cfg.optim), dims
 
 
