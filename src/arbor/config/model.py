@@ -11,10 +11,14 @@ from arbor.config.base import Config
 
 class ModelConfig(Config):
     name: str = "qwen3-tiny"
-    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small) or a local Hugging Face checkpoint directory."""
+    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-moe-test, qwen3-moe-tiny) or a local Hugging Face checkpoint directory."""
     tokenizer: str | None = None
     """Tokenizer directory; default: the checkpoint's own, or the built-in byte tokenizer for presets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype. On CPU keep float32 so trainer and inference logprobs match."""
+    router_replay: bool = False
+    """MoE router replay (R3): the inference engine returns the experts it chose for every token and MoE layer,
+    and the trainer routes each token to exactly those experts (gathering their router scores), so trainer
+    and inference compute the same function. Ignored for dense models."""
     init_seed: int = Field(0, ge=0)
     """Seed of the deterministic initialisation of a preset (ignored for checkpoints)."""

@@ -94,12 +94,16 @@ class RLConfig(Config):
 
     @model_validator(mode="after")
     def _derived(self) -> "RLConfig":
-        # The orchestrator writes one rollout file per trainer rank.
-        ranks = self.trainer.parallel.nproc
+        # The orchestrator writes one rollout file per data-parallel trainer rank (a context-parallel group of
+        # cp ranks shares one).
+        p = self.trainer.parallel
+        if p.nproc % p.cp:
+            raise ValueError(f"trainer.parallel.cp ({p.cp}) must divide trainer.parallel.nproc ({p.nproc})")
+        ranks = p.nproc // p.cp
         if self.orchestrator.batching.trainer_ranks not in (1, ranks):
             raise ValueError(
                 f"orchestrator.batching.trainer_ranks ({self.orchestrator.batching.trainer_ranks}) differs from "
-                f"trainer.parallel.nproc ({ranks}); leave it unset"
+                f"the trainer's data-parallel ranks ({ranks} = parallel.nproc / parallel.cp); leave it unset"
             )
         self.orchestrator.batching.trainer_ranks = ranks
         if self.sft.steps:

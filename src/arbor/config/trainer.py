@@ -12,8 +12,15 @@ from arbor.config.model import ModelConfig
 
 
 class OptimConfig(Config):
+    name: Literal["adamw", "muon"] = "adamw"
+    """Optimizer: "adamw", or "muon" (torch.optim.Muon on 2-D weight matrices; AdamW on embeddings, the head,
+    norms, routers and 3-D expert weights)."""
     lr: float = Field(1e-4, gt=0)
-    """AdamW learning rate."""
+    """Peak learning rate (AdamW's; Muon's too unless muon_lr is set)."""
+    muon_lr: float | None = Field(None, gt=0)
+    """Muon's learning rate; default: lr."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon's momentum."""
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -22,6 +29,16 @@ class OptimConfig(Config):
     """AdamW epsilon."""
     max_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
+
+
+class SchedulerConfig(Config):
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up: constant, linear decay or cosine decay to min_lr_ratio x lr at
+    max_steps."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to lr."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate of the decaying schedules, as a fraction of lr."""
 
 
 class LossConfig(Config):
@@ -42,10 +59,32 @@ class CheckpointConfig(Config):
 
 
 class ParallelConfig(Config):
+    """Mesh of the trainer ranks: world = dp_replicate x dp_shard x cp; ep folds into dp_shard x cp."""
+
     nproc: int = Field(1, ge=1)
     """Trainer ranks on this node (torchrun --nproc-per-node). Parameters are FSDP2-sharded across them."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto = nccl with CUDA, gloo on CPU."""
+    dp_replicate: int = Field(1, ge=1)
+    """HSDP replica groups (parameters replicated across groups, sharded within); 1 = plain FSDP2."""
+    dp_shard: int = Field(-1, ge=-1)
+    """FSDP2 shard degree; -1 = the ranks left over by dp_replicate and cp."""
+    cp: int = Field(1, ge=1)
+    """Context parallel degree: each packed row is split over this many ranks (attention heads must divide by
+    it for Ulysses)."""
+    cp_style: Literal["ulysses", "ring"] = "ulysses"
+    """Context parallel attention: "ulysses" (all-to-all from sequence to head sharding) or "ring" (key/value
+    chunks passed around the ranks, online-softmax merge; zig-zag load-balanced sharding)."""
+    ep: int = Field(1, ge=1)
+    """Expert parallel degree for MoE models: experts are split over this many ranks, a divisor of
+    dp_shard x cp (and of the number of experts)."""
+    ep_backend: Literal["all_to_all", "deepep"] = "all_to_all"
+    """Token dispatch: "all_to_all" (torch collectives; gloo and NCCL) or "deepep" (DeepEP kernels; CUDA with
+    the optional deep_ep package)."""
+    ep_max_tokens_per_rank: int = Field(8192, ge=1)
+    """DeepEP buffer size: the most tokens one rank dispatches in a forward."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations."""
 
 
 class TrainerConfig(Config):
@@ -63,6 +102,8 @@ class TrainerConfig(Config):
     """Continue from the latest checkpoint in output_dir."""
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """Learning-rate schedule."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
     ckpt: CheckpointConfig = CheckpointConfig()

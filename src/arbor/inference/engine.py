@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.models.hf import read_safetensors_dir
+from arbor.models.hf import fuse_experts, read_safetensors_dir
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -51,6 +52,10 @@ class Completion:
     """The stop string that ended the sequence, if one did."""
     text: str
     """Decoded completion, cut before the stop string that ended it."""
+    routed_experts: "np.ndarray | None" = None
+    """MoE models: experts chosen for every prompt and completion token in every MoE layer,
+    `[prompt + completion tokens, moe_layers, top_k]` (uint8, int16 past 256 experts). The final token is never
+    fed to the model, so its row repeats the previous one (its output predicts nothing that is trained)."""
 
 
 @dataclasses.dataclass
@@ -101,6 +106,7 @@ class _Seq:
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.text = ""
+        self.routes: np.ndarray | None = None  # [seq_len, moe_layers, top_k] for MoE models, by position
 
     @property
     def position(self) -> int:
@@ -108,8 +114,13 @@ class _Seq:
         return len(self.req.prompt) + len(self.tokens) - 1
 
     def completion(self) -> Completion:
+        routes = None
+        if self.routes is not None:
+            n = len(self.req.prompt) + len(self.tokens)
+            routes = self.routes[:n].copy()
+            routes[n - 1] = routes[n - 2]
         return Completion(self.index, self.tokens, self.logprobs, self.top, self.versions,
-                          self.finish_reason or "length", self.stop_reason, self.text)
+                          self.finish_reason or "length", self.stop_reason, self.text, routes)
 
 
 @dataclasses.dataclass
@@ -144,6 +155,10 @@ class Engine:
         self.vocab_size: int = model.args.vocab_size
         self.eos_token_id: int = tokenizer.eos_token_id
         self.kv = model.make_kv_cache(max_batch_size, seq_len)
+        args = model.args
+        self._route_shape = ((seq_len, len(args.moe_layers), args.num_experts_per_tok)
+                             if getattr(args, "is_moe", False) else None)
+        self._route_dtype = np.uint8 if getattr(args, "num_experts", 0) <= 256 else np.int16
         self._device = next(model.parameters()).device
         self._free = list(range(max_batch_size - 1, -1, -1))  # pop() hands out low slots first
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -320,7 +335,7 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = read_safetensors_dir(path)
+        state = fuse_experts(read_safetensors_dir(path))  # MoE checkpoints store experts one by one
         own = dict(self.model.named_parameters())
         if self.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -345,11 +360,13 @@ class Engine:
             try:
                 req = seqs[0].req
                 self._forward(req.prompt, 0, seqs[0].slot)
+                self._record_routes(seqs, 0, len(req.prompt))
                 if len(seqs) > 1:
                     self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], len(req.prompt))
                 for s in seqs:
                     if len(s.tokens) > 1:  # the newest token is written by the next decode step
                         self._forward(s.tokens[:-1], len(req.prompt), s.slot)
+                        self._record_routes([s], len(req.prompt), len(s.tokens) - 1)
             except Exception as e:
                 self._fail_request(seqs[0].req, e)
 
@@ -359,6 +376,20 @@ class Engine:
         pos = torch.arange(start, start + len(ids), device=self._device)[None]
         slots = torch.tensor([slot], dtype=torch.long, device=self._device)
         return self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=1)[:, -1].float()
+
+    def _record_routes(self, seqs: list["_Seq"], start: int, length: int) -> None:
+        """Copies the last one-row forward's routing (positions start..start+length) into every sequence in
+        `seqs` (a prefill shared by a request's samples, or one sequence's recomputed tokens)."""
+        if self._route_shape is None:
+            return
+        routes = self._routes_of_last_forward()[0]
+        for s in seqs:
+            if s.routes is None:
+                s.routes = np.zeros(self._route_shape, self._route_dtype)
+            s.routes[start:start + length] = routes
+
+    def _routes_of_last_forward(self) -> np.ndarray:
+        return self.model.last_routed_experts.to("cpu", torch.int16).numpy().astype(self._route_dtype)
 
     def _release(self, s: _Seq) -> None:
         if s.holds_slot:
@@ -385,6 +416,7 @@ class Engine:
             req.seqs = [_Seq(req, i, self._free.pop(), self._device) for i in range(req.params.n)]
             try:
                 logits = self._forward(req.prompt, 0, req.seqs[0].slot)
+                self._record_routes(req.seqs, 0, len(req.prompt))
                 if len(req.seqs) > 1:
                     self.kv.copy_slot(req.seqs[0].slot, [s.slot for s in req.seqs[1:]], len(req.prompt))
                 self._stats.requests += 1
@@ -403,6 +435,12 @@ class Engine:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         try:
             logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots)[:, -1].float()
+            if self._route_shape is not None:
+                routes = self._routes_of_last_forward()
+                for b, s in enumerate(seqs):
+                    if s.routes is None:
+                        s.routes = np.zeros(self._route_shape, self._route_dtype)
+                    s.routes[s.position] = routes[b, 0]
             self._stats.decode_steps += 1
             self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(seqs))
             self._sample(seqs, logits)

@@ -1,7 +1,9 @@
 """The `inference` process: an OpenAI/vLLM-compatible HTTP server (aiohttp) in front of the local engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
-arbor extension `policy_versions`: one int per generated token), GET /health, GET /v1/models, GET /metrics
+arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
+of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
+array with its dtype and shape, see arbor.transport.batch.encode_routes), GET /health, GET /v1/models, GET /metrics
 (Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. Bad input gets a 400 with
 `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field; the server never dies on it.
 
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
 
+from arbor.transport.batch import encode_routes
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
@@ -264,6 +267,8 @@ class InferenceServer:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                     choice["token_ids"] = c.token_ids
                 choice["policy_versions"] = c.policy_versions
+                if c.routed_experts is not None:  # arbor extension: router replay (MoE)
+                    choice["routed_experts"] = encode_routes(c.routed_experts)
                 choices.append(choice)
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -299,6 +304,8 @@ class InferenceServer:
             if return_ids:
                 choice["token_ids"] = c.token_ids
             choice["policy_versions"] = c.policy_versions
+            if c.routed_experts is not None:
+                choice["routed_experts"] = encode_routes(c.routed_experts)
             choices.append(choice)
         response: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -12,10 +13,48 @@ from arbor.models.args import ModelArgs
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The state dict as a Hugging Face checkpoint stores it: tied heads are written once, tensors contiguous."""
-    out = {k: v.detach().contiguous() for k, v in state.items()}
+    """The state dict as a Hugging Face checkpoint stores it: tied heads are written once, tensors contiguous,
+    fused MoE expert tensors split into per-expert `experts.{e}.{gate,up,down}_proj.weight` (the on-disk names
+    transformers and vLLM read)."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach()
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            prefix = k[: -len("gate_up_proj")]
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        elif k.endswith(".mlp.experts.down_proj"):
+            prefix = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v.contiguous()
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    return out
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors -> the fused `[E, 2I, H]` / `[E, H, I]` tensors the model holds."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for k, v in state.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            groups.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = v
+    for prefix, parts in groups.items():
+        n = len(parts.get("down", {}))
+        if any(sorted(parts.get(p, {})) != list(range(n)) for p in ("gate", "up", "down")):
+            raise ValueError(f"checkpoint experts under {prefix} are incomplete")
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([parts["gate"][e], parts["up"][e]]) for e in range(n)])
+        out[prefix + "down_proj"] = torch.stack([parts["down"][e] for e in range(n)])
     return out
 
 
@@ -36,7 +75,7 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly)."""
-    state = read_safetensors_dir(path)
+    state = fuse_experts(read_safetensors_dir(path))
     args: ModelArgs = model.args
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)

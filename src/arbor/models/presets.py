@@ -22,4 +22,16 @@ PRESETS: dict[str, ModelArgs] = {
         vocab_size=BYTE_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
         num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10_000.0, max_position_embeddings=2048,
     ),
+    # ~0.2M parameters, 4 experts top-2: MoE unit and distributed tests.
+    "qwen3-moe-test": ModelArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10_000.0, max_position_embeddings=512,
+        architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    ),
+    # ~1.5M parameters, 8 experts top-2: the CPU MoE example (moe_reverse_text).
+    "qwen3-moe-tiny": ModelArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=1024,
+        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+    ),
 }

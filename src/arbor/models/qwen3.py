@@ -52,6 +52,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    cp = None
+    """Context-parallel attention (arbor.trainer.context_parallel.ContextParallel), installed by `apply_cp`."""
+
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -78,6 +81,8 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.cp is not None and kv_cache is None:
+            return self.o_proj(self.cp.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
         if kv_cache is not None:
             k, v, attn_mask = kv_cache.write_and_read(self.layer_idx, k, v, cache_slots, position_ids)
         gqa = self.n_heads != self.n_kv
@@ -89,11 +94,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        inter = args.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -113,10 +119,11 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Backbone(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
+        layer_cls = DecoderLayer if layer_cls is None else layer_cls
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta)
 

@@ -18,13 +18,16 @@ from arbor.transport.batch import MicroBatch, StepBatch
 
 def sample_arrays(r: Rollout) -> dict[str, np.ndarray]:
     P, C = len(r.prompt_ids), len(r.completion_ids)
-    return {
+    out = {
         "input_ids": np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64),
         "loss_mask": np.concatenate([np.zeros(P, bool), np.ones(C, bool)]),
         "advantages": np.concatenate([np.zeros(P, np.float32), np.full(C, r.advantage, np.float32)]),
         "inference_logprobs": np.concatenate([np.zeros(P, np.float32), np.asarray(r.logprobs, np.float32)]),
         "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
     }
+    if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
+        out["routed_experts"] = r.routed_experts
+    return out
 
 
 def assign_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
@@ -53,7 +56,9 @@ def pack_rows(indices: list[int], lengths: list[int], budget: int) -> list[list[
 
 
 def _micro_batch(samples: list[dict[str, np.ndarray]]) -> MicroBatch:
-    cat = {k: torch.from_numpy(np.concatenate([s[k] for s in samples])) for k in samples[0]}
+    # Routed experts only when every sample of the row has them (a row is replayed whole or not at all).
+    keys = [k for k in samples[0] if all(k in s for s in samples)]
+    cat = {k: torch.from_numpy(np.concatenate([s[k] for s in samples])) for k in keys}
     lens = [len(s["input_ids"]) for s in samples]
     return MicroBatch(position_ids=position_ids_for(lens)[0], seq_lens=torch.tensor(lens, dtype=torch.int32), **cat)
 

@@ -15,6 +15,9 @@ import logging
 from typing import Any
 
 import aiohttp
+import numpy as np
+
+from arbor.transport.batch import decode_routes
 
 log = logging.getLogger("arbor.orchestrator.client")
 
@@ -30,6 +33,8 @@ class Completion:
     policy_versions: list[int]
     text: str
     finish_reason: str
+    routed_experts: "np.ndarray | None" = None
+    """MoE router replay payload `[prompt + completion tokens, moe_layers, top_k]`, decoded without a copy."""
 
 
 class InferenceClient:
@@ -102,7 +107,15 @@ class InferenceClient:
             versions = choice.get("policy_versions") or [-1] * len(ids)
             if not (len(ids) == len(lps) == len(versions)):
                 raise InferenceError(f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions")
-            out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""), choice.get("finish_reason", "")))
+            routes = None
+            if choice.get("routed_experts") is not None:
+                try:
+                    routes = decode_routes(choice["routed_experts"])
+                except ValueError as e:
+                    raise InferenceError(str(e)) from None
+                if routes.shape[0] != len(prompt_ids) + len(ids):
+                    raise InferenceError(f"routed_experts covers {routes.shape[0]} tokens, expected {len(prompt_ids) + len(ids)}")
+            out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""), choice.get("finish_reason", ""), routes))
         return out
 
     async def update_weights(self, path: str, version: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 from arbor.environments import Environment, Task, total_reward
 from arbor.orchestrator.client import InferenceClient
@@ -30,6 +31,8 @@ class Rollout:
     components: dict[str, float] = dataclasses.field(default_factory=dict)
     advantage: float = 0.0
     score_failed: bool = False
+    routed_experts: Any = None
+    """MoE router replay: `np.ndarray [num_tokens, moe_layers, top_k]` from the engine, carried as is."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +63,8 @@ async def generate_group(
 ) -> list[Rollout]:
     completions = await client.generate(spec.prompt_ids, group_size, max_tokens, temperature, top_p, spec.seed)
     rollouts = [
-        Rollout(spec.task.get("id", -1), spec.prompt_ids, c.token_ids, c.logprobs, c.policy_versions, c.text, c.finish_reason)
+        Rollout(spec.task.get("id", -1), spec.prompt_ids, c.token_ids, c.logprobs, c.policy_versions, c.text,
+                c.finish_reason, routed_experts=c.routed_experts)
         for c in completions
     ]
     await asyncio.gather(*(_score(env, spec.task, r, reward_weights, score_timeout) for r in rollouts))

@@ -74,7 +74,8 @@ def _state(model: "nn.Module", optimizer: "torch.optim.Optimizer", step: int) ->
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    optimizers = getattr(optimizer, "optimizers", optimizer)  # arbor.trainer.optim.Optimizers holds several
+    model_sd, optim_sd = get_state_dict(model, optimizers)
     return {"model": model_sd, "optim": optim_sd, "trainer": {"step": torch.tensor(step, dtype=torch.int64)}}
 
 
@@ -113,4 +114,5 @@ def load_checkpoint(
     saved = int(state["trainer"]["step"])
     if saved != step:
         raise ValueError(f"checkpoint {path} holds step {saved}, not {step}")
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optimizers = getattr(optimizer, "optimizers", optimizer)
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -75,21 +75,24 @@ def run(cfg: TrainerConfig) -> int:
 
 
 def build_training(cfg: TrainerConfig, device: "torch.device") -> tuple["nn.Module", "torch.optim.Optimizer", Any]:
-    """The parallelised fp32 model and its AdamW optimizer, plus the ParallelDims in use."""
-    import torch
-
+    """The parallelised fp32 model and its optimizer (AdamW or Muon + AdamW), plus the ParallelDims in use."""
     from arbor.models import build_model
+    from arbor.trainer.optim import build_optimizer
     from arbor.trainer.parallel import ParallelDims, parallelize
 
     # Master weights are always fp32; a lower model.dtype is the compute dtype (see parallel.py).
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
-    dims = ParallelDims.from_world()
-    model = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
+    try:
+        dims = ParallelDims.from_config(cfg.parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not dims.fsdp_enabled:
-        model.to(device)
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    return model, optimizer, dims
+        model.to(device)  # before EP: its DTensors live on the mesh's device
+    try:
+        model = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
+    except ValueError as e:  # e.g. ep on a dense model, experts or heads not divisible: a config error
+        raise ConfigError(str(e)) from None
+    return model, build_optimizer(model, cfg.optim), dims
 
 
 def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
@@ -98,6 +101,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
 
     from arbor.models import build_tokenizer
     from arbor.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from arbor.trainer.optim import set_lr
     from arbor.trainer.parallel import forward_context
     from arbor.trainer.step import train_step
     from arbor.monitor.heartbeat import beat, install
@@ -106,6 +110,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
     rank = dist.get_rank()
     install(cfg.output_dir, f"trainer_rank{rank}", "building the model")
     model, optimizer, dims = build_training(cfg, device)
+    data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
     start = 0
     if cfg.resume:
@@ -120,14 +125,15 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
         beat(f"waiting for rollouts step {step}")
-        batch = wait_for_step(cfg.output_dir, step, rank, cfg.rollout_timeout)
+        batch = wait_for_step(cfg.output_dir, step, data_rank, cfg.rollout_timeout)
         beat(f"training step {step}")
         if batch.step != step:
-            raise ValueError(f"rollouts/step_{step}/rank_{rank} holds step {batch.step}")
+            raise ValueError(f"rollouts/step_{step}/rank_{data_rank} holds step {batch.step}")
         t1 = time.perf_counter()
+        set_lr(optimizer, step, cfg.max_steps, cfg.scheduler)
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
-            forward_context(dims, cfg, device.type),
+            forward_context(dims, cfg, device.type), router_replay=cfg.model.router_replay,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

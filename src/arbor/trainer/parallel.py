@@ -1,9 +1,10 @@
 """Process group setup, the device mesh (`ParallelDims`) and model parallelisation (`parallelize`).
 
-Follows torchtitan's structure (ParallelDims -> build_mesh -> parallelize applying one transform per kind of
+Follows torchtitan's structure (ParallelDims -> build_meshes -> parallelize applying one transform per kind of
 parallelism) but builds its mesh on CPU with gloo as well as on CUDA with NCCL, which torchtitan's ParallelDims
-does not. Today the only dimension is `dp_shard` (FSDP2 over every rank); context and expert parallelism will
-add mesh dimensions here and transforms in `parallelize`, in the order documented there.
+does not (and depends on torchtitan's own config classes). Named dimensions dp_replicate, dp_shard, cp and ep; the
+transforms and their order are documented in `parallelize`. Gradient clipping is our own because parameters
+live on different meshes (FSDP2 vs expert-parallel DTensors).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from arbor.config.trainer import TrainerConfig
+    from arbor.config.trainer import ParallelConfig, TrainerConfig
 
 
 def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
@@ -47,39 +48,104 @@ def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the named mesh dimensions; their product is the world size."""
+    """Sizes of the named mesh dimensions. `world_size = dp_replicate * dp_shard * cp`; expert parallelism
+    folds into the data-parallel ranks as in torchtitan: `ep` divides `dp_shard * cp`, and the ranks of an ep
+    group hold different experts while seeing different tokens."""
 
+    dp_replicate: int
+    """HSDP replicas: parameters are replicated across them and gradients all-reduced."""
     dp_shard: int
-    """Ranks that FSDP2 shards parameters, gradients and optimizer state across (and averages gradients over)."""
+    """Ranks that FSDP2 shards parameters, gradients and optimizer state across (and that see different data)."""
+    cp: int
+    """Context parallel: ranks splitting every sequence (FSDP2 shards over dp_shard x cp too)."""
+    ep: int
+    """Expert parallel: ranks splitting the experts of each MoE layer (a divisor of dp_shard x cp)."""
     world_size: int
 
     def __post_init__(self) -> None:
-        if self.dp_shard < 1 or self.dp_shard != self.world_size:
-            raise ValueError(f"dp_shard ({self.dp_shard}) must equal the world size ({self.world_size})")
+        for name in ("dp_replicate", "dp_shard", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_replicate * self.dp_shard * self.cp != self.world_size:
+            raise ValueError(
+                f"trainer.parallel: dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x cp ({self.cp}) "
+                f"must equal the world size ({self.world_size})"
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide dp_shard x cp ({self.dp_shard * self.cp})")
+
+    @classmethod
+    def from_config(cls, parallel: "ParallelConfig", world_size: int | None = None) -> "ParallelDims":
+        """`dp_shard = -1` (the default) takes the ranks left over by dp_replicate and cp."""
+        ws = dist.get_world_size() if world_size is None else world_size
+        rest = parallel.dp_replicate * parallel.cp
+        if ws % rest:
+            raise ValueError(f"trainer.parallel: dp_replicate x cp ({rest}) does not divide the world size ({ws})")
+        dp_shard = ws // rest if parallel.dp_shard == -1 else parallel.dp_shard
+        return cls(parallel.dp_replicate, dp_shard, parallel.cp, parallel.ep, ws)
 
     @classmethod
     def from_world(cls, world_size: int | None = None) -> "ParallelDims":
         ws = dist.get_world_size() if world_size is None else world_size
-        return cls(dp_shard=ws, world_size=ws)
+        return cls(dp_replicate=1, dp_shard=ws, cp=1, ep=1, world_size=ws)
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
         return self.dp_shard > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard_enabled
+        return self.dp_shard_enabled or self.cp_enabled or self.dp_replicate_enabled
 
     @property
     def dp_size(self) -> int:
-        """Ranks that see different data (the gradient-averaging group)."""
-        return self.dp_shard
+        """Ranks that see different data (a CP group shares its rows)."""
+        return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """A device mesh over the default process group; `device_type` "cpu" uses the gloo group."""
+    @property
+    def loss_scale(self) -> int:
+        """What a rank's loss (over its own tokens) is multiplied by so that FSDP2's gradient average over all
+        `dp_replicate x dp_shard x cp` ranks gives the gradient of the global token mean."""
+        return self.world_size
+
+    def build_meshes(self, device_type: str) -> "Meshes":
+        """The device meshes every transform uses (device_type "cpu" puts them on gloo)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        r, s, c = self.dp_replicate, self.dp_shard, self.cp
+        main = init_device_mesh(device_type, (r, s, c), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+        fsdp = init_device_mesh(device_type, (r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+        # EP groups are runs of consecutive ranks in the flattened dp_shard x cp order; "efsdp" indexes the
+        # replicas of each expert shard inside one dp_replicate group.
+        experts = init_device_mesh(device_type, (r, s * c // self.ep, self.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        return Meshes(
+            fsdp=fsdp if r > 1 else fsdp["dp_shard_cp"],
+            cp=main["cp"],
+            ep=experts["ep"],
+            expert_replicas=experts["dp_replicate", "efsdp"]._flatten("expert_replicas") if r * s * c > self.ep else None,
+        )
+
+
+@dataclasses.dataclass
+class Meshes:
+    fsdp: "DeviceMesh"
+    """FSDP2 (1-D over dp_shard x cp, or 2-D HSDP with dp_replicate)."""
+    cp: "DeviceMesh"
+    ep: "DeviceMesh"
+    expert_replicas: "DeviceMesh | None"
+    """Ranks holding the same expert shard (their expert gradients are averaged); None when ep is the world."""
 
 
 def parallelize(
@@ -87,35 +153,116 @@ def parallelize(
 ) -> nn.Module:
     """Applies the model transforms in a fixed order and returns the model (changed in place).
 
-    Order, as in torchtitan: activation checkpointing, expert parallelism and context parallelism rewrite or
-    wrap submodules and must see plain modules, so they come first (`apply_ac`, `apply_ep`, `apply_cp` slot in
-    here when those features land); FSDP2 goes last because it replaces parameters with sharded DTensors.
+    Order, as torchtitan's llama3/qwen3 `parallelize`:
+    1. activation checkpointing wraps each decoder layer's forward; it must wrap the plain layer so that FSDP2's
+       pre/post-forward hooks (all-gather, reshard) stay outside the recomputed region;
+    2. expert parallel turns expert weights into ep-sharded DTensors and installs the all-to-all dispatcher: it
+       must run before FSDP2, which then leaves those parameters alone (`ignored_params`);
+    3. context parallel installs the CP attention in every attention module (no parameters change);
+    4. FSDP2 last: it replaces the remaining parameters with DTensors sharded over dp_shard x cp (HSDP with
+       dp_replicate) and registers its hooks around the already-rewritten modules.
     With one rank nothing is sharded and the model stays a plain module.
     """
+    pc = config.parallel
+    meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
+    if pc.activation_checkpointing:
+        apply_ac(model)
+    ignored: set[nn.Parameter] = set()
+    if parallel_dims.ep_enabled:
+        from arbor.trainer.expert_parallel import apply_ep, expert_params
+
+        if not getattr(model.args, "is_moe", False):
+            raise ValueError(f"trainer.parallel.ep = {parallel_dims.ep} needs an MoE model; {config.model.name} is dense")
+        apply_ep(model, meshes.ep, pc.ep_backend, pc.ep_max_tokens_per_rank)
+        ignored = set(expert_params(model))
+        model._arbor_expert_replicas = meshes.expert_replicas
+    if parallel_dims.cp_enabled:
+        from arbor.trainer.context_parallel import apply_cp
+
+        apply_cp(model, meshes.cp, pc.cp_style)
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims.build_mesh(device_type), compute_dtype(config))
+        apply_fsdp(model, meshes.fsdp, compute_dtype(config), ignored)
     return model
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Full activation checkpointing per decoder layer: only the layer inputs are kept, everything inside is
+    recomputed in backward. torchtitan's `apply_ac` wraps layers in `CheckpointWrapper`, which renames
+    parameters (`_checkpoint_wrapped_module.`); replacing `forward` keeps Hugging Face names for publishing."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
 
 
 def compute_dtype(config: "TrainerConfig") -> torch.dtype:
     return getattr(torch, config.model.dtype)
 
 
-def apply_fsdp(model: nn.Module, mesh: "DeviceMesh", param_dtype: torch.dtype) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: "DeviceMesh", param_dtype: torch.dtype, ignored: set[nn.Parameter] | None = None
+) -> None:
     """FSDP2: one group per decoder layer, then the root (embeddings, final norm, head).
 
     Tied embeddings stay tied because `embed_tokens` and `lm_head` both live in the root group, whose single
     FSDPParam is registered on both modules. Master weights stay fp32; a lower `model.dtype` becomes the
-    all-gather/compute dtype with fp32 gradient reduction.
+    all-gather/compute dtype with fp32 gradient reduction. `ignored` parameters (ep-sharded experts) are left
+    as they are.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    ignored = ignored or None
     layers = list(model.model.layers)
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again first in backward: keep them gathered.
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clips by the global gradient norm over parameters that may be DTensors on different meshes (FSDP2 over
+    dp_shard x cp, experts over ep), which `torch.nn.utils.clip_grad_norm_` rejects. Each parameter's squared
+    norm is its local shard's, summed over the mesh dimensions it is sharded on; replicated dimensions count once.
+    Expert gradients are first averaged over their replicas (see arbor.trainer.expert_parallel)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    replicas = getattr(model, "_arbor_expert_replicas", None)
+    if replicas is not None:
+        from arbor.trainer.expert_parallel import sync_expert_grads
+
+        sync_expert_grads(model, replicas.get_group())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    sums: dict[tuple, torch.Tensor] = {}  # (mesh id, sharded mesh dims) -> local sum of squares
+    meshes: dict[tuple, "DeviceMesh"] = {}
+    plain: list[torch.Tensor] = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            key = (id(g.device_mesh), tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard)))
+            sq = g.to_local().float().pow(2).sum()
+            sums[key] = sums[key] + sq if key in sums else sq
+            meshes[key] = g.device_mesh
+        else:
+            plain.append(g.float().pow(2).sum())
+    parts = plain
+    for key, value in sums.items():
+        for d in key[1]:
+            dist.all_reduce(value, group=meshes[key].get_group(d))
+        parts.append(value)
+    device = parts[0].device
+    total = torch.stack([p.to(device) for p in parts]).sum()
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return norm
 
 
 def forward_context(

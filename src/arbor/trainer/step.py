@@ -49,25 +49,38 @@ def packed_logprobs(
     temperature: float,
     device: torch.device,
     with_entropy: bool = True,
+    routed_experts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`."""
+    """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`.
+    `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models). Under context
+    parallelism the row is split over the cp ranks (arbor.trainer.context_parallel) with the same result."""
+    if getattr(model, "_arbor_cp", None) is not None:
+        from arbor.trainer.context_parallel import packed_logprobs_cp
+
+        return packed_logprobs_cp(model, input_ids, position_ids, seq_lens, temperature, device, with_entropy,
+                                  routed_experts)
     input_ids = input_ids.to(device, non_blocking=True)
     position_ids = position_ids.to(device, non_blocking=True)
     mask = packed_causal_mask(seq_lens, input_ids.shape[0]).to(device, non_blocking=True)
-    logits = model(input_ids[None], position_ids[None], mask)[0]
+    kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
+    logits = model(input_ids[None], position_ids[None], mask, **kwargs)[0]
     return shifted_logprobs(logits, input_ids, temperature, with_entropy)
 
 
 def micro_batch_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True
+    model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True,
+    router_replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy)
+    replay = mb.routed_experts if router_replay else None
+    return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay)
 
 
 @dataclasses.dataclass
 class _Accumulator:
     """Per-rank running sums and extrema, kept as device tensors so micro-batches never sync with the host."""
 
+    weight: float = 1.0
+    """Multiplies the sums: 0 on context-parallel ranks other than the first, which hold duplicate figures."""
     sums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     maxes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     mins: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -79,6 +92,7 @@ class _Accumulator:
         elif key.endswith("_min"):
             self.mins[key] = torch.minimum(self.mins[key], value) if key in self.mins else value
         else:
+            value = value * self.weight
             self.sums[key] = self.sums[key] + value if key in self.sums else value
 
     def reduce(self, world_size: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -107,18 +121,34 @@ def train_step(
     device: torch.device,
     dp_size: int = 1,
     forward_ctx: contextlib.AbstractContextManager | None = None,
+    router_replay: bool = False,
 ) -> dict[str, float]:
-    """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures."""
+    """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures.
+
+    Under context parallelism every rank of a cp group holds the whole row's logprobs and computes the same
+    loss; the all-gather's backward sums the group's gradients (a factor cp that FSDP2's average over
+    dp x cp ranks cancels), and only cp rank 0 counts the figures. An MoE model's load-balancing loss
+    (`model.aux_loss`, per micro-batch) is added with weight 1/micro-batches per rank.
+    """
+    from arbor.trainer.parallel import clip_grad_norm
+
     normaliser = max(batch.loss_tokens_total, 1)
-    acc = _Accumulator()
+    cp_ctx = getattr(model, "_arbor_cp", None)
+    acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
+    n_mb = max(len(batch.micro_batches), 1)
     for mb in batch.micro_batches:
         with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device)
+            logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay)
         mask = mb.loss_mask.to(device, non_blocking=True)
         inf_lp = mb.inference_logprobs.to(device, non_blocking=True)
         adv = mb.advantages.to(device, non_blocking=True)
         out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg)
-        (out.loss_sum * (dp_size / normaliser)).backward()
+        total = out.loss_sum * (dp_size / normaliser)
+        aux = getattr(model, "aux_loss", None)
+        if aux is not None:
+            total = total + aux / n_mb
+            acc.add("aux_loss_sum", aux / n_mb * mask.sum())  # reported per loss token like the loss metrics
+        total.backward()
         _account(acc, mb, mask, logprobs.detach(), inf_lp, entropy, out.loss_sum, batch.step, device)
         for key, value in out.metrics.items():
             acc.add(f"loss/{key}", value)
@@ -158,14 +188,6 @@ def _account(
     acc.add("staleness_sum", torch.where(sampled, stale, zero).sum())
     acc.add("staleness_tokens", sampled.sum())
     acc.add("staleness_max", torch.where(sampled, stale, torch.full_like(stale, -1.0)).max())
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clips by the global gradient norm; with FSDP2 the norm is a replicated DTensor, made a plain tensor."""
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
 
 
 def _figures(acc: _Accumulator, world_size: int, normaliser: int) -> dict[str, float]:

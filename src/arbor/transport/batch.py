@@ -4,16 +4,21 @@ A micro-batch is one packed row of several samples. Every per-token array has th
 `seq_lens` gives the packed samples' lengths (their sum may be shorter than the row: the rest is padding).
 Token `t`'s `inference_logprobs[t]`, `advantages[t]` and `loss_mask[t]` describe the prediction *of* token
 `t` from the tokens before it, so the trainer shifts logits by one. `policy_versions[t]` is the trainer step
-whose weights sampled token `t` (-1 for prompt tokens).
+whose weights sampled token `t` (-1 for prompt tokens). The optional `routed_experts [T, moe_layers, top_k]`
+(uint8 or int16) holds the experts the inference engine routed each token to (router replay); absent for dense
+models or with replay off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions")
 DTYPES = {
@@ -36,9 +41,14 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     policy_versions: torch.Tensor
     seq_lens: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != n):
+            raise ValueError(
+                f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, expected ({n}, layers, top_k)"
+            )
         for name in PER_TOKEN:
             t = getattr(self, name)
             if t.dim() != 1 or t.shape[0] != n:
@@ -70,7 +80,10 @@ class StepBatch:
         seen: set[int] = set()
         for i, mb in enumerate(self.micro_batches):
             for f in dataclasses.fields(MicroBatch):
-                t = getattr(mb, f.name).to(DTYPES[f.name]).contiguous()
+                t = getattr(mb, f.name)
+                if t is None:  # optional field
+                    continue
+                t = (t.to(DTYPES[f.name]) if f.name in DTYPES else t).contiguous()
                 if t.data_ptr() in seen:  # safetensors refuses aliased tensors (e.g. one micro-batch reused)
                     t = t.clone()
                 seen.add(t.data_ptr())
@@ -89,7 +102,7 @@ class StepBatch:
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "StepBatch":
         header = json.loads(meta["arbor"])
         mbs = [
-            MicroBatch(**{f.name: tensors[f"{i}.{f.name}"] for f in dataclasses.fields(MicroBatch)})
+            MicroBatch(**{f.name: tensors[f"{i}.{f.name}"] for f in dataclasses.fields(MicroBatch) if f"{i}.{f.name}" in tensors})
             for i in range(header["num_micro_batches"])
         ]
         return cls(
@@ -100,3 +113,26 @@ class StepBatch:
             temperature=header["temperature"],
             metadata=header.get("metadata", {}),
         )
+
+
+def encode_routes(routes: "np.ndarray") -> dict[str, Any]:
+    """Router-replay payload for JSON: `{"dtype", "shape", "data": base64 of the raw bytes}` (no per-element work)."""
+    import base64
+
+    return {"dtype": str(routes.dtype), "shape": list(routes.shape), "data": base64.b64encode(routes.tobytes()).decode()}
+
+
+def decode_routes(payload: dict[str, Any]) -> "np.ndarray":
+    """Inverse of `encode_routes`; raises ValueError naming the field on a malformed payload."""
+    import base64
+
+    import numpy as np
+
+    try:
+        dtype = np.dtype(payload["dtype"])
+        if dtype not in (np.uint8, np.int16):
+            raise ValueError(f"dtype {dtype} is not uint8 or int16")
+        arr = np.frombuffer(base64.b64decode(payload["data"]), dtype=dtype)
+        return arr.reshape([int(n) for n in payload["shape"]])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"routed_experts payload is malformed: {e}") from None

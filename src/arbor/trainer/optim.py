@@ -1,0 +1,90 @@
+"""Optimizers (AdamW, Muon) and learning-rate schedules (constant / linear / cosine after linear warm-up).
+
+Muon is torch's own `torch.optim.Muon`, which orthogonalises 2-D updates only; as its documentation and the
+Muon paper advise, embeddings, the LM head, norms, routers and 3-D expert tensors go to an AdamW beside it.
+Both live in one `Optimizers` container that steps, zeroes and checkpoints them together (torchtitan's
+OptimizersContainer, reduced to what we use). The schedule is a pure function of the step, applied before each
+optimizer step, so a resumed run needs no scheduler state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from arbor.config.trainer import OptimConfig, SchedulerConfig
+
+
+class Optimizers:
+    """One or more optimizers that act as one (step, zero_grad, param_groups, state dicts via DCP)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _muon_eligible(name: str, p: nn.Parameter) -> bool:
+    # Token embeddings and the head are lookup tables/classifiers, not hidden-layer matrices; the router is
+    # tiny and its logits must stay calibrated.
+    return p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name and not name.endswith("mlp.gate.weight")
+
+
+def build_optimizer(model: nn.Module, cfg: "OptimConfig") -> Optimizers:
+    adamw_kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return Optimizers([torch.optim.AdamW(model.parameters(), **adamw_kw)])
+    seen: set[int] = set()
+    muon, rest = [], []
+    for name, p in model.named_parameters():  # tied weights appear once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (muon if _muon_eligible(name, p) else rest).append(p)
+    muon_lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.Muon(muon, lr=muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
+                         adjust_lr_fn="match_rms_adamw")
+    ]
+    if rest:
+        opts.append(torch.optim.AdamW(rest, **adamw_kw))
+    for o in opts:
+        for g in o.param_groups:
+            g["base_lr"] = g["lr"]
+    return Optimizers(opts)
+
+
+def lr_factor(step: int, max_steps: int, cfg: "SchedulerConfig") -> float:
+    """Multiplier of the base learning rate for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.name == "constant":
+        return 1.0
+    span = max(max_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    lo = cfg.min_lr_ratio
+    if cfg.name == "linear":
+        return lo + (1.0 - lo) * (1.0 - progress)
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: Optimizers, step: int, max_steps: int, cfg: "SchedulerConfig") -> float:
+    """Applies the schedule for `step`; returns the first group's learning rate."""
+    f = lr_factor(step, max_steps, cfg)
+    for g in optimizer.param_groups:
+        g["lr"] = g.setdefault("base_lr", g["lr"]) * f
+    return optimizer.param_groups[0]["lr"]
