@@ -31,9 +31,17 @@ class ClientConfig(Config):
 
 class AdvantageConfig(Config):
     name: str = "grpo"
-    """Advantage function: "grpo" (reward minus group mean) or a dotted path `module:function`."""
+    """Advantage function: "grpo" (reward minus group mean; divided by the group std with std_normalize),
+    "drgrpo" (Dr. GRPO: mean baseline, never std-normalised), "rloo" (leave-one-out mean baseline), or a dotted
+    path `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
     std_normalize: bool = False
     """Divide by the group's reward standard deviation (GRPO); off is Dr. GRPO's unbiased choice."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of reward-to-go for rollouts with per-turn/process rewards: a token's advantage is the discounted
+    sum of the group-normalised rewards of its turn and the turns after it."""
+    completion_time_weight: float = Field(0.0, ge=0)
+    """Composite reward: a rollout with positive reward gains up to this much for finishing faster than the other
+    successful rollouts of its group (relative completion time: latency when measured, else completion tokens)."""
 
 
 class BatchingConfig(Config):
@@ -41,6 +49,10 @@ class BatchingConfig(Config):
     """Token budget of one packed micro-batch row; a longer sample gets a row of its own."""
     trainer_ranks: int = Field(1, ge=1)
     """Trainer data-parallel ranks to write a file for; `rl` sets it from the trainer's world size."""
+    normalization: Literal["token", "sequence", "group"] = "token"
+    """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
+    tokens (DAPO), "sequence" = mean over samples of each sample's token mean (GRPO, GSPO), "group" = mean over
+    groups of each group's token mean."""
 
 
 class OrchestratorConfig(Config):

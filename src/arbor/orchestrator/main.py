@@ -36,6 +36,7 @@ class Orchestrator:
         self.tasks = self.env.dataset(cfg.seed)
         self.dropped_stale = 0
         self.skipped_long = 0
+        self.groups_launched = 0
 
     async def run(self) -> None:
         from arbor.monitor.metrics import MetricsWriter, init_wandb
@@ -83,7 +84,8 @@ class Orchestrator:
         compute_advantages(groups, cfg.advantage)
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
-            rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature, self.tokenizer.pad_token_id
+            rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,
+            self.tokenizer.pad_token_id, cfg.batching.normalization,
         )
         write_step(cfg.output_dir, step, batches)
         metrics.add(step, self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client))
@@ -134,7 +136,8 @@ class Orchestrator:
             prompt_ids = self.tokenizer.apply_chat_template(self.env.prompt(task), add_generation_prompt=True)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
-                return GroupSpec(task, prompt_ids, seed)
+                self.groups_launched += 1
+                return GroupSpec(task, prompt_ids, seed, self.groups_launched - 1)
             self.skipped_long += 1
 
     def _figures(self, step, rollouts, gen_seconds, waited, step_seconds, weights, client) -> dict[str, Any]:

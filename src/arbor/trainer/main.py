@@ -42,11 +42,11 @@ def run(cfg: TrainerConfig) -> int:
     import torch
     import torch.distributed as dist
 
-    from arbor.trainer.loss import resolve_loss
+    from arbor.trainer.loss import build_loss
     from arbor.trainer.parallel import init_distributed
 
     try:
-        loss_fn = resolve_loss(cfg.loss.name)
+        loss_fn = build_loss(cfg.loss)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"loss.name: {e}") from None
     if cfg.num_threads is not None:
@@ -104,6 +104,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
 
     rank = dist.get_rank()
     model, optimizer, dims = build_training(cfg, device)
+    reference = build_reference(cfg, device, dims)
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
     start = 0
     if cfg.resume:
@@ -123,7 +124,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         t1 = time.perf_counter()
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
-            forward_context(dims, cfg, device.type),
+            forward_context(dims, cfg, device.type), reference,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -152,6 +153,25 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps:
             save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
             last_checkpoint_seconds = time.perf_counter() - t3
+
+
+def build_reference(cfg: TrainerConfig, device: "torch.device", dims: Any) -> "nn.Module | None":
+    """The KL penalty's reference: the initial weights (built as `build_training` builds the policy, before any
+    checkpoint is loaded), frozen and sharded like the policy (under FSDP2 its forward is a collective too).
+    None when `loss.kl_coef` is 0."""
+    import torch
+
+    from arbor.models import build_model
+    from arbor.trainer.parallel import parallelize
+
+    if cfg.loss.kl_coef <= 0:
+        return None
+    with torch.random.fork_rng():  # the same initial weights as the policy's, without moving the global RNG
+        torch.manual_seed(cfg.seed)
+        ref = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
+    ref.requires_grad_(False).eval()
+    ref = parallelize(ref, dims, cfg, device.type)
+    return ref if dims.fsdp_enabled else ref.to(device)
 
 
 def publish(cfg: TrainerConfig, model: "nn.Module", version: int, tokenizer) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from arbor.config.trainer import LossConfig
 from arbor.models.attention import packed_causal_mask
-from arbor.trainer.loss import LossFn
+from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
 
 
@@ -107,8 +107,10 @@ def train_step(
     device: torch.device,
     dp_size: int = 1,
     forward_ctx: contextlib.AbstractContextManager | None = None,
+    ref_model: nn.Module | None = None,
 ) -> dict[str, float]:
-    """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures."""
+    """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures.
+    `ref_model` (frozen) supplies `LossContext.ref_logprobs` for a KL penalty."""
     normaliser = max(batch.loss_tokens_total, 1)
     acc = _Accumulator()
     for mb in batch.micro_batches:
@@ -117,7 +119,11 @@ def train_step(
         mask = mb.loss_mask.to(device, non_blocking=True)
         inf_lp = mb.inference_logprobs.to(device, non_blocking=True)
         adv = mb.advantages.to(device, non_blocking=True)
-        out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg)
+        ctx = LossContext(mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True))
+        if ref_model is not None:
+            with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+                ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False)
+        out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg, ctx)
         (out.loss_sum * (dp_size / normaliser)).backward()
         _account(acc, mb, mask, logprobs.detach(), inf_lp, entropy, out.loss_sum, batch.step, device)
         for key, value in out.metrics.items():

@@ -4,7 +4,9 @@ A micro-batch is one packed row of several samples. Every per-token array has th
 `seq_lens` gives the packed samples' lengths (their sum may be shorter than the row: the rest is padding).
 Token `t`'s `inference_logprobs[t]`, `advantages[t]` and `loss_mask[t]` describe the prediction *of* token
 `t` from the tokens before it, so the trainer shifts logits by one. `policy_versions[t]` is the trainer step
-whose weights sampled token `t` (-1 for prompt tokens).
+whose weights sampled token `t` (-1 for prompt tokens). `loss_weights[t]` multiplies token `t`'s loss: it makes
+the step's normalisation explicit (token: 1; sequence and group: see arbor.orchestrator.batcher). A file
+written without it (an older writer) reads as all ones.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import torch
 
-PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions")
+PER_TOKEN = (
+    "input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights"
+)
 DTYPES = {
     "input_ids": torch.int64,
     "position_ids": torch.int64,
@@ -24,6 +28,7 @@ DTYPES = {
     "inference_logprobs": torch.float32,
     "policy_versions": torch.int32,
     "seq_lens": torch.int32,
+    "loss_weights": torch.float32,
 }
 
 
@@ -36,9 +41,13 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     policy_versions: torch.Tensor
     seq_lens: torch.Tensor
+    loss_weights: torch.Tensor | None = None
+    """Per-token loss multipliers; None (the default) means all ones."""
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
+        if self.loss_weights is None:
+            self.loss_weights = torch.ones(n, dtype=torch.float32)
         for name in PER_TOKEN:
             t = getattr(self, name)
             if t.dim() != 1 or t.shape[0] != n:
@@ -89,7 +98,7 @@ class StepBatch:
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "StepBatch":
         header = json.loads(meta["arbor"])
         mbs = [
-            MicroBatch(**{f.name: tensors[f"{i}.{f.name}"] for f in dataclasses.fields(MicroBatch)})
+            MicroBatch(**{f.name: tensors[k] for f in dataclasses.fields(MicroBatch) if (k := f"{i}.{f.name}") in tensors})
             for i in range(header["num_micro_batches"])
         ]
         return cls(
