@@ -55,6 +55,21 @@ class BatchingConfig(Config):
     groups of each group's token mean."""
 
 
+class SchedulerConfig(Config):
+    mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] | None = None
+    """How generation and training overlap and which finished groups a batch may take (see
+    arbor.orchestrator.scheduler): "sync", "one_step_off", "async" (strict FIFO, bounded by
+    max_off_policy_steps), "greedy" (first finished first out), "windowed_fifo" (Forge). Default: from async_lag
+    (0 = sync, 1 = one_step_off, more = that lag)."""
+    sync_interval: int = Field(1, ge=1)
+    """sync: every this many steps generation waits for the newest weights (1 = fully on-policy)."""
+    window: int | None = Field(None, ge=1)
+    """windowed_fifo: W, in groups, of the visible part [H, H+W) of the generation queue; default: half a step."""
+    max_in_flight: int | None = Field(None, ge=1)
+    """Groups generating at once. Default: two steps' worth for the continuous modes (async, greedy,
+    windowed_fifo), max_concurrent_groups (or one step) for the per-step ones."""
+
+
 class OrchestratorConfig(Config):
     """Samples tasks, generates rollouts through the inference API, scores them and writes training batches."""
 
@@ -92,6 +107,8 @@ class OrchestratorConfig(Config):
     """The environment."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimation."""
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """Scheduling of generation against training."""
     batching: BatchingConfig = BatchingConfig()
     """Packing into micro-batches."""
     wandb: WandbConfig | None = None

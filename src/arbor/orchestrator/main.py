@@ -1,14 +1,18 @@
 """The orchestrator: tasks -> rollouts -> rewards -> advantages -> packed batches, one training step at a time.
 
-Each step waits until the inference fleet serves a policy at most `async_lag` versions behind the step
-(0 = synchronous on-policy; 1 = batch N+1 is generated while the trainer trains on batch N), generates
-`batch_size / group_size` groups concurrently, drops groups with a token older than `max_off_policy_steps`
-(counted, and replaced), computes group-relative advantages, packs micro-batches per trainer rank and writes
-them atomically to `rollouts/step_N/`. Weight updates run in the background (`WeightSync`) and metrics are
-merged with the trainer's as they arrive (`MetricsWriter`).
+Each step waits until the inference fleet serves a policy at most `lag(step)` versions behind the step (see
+arbor.orchestrator.scheduler: 0 = synchronous on-policy; 1 = batch N+1 is generated while the trainer trains on
+batch N), then takes `batch_size / group_size` finished groups from the generation queue under the scheduler's
+window rule, drops groups with a token older than `max_off_policy_steps` (counted, and replaced), computes
+advantages, packs micro-batches per trainer rank and writes them atomically to `rollouts/step_N/`. Weight
+updates run in the background (`WeightSync`) and metrics are merged with the trainer's as they arrive
+(`MetricsWriter`).
 
-Departure from the windowed-FIFO design (Forge): this loop fills a step from groups launched for that step; the
-scheduler modes (windowed FIFO, greedy, partial rollouts) arrive with the scheduler issue behind the same loop.
+Per-step modes (sync, one_step_off: the default) launch exactly the step's groups when the step starts. The
+continuous modes (async, greedy, windowed_fifo) keep up to `max_in_flight` groups generating across step
+boundaries, so generation never idles while a step is written or the trainer catches up; groups still in
+flight when a run stops are lost, and on resume their tasks are skipped, not repeated (the dataset position
+is saved as launched).
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ class Orchestrator:
         self.dropped_stale = 0
         self.skipped_long = 0
         self.groups_launched = 0
+        from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
+
+        self.policy = SchedulePolicy.from_config(cfg)
+        self.queue: RolloutQueue[asyncio.Task] = RolloutQueue(self.policy.window)
+        self._running: dict[int, asyncio.Task] = {}
+        self.finished_groups = 0  # groups the generator has produced (for the production rate)
+        self._last_write: float | None = None
+        self._last_finished = 0
 
     async def run(self) -> None:
         from arbor.monitor.metrics import MetricsWriter, init_wandb
@@ -61,7 +73,7 @@ class Orchestrator:
                     await self._step(step, client, weights, metrics)
                 await self._drain_metrics(metrics, weights)
             finally:
-                for t in background:
+                for t in [*background, *self._running.values()]:
                     t.cancel()
                 metrics.close()
         log.info("orchestrator done after %d steps", cfg.max_steps)
@@ -75,12 +87,14 @@ class Orchestrator:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        waited = await weights.ensure(step - cfg.async_lag, cfg.weight_update_timeout)
+        waited = await weights.ensure(step - self.policy.lag(step), cfg.weight_update_timeout)
         save_state(cfg.output_dir, OrchestratorState(step, self.sampler.epoch, self.sampler.position))
         prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         t_gen = time.perf_counter()
+        dropped_before = self.dropped_stale
         groups = await self._collect_groups(step, client)
         gen_seconds = time.perf_counter() - t_gen
+        dropped = self.dropped_stale - dropped_before
         compute_advantages(groups, cfg.advantage)
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
@@ -88,44 +102,79 @@ class Orchestrator:
             self.tokenizer.pad_token_id, cfg.batching.normalization,
         )
         write_step(cfg.output_dir, step, batches)
-        metrics.add(step, self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client))
+        figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
+        figures.update(self._throughput(len(rollouts), dropped, waited))
+        metrics.add(step, figures)
 
     async def _collect_groups(self, step: int, client) -> list[list]:
-        """Generates a step's groups, replacing those dropped as too stale, with bounded concurrency."""
+        """Takes a step's groups from the generation queue (launching as the mode allows), replacing those
+        dropped as too stale."""
         from arbor.orchestrator.rollout import generate_group
 
-        cfg = self.cfg
+        cfg, pol, q = self.cfg, self.policy, self.queue
         need = cfg.batch_size // cfg.group_size
-        sem = asyncio.Semaphore(cfg.max_concurrent_groups or need)
         weights_of = cfg.environment.reward_weights
 
-        async def one(k: int) -> list:
-            async with sem:
-                spec = self._next_spec(step, k)
-                return await generate_group(
-                    client, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                    cfg.sampling.top_p, weights_of, cfg.environment.timeout,
-                )
+        async def one(spec) -> list:
+            return await generate_group(
+                client, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
+                cfg.sampling.top_p, weights_of, cfg.environment.timeout,
+            )
+
+        def launch(k: int) -> None:
+            pos = q.launch()
+            task = asyncio.create_task(one(self._next_spec(step, k)))
+            self._running[pos] = task
+            task.add_done_callback(lambda t, p=pos: self._finished(p, t))
 
         kept: list[list] = []
         launched = 0
-        pending: set[asyncio.Task] = set()
-        try:
-            while len(kept) < need:
-                while len(kept) + len(pending) < need:
-                    pending.add(asyncio.create_task(one(launched)))
+        while len(kept) < need:
+            if pol.continuous:  # keep the fleet busy, bounded in flight and in look-ahead
+                while q.in_flight < pol.max_in_flight and q.next_position - q.head < pol.max_in_flight + need:
+                    launch(launched)
                     launched += 1
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    group = task.result()
-                    if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
-                        self.dropped_stale += len(group)
-                        continue
-                    kept.append(group)
-        finally:
-            for task in pending:
-                task.cancel()
-        return kept[:need]
+            else:  # exactly the step's groups (plus replacements), at most max_in_flight at once
+                while len(kept) + q.in_flight + q.ready < need and q.in_flight < pol.max_in_flight:
+                    launch(launched)
+                    launched += 1
+            for _, task in q.take(need - len(kept)):
+                group = task.result()  # a failed generation fails the run, as the client already retried
+                if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
+                    self.dropped_stale += len(group)
+                    continue
+                kept.append(group)
+            if len(kept) >= need:
+                break
+            if not self._running:
+                raise RuntimeError(f"scheduler stalled at step {step}: nothing in flight and nothing visible")
+            await asyncio.wait(set(self._running.values()), return_when=asyncio.FIRST_COMPLETED)
+        return kept
+
+    def _finished(self, position: int, task: asyncio.Task) -> None:
+        self._running.pop(position, None)
+        if task.cancelled():
+            return
+        self.finished_groups += 1
+        self.queue.finish(position, task)
+
+    def _throughput(self, taken: int, dropped: int, waited: float) -> dict[str, Any]:
+        """Throughput-matching figures: generator production vs trainer consumption, between two batch writes."""
+        now = time.perf_counter()
+        out: dict[str, Any] = {
+            "scheduler/in_flight": self.queue.in_flight,
+            "scheduler/ready": self.queue.ready,
+            "scheduler/head": self.queue.head,
+            "accepted/frac": taken / max(taken + dropped, 1),
+        }
+        if self._last_write is not None:
+            interval = max(now - self._last_write, 1e-9)
+            produced = (self.finished_groups - self._last_finished) * self.cfg.group_size
+            out["throughput/produced_rollouts_per_s"] = produced / interval
+            out["throughput/consumed_rollouts_per_s"] = taken / interval
+            out["throughput/orchestrator_wait_ratio"] = min(waited / interval, 1.0)
+        self._last_write, self._last_finished = now, self.finished_groups
+        return out
 
     def _next_spec(self, step: int, k: int):
         from arbor.orchestrator.rollout import GroupSpec
@@ -143,6 +192,8 @@ class Orchestrator:
     def _figures(self, step, rollouts, gen_seconds, waited, step_seconds, weights, client) -> dict[str, Any]:
         import numpy as np
 
+        from arbor.orchestrator.scheduler import staleness_histogram
+
         rewards = np.array([r.reward for r in rollouts])
         stale = np.array([r.staleness(step) for r in rollouts])
         comp_lens = np.array([len(r.completion_ids) for r in rollouts])
@@ -155,6 +206,7 @@ class Orchestrator:
             "rollouts/s": len(rollouts) / max(gen_seconds, 1e-9),
             "staleness/max": int(stale.max()),
             "staleness/mean": float(stale.mean()),
+            **staleness_histogram(stale.tolist()),
             "dropped/stale": self.dropped_stale,
             "skipped/too_long": self.skipped_long,
             "score/failed": int(sum(r.score_failed for r in rollouts)),

@@ -142,6 +142,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
                 "tokens/s": figures["num_tokens"] / max(t2 - t1, 1e-9),
                 "time/step": t3 - t0,
                 "time/wait": t1 - t0,
+                "time/wait_ratio": (t1 - t0) / max(t3 - t0, 1e-9),  # throughput matching: trainer starved?
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
