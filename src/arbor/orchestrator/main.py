@@ -92,7 +92,7 @@ class Orchestrator:
         prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         t_gen = time.perf_counter()
         dropped_before = self.dropped_stale
-        groups = await self._collect_groups(step, client)
+        groups = await self._collect_groups(step, client, weights)
         gen_seconds = time.perf_counter() - t_gen
         dropped = self.dropped_stale - dropped_before
         compute_advantages(groups, cfg.advantage)
@@ -106,7 +106,7 @@ class Orchestrator:
         figures.update(self._throughput(len(rollouts), dropped, waited))
         metrics.add(step, figures)
 
-    async def _collect_groups(self, step: int, client) -> list[list]:
+    async def _collect_groups(self, step: int, client, weights) -> list[list]:
         """Takes a step's groups from the generation queue (launching as the mode allows), replacing those
         dropped as too stale."""
         from arbor.orchestrator.rollout import generate_group
@@ -130,8 +130,12 @@ class Orchestrator:
         kept: list[list] = []
         launched = 0
         while len(kept) < need:
-            if pol.continuous:  # keep the fleet busy, bounded in flight and in look-ahead
-                while q.in_flight < pol.max_in_flight and q.next_position - q.head < pol.max_in_flight + need:
+            if pol.continuous:
+                # Keep the fleet busy, but launch only groups the staleness bound will still admit when their
+                # step comes: the outstanding groups fill the next outstanding // need steps (AReaL's rule).
+                while q.in_flight < pol.max_in_flight and (
+                    step + q.outstanding // need - weights.loaded_version <= cfg.max_off_policy_steps
+                ):
                     launch(launched)
                     launched += 1
             else:  # exactly the step's groups (plus replacements), at most max_in_flight at once

@@ -63,6 +63,16 @@ class RolloutQueue(Generic[T]):
         return self.next_position - self.head - len(self._consumed) - len(self._finished)
 
     @property
+    def waiting(self) -> int:
+        """Finished, not consumed (visible or blocked outside the window)."""
+        return len(self._finished)
+
+    @property
+    def outstanding(self) -> int:
+        """Launched and not consumed: in flight plus waiting."""
+        return self.in_flight + self.waiting
+
+    @property
     def ready(self) -> int:
         """Finished and visible (inside the window) right now."""
         return sum(1 for p in self._finished if self._visible(p))
