@@ -1,5 +1,6 @@
 """A continuous-producer scheduling mode end to end: windowed FIFO with groups launched ahead, sequence
-normalisation and the throughput-matching figures in metrics.jsonl."""
+normalisation, CISPO, zero-advantage filtering, the curriculum sampler, and the throughput-matching figures in
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_windowed_fifo_run_with_lookahead(tmp_path):
         out, "--max-steps", "4", "--orchestrator.scheduler.mode", "windowed_fifo",
         "--orchestrator.scheduler.window", "2", "--orchestrator.scheduler.max-in-flight", "6",
         "--orchestrator.max-off-policy-steps", "2", "--orchestrator.batching.normalization", "sequence",
-        "--trainer.loss.name", "cispo",
+        "--trainer.loss.name", "cispo", "--orchestrator.filters.drop-zero-advantage", "true",
+        "--orchestrator.curriculum.enabled", "true", "--orchestrator.filters.solve-threshold", "0.5",
     ))
     assert rc == 0, stderr + stdout
     rows = read_jsonl(out / "metrics.jsonl")
@@ -26,6 +28,8 @@ def test_windowed_fifo_run_with_lookahead(tmp_path):
         assert r["staleness/max"] <= 2
         assert sum(v for k, v in r.items() if k.startswith("staleness/hist_")) == 16  # every rollout counted once
         assert 0 < r["accepted/frac"] <= 1 and 0 <= r["time/wait_ratio"] <= 1
+        assert sum(r[f"batch/{p}_frac"] for p in ("easy", "normal", "hard")) == pytest.approx(1.0)
+        assert r["filtered/zero_advantage"] >= 0
     # Groups were launched ahead of the batch: after step 0 the queue head is past step 0's 4 groups, with
     # more in flight or finished.
     assert rows[0]["scheduler/head"] >= 4

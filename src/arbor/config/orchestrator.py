@@ -55,6 +55,46 @@ class BatchingConfig(Config):
     groups of each group's token mean."""
 
 
+class FilterConfig(Config):
+    drop_zero_advantage: bool = False
+    """Drop groups whose advantages are all zero (every rollout scored the same: no learning signal), and
+    generate replacements."""
+    min_solve_rate: float = Field(0.0, ge=0, le=1)
+    """Online difficulty filtering: drop groups whose solve rate (fraction of rollouts with reward >=
+    solve_threshold) is below this."""
+    max_solve_rate: float = Field(1.0, ge=0, le=1)
+    """Online difficulty filtering: drop groups whose solve rate is above this."""
+    solve_threshold: float = 1.0
+    """A rollout with at least this reward counts as solving its task (solve rates, curriculum, difficulty mix)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> "FilterConfig":
+        if self.min_solve_rate > self.max_solve_rate:
+            raise ValueError(f"min_solve_rate ({self.min_solve_rate}) exceeds max_solve_rate ({self.max_solve_rate})")
+        return self
+
+
+class CurriculumConfig(Config):
+    enabled: bool = False
+    """Sample tasks from easy / normal / hard pools by their recent solve rate instead of in dataset order."""
+    easy_above: float = Field(0.8, ge=0, le=1)
+    """A task whose recent solve rate is at least this is easy."""
+    hard_below: float = Field(0.2, ge=0, le=1)
+    """A task whose recent solve rate is at most this is hard; unseen tasks are normal."""
+    weights: tuple[float, float, float] = (0.1, 0.6, 0.3)
+    """Sampling weights of the easy, normal and hard pools (an empty pool's weight goes to the others)."""
+    history: int = Field(4, ge=1)
+    """Recent groups per task that its solve rate averages over."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "CurriculumConfig":
+        if self.hard_below >= self.easy_above:
+            raise ValueError(f"hard_below ({self.hard_below}) must be below easy_above ({self.easy_above})")
+        if min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"weights {self.weights} must be non-negative with a positive sum")
+        return self
+
+
 class SchedulerConfig(Config):
     mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] | None = None
     """How generation and training overlap and which finished groups a batch may take (see
@@ -109,6 +149,10 @@ class OrchestratorConfig(Config):
     """Advantage estimation."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling of generation against training."""
+    filters: FilterConfig = FilterConfig()
+    """Groups dropped (and replaced) before they enter a batch."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """Difficulty pools for task sampling."""
     batching: BatchingConfig = BatchingConfig()
     """Packing into micro-batches."""
     wandb: WandbConfig | None = None

@@ -41,6 +41,9 @@ class Orchestrator:
         self.dropped_stale = 0
         self.skipped_long = 0
         self.groups_launched = 0
+        self.curriculum = None
+        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0}
+        self._task_of_group: dict[int, dict] = {}
         from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 
         self.policy = SchedulePolicy.from_config(cfg)
@@ -61,6 +64,10 @@ class Orchestrator:
         start = (latest_checkpoint(cfg.output_dir) or 0) if cfg.resume else 0
         state = load_state(cfg.output_dir, start) if start else OrchestratorState()
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
+        if cfg.curriculum.enabled:
+            from arbor.orchestrator.filters import CurriculumSampler
+
+            self.curriculum = CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum)
         metrics = MetricsWriter(cfg.output_dir, init_wandb(cfg.wandb, cfg.output_dir, cfg.model_dump(mode="json")))
         async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
@@ -79,7 +86,6 @@ class Orchestrator:
         log.info("orchestrator done after %d steps", cfg.max_steps)
 
     async def _step(self, step: int, client, weights, metrics) -> None:
-        from arbor.orchestrator.advantages import compute_advantages
         from arbor.orchestrator.batcher import build_step_batches
         from arbor.orchestrator.state import OrchestratorState, prune_states, save_state
         from arbor.trainer.checkpoint import latest_checkpoint
@@ -88,14 +94,14 @@ class Orchestrator:
         cfg = self.cfg
         t0 = time.perf_counter()
         waited = await weights.ensure(step - self.policy.lag(step), cfg.weight_update_timeout)
-        save_state(cfg.output_dir, OrchestratorState(step, self.sampler.epoch, self.sampler.position))
+        curriculum = self.curriculum.state() if self.curriculum is not None else None
+        save_state(cfg.output_dir, OrchestratorState(step, self.sampler.epoch, self.sampler.position, curriculum))
         prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         t_gen = time.perf_counter()
-        dropped_before = self.dropped_stale
+        dropped_before, filtered_before = self.dropped_stale, sum(self.filtered.values())
         groups = await self._collect_groups(step, client, weights)
         gen_seconds = time.perf_counter() - t_gen
-        dropped = self.dropped_stale - dropped_before
-        compute_advantages(groups, cfg.advantage)
+        dropped = self.dropped_stale - dropped_before + sum(self.filtered.values()) - filtered_before
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,
@@ -104,11 +110,14 @@ class Orchestrator:
         write_step(cfg.output_dir, step, batches)
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
         figures.update(self._throughput(len(rollouts), dropped, waited))
+        figures.update(self._difficulty_mix(groups))
         metrics.add(step, figures)
 
     async def _collect_groups(self, step: int, client, weights) -> list[list]:
         """Takes a step's groups from the generation queue (launching as the mode allows), replacing those
         dropped as too stale."""
+        from arbor.orchestrator.advantages import compute_advantages
+        from arbor.orchestrator.filters import filter_reason, solve_rate
         from arbor.orchestrator.rollout import generate_group
 
         cfg, pol, q = self.cfg, self.policy, self.queue
@@ -128,7 +137,7 @@ class Orchestrator:
             task.add_done_callback(lambda t, p=pos: self._finished(p, t))
 
         kept: list[list] = []
-        launched = 0
+        launched = filtered_here = 0
         while len(kept) < need:
             if pol.continuous:
                 # Keep the fleet busy, but launch only groups the staleness bound will still admit when their
@@ -144,8 +153,22 @@ class Orchestrator:
                     launched += 1
             for _, task in q.take(need - len(kept)):
                 group = task.result()  # a failed generation fails the run, as the client already retried
+                task = self._task_of_group.pop(group[0].group_id, None) if group else None
                 if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
                     self.dropped_stale += len(group)
+                    continue
+                compute_advantages([group], cfg.advantage)  # per group: advantages are group-relative
+                if self.curriculum is not None and task is not None:
+                    self.curriculum.record(task, solve_rate(group, cfg.filters.solve_threshold))
+                reason = filter_reason(group, cfg.filters)
+                if reason is not None:
+                    self.filtered[reason] += len(group)
+                    filtered_here += 1
+                    if filtered_here > 50 * need and not kept:
+                        raise RuntimeError(
+                            f"orchestrator.filters dropped {filtered_here} groups in a row at step {step} "
+                            f"(last reason: {reason}): loosen drop_zero_advantage / min_solve_rate / max_solve_rate"
+                        )
                     continue
                 kept.append(group)
             if len(kept) >= need:
@@ -161,6 +184,17 @@ class Orchestrator:
             return
         self.finished_groups += 1
         self.queue.finish(position, task)
+
+    def _difficulty_mix(self, groups: list[list]) -> dict[str, Any]:
+        """The batch's difficulty mix: the fraction of its groups that are easy / normal / hard by their own solve
+        rate (the curriculum's thresholds), plus the cumulative filter counts."""
+        from arbor.orchestrator.filters import POOLS, difficulty, solve_rate
+
+        cfg = self.cfg
+        kinds = [difficulty(solve_rate(g, cfg.filters.solve_threshold), cfg.curriculum) for g in groups]
+        out: dict[str, Any] = {f"batch/{p}_frac": kinds.count(p) / max(len(kinds), 1) for p in POOLS}
+        out.update({f"filtered/{k}": v for k, v in self.filtered.items()})
+        return out
 
     def _throughput(self, taken: int, dropped: int, waited: float) -> dict[str, Any]:
         """Throughput-matching figures: generator production vs trainer consumption, between two batch writes."""
@@ -185,11 +219,12 @@ class Orchestrator:
 
         cfg = self.cfg
         while True:
-            task = self.sampler.next()
+            task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
             prompt_ids = self.tokenizer.apply_chat_template(self.env.prompt(task), add_generation_prompt=True)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
                 self.groups_launched += 1
+                self._task_of_group[self.groups_launched - 1] = task
                 return GroupSpec(task, prompt_ids, seed, self.groups_launched - 1)
             self.skipped_long += 1
 
