@@ -95,6 +95,20 @@ class CurriculumConfig(Config):
         return self
 
 
+class BufferConfig(Config):
+    enabled: bool = False
+    """Store every finished group in the persistent experience buffer and fill batches from it."""
+    path: Path | None = None
+    """SQLite file; default `<output_dir>/buffer.sqlite`."""
+    order: Literal["fifo", "priority", "recency"] = "fifo"
+    """Which ready groups a batch takes first: oldest, largest mean |advantage|, or newest."""
+    train_only: bool = False
+    """Generate nothing: train on the groups already in the buffer (needs no inference server); a step takes
+    what is left when fewer than a batch remain, and the run fails when none is."""
+    reuse: bool = False
+    """Release every earlier claim at start, so the buffer's whole content is trainable again (another epoch)."""
+
+
 class SchedulerConfig(Config):
     mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] | None = None
     """How generation and training overlap and which finished groups a batch may take (see
@@ -149,6 +163,8 @@ class OrchestratorConfig(Config):
     """Advantage estimation."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling of generation against training."""
+    buffer: BufferConfig = BufferConfig()
+    """Persistent experience buffer."""
     filters: FilterConfig = FilterConfig()
     """Groups dropped (and replaced) before they enter a batch."""
     curriculum: CurriculumConfig = CurriculumConfig()

@@ -42,6 +42,7 @@ class Orchestrator:
         self.skipped_long = 0
         self.groups_launched = 0
         self.curriculum = None
+        self.buffer = None
         self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0}
         self._task_of_group: dict[int, dict] = {}
         from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
@@ -69,6 +70,28 @@ class Orchestrator:
 
             self.curriculum = CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum)
         metrics = MetricsWriter(cfg.output_dir, init_wandb(cfg.wandb, cfg.output_dir, cfg.model_dump(mode="json")))
+        if cfg.buffer.enabled or cfg.buffer.train_only:
+            from arbor.orchestrator.buffer import ExperienceBuffer
+
+            self.buffer = ExperienceBuffer(cfg.buffer.path or cfg.output_dir / "buffer.sqlite")
+            if cfg.buffer.reuse:
+                self.buffer.release(0)
+            elif start:
+                released = self.buffer.release(start)  # claims whose training the crash lost
+                log.info("buffer: %d rollouts claimed for steps >= %d returned to the buffer", released, start)
+        if cfg.buffer.train_only:
+            background = [asyncio.create_task(self._poll_metrics(metrics))]
+            try:
+                for step in range(start, cfg.max_steps):
+                    await self._step(step, None, None, metrics)
+                await self._drain_metrics(metrics, None)
+            finally:
+                for t in background:
+                    t.cancel()
+                metrics.close()
+                self.buffer.close()
+            log.info("orchestrator done after %d steps (train-only from %s)", cfg.max_steps, self.buffer.path)
+            return
         async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
             background = [asyncio.create_task(weights.run()), asyncio.create_task(self._poll_metrics(metrics))]
@@ -83,6 +106,8 @@ class Orchestrator:
                 for t in [*background, *self._running.values()]:
                     t.cancel()
                 metrics.close()
+                if self.buffer is not None:
+                    self.buffer.close()
         log.info("orchestrator done after %d steps", cfg.max_steps)
 
     async def _step(self, step: int, client, weights, metrics) -> None:
@@ -93,15 +118,17 @@ class Orchestrator:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        waited = await weights.ensure(step - self.policy.lag(step), cfg.weight_update_timeout)
+        waited = 0.0 if weights is None else await weights.ensure(step - self.policy.lag(step), cfg.weight_update_timeout)
         curriculum = self.curriculum.state() if self.curriculum is not None else None
         save_state(cfg.output_dir, OrchestratorState(step, self.sampler.epoch, self.sampler.position, curriculum))
         prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         t_gen = time.perf_counter()
         dropped_before, filtered_before = self.dropped_stale, sum(self.filtered.values())
-        groups = await self._collect_groups(step, client, weights)
+        groups = await self._collect_groups(step, client, weights) if client is not None else []
         gen_seconds = time.perf_counter() - t_gen
         dropped = self.dropped_stale - dropped_before + sum(self.filtered.values()) - filtered_before
+        if self.buffer is not None:
+            groups = self._through_buffer(step, groups)
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,
@@ -111,6 +138,8 @@ class Orchestrator:
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
         figures.update(self._throughput(len(rollouts), dropped, waited))
         figures.update(self._difficulty_mix(groups))
+        if self.buffer is not None:
+            figures.update(self.buffer.counts())
         metrics.add(step, figures)
 
     async def _collect_groups(self, step: int, client, weights) -> list[list]:
@@ -151,7 +180,8 @@ class Orchestrator:
                 while len(kept) + q.in_flight + q.ready < need and q.in_flight < pol.max_in_flight:
                     launch(launched)
                     launched += 1
-            for _, task in q.take(need - len(kept)):
+            taken = q.take(need - len(kept))
+            for _, task in taken:
                 group = task.result()  # a failed generation fails the run, as the client already retried
                 task = self._task_of_group.pop(group[0].group_id, None) if group else None
                 if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
@@ -173,8 +203,14 @@ class Orchestrator:
                 kept.append(group)
             if len(kept) >= need:
                 break
+            if taken:  # some were dropped: launch replacements and look at the queue again before waiting
+                continue
             if not self._running:
-                raise RuntimeError(f"scheduler stalled at step {step}: nothing in flight and nothing visible")
+                raise RuntimeError(
+                    f"scheduler stalled at step {step}: nothing running, {len(kept)}/{need} groups kept, queue head "
+                    f"{q.head}, next {q.next_position}, in flight {q.in_flight}, waiting {q.waiting}, policy "
+                    f"version {weights.loaded_version}"
+                )
             await asyncio.wait(set(self._running.values()), return_when=asyncio.FIRST_COMPLETED)
         return kept
 
@@ -184,6 +220,22 @@ class Orchestrator:
             return
         self.finished_groups += 1
         self.queue.finish(position, task)
+
+    def _through_buffer(self, step: int, groups: list[list]) -> list[list]:
+        """Writes the step's new groups to the buffer, then claims the step's batch from it (which may include
+        groups left from before a restart, or, train-only, only those)."""
+        import uuid
+
+        cfg = self.cfg
+        for g in groups:
+            self.buffer.put_group(g, uuid.uuid4().hex)
+        need = cfg.batch_size // cfg.group_size
+        claimed = self.buffer.claim(need, step, cfg.buffer.order)
+        if not claimed:
+            raise RuntimeError(f"buffer {self.buffer.path} has no ready, unclaimed group left for step {step}")
+        if len(claimed) < need:
+            log.warning("step %d: the buffer had only %d of %d groups", step, len(claimed), need)
+        return claimed
 
     def _difficulty_mix(self, groups: list[list]) -> dict[str, Any]:
         """The batch's difficulty mix: the fraction of its groups that are easy / normal / hard by their own solve
@@ -249,9 +301,9 @@ class Orchestrator:
             "dropped/stale": self.dropped_stale,
             "skipped/too_long": self.skipped_long,
             "score/failed": int(sum(r.score_failed for r in rollouts)),
-            "policy_version": weights.loaded_version,
-            "weights/updates": weights.updates,
-            "client/retries": client.retries,
+            "policy_version": weights.loaded_version if weights is not None else -1,
+            "weights/updates": weights.updates if weights is not None else 0,
+            "client/retries": client.retries if client is not None else 0,
             "time/generate": gen_seconds,
             "time/wait_weights": waited,
             "time/orchestrator_step": step_seconds,
@@ -270,7 +322,8 @@ class Orchestrator:
         """Waits for the trainer's figures of the last steps so that metrics.jsonl ends complete."""
         deadline = time.monotonic() + self.cfg.weight_update_timeout
         while metrics.pending and time.monotonic() < deadline:
-            weights.check()
+            if weights is not None:
+                weights.check()
             metrics.poll()
             await asyncio.sleep(0.1)
         if metrics.pending:
