@@ -72,3 +72,15 @@ def test_killed_orchestrator_resumes_with_no_rollout_lost_or_trained_twice(tmp_p
     assert per_step == {s: 16 for s in range(12)}  # every step trained exactly one batch from the buffer
     last = read_jsonl(out / "metrics.jsonl")[-1]
     assert last["buffer/unclaimed"] == len(after) - len(live)  # the rest is still in the buffer, claimable
+    db.close()
+    # Train-only: a new run trains from that buffer (all of it again, `reuse`) without generating anything.
+    out2 = tmp_path / "train_only"
+    rc, stdout, stderr = _finish(_rl(
+        out2, "--max-steps", "3", "--orchestrator.buffer.train-only", "true", "--orchestrator.buffer.reuse", "true",
+        "--orchestrator.buffer.path", str(out / "buffer.sqlite"),
+    ))
+    assert rc == 0, stderr + stdout
+    rows = read_jsonl(out2 / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["policy_version"] == -1 for r in rows)
+    assert all(r["buffer/rollouts"] == len(after) for r in rows)  # nothing new was generated
+    assert rows[-1]["buffer/unclaimed"] == len(after) - 3 * 16

@@ -1,6 +1,6 @@
 """A continuous-producer scheduling mode end to end: windowed FIFO with groups launched ahead, sequence
-normalisation, CISPO, zero-advantage filtering, the curriculum sampler, and the throughput-matching figures in
-metrics.jsonl."""
+normalisation, CISPO, zero-advantage filtering, the curriculum sampler, periodic eval, and the
+throughput-matching figures in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def test_windowed_fifo_run_with_lookahead(tmp_path):
         "--orchestrator.max-off-policy-steps", "2", "--orchestrator.batching.normalization", "sequence",
         "--trainer.loss.name", "cispo", "--orchestrator.filters.drop-zero-advantage", "true",
         "--orchestrator.curriculum.enabled", "true", "--orchestrator.filters.solve-threshold", "0.5",
+        "--orchestrator.eval.interval", "2", "--orchestrator.eval.num-tasks", "3", "--orchestrator.eval.k", "2",
+        "--orchestrator.eval.max-tokens", "8",
     ))
     assert rc == 0, stderr + stdout
     rows = read_jsonl(out / "metrics.jsonl")
@@ -34,5 +36,8 @@ def test_windowed_fifo_run_with_lookahead(tmp_path):
     # more in flight or finished.
     assert rows[0]["scheduler/head"] >= 4
     assert any(r["scheduler/in_flight"] + r["scheduler/ready"] > 0 for r in rows[:-1])
+    # Periodic eval at steps 0 and 2 only.
+    assert [r["step"] for r in rows if "eval/reverse_text/avg@2" in r] == [0, 2]
+    assert all(0 <= r["eval/reverse_text/pass@2"] <= 1 for r in rows if "eval/reverse_text/pass@2" in r)
     assert sum(r["throughput/produced_rollouts_per_s"] for r in rows[1:]) > 0
     assert all(r["throughput/consumed_rollouts_per_s"] > 0 for r in rows[1:])

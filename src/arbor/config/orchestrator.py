@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from arbor.config.base import Config
 from arbor.config.environment import EnvironmentConfig
+from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 
@@ -165,6 +166,8 @@ class OrchestratorConfig(Config):
     """Scheduling of generation against training."""
     buffer: BufferConfig = BufferConfig()
     """Persistent experience buffer."""
+    eval: OrchestratorEvalConfig = OrchestratorEvalConfig()
+    """Periodic evaluation of the served policy (off unless `interval` > 0)."""
     filters: FilterConfig = FilterConfig()
     """Groups dropped (and replaced) before they enter a batch."""
     curriculum: CurriculumConfig = CurriculumConfig()

@@ -138,6 +138,12 @@ class Orchestrator:
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
         figures.update(self._throughput(len(rollouts), dropped, waited))
         figures.update(self._difficulty_mix(groups))
+        if client is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
+            from arbor.orchestrator.eval import client_generator, evaluate
+
+            t_eval = time.perf_counter()
+            figures.update(await evaluate(client_generator(client, cfg.eval), self.tokenizer, cfg.eval))
+            figures["time/eval"] = time.perf_counter() - t_eval
         if self.buffer is not None:
             figures.update(self.buffer.counts())
         metrics.add(step, figures)
