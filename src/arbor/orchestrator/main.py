@@ -241,6 +241,9 @@ class Orchestrator:
             raise RuntimeError(f"buffer {self.buffer.path} has no ready, unclaimed group left for step {step}")
         if len(claimed) < need:
             log.warning("step %d: the buffer had only %d of %d groups", step, len(claimed), need)
+        for k, g in enumerate(claimed):  # ids restart with each orchestrator run: make them unique in the batch
+            for r in g:
+                r.group_id = k
         return claimed
 
     def _difficulty_mix(self, groups: list[list]) -> dict[str, Any]:

@@ -9,9 +9,11 @@ weights; a resumed run republishes the version it resumed at, which the orchestr
 Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl`: `step` (the rollout step
 trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
 trainer) per loss token, before the update), `entropy`, `grad_norm`, `lr`, `tokens/s` (non-padding tokens over
-the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/compute`, `time/publish`,
+the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
+trainer starved of rollouts), `time/compute`, `time/publish`,
 `time/checkpoint` (of the previous checkpoint), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
-figures (see arbor.trainer.loss).
+figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
+`build_reference` builds from the initial weights).
 """
 
 from __future__ import annotations
