@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from arbor.config.base import Config
 from arbor.config.environment import EnvironmentConfig
+from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 
@@ -31,9 +32,17 @@ class ClientConfig(Config):
 
 class AdvantageConfig(Config):
     name: str = "grpo"
-    """Advantage function: "grpo" (reward minus group mean) or a dotted path `module:function`."""
+    """Advantage function: "grpo" (reward minus group mean; divided by the group std with std_normalize),
+    "drgrpo" (Dr. GRPO: mean baseline, never std-normalised), "rloo" (leave-one-out mean baseline), or a dotted
+    path `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
     std_normalize: bool = False
     """Divide by the group's reward standard deviation (GRPO); off is Dr. GRPO's unbiased choice."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of reward-to-go for rollouts with per-turn/process rewards: a token's advantage is the discounted
+    sum of the group-normalised rewards of its turn and the turns after it."""
+    completion_time_weight: float = Field(0.0, ge=0)
+    """Composite reward: a rollout with positive reward gains up to this much for finishing faster than the other
+    successful rollouts of its group (relative completion time: latency when measured, else completion tokens)."""
 
 
 class BatchingConfig(Config):
@@ -41,6 +50,79 @@ class BatchingConfig(Config):
     """Token budget of one packed micro-batch row; a longer sample gets a row of its own."""
     trainer_ranks: int = Field(1, ge=1)
     """Trainer data-parallel ranks to write a file for; `rl` sets it from the trainer's world size."""
+    normalization: Literal["token", "sequence", "group"] = "token"
+    """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
+    tokens (DAPO), "sequence" = mean over samples of each sample's token mean (GRPO, GSPO), "group" = mean over
+    groups of each group's token mean."""
+
+
+class FilterConfig(Config):
+    drop_zero_advantage: bool = False
+    """Drop groups whose advantages are all zero (every rollout scored the same: no learning signal), and
+    generate replacements."""
+    min_solve_rate: float = Field(0.0, ge=0, le=1)
+    """Online difficulty filtering: drop groups whose solve rate (fraction of rollouts with reward >=
+    solve_threshold) is below this."""
+    max_solve_rate: float = Field(1.0, ge=0, le=1)
+    """Online difficulty filtering: drop groups whose solve rate is above this."""
+    solve_threshold: float = 1.0
+    """A rollout with at least this reward counts as solving its task (solve rates, curriculum, difficulty mix)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> "FilterConfig":
+        if self.min_solve_rate > self.max_solve_rate:
+            raise ValueError(f"min_solve_rate ({self.min_solve_rate}) exceeds max_solve_rate ({self.max_solve_rate})")
+        return self
+
+
+class CurriculumConfig(Config):
+    enabled: bool = False
+    """Sample tasks from easy / normal / hard pools by their recent solve rate instead of in dataset order."""
+    easy_above: float = Field(0.8, ge=0, le=1)
+    """A task whose recent solve rate is at least this is easy."""
+    hard_below: float = Field(0.2, ge=0, le=1)
+    """A task whose recent solve rate is at most this is hard; unseen tasks are normal."""
+    weights: tuple[float, float, float] = (0.1, 0.6, 0.3)
+    """Sampling weights of the easy, normal and hard pools (an empty pool's weight goes to the others)."""
+    history: int = Field(4, ge=1)
+    """Recent groups per task that its solve rate averages over."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "CurriculumConfig":
+        if self.hard_below >= self.easy_above:
+            raise ValueError(f"hard_below ({self.hard_below}) must be below easy_above ({self.easy_above})")
+        if min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"weights {self.weights} must be non-negative with a positive sum")
+        return self
+
+
+class BufferConfig(Config):
+    enabled: bool = False
+    """Store every finished group in the persistent experience buffer and fill batches from it."""
+    path: Path | None = None
+    """SQLite file; default `<output_dir>/buffer.sqlite`."""
+    order: Literal["fifo", "priority", "recency"] = "fifo"
+    """Which ready groups a batch takes first: oldest, largest mean |advantage|, or newest."""
+    train_only: bool = False
+    """Generate nothing: train on the groups already in the buffer (needs no inference server); a step takes
+    what is left when fewer than a batch remain, and the run fails when none is."""
+    reuse: bool = False
+    """Release every earlier claim at start, so the buffer's whole content is trainable again (another epoch)."""
+
+
+class SchedulerConfig(Config):
+    mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] | None = None
+    """How generation and training overlap and which finished groups a batch may take (see
+    arbor.orchestrator.scheduler): "sync", "one_step_off", "async" (strict FIFO, bounded by
+    max_off_policy_steps), "greedy" (first finished first out), "windowed_fifo" (Forge). Default: from async_lag
+    (0 = sync, 1 = one_step_off, more = that lag)."""
+    sync_interval: int = Field(1, ge=1)
+    """sync: every this many steps generation waits for the newest weights (1 = fully on-policy)."""
+    window: int | None = Field(None, ge=1)
+    """windowed_fifo: W, in groups, of the visible part [H, H+W) of the generation queue; default: half a step."""
+    max_in_flight: int | None = Field(None, ge=1)
+    """Groups generating at once. Default: two steps' worth for the continuous modes (async, greedy,
+    windowed_fifo), max_concurrent_groups (or one step) for the per-step ones."""
 
 
 class OrchestratorConfig(Config):
@@ -80,6 +162,16 @@ class OrchestratorConfig(Config):
     """The environment."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimation."""
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """Scheduling of generation against training."""
+    buffer: BufferConfig = BufferConfig()
+    """Persistent experience buffer."""
+    eval: OrchestratorEvalConfig = OrchestratorEvalConfig()
+    """Periodic evaluation of the served policy (off unless `interval` > 0)."""
+    filters: FilterConfig = FilterConfig()
+    """Groups dropped (and replaced) before they enter a batch."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """Difficulty pools for task sampling."""
     batching: BatchingConfig = BatchingConfig()
     """Packing into micro-batches."""
     wandb: WandbConfig | None = None

@@ -31,8 +31,8 @@ class SFTConfig(Config):
     max_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
     data: str | None = None
-    """A JSONL file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows; default: the environment's
-    reference answers."""
+    """A JSONL or parquet file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows (every assistant
+    turn of a messages row is trained on, the rest masked); default: the environment's reference answers."""
     environment: EnvironmentConfig = EnvironmentConfig()
     """Environment whose tasks and reference answers form the data when `data` is not set."""
     num_threads: int | None = Field(None, ge=1)

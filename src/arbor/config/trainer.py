@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from arbor.config.base import Config
 from arbor.config.model import ModelConfig
@@ -43,12 +43,44 @@ class SchedulerConfig(Config):
 
 class LossConfig(Config):
     name: str = "ppo_clip"
-    """Policy loss: "ppo_clip" (token-level clipped importance ratio), "is_mask" (trust-region mask), or a
-    dotted path `module:function` implementing arbor.trainer.loss.LossFn."""
+    """Policy loss: "ppo_clip" (token-level clipped ratio, DAPO clip-higher when clip_high > clip_low),
+    "is_mask" (trust-region mask), "gspo" (sequence-level ratio), "cispo" (clipped stop-gradient IS weight times
+    logprob), "opmd" (off-policy mirror descent, Trinity-RFT A.3), "cross_entropy" (SFT), or a dotted path
+    `module:function` implementing arbor.trainer.loss.LossFn."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """Lower bound of the trust region: ratio >= 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0)
     """Upper bound of the trust region: ratio <= 1 + clip_high (DAPO's clip-higher when above clip_low)."""
+    gspo_clip_low: float = Field(3e-4, ge=0, le=1)
+    """GSPO: the sequence ratio's lower clip, 1 - gspo_clip_low (the paper's 3e-4)."""
+    gspo_clip_high: float = Field(4e-4, ge=0)
+    """GSPO: the sequence ratio's upper clip, 1 + gspo_clip_high (the paper's 4e-4)."""
+    cispo_clip_low: float = Field(1.0, ge=0, le=1)
+    """CISPO: the importance weight is clipped below at 1 - cispo_clip_low (1.0: no lower bound, as MiniMax-M1)."""
+    cispo_clip_high: float = Field(4.0, ge=0)
+    """CISPO: the importance weight is clipped above at 1 + cispo_clip_high."""
+    opmd_tau: float = Field(1.0, ge=0)
+    """OPMD: the KL regulariser tau; the loss is -A * logprob / (1 + tau)."""
+    mismatch_correction: Literal["none", "tis", "mis"] = "none"
+    """Trainer/inference mismatch correction wrapped around any loss: "tis" multiplies each token's loss by the
+    truncated weight min(pi_trainer / pi_inference, mismatch_cap); "mis" drops tokens (or samples, see
+    mismatch_level) whose ratio lies outside [mismatch_low, mismatch_cap]. Either way the inner loss's own ratio
+    is taken against the trainer's current (detached) logprobs."""
+    mismatch_level: Literal["token", "sequence"] = "token"
+    """Ratio used by the mismatch correction: per token, or the sample's geometric mean (applied to all its tokens)."""
+    mismatch_cap: float = Field(2.0, gt=0)
+    """Upper truncation (tis) or upper mask bound (mis) of the trainer/inference ratio."""
+    mismatch_low: float = Field(0.5, ge=0)
+    """Lower mask bound of the trainer/inference ratio (mis only)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a k3-estimated KL(policy || reference) penalty per token; > 0 keeps a frozen copy of the initial
+    weights as the reference model (one more forward pass per micro-batch)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "LossConfig":
+        if self.mismatch_low >= self.mismatch_cap:
+            raise ValueError(f"mismatch_low ({self.mismatch_low}) must be below mismatch_cap ({self.mismatch_cap})")
+        return self
 
 
 class CheckpointConfig(Config):

@@ -1,8 +1,24 @@
-"""Group-relative advantages (the GRPO family) behind one typed signature, selectable by name or dotted path.
+"""Advantages (the GRPO family) behind one typed signature, reward-to-go for per-turn rewards, and composite
+rewards with a relative-completion-time term.
 
-`grpo` subtracts the group mean; with `std_normalize` it also divides by the group's standard deviation (the
-original GRPO). Without it this is Dr. GRPO's unbiased estimator, the default because the std division
-up-weights near-solved and near-failed groups.
+Scalar advantages per group, `[num_groups, group_size]` rewards in, same shape out:
+- `grpo` subtracts the group mean; with `std_normalize` it also divides by the group's standard deviation (the
+  original GRPO). Without it this is Dr. GRPO's unbiased estimator, the default because the std division
+  up-weights near-solved and near-failed groups.
+- `drgrpo` is the mean baseline whatever `std_normalize` says (Dr. GRPO's length-unbiased loss normalisation is
+  the batcher's "token" normalisation, the default).
+- `rloo` is REINFORCE leave-one-out: reward minus the mean of the OTHER rollouts of the group, i.e.
+  K/(K-1) times the GRPO advantage (a group of one gets 0).
+
+Reward-to-go (rollouts carrying `turn_rewards`) follows DeepSeekMath's process supervision, with a discount:
+all turn rewards of a group are normalised together (minus their mean, divided by their std when
+`std_normalize`), and a token of turn k gets sum_{j >= k} gamma^(j-k) * normalised r_j. A rollout without turn
+rewards counts as one turn ending at its last token. Tokens after a rollout's last turn end get 0.
+
+Composite rewards: components are already summed with `environment.reward_weights` (a process penalty such as
+invalid tool calls is a component with a negative weight); `completion_time_weight` adds Forge's relative
+completion time: among a group's rollouts with positive reward, the fastest gains the full weight, the slowest
+none, linearly in between (component `completion_time`).
 """
 
 from __future__ import annotations
@@ -28,22 +44,92 @@ def grpo(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
     return adv
 
 
-BUILTINS: dict[str, AdvantageFn] = {"grpo": grpo}
+def drgrpo(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    return rewards - rewards.mean(axis=1, keepdims=True)
+
+
+def rloo(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    k = rewards.shape[1]
+    if k < 2:
+        return np.zeros_like(rewards)
+    others = (rewards.sum(axis=1, keepdims=True) - rewards) / (k - 1)
+    return rewards - others
+
+
+BUILTINS: dict[str, AdvantageFn] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
 
 
 def resolve_advantage(name: str) -> AdvantageFn:
-    return BUILTINS[name] if name in BUILTINS else load_object(name)
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if ":" not in name and "." not in name:
+        raise ValueError(f"unknown advantage {name!r}: use one of {sorted(BUILTINS)} or a dotted path 'module:function'")
+    return load_object(name)
+
+
+def completion_time_bonus(group: list, weight: float) -> None:
+    """Adds the relative-completion-time component to the successful rollouts of one group (in place)."""
+    winners = [r for r in group if r.reward > 0]
+    if weight <= 0 or not winners:
+        return
+    cost = np.array([r.latency if r.latency is not None else len(r.completion_ids) for r in winners], float)
+    span = cost.max() - cost.min()
+    for r, c in zip(winners, cost):
+        bonus = weight * (cost.max() - c) / span if span > 0 else 0.0
+        r.components["completion_time"] = float(bonus)
+        r.reward += float(bonus)
+
+
+def _turns(r) -> list[tuple[int, float]]:
+    return list(r.turn_rewards) if r.turn_rewards else [(len(r.completion_ids), r.reward)]
+
+
+def reward_to_go(group: list, cfg: AdvantageConfig) -> None:
+    """Per-token advantages for one group from per-turn rewards (see the module docstring); sets
+    `token_advantages` and `advantage` (the first token's value) on every rollout."""
+    all_rewards = np.array([rw for r in group for _, rw in _turns(r)], float)
+    mean = all_rewards.mean()
+    scale = all_rewards.std() + 1e-6 if cfg.std_normalize else 1.0
+    for r in group:
+        turns = _turns(r)
+        ends = [int(e) for e, _ in turns]
+        n = len(r.completion_ids)
+        if any(b < a for a, b in zip(ends, ends[1:])) or (ends and (ends[0] < 0 or ends[-1] > n)):
+            raise ValueError(f"rollout of task {r.task_id}: turn_rewards offsets {ends} must rise within 0..{n}")
+        norm = [(rw - mean) / scale for _, rw in turns]
+        togo = [0.0] * len(norm)
+        acc = 0.0
+        for k in range(len(norm) - 1, -1, -1):
+            acc = norm[k] + cfg.gamma * acc
+            togo[k] = acc
+        adv = np.zeros(len(r.completion_ids), np.float32)
+        start = 0
+        for end, value in zip(ends, togo):
+            adv[start:end] = value
+            start = end
+        r.token_advantages = adv.tolist()
+        r.advantage = float(togo[0]) if togo else 0.0
 
 
 def compute_advantages(groups: list[list], cfg: AdvantageConfig) -> None:
-    """Sets `.advantage` on every rollout of every group (all groups have the same size)."""
+    """Sets `.advantage` (and, for groups with per-turn rewards, `.token_advantages`) on every rollout.
+    Groups may differ in size (e.g. after a filter): each size is computed as its own batch."""
     if not groups:
         return
     fn = resolve_advantage(cfg.name)
-    rewards = np.array([[r.reward for r in g] for g in groups], dtype=np.float64)
-    adv = np.asarray(fn(rewards, cfg), dtype=np.float64)
-    if adv.shape != rewards.shape:
-        raise ValueError(f"advantage function {cfg.name!r} returned shape {adv.shape}, expected {rewards.shape}")
-    for g, row in zip(groups, adv):
-        for r, a in zip(g, row):
-            r.advantage = float(a)
+    for g in groups:
+        completion_time_bonus(g, cfg.completion_time_weight)
+    by_size: dict[int, list[list]] = {}
+    for g in groups:
+        if any(r.turn_rewards for r in g):
+            reward_to_go(g, cfg)
+        else:
+            by_size.setdefault(len(g), []).append(g)
+    for size, same in by_size.items():
+        rewards = np.array([[r.reward for r in g] for g in same], dtype=np.float64)
+        adv = np.asarray(fn(rewards, cfg), dtype=np.float64)
+        if adv.shape != rewards.shape:
+            raise ValueError(f"advantage function {cfg.name!r} returned shape {adv.shape}, expected {rewards.shape}")
+        for g, row in zip(same, adv):
+            for r, a in zip(g, row):
+                r.advantage = float(a)

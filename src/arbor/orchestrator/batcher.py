@@ -4,6 +4,11 @@ Samples go to ranks longest-first onto the rank with the fewest tokens (LPT sche
 optimum), then each rank packs first-fit-decreasing into rows of at most `micro_batch_tokens`. Every rank gets
 the same number of micro-batches (FSDP's collectives need the same number of forward passes): short ranks get
 one-token rows with an empty loss mask.
+
+Normalisation is explicit in the per-token `loss_weights` (the trainer divides the weighted loss sum by the
+step's loss-token count L): "token" weighs every token 1 (a token mean over the step); "sequence" gives sample
+i's tokens L / (N * len_i), so the step's loss is the mean over the N samples of each sample's token mean;
+"group" gives group g's tokens L / (G * tokens_g): the mean over the G groups of each group's token mean.
 """
 
 from __future__ import annotations
@@ -16,18 +21,35 @@ from arbor.orchestrator.rollout import Rollout
 from arbor.transport.batch import MicroBatch, StepBatch
 
 
-def sample_arrays(r: Rollout) -> dict[str, np.ndarray]:
+def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
     P, C = len(r.prompt_ids), len(r.completion_ids)
+    adv = r.token_advantages if r.token_advantages is not None else np.full(C, r.advantage, np.float32)
     out = {
         "input_ids": np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64),
         "loss_mask": np.concatenate([np.zeros(P, bool), np.ones(C, bool)]),
-        "advantages": np.concatenate([np.zeros(P, np.float32), np.full(C, r.advantage, np.float32)]),
+        "advantages": np.concatenate([np.zeros(P, np.float32), np.asarray(adv, np.float32)]),
         "inference_logprobs": np.concatenate([np.zeros(P, np.float32), np.asarray(r.logprobs, np.float32)]),
         "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
+        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.full(C, weight, np.float32)]),
     }
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts
     return out
+
+
+def loss_weights(rollouts: list[Rollout], normalization: str) -> list[float]:
+    """Per-rollout token weight for the step's normalisation (see the module docstring)."""
+    total = sum(len(r.completion_ids) for r in rollouts)
+    if normalization == "token" or total == 0:
+        return [1.0] * len(rollouts)
+    if normalization == "sequence":
+        return [total / (len(rollouts) * max(len(r.completion_ids), 1)) for r in rollouts]
+    if normalization == "group":
+        tokens: dict[object, int] = {}
+        for r in rollouts:
+            tokens[r.group_id] = tokens.get(r.group_id, 0) + len(r.completion_ids)
+        return [total / (len(tokens) * max(tokens[r.group_id], 1)) for r in rollouts]
+    raise ValueError(f"unknown normalization {normalization!r}: use token, sequence or group")
 
 
 def assign_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
@@ -70,14 +92,21 @@ def _empty_micro_batch(pad_id: int) -> MicroBatch:
         "advantages": np.zeros(1, np.float32),
         "inference_logprobs": np.zeros(1, np.float32),
         "policy_versions": np.full(1, -1, np.int32),
+        "loss_weights": np.zeros(1, np.float32),
     }
     return _micro_batch([one])
 
 
 def build_step_batches(
-    rollouts: list[Rollout], step: int, ranks: int, micro_batch_tokens: int, temperature: float, pad_id: int
+    rollouts: list[Rollout],
+    step: int,
+    ranks: int,
+    micro_batch_tokens: int,
+    temperature: float,
+    pad_id: int,
+    normalization: str = "token",
 ) -> list[StepBatch]:
-    samples = [sample_arrays(r) for r in rollouts]
+    samples = [sample_arrays(r, w) for r, w in zip(rollouts, loss_weights(rollouts, normalization))]
     lengths = [len(s["input_ids"]) for s in samples]
     per_rank = [
         [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, micro_batch_tokens)]
@@ -88,6 +117,9 @@ def build_step_batches(
         mbs += [_empty_micro_batch(pad_id) for _ in range(most - len(mbs))]
     loss_tokens = max(1, int(sum(len(r.completion_ids) for r in rollouts)))
     return [
-        StepBatch(step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts), temperature=temperature)
+        StepBatch(
+            step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts),
+            temperature=temperature, metadata={"normalization": normalization},
+        )
         for mbs in per_rank
     ]

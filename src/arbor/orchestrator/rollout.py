@@ -33,6 +33,15 @@ class Rollout:
     score_failed: bool = False
     routed_experts: Any = None
     """MoE router replay: `np.ndarray [num_tokens, moe_layers, top_k]` from the engine, carried as is."""
+    group_id: int = -1
+    """Which group (task instance) of the run this rollout belongs to."""
+    turn_rewards: list[tuple[int, float]] | None = None
+    """Per-turn or process rewards as (end offset in completion_ids, reward): the reward for the tokens up to
+    that offset; multi-turn environments set it and `reward_to_go` turns it into per-token advantages."""
+    token_advantages: list[float] | None = None
+    """Per-completion-token advantages (reward-to-go); None means `advantage` on every token."""
+    latency: float | None = None
+    """Seconds from launch to finish, when the environment measures it per rollout (composite time reward)."""
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +57,7 @@ class GroupSpec:
     task: Task
     prompt_ids: list[int]
     seed: int
+    group_id: int = -1
 
 
 async def generate_group(
@@ -63,8 +73,10 @@ async def generate_group(
 ) -> list[Rollout]:
     completions = await client.generate(spec.prompt_ids, group_size, max_tokens, temperature, top_p, spec.seed)
     rollouts = [
-        Rollout(spec.task.get("id", -1), spec.prompt_ids, c.token_ids, c.logprobs, c.policy_versions, c.text,
-                c.finish_reason, routed_experts=c.routed_experts)
+        Rollout(
+            spec.task.get("id", -1), spec.prompt_ids, c.token_ids, c.logprobs, c.policy_versions, c.text,
+            c.finish_reason, routed_experts=c.routed_experts, group_id=spec.group_id,
+        )
         for c in completions
     ]
     await asyncio.gather(*(_score(env, spec.task, r, reward_weights, score_timeout) for r in rollouts))

@@ -20,6 +20,8 @@ class OrchestratorState:
     step: int = 0
     epoch: int = 0
     position: int = 0
+    curriculum: dict[str, Any] | None = None
+    """CurriculumSampler.state() when the curriculum is on."""
 
 
 class TaskSampler:

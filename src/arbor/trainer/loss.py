@@ -1,8 +1,24 @@
-"""Policy losses behind one typed protocol, a registry of built-ins, and loading a user loss by dotted path.
+"""Policy losses behind one typed protocol, a registry of built-ins, wrappers that apply to any loss (trainer/
+inference mismatch correction, KL to a reference model), and loading a user loss by dotted path.
 
-A loss sees one packed micro-batch as flat per-token tensors and returns the SUM of its per-token loss over
-the loss tokens; the RL loop divides by the step's global loss-token count, so every built-in is a token-level
-mean over the whole step (DAPO-style normalisation), independent of how samples were packed or sharded.
+A loss sees one packed micro-batch as flat per-token tensors and returns the SUM of its per-token loss over the
+loss tokens, each token multiplied by its weight `ctx.loss_weights[t]` (1 by default). The RL loop divides by
+the step's global loss-token count, so with unit weights every built-in is a token-level mean over the whole
+step (DAPO-style). The orchestrator writes the weights into the batch (`transport.batch`) to make the
+normalisation explicit: token (all 1), sequence (each sample's tokens sum to one sample's share) or group (each
+group's tokens sum to one group's share). Sequence-level losses (GSPO) put the sample's loss on each of its
+tokens, so sequence normalisation gives the paper's mean over sequences.
+
+`LossContext` carries what a loss needs beyond the tokens: the packed samples' lengths (segments for
+sequence-level ratios), the per-token weights and, with `kl_coef > 0`, the reference model's logprobs. A user
+loss may omit the `ctx` parameter (the original five-argument signature); it then cannot be combined with
+non-unit weights, and the trainer says so.
+
+Departures: OPMD is Trinity-RFT's "embarrassingly simple" variant (appendix A.3: -(A / (1 + tau)) log pi with
+the group-mean baseline in A) at token level; CISPO follows MiniMax-M1 (no lower clip by default). With one
+optimizer step per batch the "old" policy of the mismatch correction is the trainer's current weights
+(detached), so `tis`/`mis` turn the inner loss's ratio into exactly 1 and move the off-policy correction into
+the (truncated or masked) weight pi_trainer / pi_inference.
 
 Metric convention: every value in `LossOutput.metrics` is a 0-d tensor. A key ending in `_max` (`_min`) is
 reduced by maximum (minimum) over micro-batches and ranks; any other key is a SUM over loss tokens that the loop
@@ -24,9 +40,41 @@ from arbor.config.trainer import LossConfig
 @dataclasses.dataclass
 class LossOutput:
     loss_sum: torch.Tensor
-    """Sum of the per-token loss over loss tokens (0-d, differentiable)."""
+    """Weighted sum of the per-token loss over loss tokens (0-d, differentiable)."""
     metrics: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """0-d tensors: sums over loss tokens, or `*_max` / `*_min` extrema (see the module docstring)."""
+
+
+@dataclasses.dataclass
+class LossContext:
+    """Per-row facts beyond the per-token tensors. All tensors live on the loss's device."""
+
+    seq_lens: torch.Tensor
+    """`[S]` lengths of the packed samples, in order; their sum may be below the row length (padding)."""
+    loss_weights: torch.Tensor | None = None
+    """`[T]` per-token multipliers of the loss (normalisation, importance weights); None means all ones."""
+    ref_logprobs: torch.Tensor | None = None
+    """`[T]` logprobs under the frozen reference model (present when `kl_coef > 0`)."""
+
+    @classmethod
+    def single(cls, n: int, device: torch.device | str = "cpu") -> "LossContext":
+        """A row holding one sample of `n` tokens."""
+        return cls(torch.tensor([n], device=device))
+
+    def sample_index(self, n: int) -> torch.Tensor:
+        """`[n]` index of the sample each token belongs to; padding tokens get index S (one past the last)."""
+        lens = self.seq_lens.to(torch.long)
+        idx = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+        pad = torch.full((n - idx.numel(),), lens.numel(), dtype=torch.long, device=lens.device)
+        return torch.cat([idx, pad])
+
+    def segment_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`[S + 1]` per-sample sums of the per-token `x` (the last entry collects padding)."""
+        idx = self.sample_index(x.shape[0]).to(x.device)
+        return torch.zeros(self.seq_lens.numel() + 1, dtype=x.dtype, device=x.device).index_add(0, idx, x)
+
+    def weights(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(like) if self.loss_weights is None else self.loss_weights.to(like.dtype)
 
 
 @runtime_checkable
@@ -38,9 +86,25 @@ class LossFn(Protocol):
         advantages: torch.Tensor,
         loss_mask: torch.Tensor,
         cfg: LossConfig,
+        ctx: LossContext | None = None,
     ) -> LossOutput:
-        """All tensors are `[T]` for one packed row; `logprobs` carries the gradient, `loss_mask` is bool."""
+        """All tensors are `[T]` for one packed row; `logprobs` carries the gradient, `loss_mask` is bool.
+        `ctx` None means one sample spanning the row with unit weights."""
         ...
+
+
+def _ctx(ctx: LossContext | None, like: torch.Tensor) -> LossContext:
+    return ctx if ctx is not None else LossContext.single(like.shape[0], like.device)
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+    """Weighted sum over loss tokens; masked tokens contribute exactly zero (even if their value is inf/nan)."""
+    weighted = per_token * ctx.weights(per_token)
+    return torch.where(mask, weighted, torch.zeros_like(weighted)).sum()
+
+
+def _count(flags: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return flags.sum().to(dtype)
 
 
 def _ratio_stats(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -55,49 +119,164 @@ def _ratio_stats(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Ten
     }
 
 
-def ppo_clip(
-    logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cfg: LossConfig,
-) -> LossOutput:
+def ppo_clip(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
     """Token-level PPO clip: `-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)`, r = exp(logprobs - inference)."""
-    mask = loss_mask.bool()
+    ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
     ratio = torch.exp(logprobs - inference_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    loss_sum = torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
     # A token is "clipped" when the clipped branch is the smaller one, i.e. it passes no gradient.
     is_clipped = (clipped < unclipped) & mask
-    return LossOutput(loss_sum, {"clip_frac": is_clipped.sum().to(logprobs.dtype), **_ratio_stats(ratio, mask)})
+    return LossOutput(
+        _reduce(per_token, mask, ctx), {"clip_frac": _count(is_clipped, logprobs.dtype), **_ratio_stats(ratio, mask)}
+    )
 
 
-def is_mask(
-    logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cfg: LossConfig,
-) -> LossOutput:
+def is_mask(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
     """Importance-sampling with a trust-region mask: `-r*A` on tokens whose r lies in [1-clip_low, 1+clip_high],
     other tokens dropped (they still count in the normaliser); the gradient flows only through r."""
-    mask = loss_mask.bool()
+    ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
     ratio = torch.exp(logprobs - inference_logprobs)
     r = ratio.detach()
     keep = (r >= 1.0 - cfg.clip_low) & (r <= 1.0 + cfg.clip_high) & mask
     per_token = -ratio * advantages
-    loss_sum = torch.where(keep, per_token, torch.zeros_like(per_token)).sum()
+    loss_sum = _reduce(per_token, keep, ctx)
     masked = mask & ~keep
-    return LossOutput(loss_sum, {"masked_frac": masked.sum().to(logprobs.dtype), **_ratio_stats(ratio, mask)})
+    return LossOutput(loss_sum, {"masked_frac": _count(masked, logprobs.dtype), **_ratio_stats(ratio, mask)})
 
 
-LOSSES: dict[str, Callable[..., LossOutput]] = {"ppo_clip": ppo_clip, "is_mask": is_mask}
+def gspo(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+    """GSPO: the sample's ratio s = exp(mean over its loss tokens of (logprobs - inference)), clipped to
+    [1-gspo_clip_low, 1+gspo_clip_high]; each loss token carries `-min(s*A_t, clip(s)*A_t)`."""
+    ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
+    m = mask.to(logprobs.dtype)
+    log_r = torch.where(mask, logprobs - inference_logprobs, torch.zeros_like(logprobs))
+    seq_log = ctx.segment_sum(log_r) / ctx.segment_sum(m).clamp(min=1.0)
+    s = torch.exp(seq_log)[ctx.sample_index(logprobs.shape[0]).to(logprobs.device)]
+    unclipped = s * advantages
+    clipped = s.clamp(1.0 - cfg.gspo_clip_low, 1.0 + cfg.gspo_clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    is_clipped = (clipped < unclipped) & mask
+    return LossOutput(
+        _reduce(per_token, mask, ctx), {"clip_frac": _count(is_clipped, logprobs.dtype), **_ratio_stats(s, mask)}
+    )
+
+
+def cispo(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+    """CISPO: `-sg(clip(r, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logprobs`; every token keeps a gradient
+    (the clip bounds the weight, it never drops the token as PPO's clip does)."""
+    ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
+    ratio = torch.exp(logprobs - inference_logprobs).detach()
+    weight = ratio.clamp(1.0 - cfg.cispo_clip_low, 1.0 + cfg.cispo_clip_high)
+    per_token = -weight * advantages * logprobs
+    is_clipped = (weight != ratio) & mask
+    return LossOutput(
+        _reduce(per_token, mask, ctx), {"clip_frac": _count(is_clipped, logprobs.dtype), **_ratio_stats(ratio, mask)}
+    )
+
+
+def opmd(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+    """OPMD (Trinity-RFT appendix A.3): `-A * logprobs / (1 + opmd_tau)`, A the group-mean-baselined reward;
+    valid off-policy by its mirror-descent derivation, so it takes no importance ratio."""
+    ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
+    per_token = -advantages * logprobs / (1.0 + cfg.opmd_tau)
+    ratio = torch.exp(logprobs - inference_logprobs)
+    return LossOutput(_reduce(per_token, mask, ctx), _ratio_stats(ratio, mask))
+
+
+def cross_entropy(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+    """Supervised cross-entropy `-logprobs` on the loss tokens (SFT); advantages and inference logprobs unused."""
+    ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
+    return LossOutput(_reduce(-logprobs, mask, ctx))
+
+
+def with_mismatch_correction(inner: LossFn) -> LossFn:
+    """Wraps any loss with truncated (tis) or masked (mis) importance sampling for the trainer/inference mismatch
+    (see the module docstring); the weight is detached and multiplies `ctx.loss_weights`."""
+
+    def corrected(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+        ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
+        log_r = torch.where(mask, logprobs.detach() - inference_logprobs, torch.zeros_like(logprobs))
+        if cfg.mismatch_level == "sequence":
+            m = mask.to(logprobs.dtype)
+            seq = ctx.segment_sum(log_r) / ctx.segment_sum(m).clamp(min=1.0)
+            log_r = seq[ctx.sample_index(logprobs.shape[0]).to(logprobs.device)]
+        r = torch.exp(log_r)
+        if cfg.mismatch_correction == "tis":
+            w = r.clamp(max=cfg.mismatch_cap)
+            flagged = (r > cfg.mismatch_cap) & mask
+        else:
+            keep = (r >= cfg.mismatch_low) & (r <= cfg.mismatch_cap)
+            w = keep.to(logprobs.dtype)
+            flagged = ~keep & mask
+        inner_ctx = dataclasses.replace(ctx, loss_weights=ctx.weights(logprobs) * w)
+        out = inner(logprobs, logprobs.detach(), advantages, loss_mask, cfg, inner_ctx)
+        out.metrics["mismatch_weight_sum"] = torch.where(mask, w, torch.zeros_like(w)).sum()
+        out.metrics["mismatch_flagged"] = _count(flagged, logprobs.dtype)
+        return out
+
+    corrected.__name__ = f"{getattr(inner, '__name__', 'loss')}+mismatch"
+    return corrected
+
+
+def with_reference_kl(inner: LossFn) -> LossFn:
+    """Adds `kl_coef * k3` per loss token, k3 = exp(ref - lp) - (ref - lp) - 1 (an unbiased, non-negative
+    estimator of KL(policy || reference) whose gradient pulls the policy toward the reference)."""
+
+    def regularised(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+        if ctx is None or ctx.ref_logprobs is None:
+            raise ValueError("loss.kl_coef > 0 needs the reference model's logprobs in LossContext.ref_logprobs")
+        mask = loss_mask.bool()
+        out = inner(logprobs, inference_logprobs, advantages, loss_mask, cfg, ctx)
+        d = torch.where(mask, ctx.ref_logprobs - logprobs, torch.zeros_like(logprobs))
+        k3 = torch.expm1(d) - d
+        out.loss_sum = out.loss_sum + cfg.kl_coef * _reduce(k3, mask, ctx)
+        out.metrics["kl_ref_sum"] = torch.where(mask, k3, torch.zeros_like(k3)).sum().detach()
+        return out
+
+    regularised.__name__ = f"{getattr(inner, '__name__', 'loss')}+kl"
+    return regularised
+
+
+LOSSES: dict[str, Callable[..., LossOutput]] = {
+    "ppo_clip": ppo_clip,
+    "is_mask": is_mask,
+    "gspo": gspo,
+    "cispo": cispo,
+    "opmd": opmd,
+    "cross_entropy": cross_entropy,
+}
+
+
+def accepts_ctx(fn: Callable) -> bool:
+    """Whether a loss takes the optional `ctx` argument (built-ins do; a five-argument user loss does not)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except ValueError:
+        return False
+    return "ctx" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _legacy(fn: Callable) -> LossFn:
+    """Adapts a five-argument user loss: it cannot apply per-token weights, so non-unit weights are an error."""
+
+    def adapted(logprobs, inference_logprobs, advantages, loss_mask, cfg, ctx=None) -> LossOutput:
+        if ctx is not None and ctx.loss_weights is not None and not bool((ctx.loss_weights == 1).all()):
+            raise ValueError(
+                f"loss {getattr(fn, '__name__', fn)!r} takes no `ctx` argument, so it cannot apply per-token loss "
+                "weights (sequence/group normalisation or mismatch correction): add `ctx=None` to its signature"
+            )
+        return fn(logprobs, inference_logprobs, advantages, loss_mask, cfg)
+
+    adapted.__name__ = getattr(fn, "__name__", "loss")
+    adapted.__wrapped__ = fn  # type: ignore[attr-defined]
+    return adapted
 
 
 def resolve_loss(name: str) -> LossFn:
-    """A built-in loss by name, or a user function `package.module:function` with the LossFn signature."""
+    """A built-in loss by name, or a user function `package.module:function` with the LossFn signature (the
+    `ctx` argument optional)."""
     if name in LOSSES:
         return LOSSES[name]
     if ":" not in name and "." not in name:
@@ -111,8 +290,18 @@ def resolve_loss(name: str) -> LossFn:
         inspect.signature(fn).bind(None, None, None, None, None)
     except TypeError as e:
         raise TypeError(
-            f"loss {name!r} must accept (logprobs, inference_logprobs, advantages, loss_mask, cfg): {e}"
+            f"loss {name!r} must accept (logprobs, inference_logprobs, advantages, loss_mask, cfg[, ctx]): {e}"
         ) from None
     except ValueError:  # builtins without a signature: trust the caller
-        pass
+        return fn
+    return fn if accepts_ctx(fn) else _legacy(fn)
+
+
+def build_loss(cfg: LossConfig) -> LossFn:
+    """The configured loss with its wrappers: mismatch correction inside, then the reference KL penalty."""
+    fn = resolve_loss(cfg.name)
+    if cfg.mismatch_correction != "none":
+        fn = with_mismatch_correction(fn)
+    if cfg.kl_coef > 0:
+        fn = with_reference_kl(fn)
     return fn

@@ -9,9 +9,11 @@ weights; a resumed run republishes the version it resumed at, which the orchestr
 Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl`: `step` (the rollout step
 trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
 trainer) per loss token, before the update), `entropy`, `grad_norm`, `lr`, `tokens/s` (non-padding tokens over
-the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/compute`, `time/publish`,
+the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
+trainer starved of rollouts), `time/compute`, `time/publish`,
 `time/checkpoint` (of the previous checkpoint), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
-figures (see arbor.trainer.loss).
+figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
+`build_reference` builds from the initial weights).
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ def run(cfg: TrainerConfig) -> int:
     import torch
     import torch.distributed as dist
 
-    from arbor.trainer.loss import resolve_loss
+    from arbor.trainer.loss import build_loss
     from arbor.trainer.parallel import init_distributed
 
     try:
-        loss_fn = resolve_loss(cfg.loss.name)
+        loss_fn = build_loss(cfg.loss)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"loss.name: {e}") from None
     if cfg.num_threads is not None:
@@ -111,6 +113,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
     install(cfg.output_dir, f"trainer_rank{rank}", "building the model")
     model, optimizer, dims = build_training(cfg, device)
     data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
+    reference = build_reference(cfg, device, dims)
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
     start = 0
     if cfg.resume:
@@ -133,7 +136,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         set_lr(optimizer, step, cfg.max_steps, cfg.scheduler)
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
-            forward_context(dims, cfg, device.type), router_replay=cfg.model.router_replay,
+            forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -152,6 +155,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
                 "tokens/s": figures["num_tokens"] / max(t2 - t1, 1e-9),
                 "time/step": t3 - t0,
                 "time/wait": t1 - t0,
+                "time/wait_ratio": (t1 - t0) / max(t3 - t0, 1e-9),  # throughput matching: trainer starved?
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
@@ -163,6 +167,25 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps:
             save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
             last_checkpoint_seconds = time.perf_counter() - t3
+
+
+def build_reference(cfg: TrainerConfig, device: "torch.device", dims: Any) -> "nn.Module | None":
+    """The KL penalty's reference: the initial weights (built as `build_training` builds the policy, before any
+    checkpoint is loaded), frozen and sharded like the policy (under FSDP2 its forward is a collective too).
+    None when `loss.kl_coef` is 0."""
+    import torch
+
+    from arbor.models import build_model
+    from arbor.trainer.parallel import parallelize
+
+    if cfg.loss.kl_coef <= 0:
+        return None
+    with torch.random.fork_rng():  # the same initial weights as the policy's, without moving the global RNG
+        torch.manual_seed(cfg.seed)
+        ref = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
+    ref.requires_grad_(False).eval()
+    ref = parallelize(ref, dims, cfg, device.type)
+    return ref if dims.fsdp_enabled else ref.to(device)
 
 
 def publish(cfg: TrainerConfig, model: "nn.Module", version: int, tokenizer) -> None:

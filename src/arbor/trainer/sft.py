@@ -1,8 +1,11 @@
 """The `sft` process: supervised fine-tuning on prompt/completion pairs, also `rl`'s optional warm-up.
 
-Examples come from a JSONL file (`{"prompt", "completion"}` rows, the prompt sent as one user message, or
-`{"messages": [...]}` rows whose last assistant message is the target) or, by default, from the environment's
-reference answers. Each step packs `batch_size` examples into rows of at most `seq_len` tokens (block-diagonal
+Examples come from a JSONL or parquet file (`{"prompt", "completion"}` rows, the prompt sent as one user
+message, or `{"messages": [...]}` chat rows in which EVERY assistant turn is a target and everything else, system
+and user turns and the template's markup, is masked out of the loss) or, by default, from the environment's
+reference answers. A chat row's targets are found by templating its prefixes: the tokens of assistant turn j are
+those after `apply_chat_template(messages[:j], add_generation_prompt=True)` up to and including the end-of-turn
+token; a tokenizer whose template does not extend its prefixes that way is reported, not guessed at. Each step packs `batch_size` examples into rows of at most `seq_len` tokens (block-diagonal
 attention, as the RL trainer does) and minimises cross-entropy on the target tokens only, averaged over the
 step's target tokens. The result is a Hugging Face checkpoint directory `<output_dir>/sft/`, written under a
 temporary name and renamed into place, which `model.name` can point at. Single process: the warm-up is small.
@@ -27,8 +30,12 @@ if TYPE_CHECKING:
 
     from arbor.models.tokenizer import Tokenizer
 
-Example = tuple[list[int], list[int]]
-"""(prompt ids, target ids); the target ends with the end-of-turn token."""
+Example = tuple[list[int], list[bool]]
+"""(token ids, loss mask): the mask is True on target tokens (each target ends with the end-of-turn token)."""
+
+
+def _single(prompt: list[int], target: list[int]) -> Example:
+    return prompt + target, [False] * len(prompt) + [True] * len(target)
 
 
 @main_guard
@@ -43,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 def load_examples(cfg: SFTConfig, tokenizer: "Tokenizer") -> list[Example]:
     """Tokenised examples from `cfg.data` or the environment; those longer than `seq_len` are dropped."""
     examples = _file_examples(Path(cfg.data), tokenizer) if cfg.data else _environment_examples(cfg, tokenizer)
-    kept = [e for e in examples if len(e[0]) + len(e[1]) <= cfg.seq_len]
+    kept = [e for e in examples if len(e[0]) <= cfg.seq_len]
     if not kept:
         raise ValueError(f"no SFT example fits in seq_len {cfg.seq_len} tokens (of {len(examples)} examples)")
     return kept
@@ -59,31 +66,57 @@ def _environment_examples(cfg: SFTConfig, tokenizer: "Tokenizer") -> list[Exampl
         if reference is None:
             continue
         prompt = tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True)
-        out.append((prompt, tokenizer.encode(reference) + [tokenizer.eos_token_id]))
+        out.append(_single(prompt, tokenizer.encode(reference) + [tokenizer.eos_token_id]))
     if not out:
         raise ValueError(f"environment {cfg.environment.id!r} has no reference answers to fine-tune on")
     return out
 
 
-def _file_examples(path: Path, tokenizer: "Tokenizer") -> list[Example]:
+def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(location, row) pairs from a JSONL or parquet file."""
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {path} does not exist")
-    out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    if path.suffix == ".parquet":
+        try:  # installed with arbor's dependencies (transitively), but not declared by arbor itself
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"reading {path} needs pyarrow: `uv pip install pyarrow`") from None
+
+        return [(f"{path}:row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    return [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+
+
+def chat_example(messages: list[dict[str, str]], tokenizer: "Tokenizer", where: str = "row") -> Example:
+    """A multi-turn chat masked to its assistant turns (see the module docstring)."""
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ValueError(f"{where}: a messages row needs at least one assistant message (the targets)")
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    mask = [False] * len(full)
+    for j, m in enumerate(messages):
+        if m.get("role") != "assistant":
             continue
-        row = json.loads(line)
+        prefix = tokenizer.apply_chat_template(messages[:j], add_generation_prompt=True)
+        target = tokenizer.encode(m["content"]) + [tokenizer.eos_token_id]
+        end = len(prefix) + len(target)
+        if full[: end] != prefix + target:
+            raise ValueError(
+                f"{where}: the tokenizer's chat template does not extend its prefixes at assistant turn {j}, so "
+                "its target tokens cannot be located; use prompt/completion rows"
+            )
+        mask[len(prefix): end] = [True] * len(target)
+    return full, mask
+
+
+def _file_examples(path: Path, tokenizer: "Tokenizer") -> list[Example]:
+    out = []
+    for where, row in _rows(path):
         if "messages" in row:
-            messages = row["messages"]
-            if not messages or messages[-1].get("role") != "assistant":
-                raise ValueError(f"{path}:{lineno}: the last message must be the assistant's (the target)")
-            prompt, target = messages[:-1], messages[-1]["content"]
+            out.append(chat_example(list(row["messages"]), tokenizer, where))
         elif "prompt" in row and "completion" in row:
-            prompt, target = [{"role": "user", "content": row["prompt"]}], row["completion"]
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True)
+            out.append(_single(prompt, tokenizer.encode(row["completion"]) + [tokenizer.eos_token_id]))
         else:
-            raise ValueError(f"{path}:{lineno}: expected keys 'prompt' and 'completion', or 'messages'")
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-        out.append((ids, tokenizer.encode(target) + [tokenizer.eos_token_id]))
+            raise ValueError(f"{where}: expected keys 'prompt' and 'completion', or 'messages'")
     return out
 
 
@@ -103,17 +136,17 @@ def batches(examples: list[Example], batch_size: int, seed: int):
 
 def pack(batch: list[Example], row_len: int) -> list[tuple["torch.Tensor", "torch.Tensor", list[int]]]:
     """Packs examples in order into rows of at most `row_len` tokens: (input_ids, loss_mask, seq_lens) per row.
-    Token t of a target is in the loss (predicted from everything before it); prompt tokens are not."""
+    Token t of a target is in the loss (predicted from everything before it); other tokens are not."""
     import torch
 
     rows: list[tuple[list[int], list[bool], list[int]]] = []
-    for prompt, target in batch:
-        n = len(prompt) + len(target)
+    for example_ids, example_mask in batch:
+        n = len(example_ids)
         if not rows or len(rows[-1][0]) + n > row_len:
             rows.append(([], [], []))
         ids, mask, lens = rows[-1]
-        ids += prompt + target
-        mask += [False] * len(prompt) + [True] * len(target)
+        ids += example_ids
+        mask += example_mask
         lens.append(n)
     return [(torch.tensor(ids), torch.tensor(mask), lens) for ids, mask, lens in rows]
 

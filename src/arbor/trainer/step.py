@@ -18,7 +18,7 @@ from torch import nn
 
 from arbor.config.trainer import LossConfig
 from arbor.models.attention import packed_causal_mask
-from arbor.trainer.loss import LossFn
+from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
 
 
@@ -121,14 +121,16 @@ def train_step(
     device: torch.device,
     dp_size: int = 1,
     forward_ctx: contextlib.AbstractContextManager | None = None,
+    ref_model: nn.Module | None = None,
     router_replay: bool = False,
 ) -> dict[str, float]:
     """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures.
 
-    Under context parallelism every rank of a cp group holds the whole row's logprobs and computes the same
-    loss; the all-gather's backward sums the group's gradients (a factor cp that FSDP2's average over
-    dp x cp ranks cancels), and only cp rank 0 counts the figures. An MoE model's load-balancing loss
-    (`model.aux_loss`, per micro-batch) is added with weight 1/micro-batches per rank.
+    `ref_model` (frozen) supplies `LossContext.ref_logprobs` for a KL penalty. Under context parallelism every
+    rank of a cp group holds the whole row's logprobs and computes the same loss; the all-gather's backward
+    sums the group's gradients (a factor cp that FSDP2's average over dp x cp ranks cancels), and only cp rank
+    0 counts the figures. An MoE model's load-balancing loss (`model.aux_loss`, per micro-batch) is added with
+    weight 1/micro-batches per rank.
     """
     from arbor.trainer.parallel import clip_grad_norm
 
@@ -142,7 +144,11 @@ def train_step(
         mask = mb.loss_mask.to(device, non_blocking=True)
         inf_lp = mb.inference_logprobs.to(device, non_blocking=True)
         adv = mb.advantages.to(device, non_blocking=True)
-        out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg)
+        ctx = LossContext(mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True))
+        if ref_model is not None:
+            with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+                ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay)
+        out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg, ctx)
         total = out.loss_sum * (dp_size / normaliser)
         aux = getattr(model, "aux_loss", None)
         if aux is not None:

@@ -4,7 +4,9 @@ A micro-batch is one packed row of several samples. Every per-token array has th
 `seq_lens` gives the packed samples' lengths (their sum may be shorter than the row: the rest is padding).
 Token `t`'s `inference_logprobs[t]`, `advantages[t]` and `loss_mask[t]` describe the prediction *of* token
 `t` from the tokens before it, so the trainer shifts logits by one. `policy_versions[t]` is the trainer step
-whose weights sampled token `t` (-1 for prompt tokens). The optional `routed_experts [T, moe_layers, top_k]`
+whose weights sampled token `t` (-1 for prompt tokens). `loss_weights[t]` multiplies token `t`'s loss: it makes
+the step's normalisation explicit (token: 1; sequence and group: see arbor.orchestrator.batcher). A file
+written without it (an older writer) reads as all ones. The optional `routed_experts [T, moe_layers, top_k]`
 (uint8 or int16) holds the experts the inference engine routed each token to (router replay); absent for dense
 models or with replay off.
 """
@@ -20,7 +22,9 @@ import torch
 if TYPE_CHECKING:
     import numpy as np
 
-PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions")
+PER_TOKEN = (
+    "input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights"
+)
 DTYPES = {
     "input_ids": torch.int64,
     "position_ids": torch.int64,
@@ -29,6 +33,7 @@ DTYPES = {
     "inference_logprobs": torch.float32,
     "policy_versions": torch.int32,
     "seq_lens": torch.int32,
+    "loss_weights": torch.float32,
 }
 
 
@@ -41,10 +46,15 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     policy_versions: torch.Tensor
     seq_lens: torch.Tensor
+    loss_weights: torch.Tensor | None = None
+    """Per-token loss multipliers; None (the default) means all ones."""
     routed_experts: torch.Tensor | None = None
+    """Router replay: the engine's experts per token `[T, moe_layers, top_k]`; None for dense models."""
 
     def __post_init__(self) -> None:
         n = self.input_ids.shape[0]
+        if self.loss_weights is None:
+            self.loss_weights = torch.ones(n, dtype=torch.float32)
         if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != n):
             raise ValueError(
                 f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, expected ({n}, layers, top_k)"
@@ -102,7 +112,7 @@ class StepBatch:
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "StepBatch":
         header = json.loads(meta["arbor"])
         mbs = [
-            MicroBatch(**{f.name: tensors[f"{i}.{f.name}"] for f in dataclasses.fields(MicroBatch) if f"{i}.{f.name}" in tensors})
+            MicroBatch(**{f.name: tensors[k] for f in dataclasses.fields(MicroBatch) if (k := f"{i}.{f.name}") in tensors})
             for i in range(header["num_micro_batches"])
         ]
         return cls(
