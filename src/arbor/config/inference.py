@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config
+from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
 
 
@@ -106,6 +107,8 @@ class InferenceConfig(Config):
     """torch intra-op threads for the engine; default: torch's choice."""
     ready_file: str | None = None
     """When set, the server writes its base URL to this file once it accepts requests."""
+    weights: WeightTransportConfig = WeightTransportConfig()
+    """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
     replicas: int = Field(1, ge=1)
     """Servers `rl` starts; more than one puts the router in front of them (the orchestrator talks to it)."""
     router_replay: bool = False
@@ -114,3 +117,9 @@ class InferenceConfig(Config):
     """vLLM server options (backend = "vllm")."""
     router: RouterConfig = RouterConfig()
     """The router used when replicas > 1."""
+
+    @model_validator(mode="after")
+    def _nccl_needs_vllm(self) -> "InferenceConfig":
+        if self.weights.kind == "nccl" and self.backend != "vllm":
+            raise ValueError("weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)")
+        return self

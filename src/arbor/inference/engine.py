@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.models.hf import read_safetensors_dir
+from arbor.transport.weights import read_verified
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -320,7 +320,7 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = read_safetensors_dir(path)
+        state = read_verified(path)  # checks the publish manifest's sha256 of every shard when there is one
         own = dict(self.model.named_parameters())
         if self.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -251,9 +251,11 @@ class Router:
         results = await asyncio.gather(*(self._post(b, request.path, body) for b in self.backends))
         report = {b.url: {"status": s, "in_rotation": b.healthy, "body": d} for b, (s, d) in zip(self.backends, results)}
         live = [(b, s, d) for b, (s, d) in zip(self.backends, results) if b.healthy]
-        for b, s, _ in live:
-            if s == 0:
+        for b, (s, d) in zip(self.backends, results):
+            if s == 0 and b.healthy:
                 self._failed(b, refused=True)
+            if s == 200 and isinstance(d, dict) and isinstance(d.get("policy_version"), int):
+                b.policy_version = d["policy_version"]
         ok = [s for _, s, _ in live if 200 <= s < 300]
         bad_request = [s for _, s, _ in live if 400 <= s < 500]
         if bad_request:  # e.g. a pruned weights directory: the caller's mistake, the same on every backend
@@ -286,6 +288,7 @@ class Router:
             if status != 200:
                 log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
                 return False
+            b.policy_version = int(self.last_update.get("version", b.policy_version))
         if self.paused:
             status, _ = await self._post(b, "/pause", b"{}")
             if status != 200:

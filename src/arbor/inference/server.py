@@ -2,7 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
 arbor extension `policy_versions`: one int per generated token), GET /health, GET /v1/models, GET /metrics
-(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. Bad input gets a 400 with
+(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. The vLLM request field
+`cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache across requests.
+Bad input gets a 400 with
 `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field; the server never dies on it.
 
 Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
@@ -251,6 +253,7 @@ class InferenceServer:
         params = _sampling(body, _get(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
         return_ids = _get(body, "return_token_ids", (bool,), False)
         as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+        _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         outputs = await self._generate(prompts, params, "prompt")
         choices = []
         for pi, out in enumerate(outputs):
@@ -288,6 +291,7 @@ class InferenceServer:
         params = _sampling(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
         return_ids = _get(body, "return_token_ids", (bool,), False)
         as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+        _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         (out,) = await self._generate([prompt], params, "messages")
         choices = []
         for c in out.completions:

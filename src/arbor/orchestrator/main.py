@@ -49,8 +49,10 @@ class Orchestrator:
         state = load_state(cfg.output_dir, start) if start else OrchestratorState()
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
         metrics = MetricsWriter(cfg.output_dir, init_wandb(cfg.wandb, cfg.output_dir, cfg.model_dump(mode="json")))
-        async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries) as client:
+        async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries,
+                                   admin_urls=cfg.client.admin_urls) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
+            client.policy_version = weights.loaded_version
             background = [asyncio.create_task(weights.run()), asyncio.create_task(self._poll_metrics(metrics))]
             try:
                 if start:
@@ -86,7 +88,11 @@ class Orchestrator:
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature, self.tokenizer.pad_token_id
         )
         write_step(cfg.output_dir, step, batches)
-        metrics.add(step, self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client))
+        figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
+        for name, value in (await client.router_stats()).items():  # cumulative fleet counters (replicas > 1)
+            if name in ("requests", "retries", "ejections", "readmissions", "backends_in_rotation"):
+                figures[f"router/{name}"] = value
+        metrics.add(step, figures)
 
     async def _collect_groups(self, step: int, client) -> list[list]:
         """Generates a step's groups, replacing those dropped as too stale, with bounded concurrency."""
