@@ -111,6 +111,8 @@ class InferenceConfig(Config):
     """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
     replicas: int = Field(1, ge=1)
     """Servers `rl` starts; more than one puts the router in front of them (the orchestrator talks to it)."""
+    replica: int = Field(0, ge=0)
+    """Index of this server among the replicas (`rl` sets it); places its workers in the NCCL weight group."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()

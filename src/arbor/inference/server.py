@@ -445,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.backend == "vllm":
+        from arbor.inference import vllm_adapter
+
+        vllm_adapter.require_vllm()
+        return vllm_adapter.run(cfg)
     import torch
 
     from arbor.inference.engine import build_engine

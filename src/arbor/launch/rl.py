@@ -52,6 +52,10 @@ def resolve(cfg: RLConfig) -> RLConfig:
     from arbor.inference.router import use_vllm_router
 
     inf = cfg.inference
+    if inf.backend == "vllm":
+        from arbor.inference.vllm_adapter import require_vllm
+
+        require_vllm()  # one line now rather than N replicas failing after the trainer started
     # Under `rl` an unset port means "any free one", so that two runs on one machine do not collide.
     if inf.port == 0 or "port" not in inf.model_fields_set:
         inf.port = free_port()
@@ -134,7 +138,7 @@ class Fleet:
             self.argv = {"inference": base}
             self.urls = {"inference": cfg.orchestrator.client.base_urls[0]}
         else:
-            self.argv = {f"inference_{i}": [*base, "--port", url.rsplit(":", 1)[1]]
+            self.argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
                          for i, url in enumerate(inf.router.backends)}
             self.urls = dict(zip(self.argv, inf.router.backends))
         self.restart = inf.replicas > 1 and inf.router.restart_dead_replicas
