@@ -223,3 +223,54 @@ def test_vllm_router_is_used_when_installed(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(router_mod.shutil, "which", lambda name: f"/opt/bin/{name}")
     assert router_mod.use_vllm_router(RouterConfig()) == "/opt/bin/vllm-router"
     assert router_mod.use_vllm_router(RouterConfig(implementation="builtin")) is None
+
+
+def test_weight_update_through_the_router_during_generation(tmp_path) -> None:
+    """Two local engines behind the router; an update fanned out mid-request: the response's versions switch at
+    the update point and every later token is the new weights' greedy choice."""
+    import copy
+
+    import torch
+    from test_inference import TOK, greedy_reference, make_model, running_engine, slow_down
+
+    from arbor.inference.server import BackgroundServer
+    from arbor.models.hf import save_checkpoint_dir
+
+    old = make_model()
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    save_checkpoint_dir(new.state_dict(), new.args, tmp_path / "step_1")
+    models = [make_model(), make_model()]
+    for m in models:
+        slow_down(m, 0.003)
+    prompt = TOK.encode("update me")
+    with running_engine(models[0]) as e0, running_engine(models[1]) as e1, \
+            BackgroundServer(e0, TOK) as s0, BackgroundServer(e1, TOK) as s1:
+        async def go() -> dict[str, Any]:
+            router = Router([s0.url, s1.url], RouterConfig(health_interval=0.05))
+            runner, url = await start_site(router.app(), "127.0.0.1", 0)
+            async with aiohttp.ClientSession() as s:
+                req = asyncio.create_task(_post(s, url + "/v1/completions", {
+                    "prompt": prompt, "max_tokens": 40, "temperature": 0, "logprobs": 0, "return_token_ids": True}))
+                while e0.stats().generated_tokens + e1.stats().generated_tokens < 5:
+                    await asyncio.sleep(0.001)
+                status, data = await _post(s, url + "/update_weights", {"path": str(tmp_path / "step_1"), "version": 1})
+                assert status == 200 and data["policy_version"] == 1 and len(data["results"]) == 2
+                status, out = await req
+                assert status == 200
+            await runner.cleanup()
+            return out
+
+        out = asyncio.run(go())
+        assert e0.version == e1.version == 1
+    (c,) = out["choices"]
+    v = c["policy_versions"]
+    k = v.index(1)
+    assert 0 < k < 40 and v == [0] * k + [1] * (40 - k)
+    assert c["token_ids"][:k] == greedy_reference(old, prompt, 40)[:k]
+    with torch.no_grad():
+        logits = new(torch.tensor([prompt + c["token_ids"]]))[0].float()
+    assert all(c["token_ids"][j] == int(logits[len(prompt) - 1 + j].argmax()) for j in range(k, 40))
