@@ -274,3 +274,27 @@ def test_weight_update_through_the_router_during_generation(tmp_path) -> None:
     with torch.no_grad():
         logits = new(torch.tensor([prompt + c["token_ids"]]))[0].float()
     assert all(c["token_ids"][j] == int(logits[len(prompt) - 1 + j].argmax()) for j in range(k, 40))
+
+
+def test_orchestrator_drops_groups_whose_in_flight_tokens_are_too_old() -> None:
+    """A rollout that straddles a weight update is as old as its oldest token: with max_off_policy_steps = 2 at
+    step 5, a group with any version-2 token is dropped (and replaced), one whose oldest token is 3 is kept."""
+    from arbor.config.orchestrator import OrchestratorConfig
+    from arbor.orchestrator.client import Completion
+    from arbor.orchestrator.main import Orchestrator
+    from arbor.orchestrator.state import TaskSampler
+
+    cfg = OrchestratorConfig.model_validate({"model": {"name": "qwen3-test"}, "batch_size": 4, "group_size": 2,
+                                             "max_off_policy_steps": 2, "max_concurrent_groups": 1})
+    orch = Orchestrator(cfg)
+    orch.sampler = TaskSampler(orch.tasks, 0, 0, 0)
+    versions = iter([[2, 2, 5], [3, 4, 5], [3, 3, 3], [5, 5, 5]])  # group 1 straddles 2 -> 5: too old
+
+    class Client:
+        async def generate(self, prompt_ids, n, *args, **kwargs):
+            v = next(versions)
+            return [Completion([65, 66, 67], [-0.1] * 3, v, "abc", "length") for _ in range(n)]
+
+    groups = asyncio.run(orch._collect_groups(5, Client()))
+    assert [g[0].policy_versions for g in groups] == [[3, 4, 5], [3, 3, 3]]
+    assert orch.dropped_stale == 2
