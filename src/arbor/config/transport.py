@@ -16,7 +16,7 @@ class WeightTransportConfig(Config):
     """"filesystem": sharded safetensors under `broadcasts/step_N/` with a checksum manifest and `STABLE`;
     "nccl": tensors broadcast from trainer rank 0 to every vLLM worker (GPU, vLLM backend only); the step
     directory then holds only the tensor list."""
-    max_shard_gb: float = Field(4.0, gt=0)
+    max_shard_gb: float = Field(0.5, gt=0)
     """Largest safetensors shard; bigger models get several shards and `model.safetensors.index.json`."""
     verify_checksums: bool = True
     """Check every shard's sha256 against the manifest before loading it."""

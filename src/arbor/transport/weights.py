@@ -9,8 +9,9 @@ what the directory holds depends on the implementation:
 - `FilesystemTransport`: a Hugging Face checkpoint: config.json, safetensors shards of at most
   `max_shard_gb` (with `model.safetensors.index.json` when there are several) and `manifest.json` with each
   shard's sha256, verified on load (a torn or corrupted copy fails loudly instead of loading garbage).
-  Shards are serialized in memory, hashed and written by a small thread pool (hashlib and file I/O release
-  the GIL); loading reads each shard once, hashes those bytes and deserializes them.
+  Shards are written straight from the tensors' memory and hashed on the way out, several at once (hashlib and
+  file I/O release the GIL); loading reads each shard once into one buffer, hashes it, and returns tensors
+  that view that buffer (no deserialization copy). The files are ordinary safetensors.
 - `NCCLTransport` (GPU, vLLM backend): `transport.json` lists (name, dtype, shape) of every tensor; the
   trainer's rank 0 then broadcasts the tensors in that order over a vLLM `StatelessProcessGroup` +
   `PyNcclCommunicator` to the vLLM workers, which join in through the worker extension
@@ -149,18 +150,71 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    from safetensors.torch import save
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 
-    data = save(tensors, metadata={"format": "pt"})
-    digest = hashlib.sha256(data).hexdigest()
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Writes one safetensors file straight from the tensors' memory, hashing as it goes; returns the sha256.
+
+    No serialized copy of the shard is built (unlike `safetensors.torch.save`), so a 1 GB model costs one pass
+    of hashing that overlaps with other shards' writes (hashlib and file writes release the GIL)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    views, at = [], 0
+    for name, t in tensors.items():
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + raw.numel()]}
+        views.append(raw)
+        at += raw.numel()
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    h = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(data)
-    return digest
+        for chunk in (len(head).to_bytes(8, "little"), head, *(memoryview(v.numpy()) for v in views)):
+            h.update(chunk)
+            f.write(chunk)
+    return h.hexdigest()
+
+
+def _read_shard(path: Path, expected: str | None) -> dict[str, torch.Tensor]:
+    """Reads one safetensors file into one buffer, checks its sha256, and returns tensors viewing that buffer."""
+    size = path.stat().st_size
+    buf = bytearray(size)
+    with open(path, "rb", buffering=0) as f:
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise WeightTransferError(f"{path}: file ended after {got} of {size} bytes")
+            got += n
+    if expected is not None:
+        digest = hashlib.sha256(buf).hexdigest()
+        if digest != expected:
+            raise WeightTransferError(f"{path}: sha256 {digest[:12]}... does not match the manifest "
+                                      f"({expected[:12]}...): the copy is corrupted or incomplete")
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WeightTransferError(f"{path}: not a safetensors file ({e})") from None
+    data = torch.frombuffer(buf, dtype=torch.uint8)[8 + n:] if size > 8 + n else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        dtype = _ST_TORCH[meta["dtype"]]
+        raw = data[start:end]
+        if (8 + n + start) % dtype.itemsize:  # a misaligned view is not allowed: copy this one tensor
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(meta["shape"])
+    return out
 
 
 class FilesystemTransport(WeightTransport):
-    def __init__(self, keep: int = 3, timeout: float = 600.0, max_shard_gb: float = 4.0, verify: bool = True,
+    def __init__(self, keep: int = 3, timeout: float = 600.0, max_shard_gb: float = 0.5, verify: bool = True,
                  threads: int = 4) -> None:
         super().__init__(keep, timeout)
         self.max_shard_bytes = int(max_shard_gb * 2**30)
@@ -187,8 +241,6 @@ class FilesystemTransport(WeightTransport):
 
 def read_verified(path: str | Path, verify: bool = True, threads: int = 4) -> dict[str, torch.Tensor]:
     """Reads a checkpoint directory; with a manifest, every shard's sha256 must match (when `verify`)."""
-    from safetensors.torch import load
-
     path = Path(path)
     if not path.is_dir():
         raise WeightTransferError(f"weights directory {path} does not exist")
@@ -205,13 +257,7 @@ def read_verified(path: str | Path, verify: bool = True, threads: int = 4) -> di
         raise WeightTransferError(f"no .safetensors files in {path}")
 
     def one(name: str) -> dict[str, torch.Tensor]:
-        data = (path / name).read_bytes()
-        if verify and manifest is not None:
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != manifest[name]:
-                raise WeightTransferError(f"{path / name}: sha256 {digest[:12]}... does not match the manifest "
-                                          f"({manifest[name][:12]}...): the copy is corrupted or incomplete")
-        return load(data)
+        return _read_shard(path / name, manifest[name] if verify and manifest is not None else None)
 
     state: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
