@@ -67,7 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--shard-gb", type=float, default=0.5)  # the config default (weights.max_shard_gb)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     state = synthetic_state(a.gb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())

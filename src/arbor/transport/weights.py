@@ -154,6 +154,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+_CHUNK = 32 * 2**20  # bytes hashed in one thread while the next are written/read in another
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
@@ -171,10 +172,19 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
     h = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (len(head).to_bytes(8, "little"), head, *(memoryview(v.numpy()) for v in views)):
-            h.update(chunk)
+    chunks = [memoryview(len(head).to_bytes(8, "little")), memoryview(head)]
+    for v in views:
+        mv = memoryview(v.numpy())
+        chunks += [mv[i:i + _CHUNK] for i in range(0, len(mv), _CHUNK)]
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
+        pending = None
+        for chunk in chunks:  # hash chunk i while writing it: both release the GIL
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(h.update, chunk)
             f.write(chunk)
+        if pending is not None:
+            pending.result()
     return h.hexdigest()
 
 
@@ -182,15 +192,22 @@ def _read_shard(path: Path, expected: str | None) -> dict[str, torch.Tensor]:
     """Reads one safetensors file into one buffer, checks its sha256, and returns tensors viewing that buffer."""
     size = path.stat().st_size
     buf = bytearray(size)
-    with open(path, "rb", buffering=0) as f:
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = f.readinto(view[got:])
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
+        view, got, pending = memoryview(buf), 0, None
+        while got < size:  # hash the chunk just read while reading the next one
+            n = f.readinto(view[got:got + _CHUNK])
             if not n:
                 raise WeightTransferError(f"{path}: file ended after {got} of {size} bytes")
+            if expected is not None:
+                if pending is not None:
+                    pending.result()
+                pending = hasher.submit(h.update, view[got:got + n])
             got += n
+        if pending is not None:
+            pending.result()
     if expected is not None:
-        digest = hashlib.sha256(buf).hexdigest()
+        digest = h.hexdigest()
         if digest != expected:
             raise WeightTransferError(f"{path}: sha256 {digest[:12]}... does not match the manifest "
                                       f"({expected[:12]}...): the copy is corrupted or incomplete")
