@@ -30,7 +30,6 @@ from typing import Any, Sequence
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.transport.weights import read_verified
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -136,7 +135,12 @@ class Engine:
         max_batch_size: int,
         seed: int = 0,
         version: int = 0,
+        weights: Any = None,
     ) -> None:
+        from arbor.transport.weights import FilesystemTransport
+
+        # Loads published directories: sha256 checked, bounded by the transport's timeout.
+        self.weights = weights if weights is not None else FilesystemTransport()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -320,7 +324,7 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = read_verified(path)  # checks the publish manifest's sha256 of every shard when there is one
+        state = self.weights.load(path)  # checks the publish manifest's sha256 of every shard when there is one
         own = dict(self.model.named_parameters())
         if self.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -506,6 +510,10 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
 
     model = build_model(cfg.model)
     tokenizer = build_tokenizer(cfg.model)
-    engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+    from arbor.transport.weights import FilesystemTransport
+
+    w = cfg.weights
+    engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
+                    weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums))
     return engine, tokenizer
 

@@ -49,8 +49,6 @@ RESTART_BACKOFF = 5.0
 
 def resolve(cfg: RLConfig) -> RLConfig:
     """Fills in what only the launcher knows: ports and addresses (replicas, router), the warm-up model path."""
-    from arbor.inference.router import use_vllm_router
-
     inf = cfg.inference
     if inf.backend == "vllm":
         from arbor.inference.vllm_adapter import require_vllm
@@ -63,6 +61,8 @@ def resolve(cfg: RLConfig) -> RLConfig:
     if inf.replicas == 1:
         cfg.orchestrator.client.base_urls = [f"http://{host}:{inf.port}"]
     else:
+        from arbor.inference.router import use_vllm_router  # aiohttp: only imported when there is a router
+
         ports = [inf.port] + [free_port() for _ in range(inf.replicas - 1)]
         inf.router.backends = [f"http://{host}:{p}" for p in ports]
         if inf.router.port == 0:

@@ -79,7 +79,7 @@ class WeightTransport(ABC):
         if tokenizer is not None:
             tokenizer.save(tmp)
         tensors = hf_state_dict(state, args)
-        self._write(tmp, tensors)
+        _deadline_call(lambda: self._write(tmp, tensors), self.timeout, f"writing weights to {tmp}")
         (tmp / STABLE).write_text(str(step))
         if final.exists():  # a resumed run republishes the step it resumed from
             shutil.rmtree(final)
