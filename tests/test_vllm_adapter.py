@@ -73,6 +73,8 @@ def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="weights.kind"):
         InferenceConfig.model_validate({"weights": {"kind": "nccl"}})
     InferenceConfig.model_validate({"backend": "vllm", "weights": {"kind": "nccl"}})
+    with pytest.raises(ValueError, match="nccl_inference_ranks"):
+        InferenceConfig.model_validate({"backend": "vllm", "replicas": 2, "weights": {"kind": "nccl"}})
 
 
 def test_request_rendering() -> None:
@@ -218,7 +220,7 @@ def test_nccl_update_sends_the_workers_group_coordinates(tmp_path) -> None:
     async def go() -> None:
         fake = FakeVLLM()
         up_runner, up = await start_site(fake.app(), "127.0.0.1", 0)
-        cfg = InferenceConfig.model_validate({"backend": "vllm", "replica": 1, "vllm": {"tensor_parallel_size": 2},
+        cfg = InferenceConfig.model_validate({"backend": "vllm", "replicas": 2, "replica": 1, "vllm": {"tensor_parallel_size": 2},
                                               "weights": {"kind": "nccl", "nccl_port": 4000, "nccl_inference_ranks": 4}})
         runner, url = await start_site(VLLMProxy(up, cfg).app(), "127.0.0.1", 0)
         async with aiohttp.ClientSession() as s:

@@ -124,4 +124,8 @@ class InferenceConfig(Config):
     def _nccl_needs_vllm(self) -> "InferenceConfig":
         if self.weights.kind == "nccl" and self.backend != "vllm":
             raise ValueError("weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)")
+        workers = self.replicas * self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
+        if self.weights.kind == "nccl" and self.weights.nccl_inference_ranks != workers:
+            raise ValueError(f"weights.nccl_inference_ranks ({self.weights.nccl_inference_ranks}) must equal replicas x "
+                             f"vllm.tensor_parallel_size x vllm.data_parallel_size ({workers})")
         return self

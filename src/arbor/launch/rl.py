@@ -143,6 +143,7 @@ class Fleet:
             self.urls = dict(zip(self.argv, inf.router.backends))
         self.restart = inf.replicas > 1 and inf.router.restart_dead_replicas
         self.last_start: dict[str, float] = {}
+        self.reported: set[str] = set()
         self.deaths = 0
 
     def start(self, name: str) -> None:
@@ -158,7 +159,12 @@ class Fleet:
         if not alive:
             logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
             raise ChildFailed(f"all {len(self.argv)} inference replicas exited (last: {name}, code {rc}); see {logs}\n{tail(child.log_path)}")
-        if not self.restart or time.monotonic() - self.last_start.get(name, 0.0) < RESTART_BACKOFF:
+        if not self.restart:
+            if name not in self.reported and console is not None:
+                console.say(f"rl: {name} exited with code {rc}; continuing with {len(alive)} replicas (see {child.log_path})", err=True)
+            self.reported.add(name)
+            return
+        if time.monotonic() - self.last_start.get(name, 0.0) < RESTART_BACKOFF:
             return
         self.deaths += 1
         if console is not None:
