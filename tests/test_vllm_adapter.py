@@ -125,6 +125,9 @@ class FakeVLLM:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             chat = request.path.endswith("chat/completions")
+            if body.get("prompt") == [666]:
+                await resp.write(b'data: {"error": {"message": "engine died", "code": 500}}\n\n')
+                return resp
             for j in range(body["max_tokens"]):
                 if body["max_tokens"] > 4 and j == 3:
                     await self.tick.wait()  # the test updates weights while this request is in flight
@@ -202,11 +205,13 @@ def test_proxy_tags_tokens_with_versions_and_updates_through_collective_rpc(tmp_
             async with s.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}) as r:
                 assert (await r.json())["choices"][0]["logprobs"] is None  # not asked for, not returned
             assert fake.requests[-1]["cache_salt"] == "policy-4"
+            async with s.post(url + "/v1/completions", json={"prompt": [666], "max_tokens": 2}) as r:
+                assert r.status == 500 and "engine died" in (await r.json())["error"]["message"]
             async with s.post(url + "/pause") as r:
                 assert (await r.json())["paused"]
             held = asyncio.create_task(s.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}))
             await asyncio.sleep(0.2)
-            assert not held.done() and len(fake.requests) == 3  # held in the proxy
+            assert not held.done() and len(fake.requests) == 4  # held in the proxy
             await s.post(url + "/resume")
             async with await held as r:
                 assert r.status == 200

@@ -272,7 +272,10 @@ class VLLMProxy:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
-                acc.add(json.loads(data), self.version)
+                chunk = json.loads(data)
+                if chunk.get("error"):  # vLLM reports a failure inside the stream: a 5xx, so routers retry it
+                    return web.json_response({"error": chunk["error"]}, status=500)
+                acc.add(chunk, self.version)
         return web.json_response(acc.response())
 
     async def _rpc(self, method: str, args: list[Any]) -> Any:
