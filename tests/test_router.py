@@ -35,7 +35,8 @@ class FakeBackend:
             await asyncio.sleep(self.delay)
             if self.fail_status:
                 return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
-            return web.json_response({"backend": self.name, "echo": body, "policy_versions": [self.version]})
+            choice = {"index": 0, "token_ids": [7], "logprobs": {"token_logprobs": [-0.1]}, "policy_versions": [self.version]}
+            return web.json_response({"backend": self.name, "echo": body, "choices": [choice]})
 
         async def health(request: web.Request) -> web.Response:
             return web.json_response({"status": "ok", "policy_version": self.version})
@@ -298,3 +299,25 @@ def test_orchestrator_drops_groups_whose_in_flight_tokens_are_too_old() -> None:
     groups = asyncio.run(orch._collect_groups(5, Client()))
     assert [g[0].policy_versions for g in groups] == [[3, 4, 5], [3, 3, 3]]
     assert orch.dropped_stale == 2
+
+
+def test_client_sends_the_cache_salt_and_admin_calls_to_admin_urls() -> None:
+    """With a router lacking admin routes (vllm-router), weight updates go to every backend directly, and each
+    generation carries the salt of the newest version the fleet was told to load."""
+    from arbor.orchestrator.client import InferenceClient
+
+    async def go() -> None:
+        backends = [FakeBackend("b0"), FakeBackend("b1")]
+        urls = [await b.start() for b in backends]
+        async with InferenceClient([urls[0]], timeout=10, max_retries=0, admin_urls=urls) as client:
+            await client.generate([1, 2], 1, 4, 1.0, 1.0)
+            assert backends[0].seen[-1]["cache_salt"] == "policy-0"
+            await client.update_weights("/w/step_2", 2)
+            assert [b.version for b in backends] == [2, 2]
+            (c,) = await client.generate([1, 2], 1, 4, 1.0, 1.0)
+            assert backends[0].seen[-1]["cache_salt"] == "policy-2" and c.policy_versions == [2]
+            assert await client.router_stats() == {}  # a plain server has no router counters
+        for b in backends:
+            await b.stop()
+
+    asyncio.run(go())
