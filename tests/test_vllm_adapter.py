@@ -65,6 +65,7 @@ def test_serve_command_line_renders_every_option() -> None:
     assert "--kv-transfer-config" not in plain and "--enable-return-routed-experts" not in plain
     assert render_extra({"x": [1, 2]}) == ["--x", "1", "2"]
     assert vllm_adapter.serve_env({})["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "vllm" not in sys.modules, "rendering must not import vLLM"
 
 
 def test_config_errors_name_the_field() -> None:

@@ -35,6 +35,8 @@ class Completion:
     policy_versions: list[int]
     text: str
     finish_reason: str
+    routed_experts: Any = None
+    """Per-token routed experts from a vLLM server with `inference.router_replay` (opaque; None otherwise)."""
 
 
 class InferenceClient:
@@ -111,7 +113,8 @@ class InferenceClient:
             versions = choice.get("policy_versions") or [-1] * len(ids)
             if not (len(ids) == len(lps) == len(versions)):
                 raise InferenceError(f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions")
-            out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""), choice.get("finish_reason", "")))
+            out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""),
+                                  choice.get("finish_reason", ""), choice.get("routed_experts")))
         return out
 
     async def update_weights(self, path: str, version: int) -> None:
