@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -390,8 +391,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exe = use_vllm_router(cfg)
     if exe is not None:
-        import os
-
         os.execv(exe, vllm_router_argv(cfg, cfg.backends, cfg.port, exe))
     try:
         asyncio.run(serve(cfg))

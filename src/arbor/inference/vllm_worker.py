@@ -39,7 +39,9 @@ class WeightUpdateExtension:
 
         spec = read_nccl_spec(wait_stable(path, timeout))
         if self._arbor_comm is None:  # joins the trainer's group on the first update
-            rank = rank_offset + get_world_group().rank
+            # Ranks: trainer 0, then this server's workers from rank_offset, data-parallel rank major.
+            pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+            rank = rank_offset + pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group
             self._arbor_comm = init_nccl_group(host, port, rank, world_size, self.device, timeout)  # type: ignore[attr-defined]
         received = nccl_receive(self._arbor_comm, spec, self.device, timeout)  # type: ignore[attr-defined]
         self.model_runner.model.load_weights(weights=received)  # type: ignore[attr-defined]
