@@ -137,3 +137,57 @@ def _receiver(out: str, q) -> None:
     path = wait_stable(broadcast_dir(out, 1), 120)
     comm = init_nccl_group("127.0.0.1", 29611, 1, 2, torch.device("cuda", 1), 120)
     q.put({k: v.cpu() for k, v in nccl_receive(comm, read_nccl_spec(path), torch.device("cuda", 1), 120)})
+
+
+class _FakeRunner:
+    """Stands in for vLLM's model runner: `model.load_weights` takes (HF name, tensor) pairs, as vLLM's does."""
+
+    def __init__(self, model) -> None:
+        own = dict(model.named_parameters())
+
+        class Loader:
+            parameters = model.parameters
+
+            @staticmethod
+            def load_weights(weights):
+                with torch.no_grad():
+                    for name, t in weights:
+                        if name in own:
+                            own[name].copy_(t)
+
+        self.model = Loader()
+
+
+def test_worker_extension_loads_a_published_dir_into_the_model(tmp_path):
+    """The vLLM worker extension's file path on CPU: after arbor_load_dir the weights equal the trainer's."""
+    from arbor.inference.vllm_worker import WeightUpdateExtension
+
+    trained, served = _model(seed=1), _model(seed=2)
+    path = FilesystemTransport().publish(tmp_path, 1, trained.state_dict(), trained.args)
+    worker = WeightUpdateExtension()
+    worker.model_runner = _FakeRunner(served)
+    before = worker.arbor_weight_checksum()
+    assert worker.arbor_load_dir(str(path), True, 30) > 0
+    for (name, a), b in zip(served.named_parameters(), trained.parameters()):
+        assert torch.equal(a, b), name
+    assert worker.arbor_weight_checksum() != before
+
+
+def test_nccl_receive_allocates_in_spec_order_and_yields_what_rank_0_sent(tmp_path, monkeypatch):
+    """The receiving half of the NCCL path with a loopback communicator (CPU): names, dtypes, shapes, values."""
+    from arbor.transport.weights import nccl_receive
+
+    model = _model()
+    monkeypatch.setattr(NCCLTransport, "_send", lambda self, final, tensors: None)
+    path = NCCLTransport("127.0.0.1", 1, 1).publish(tmp_path, 1, model.state_dict(), model.args)
+    sent = iter([t for t in model.state_dict().values()][: len(read_nccl_spec(path))])
+    expected = dict(model.state_dict())
+
+    class Loopback:
+        def broadcast(self, buf, src, stream):
+            assert src == 0 and stream is None
+            buf.copy_(next(sent))
+
+    got = dict(nccl_receive(Loopback(), read_nccl_spec(path), torch.device("cpu"), 5))
+    assert list(got) == [s[0] for s in read_nccl_spec(path)]
+    assert all(torch.equal(got[k], expected[k]) for k in got)

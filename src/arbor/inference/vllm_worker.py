@@ -20,6 +20,11 @@ from arbor.transport.weights import (
 )
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class WeightUpdateExtension:
     """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's."""
 
@@ -29,7 +34,7 @@ class WeightUpdateExtension:
         """Loads a published step directory (sha256-checked shards); returns the tensors loaded."""
         state = read_verified(wait_stable(path, timeout), verify)
         self.model_runner.model.load_weights(weights=list(state.items()))  # type: ignore[attr-defined]
-        torch.cuda.synchronize()
+        _sync()
         return len(state)
 
     def arbor_load_nccl(self, path: str, host: str, port: int, rank_offset: int, world_size: int,
@@ -45,7 +50,7 @@ class WeightUpdateExtension:
             self._arbor_comm = init_nccl_group(host, port, rank, world_size, self.device, timeout)  # type: ignore[attr-defined]
         received = nccl_receive(self._arbor_comm, spec, self.device, timeout)  # type: ignore[attr-defined]
         self.model_runner.model.load_weights(weights=received)  # type: ignore[attr-defined]
-        torch.cuda.synchronize()
+        _sync()
         return len(spec)
 
     def arbor_weight_checksum(self) -> float:

@@ -321,12 +321,15 @@ def init_nccl_group(host: str, port: int, rank: int, world_size: int, device: An
 def nccl_receive(comm: Any, spec: list[tuple[str, torch.dtype, list[int]]], device: Any,
                  timeout: float) -> Iterator[tuple[str, torch.Tensor]]:
     """Receiver side (a vLLM worker): yields (name, tensor) as each broadcast from rank 0 lands."""
+    cuda = torch.device(device).type == "cuda"
     for name, dtype, shape in spec:
         buf = torch.empty(shape, dtype=dtype, device=device)
 
         def recv(buf: torch.Tensor = buf) -> None:
-            comm.broadcast(buf, src=0, stream=torch.cuda.current_stream())
-            torch.cuda.current_stream().synchronize()
+            stream = torch.cuda.current_stream() if cuda else None
+            comm.broadcast(buf, src=0, stream=stream)
+            if stream is not None:
+                stream.synchronize()
 
         _deadline_call(recv, timeout, f"receiving {name} over NCCL")
         yield name, buf
