@@ -28,8 +28,13 @@ def test_two_replicas_survive_a_killed_one_and_take_it_back(tmp_path):
     lines = subprocess.run(["pgrep", "-af", f"arbor.inference.server @ {out}"], capture_output=True, text=True).stdout
     pids = [int(line.split()[0]) for line in lines.splitlines() if line.endswith(f"--port {victim_port}")]
     assert len(pids) == 1, lines
-    os.kill(pids[0], signal.SIGKILL)
     router = tomllib.loads((out / "configs" / "orchestrator.toml").read_text())["client"]["base_urls"][0]
+    # Kill it while the router has a request in flight on it, so that request must be retried elsewhere.
+    busy = f'arbor_router_outstanding{{backend="{backends[1]}"}} '
+    _wait_for(lambda: any(line.startswith(busy) and float(line.split()[-1]) > 0
+                          for line in urllib.request.urlopen(router + "/metrics", timeout=5).read().decode().splitlines()),
+              120, "a request in flight on the second replica")
+    os.kill(pids[0], signal.SIGKILL)
     seen: dict[str, float] = {}
     while proc.poll() is None and seen.get("readmissions", 0) < 1:  # the launcher restarts it; the router takes it back
         try:
