@@ -52,17 +52,25 @@ def test_corrupted_shard_fails_loudly_and_the_engine_keeps_its_weights(tmp_path)
     from arbor.models import build_tokenizer
 
     model = _model()
-    path = FilesystemTransport().publish(tmp_path, 1, _model(seed=3).state_dict(), model.args)
+    path = FilesystemTransport(checksum="sha256").publish(tmp_path, 1, _model(seed=3).state_dict(), model.args)
     data = bytearray((path / "model.safetensors").read_bytes())
     data[-5] ^= 0xFF  # one flipped bit in a tensor: still parses, wrong numbers
     (path / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(WeightTransferError, match="sha256"):
         read_verified(path)
+    fast = FilesystemTransport().publish(tmp_path / "crc", 1, model.state_dict(), model.args)
+    assert json.loads((fast / MANIFEST).read_text())["algorithm"] == "crc32"
+    assert read_verified(fast).keys() == read_verified(path, verify=False).keys()
+    data = bytearray((fast / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (fast / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(WeightTransferError, match="crc32"):
+        read_verified(fast)
     assert read_verified(path, verify=False)  # what loading without the check would have silently accepted
     before = model.state_dict()["model.norm.weight"].clone()
     engine = Engine(model, build_tokenizer(ModelConfig(name="qwen3-test")), seq_len=32, max_batch_size=2).start()
     try:
-        with pytest.raises(WeightUpdateError, match="sha256"):
+        with pytest.raises(WeightUpdateError, match="sha256"):  # the manifest names its algorithm
             engine.update_weights(path, 1).result(timeout=60)
         assert engine.version == 0 and torch.equal(model.state_dict()["model.norm.weight"], before)
     finally:

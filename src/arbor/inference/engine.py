@@ -139,7 +139,7 @@ class Engine:
     ) -> None:
         from arbor.transport.weights import FilesystemTransport
 
-        # Loads published directories: sha256 checked, bounded by the transport's timeout.
+        # Loads published directories: checksums verified, bounded by the transport's timeout.
         self.weights = weights if weights is not None else FilesystemTransport()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -324,7 +324,7 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = self.weights.load(path)  # checks the publish manifest's sha256 of every shard when there is one
+        state = self.weights.load(path)  # verifies every shard against the publish manifest, when there is one
         own = dict(self.model.named_parameters())
         if self.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -514,6 +514,7 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
 
     w = cfg.weights
     engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
-                    weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums))
+                    weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
+                                                checksum=w.checksum))
     return engine, tokenizer
 

@@ -13,7 +13,7 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
   is being applied is tagged with the older version (conservative: it can only overstate staleness).
   Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
-- /update_weights {path, version}: `collective_rpc` of the worker extension's `arbor_load_dir` (files, sha256
+- /update_weights {path, version}: `collective_rpc` of the worker extension's `arbor_load_dir` (files, checksum
   checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
   collective RPC between engine steps, so requests in flight continue on the new weights, as on the local
   engine; unlike the local engine, vLLM keeps the KV already computed by the old weights for them.

@@ -31,7 +31,7 @@ class WeightUpdateExtension:
     _arbor_comm: Any = None
 
     def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
-        """Loads a published step directory (sha256-checked shards); returns the tensors loaded."""
+        """Loads a published step directory (checksummed shards); returns the tensors loaded."""
         state = read_verified(wait_stable(path, timeout), verify)
         self.model_runner.model.load_weights(weights=list(state.items()))  # type: ignore[attr-defined]
         _sync()

@@ -8,7 +8,7 @@ what the directory holds depends on the implementation:
 
 - `FilesystemTransport`: a Hugging Face checkpoint: config.json, safetensors shards of at most
   `max_shard_gb` (with `model.safetensors.index.json` when there are several) and `manifest.json` with each
-  shard's sha256, verified on load (a torn or corrupted copy fails loudly instead of loading garbage).
+  shard's checksum (crc32 by default, ~5x cheaper than the sha256 option), verified on load (a torn or corrupted copy fails loudly instead of loading garbage).
   Shards are written straight from the tensors' memory and hashed on the way out, several at once (hashlib and
   file I/O release the GIL); loading reads each shard once into one buffer, hashes it, and returns tensors
   that view that buffer (no deserialization copy). The files are ordinary safetensors.
@@ -29,6 +29,7 @@ import re
 import shutil
 import threading
 import time
+import zlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -157,8 +158,29 @@ _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 _CHUNK = 32 * 2**20  # bytes hashed in one thread while the next are written/read in another
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Writes one safetensors file straight from the tensors' memory, hashing as it goes; returns the sha256.
+class _Crc32:
+    """hashlib-shaped CRC-32 (zlib releases the GIL on large buffers): ~5x faster than sha256 on CPU."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "crc32":
+        return _Crc32()
+    raise WeightTransferError(f"unknown checksum algorithm {algorithm!r} in a manifest (sha256 or crc32)")
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor], algorithm: str = "crc32") -> str:
+    """Writes one safetensors file straight from the tensors' memory, hashing as it goes; returns the checksum.
 
     No serialized copy of the shard is built (unlike `safetensors.torch.save`), so a 1 GB model costs one pass
     of hashing that overlaps with other shards' writes (hashlib and file writes release the GIL)."""
@@ -171,7 +193,7 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
         at += raw.numel()
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-    h = hashlib.sha256()
+    h = _hasher(algorithm)
     chunks = [memoryview(len(head).to_bytes(8, "little")), memoryview(head)]
     for v in views:
         mv = memoryview(v.numpy())
@@ -188,11 +210,11 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _read_shard(path: Path, expected: str | None) -> dict[str, torch.Tensor]:
-    """Reads one safetensors file into one buffer, checks its sha256, and returns tensors viewing that buffer."""
+def _read_shard(path: Path, expected: str | None, algorithm: str = "crc32") -> dict[str, torch.Tensor]:
+    """Reads one safetensors file into one buffer, checks its checksum, and returns tensors viewing that buffer."""
     size = path.stat().st_size
     buf = bytearray(size)
-    h = hashlib.sha256()
+    h = _hasher(algorithm)
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
         view, got, pending = memoryview(buf), 0, None
         while got < size:  # hash the chunk just read while reading the next one
@@ -209,7 +231,7 @@ def _read_shard(path: Path, expected: str | None) -> dict[str, torch.Tensor]:
     if expected is not None:
         digest = h.hexdigest()
         if digest != expected:
-            raise WeightTransferError(f"{path}: sha256 {digest[:12]}... does not match the manifest "
+            raise WeightTransferError(f"{path}: {algorithm} {digest[:12]}... does not match the manifest "
                                       f"({expected[:12]}...): the copy is corrupted or incomplete")
     try:
         n = int.from_bytes(buf[:8], "little")
@@ -232,8 +254,10 @@ def _read_shard(path: Path, expected: str | None) -> dict[str, torch.Tensor]:
 
 class FilesystemTransport(WeightTransport):
     def __init__(self, keep: int = 3, timeout: float = 600.0, max_shard_gb: float = 0.5, verify: bool = True,
-                 threads: int = 4) -> None:
+                 threads: int = 4, checksum: str = "crc32") -> None:
         super().__init__(keep, timeout)
+        _hasher(checksum)  # an unknown name fails here, not after the first shard is written
+        self.checksum = checksum
         self.max_shard_bytes = int(max_shard_gb * 2**30)
         self.verify, self.threads = verify, threads
 
@@ -242,12 +266,12 @@ class FilesystemTransport(WeightTransport):
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         with ThreadPoolExecutor(min(self.threads, len(shards))) as pool:
-            digests = list(pool.map(lambda a: _write_shard(tmp / a[0], a[1]), zip(names, shards)))
+            digests = list(pool.map(lambda a: _write_shard(tmp / a[0], a[1], self.checksum), zip(names, shards)))
         if len(shards) > 1:
             weight_map = {k: n for n, shard in zip(names, shards) for k in shard}
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": dict(zip(names, digests))}, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps({"algorithm": self.checksum, "files": dict(zip(names, digests))}, indent=1))
 
     def load(self, path: str | Path) -> dict[str, torch.Tensor]:
         return _deadline_call(lambda: self._load(Path(path)), self.timeout, f"loading weights from {path}")
@@ -257,13 +281,14 @@ class FilesystemTransport(WeightTransport):
 
 
 def read_verified(path: str | Path, verify: bool = True, threads: int = 4) -> dict[str, torch.Tensor]:
-    """Reads a checkpoint directory; with a manifest, every shard's sha256 must match (when `verify`)."""
+    """Reads a checkpoint directory; with a manifest, every shard's checksum must match (when `verify`)."""
     path = Path(path)
     if not path.is_dir():
         raise WeightTransferError(f"weights directory {path} does not exist")
     if (path / NCCL_SPEC).exists():
         raise WeightTransferError(f"{path} was published for NCCL transfer and holds no tensors")
-    manifest = json.loads((path / MANIFEST).read_text())["files"] if (path / MANIFEST).exists() else None
+    meta = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).exists() else {}
+    manifest, algorithm = meta.get("files"), meta.get("algorithm", "sha256")
     if manifest is not None:
         files = sorted(manifest)
     elif (path / INDEX).exists():
@@ -274,7 +299,7 @@ def read_verified(path: str | Path, verify: bool = True, threads: int = 4) -> di
         raise WeightTransferError(f"no .safetensors files in {path}")
 
     def one(name: str) -> dict[str, torch.Tensor]:
-        return _read_shard(path / name, manifest[name] if verify and manifest is not None else None)
+        return _read_shard(path / name, manifest[name] if verify and manifest is not None else None, algorithm)
 
     state: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
@@ -371,7 +396,7 @@ class NCCLTransport(WeightTransport):
 def make_transport(cfg: "WeightTransportConfig", keep: int = 3) -> WeightTransport:
     if cfg.kind == "nccl":
         return NCCLTransport(cfg.nccl_host, cfg.nccl_port, cfg.nccl_inference_ranks, keep, cfg.timeout)
-    return FilesystemTransport(keep, cfg.timeout, cfg.max_shard_gb, cfg.verify_checksums)
+    return FilesystemTransport(keep, cfg.timeout, cfg.max_shard_gb, cfg.verify_checksums, checksum=cfg.checksum)
 
 
 # ---- the step directories ----
