@@ -1,14 +1,89 @@
-"""`inference` process config: an OpenAI-compatible server in front of one engine."""
+"""`inference` process config: an OpenAI-compatible server (local CPU engine or vLLM), N replicas, a router."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from arbor.config.base import Config
+from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
+
+
+class VLLMConfig(Config):
+    """Options rendered into the `vllm serve` command line (see `arbor.inference.vllm_adapter`)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """`--tensor-parallel-size`: GPUs one model copy is split over."""
+    data_parallel_size: int = Field(1, ge=1)
+    """`--data-parallel-size`: model copies inside one server (one endpoint)."""
+    enable_expert_parallel: bool = False
+    """`--enable-expert-parallel`: shard MoE experts over the TP x DP ranks instead of replicating them."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """`--gpu-memory-utilization`: fraction of GPU memory vLLM may take (weights + KV cache)."""
+    max_model_len: int | None = Field(None, ge=8)
+    """`--max-model-len`; default: the run's seq_len."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """`--dtype` of weights and activations."""
+    enforce_eager: bool = False
+    """`--enforce-eager`: no CUDA graphs (slower, starts faster, easier to debug)."""
+    enable_prefix_caching: bool = True
+    """`--enable-prefix-caching`; arbor salts the cache per policy version, so stale KV is never reused."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """`--max-num-seqs`: sequences decoded together; default: vLLM's."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """Prefill/decode disaggregation: `--kv-transfer-config` JSON, e.g.
+    `{kv_connector = "NixlConnector", kv_role = "kv_both"}`. Each server is either a prefill or a decode worker."""
+    kv_offloading_backend: Literal["native", "lmcache"] | None = None
+    """KV-cache offloading to CPU memory: `--kv-offloading-backend`; None disables it."""
+    kv_offloading_size: float | None = Field(None, gt=0)
+    """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
+    worker_extension_cls: str = "arbor.inference.vllm_worker:WeightUpdateExtension"
+    """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
+    startup_timeout: float = Field(900.0, gt=0)
+    """Seconds to wait for `vllm serve` to answer /health before the server fails."""
+    rpc_timeout: float = Field(600.0, gt=0)
+    """Seconds one admin call (weight update, pause) may take on the vLLM server before it fails loudly."""
+    extra_args: dict[str, Any] = {}
+    """Any other `vllm serve` argument, passed through as `--key value` (`true` -> a bare flag, `false` -> omitted)."""
+
+    @model_validator(mode="after")
+    def _offloading_needs_size(self) -> "VLLMConfig":
+        if self.kv_offloading_backend is not None and self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_size (GiB) is required when kv_offloading_backend is set")
+        return self
+
+
+class RouterConfig(Config):
+    """The router in front of `replicas` servers: vllm-router when installed, else arbor's built-in one."""
+
+    policy: Literal["round_robin", "least_outstanding", "consistent_hash"] = "least_outstanding"
+    """How a request picks a backend; consistent_hash keeps a session (X-Session-Id header or the body's
+    `session_id`/`user`) on one backend, where its prefix cache is."""
+    implementation: Literal["auto", "builtin", "vllm-router"] = "auto"
+    """"auto" uses the `vllm-router` console script when it is on PATH, else the built-in aiohttp router."""
+    host: str = "127.0.0.1"
+    """Address the router binds."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port the router binds; 0 picks a free one."""
+    health_interval: float = Field(1.0, gt=0)
+    """Seconds between health checks of each backend."""
+    health_timeout: float = Field(2.0, gt=0)
+    """Seconds a health check may take before it counts as failed."""
+    eject_after: int = Field(2, ge=1)
+    """Consecutive failed health checks (or failed requests) that eject a backend from rotation."""
+    max_retries: int = Field(2, ge=0)
+    """Other backends an idempotent request (completions) is retried on after a connection error or 5xx."""
+    request_timeout: float = Field(600.0, gt=0)
+    """Seconds one forwarded request may take."""
+    restart_dead_replicas: bool = True
+    """Under `rl`: restart a replica process that died (the router re-admits it once healthy)."""
+    backends: list[str] = []
+    """Backend base URLs (the standalone `router` command); `rl` fills this in."""
+    ready_file: str | None = None
+    """When set, the router writes its base URL here once it accepts requests."""
 
 
 class InferenceConfig(Config):
@@ -16,8 +91,9 @@ class InferenceConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model to serve."""
-    backend: Literal["local"] = "local"
-    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache)."""
+    backend: Literal["local", "vllm"] = "local"
+    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs `vllm serve` behind
+    arbor's admin routes (needs the `gpu` extra)."""
     host: str = "127.0.0.1"
     """Address to bind. Keep loopback unless the network is trusted."""
     port: int = Field(8000, ge=0, le=65535)
@@ -34,3 +110,25 @@ class InferenceConfig(Config):
     """Run directory for heartbeats and stack dumps (`rl` sets it); none: the server writes neither."""
     ready_file: str | None = None
     """When set, the server writes its base URL to this file once it accepts requests."""
+    weights: WeightTransportConfig = WeightTransportConfig()
+    """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
+    replicas: int = Field(1, ge=1)
+    """Servers `rl` starts; more than one puts the router in front of them (the orchestrator talks to it)."""
+    replica: int = Field(0, ge=0)
+    """Index of this server among the replicas (`rl` sets it); places its workers in the NCCL weight group."""
+    router_replay: bool = False
+    """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """vLLM server options (backend = "vllm")."""
+    router: RouterConfig = RouterConfig()
+    """The router used when replicas > 1."""
+
+    @model_validator(mode="after")
+    def _nccl_needs_vllm(self) -> "InferenceConfig":
+        if self.weights.kind == "nccl" and self.backend != "vllm":
+            raise ValueError("weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)")
+        workers = self.replicas * self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
+        if self.weights.kind == "nccl" and self.weights.nccl_inference_ranks != workers:
+            raise ValueError(f"weights.nccl_inference_ranks ({self.weights.nccl_inference_ranks}) must equal replicas x "
+                             f"vllm.tensor_parallel_size x vllm.data_parallel_size ({workers})")
+        return self

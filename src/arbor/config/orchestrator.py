@@ -24,6 +24,9 @@ class SamplingConfig(Config):
 class ClientConfig(Config):
     base_urls: list[str] = ["http://127.0.0.1:8000"]
     """Inference servers (or one router). `rl` fills this in."""
+    admin_urls: list[str] = []
+    """Where weight updates, pause and resume go when not to `base_urls` (e.g. every backend behind a router
+    without admin fan-out, such as vllm-router); empty means `base_urls`. `rl` fills this in."""
     timeout: float = Field(600.0, gt=0)
     """Seconds one generation request may take."""
     max_retries: int = Field(3, ge=0)

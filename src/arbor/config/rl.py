@@ -16,9 +16,10 @@ from arbor.config.orchestrator import OrchestratorConfig
 from arbor.config.sft import SFTConfig
 from arbor.config.slurm import SlurmConfig
 from arbor.config.trainer import TrainerConfig
+from arbor.config.transport import WeightTransportConfig
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
-SHARED = ("model", "output_dir", "max_steps", "seq_len", "seed", "resume")
+SHARED = ("model", "output_dir", "max_steps", "seq_len", "seed", "resume", "weights")
 
 
 class RLConfig(Config):
@@ -36,6 +37,8 @@ class RLConfig(Config):
     """Base seed."""
     resume: bool = False
     """Continue a killed run from its latest checkpoint."""
+    weights: WeightTransportConfig = WeightTransportConfig()
+    """Weight transfer from trainer to inference, shared by both."""
     dry_run: bool = False
     """Write the resolved configs to `<output_dir>/configs/` and exit."""
     inference_startup_timeout: float = Field(300.0, gt=0)
@@ -73,12 +76,12 @@ class RLConfig(Config):
                     continue
                 sub = dict(data.get(section) or {})
                 if key in sub:
-                    if key == "model":
+                    if key in ("model", "weights"):
                         merged = {**_comparable(top), **_comparable(sub[key])}
                         if merged != _comparable(top):
                             diff = sorted(k for k in merged if merged[k] != _comparable(top).get(k))
                             raise ValueError(
-                                f"{section}.model.{diff[0]} differs from model.{diff[0]}: set shared fields once, at the top level"
+                                f"{section}.{key}.{diff[0]} differs from {key}.{diff[0]}: set shared fields once, at the top level"
                             )
                     elif _comparable(sub[key]) != top_cmp:
                         raise ValueError(

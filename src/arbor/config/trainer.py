@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config
+from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
 
 
@@ -142,6 +143,8 @@ class TrainerConfig(Config):
     """Checkpointing."""
     parallel: ParallelConfig = ParallelConfig()
     """Parallelism."""
+    weights: WeightTransportConfig = WeightTransportConfig()
+    """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
     keep_broadcasts: int = Field(3, ge=1)
     """Published weight directories to retain."""
     rollout_timeout: float = Field(3600.0, gt=0)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.models.hf import fuse_experts, read_safetensors_dir
+from arbor.models.hf import fuse_experts
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -147,7 +147,12 @@ class Engine:
         max_batch_size: int,
         seed: int = 0,
         version: int = 0,
+        weights: Any = None,
     ) -> None:
+        from arbor.transport.weights import FilesystemTransport
+
+        # Loads published directories: checksums verified, bounded by the transport's timeout.
+        self.weights = weights if weights is not None else FilesystemTransport()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -335,7 +340,7 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = fuse_experts(read_safetensors_dir(path))  # MoE checkpoints store experts one by one
+        state = fuse_experts(self.weights.load(path))  # verified against the publish manifest; MoE experts fused
         own = dict(self.model.named_parameters())
         if self.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -544,6 +549,11 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
 
     model = build_model(cfg.model)
     tokenizer = build_tokenizer(cfg.model)
-    engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+    from arbor.transport.weights import FilesystemTransport
+
+    w = cfg.weights
+    engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
+                    weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
+                                                checksum=w.checksum))
     return engine, tokenizer
 

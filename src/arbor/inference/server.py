@@ -4,7 +4,9 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, pl
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
 array with its dtype and shape, see arbor.transport.batch.encode_routes), GET /health, GET /v1/models, GET /metrics
-(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. Bad input gets a 400 with
+(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. The vLLM request field
+`cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache across requests.
+Bad input gets a 400 with
 `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field; the server never dies on it.
 
 Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
@@ -254,6 +256,7 @@ class InferenceServer:
         params = _sampling(body, _get(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
         return_ids = _get(body, "return_token_ids", (bool,), False)
         as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+        _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         outputs = await self._generate(prompts, params, "prompt")
         choices = []
         for pi, out in enumerate(outputs):
@@ -293,6 +296,7 @@ class InferenceServer:
         params = _sampling(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
         return_ids = _get(body, "return_token_ids", (bool,), False)
         as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
+        _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         (out,) = await self._generate([prompt], params, "messages")
         choices = []
         for c in out.completions:
@@ -460,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.backend == "vllm":
+        from arbor.inference import vllm_adapter
+
+        vllm_adapter.require_vllm()
+        return vllm_adapter.run(cfg)
     import torch
 
     from arbor.inference.engine import build_engine

@@ -57,6 +57,9 @@ class Supervisor:
         self.children: dict[str, Child] = {}
 
     def start(self, name: str, argv: list[str]) -> Child:
+        if name in self.children:  # a restart: the old process is gone, its log stays open until now
+            self.children[name].proc.wait()
+            self.children[name].close()
         child = Child(name, argv, self.log_dir / f"{name}.log", self.env)
         self.children[name] = child
         return child

@@ -5,6 +5,13 @@ configs to `<output_dir>/configs/` (`--dry-run` stops here) -> prepare the run d
 optional SFT warm-up -> inference (wait for /health) -> trainer and orchestrator -> print one line per step
 from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero naming it
 and its log. This module never imports torch, so `--dry-run` and config errors answer in well under a second.
+
+With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
+the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
+one replica is not fatal: the router ejects it and retries its requests elsewhere, and (with
+`inference.router.restart_dead_replicas`) the launcher restarts it on the same port, at most once per
+`RESTART_BACKOFF` seconds; the router re-admits it once healthy, after replaying the current weights. The run
+fails only when every replica is dead at once (with one replica, its death is fatal, as before).
 """
 
 from __future__ import annotations
@@ -41,13 +48,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RESTART_BACKOFF = 5.0
+"""Seconds between two restarts of the same dead replica."""
+
+
 def resolve(cfg: RLConfig) -> RLConfig:
-    """Fills in what only the launcher knows: the inference port and address, the warm-up model path."""
+    """Fills in what only the launcher knows: ports and addresses (replicas, router), the warm-up model path."""
+    inf = cfg.inference
     # Under `rl` an unset port means "any free one", so that two runs on one machine do not collide.
-    if cfg.inference.port == 0 or "port" not in cfg.inference.model_fields_set:
-        cfg.inference.port = free_port()
-    host = "127.0.0.1" if cfg.inference.host in ("0.0.0.0", "::") else cfg.inference.host
-    cfg.orchestrator.client.base_urls = [f"http://{host}:{cfg.inference.port}"]
+    if inf.port == 0 or "port" not in inf.model_fields_set:
+        inf.port = free_port()
+    host = "127.0.0.1" if inf.host in ("0.0.0.0", "::") else inf.host
+    if inf.replicas == 1:
+        cfg.orchestrator.client.base_urls = [f"http://{host}:{inf.port}"]
+    else:
+        from arbor.inference.router import use_vllm_router  # aiohttp: only imported when there is a router
+
+        ports = [inf.port] + [free_port() for _ in range(inf.replicas - 1)]
+        inf.router.backends = [f"http://{host}:{p}" for p in ports]
+        if inf.router.port == 0:
+            inf.router.port = free_port()
+        rhost = "127.0.0.1" if inf.router.host in ("0.0.0.0", "::") else inf.router.host
+        cfg.orchestrator.client.base_urls = [f"http://{rhost}:{inf.router.port}"]
+        # vllm-router has no admin routes: weight updates then go to every backend directly.
+        cfg.orchestrator.client.admin_urls = inf.router.backends if use_vllm_router(inf.router) else []
     if cfg.sft.steps:
         warm = cfg.model.model_copy(update={"name": str(cfg.output_dir / "sft"), "tokenizer": None})
         for section in (cfg.trainer, cfg.orchestrator, cfg.inference):
@@ -61,6 +85,7 @@ def write_configs(cfg: RLConfig) -> Path:
     (out / "rl.toml").write_text(dumps(cfg.to_toml_dict()))
     for name in ("trainer", "orchestrator", "inference", "sft"):
         (out / f"{name}.toml").write_text(dumps(getattr(cfg, name).to_toml_dict()))
+    (out / "router.toml").write_text(dumps(cfg.inference.router.to_toml_dict()))
     return out
 
 
@@ -105,10 +130,64 @@ def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
     ]
 
 
-def wait_healthy(sup: Supervisor, url: str, timeout: float) -> None:
+class Fleet:
+    """The inference replicas: argv per replica, restarts of dead ones, failure when all are dead."""
+
+    def __init__(self, cfg: RLConfig, conf: Path, sup: Supervisor) -> None:
+        self.sup = sup
+        base = [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "inference.toml")]
+        inf = cfg.inference
+        if inf.replicas == 1:
+            self.argv = {"inference": base}
+            self.urls = {"inference": cfg.orchestrator.client.base_urls[0]}
+        else:
+            self.argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
+                         for i, url in enumerate(inf.router.backends)}
+            self.urls = dict(zip(self.argv, inf.router.backends))
+        self.restart = inf.replicas > 1 and inf.router.restart_dead_replicas
+        self.last_start: dict[str, float] = {}
+        self.reported: set[str] = set()
+        self.deaths = 0
+
+    def start(self, name: str) -> None:
+        self.sup.start(name, self.argv[name])
+        self.last_start[name] = time.monotonic()
+
+    def on_death(self, name: str, rc: int, console: Console | None) -> None:
+        """Called while replica `name` is dead: fails when it was the last one, else restarts it (backed off)."""
+        alive = [n for n in self.argv if self.sup.children[n].poll() is None]
+        child = self.sup.children[name]
+        if len(self.argv) == 1:
+            raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
+        if not alive:
+            logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
+            raise ChildFailed(f"all {len(self.argv)} inference replicas exited (last: {name}, code {rc}); see {logs}\n{tail(child.log_path)}")
+        if not self.restart:
+            if name not in self.reported and console is not None:
+                console.say(f"rl: {name} exited with code {rc}; continuing with {len(alive)} replicas (see {child.log_path})", err=True)
+            self.reported.add(name)
+            return
+        if time.monotonic() - self.last_start.get(name, 0.0) < RESTART_BACKOFF:
+            return
+        self.deaths += 1
+        if console is not None:
+            console.say(f"rl: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True)
+        self.start(name)
+
+
+def router_argv(cfg: RLConfig, conf: Path) -> list[str]:
+    from arbor.inference.router import use_vllm_router, vllm_router_argv
+
+    exe = use_vllm_router(cfg.inference.router)
+    if exe is not None:
+        return vllm_router_argv(cfg.inference.router, cfg.inference.router.backends, cfg.inference.router.port, exe)
+    return [sys.executable, "-m", "arbor.inference.router", "@", str(conf / "router.toml")]
+
+
+def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", fleet: Fleet | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        check_children(sup, finished=set())
+        check_children(sup, finished=set(), fleet=fleet)
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -116,11 +195,12 @@ def wait_healthy(sup: Supervisor, url: str, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(0.3)
-    raise ChildFailed(f"inference did not become healthy within {timeout:.0f}s; see {sup.children['inference'].log_path}")
+    raise ChildFailed(f"{name} did not become healthy within {timeout:.0f}s; see {sup.children[name].log_path}")
 
 
-def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, ...] = ("trainer", "orchestrator", "sft")) -> None:
-    for name, child in sup.children.items():
+def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, ...] = ("trainer", "orchestrator", "sft"),
+                   fleet: Fleet | None = None, console: Console | None = None) -> None:
+    for name, child in list(sup.children.items()):
         if name in finished:
             continue
         rc = child.poll()
@@ -128,6 +208,9 @@ def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, .
             continue
         if rc == 0 and name in may_finish:
             finished.add(name)
+            continue
+        if fleet is not None and name in fleet.argv:
+            fleet.on_death(name, rc, console)
             continue
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
 
@@ -153,14 +236,20 @@ def run(cfg: RLConfig) -> int:
             while "sft" not in finished:
                 check_children(sup, finished)
                 time.sleep(0.2)
-        sup.start("inference", [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "inference.toml")])
-        wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout)
+        fleet = Fleet(cfg, conf, sup)
+        for name in fleet.argv:
+            fleet.start(name)
+        for name, url in fleet.urls.items():
+            wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet)
+        if cfg.inference.replicas > 1:
+            sup.start("router", router_argv(cfg, conf))
+            wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet)
         sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
         sup.start("orchestrator", [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")])
         finished = {"sft"}
         watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:
-            check_children(sup, finished)
+            check_children(sup, finished, fleet=fleet, console=console)
             console.poll()
             if watchdog.stalled(console.seen):
                 dumps = watchdog.dump_stacks()

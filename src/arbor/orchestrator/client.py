@@ -3,7 +3,12 @@
 Speaks the vLLM field names (`return_token_ids`, `logprobs`), so it works against arbor's local engine, a vLLM
 server, or a router in front of either. Requests rotate over `base_urls`; a connection error, timeout or 5xx
 is retried on the next server with backoff, a 4xx is a bug in the request and raised at once with the server's
-message. Admin calls (update weights) go to every server.
+message. Admin calls (update weights) go to every server in `admin_urls` (default: `base_urls`; a router fans
+them out itself).
+
+Every generation request carries `cache_salt = "policy-{version}"` (a vLLM request field), the newest policy
+version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
+older weights (the local engine has no prefix cache and accepts the field for compatibility).
 """
 
 from __future__ import annotations
@@ -38,10 +43,13 @@ class Completion:
 
 
 class InferenceClient:
-    def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor") -> None:
+    def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor",
+                 admin_urls: list[str] | None = None) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
         self.base_urls = [u.rstrip("/") for u in base_urls]
+        self.admin_urls = [u.rstrip("/") for u in admin_urls] if admin_urls else self.base_urls
+        self.policy_version = 0  # the cache salt's version; WeightSync raises it after each fleet update
         self.timeout, self.max_retries, self.model = timeout, max_retries, model
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._session: aiohttp.ClientSession | None = None
@@ -96,6 +104,7 @@ class InferenceClient:
             "top_p": top_p,
             "logprobs": 0,
             "return_token_ids": True,
+            "cache_salt": f"policy-{self.policy_version}",
         }
         if seed is not None:
             body["seed"] = seed
@@ -120,7 +129,22 @@ class InferenceClient:
 
     async def update_weights(self, path: str, version: int) -> None:
         """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
-        await asyncio.gather(*(self._post("/update_weights", {"path": path, "version": version}, url=u) for u in self.base_urls))
+        await asyncio.gather(*(self._post("/update_weights", {"path": path, "version": version}, url=u) for u in self.admin_urls))
+        self.policy_version = max(self.policy_version, version)
+
+    async def router_stats(self) -> dict[str, float]:
+        """The router's fleet counters (retries, ejections, re-admissions) when `base_urls` is one router."""
+        from arbor.inference.router import parse_router_metrics
+
+        assert self._session is not None
+        if len(self.base_urls) != 1:
+            return {}
+        try:
+            async with self._session.get(self.base_urls[0] + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return parse_router_metrics(await r.text()) if r.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("router metrics unavailable: %s", e)
+            return {}
 
     async def wait_healthy(self, timeout: float) -> int:
         """Waits until every server answers /health; returns the lowest policy version they report."""

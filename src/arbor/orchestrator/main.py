@@ -94,8 +94,10 @@ class Orchestrator:
                 self.buffer.close()
             log.info("orchestrator done after %d steps (train-only from %s)", cfg.max_steps, self.buffer.path)
             return
-        async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries) as client:
+        async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries,
+                                   admin_urls=cfg.client.admin_urls) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
+            client.policy_version = weights.loaded_version
             background = [asyncio.create_task(weights.run()), asyncio.create_task(self._poll_metrics(metrics))]
             try:
                 if start:
@@ -142,6 +144,10 @@ class Orchestrator:
         )
         write_step(cfg.output_dir, step, batches)
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
+        if client is not None:
+            for name, value in (await client.router_stats()).items():  # cumulative fleet counters (replicas > 1)
+                if name in ("requests", "retries", "ejections", "readmissions", "backends_in_rotation"):
+                    figures[f"router/{name}"] = value
         figures.update(self._throughput(len(rollouts), dropped, waited))
         figures.update(self._difficulty_mix(groups))
         if client is not None and cfg.eval.interval and step % cfg.eval.interval == 0:

@@ -194,13 +194,13 @@ def publish(cfg: TrainerConfig, model: "nn.Module", version: int, tokenizer) -> 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from arbor.transport.weights import publish_weights
+    from arbor.transport.weights import make_transport
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         dtype = getattr(torch, cfg.model.dtype)  # inference runs in model.dtype: publish that, not fp32 masters
         state = {k: v.to(dtype) for k, v in state.items()}
-        publish_weights(cfg.output_dir, version, state, model.args, tokenizer, keep=cfg.keep_broadcasts)
+        make_transport(cfg.weights, cfg.keep_broadcasts).publish(cfg.output_dir, version, state, model.args, tokenizer)
 
 
 def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:

@@ -132,12 +132,19 @@ def encode_routes(routes: "np.ndarray") -> dict[str, Any]:
     return {"dtype": str(routes.dtype), "shape": list(routes.shape), "data": base64.b64encode(routes.tobytes()).decode()}
 
 
-def decode_routes(payload: dict[str, Any]) -> "np.ndarray":
-    """Inverse of `encode_routes`; raises ValueError naming the field on a malformed payload."""
+def decode_routes(payload: dict[str, Any] | list) -> "np.ndarray":
+    """Inverse of `encode_routes`; raises ValueError naming the field on a malformed payload.
+
+    A plain nested list `[tokens][layers][top_k]` (how a vLLM server returns routed experts) is accepted too."""
     import base64
 
     import numpy as np
 
+    if isinstance(payload, list):
+        arr = np.asarray(payload)
+        if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"routed_experts: expected a [tokens, layers, top_k] integer array, got shape {arr.shape}")
+        return arr.astype(np.int16 if arr.max(initial=0) > 255 else np.uint8)
     try:
         dtype = np.dtype(payload["dtype"])
         if dtype not in (np.uint8, np.int16):

@@ -1,0 +1,35 @@
+"""`weights` config: how the trainer hands new weights to the inference fleet (filesystem or NCCL)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from arbor.config.base import Config
+
+
+class WeightTransportConfig(Config):
+    """Shared by trainer and inference (`rl` pushes the top-level `[weights]` table into both)."""
+
+    kind: Literal["filesystem", "nccl"] = "filesystem"
+    """"filesystem": sharded safetensors under `broadcasts/step_N/` with a checksum manifest and `STABLE`;
+    "nccl": tensors broadcast from trainer rank 0 to every vLLM worker (GPU, vLLM backend only); the step
+    directory then holds only the tensor list."""
+    max_shard_gb: float = Field(0.5, gt=0)
+    """Largest safetensors shard; bigger models get several shards and `model.safetensors.index.json`."""
+    verify_checksums: bool = True
+    """Check every shard's checksum against the manifest before loading it."""
+    checksum: Literal["crc32", "sha256"] = "crc32"
+    """Shard checksum written to the manifest and verified on load: crc32 catches torn and corrupted copies at
+    a fraction of sha256's CPU cost (which, on a few cores, halves transfer throughput); sha256 also catches
+    deliberate changes."""
+    timeout: float = Field(600.0, gt=0)
+    """Seconds a publish or a load may take (waiting for `STABLE`, joining the NCCL group, one broadcast)
+    before it fails loudly instead of hanging."""
+    nccl_host: str = "127.0.0.1"
+    """NCCL: address of trainer rank 0, where the weight-update group rendezvouses."""
+    nccl_port: int = Field(29551, ge=1, le=65535)
+    """NCCL: rendezvous port of the weight-update group."""
+    nccl_inference_ranks: int = Field(1, ge=1)
+    """NCCL: inference workers in the group (replicas x tensor x data parallel); the trainer is rank 0."""

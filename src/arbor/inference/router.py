@@ -1,0 +1,404 @@
+"""The router in front of N inference servers: built-in aiohttp router, or the `vllm-router` console script.
+
+Built-in router (`router @ router.toml` or started by `rl` when `inference.replicas > 1`):
+- policies: round_robin; least_outstanding (fewest requests in flight, ties by rotation); consistent_hash on a
+  session id (header `X-Session-Id`, else the body's `session_id` or `user`) via rendezvous hashing, so every
+  turn of a session lands on the backend holding its prefix cache and a lost backend moves only its sessions.
+- health: every backend's /health is polled; `eject_after` consecutive failures (or one refused connection on
+  the request path) eject it; the first success re-admits it, after replaying the last weight update and pause
+  state the fleet received, so a restarted replica never serves stale weights.
+- failover: a completion/chat completion (idempotent for RL: the orchestrator keeps whatever comes back) or any
+  GET that fails on one backend with a connection error or a 5xx is retried on another, up to `max_retries`.
+- admin fan-out: POST /update_weights, /pause, /resume go to every backend and answer per-backend results.
+- GET /metrics: Prometheus text with retries, ejections, re-admissions and per-backend outstanding counts;
+  GET /health: 200 while any backend is in rotation, with the lowest policy version among them.
+
+It adds little latency: one pooled aiohttp ClientSession, bodies forwarded as bytes, responses streamed through
+chunk by chunk, and JSON parsed only for consistent_hash requests without a session header.
+
+`vllm-router` (when installed and `implementation` allows): `vllm_router_argv` renders its command line. It does
+not implement arbor's admin routes, so `rl` then points the orchestrator's admin calls at the backends directly;
+least_outstanding maps to its load-aware `power_of_two` policy (the closest it offers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from arbor.config.inference import RouterConfig
+from arbor.config.loader import ConfigError, load_config, main_guard
+
+log = logging.getLogger("arbor.inference.router")
+
+RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
+ADMIN = ("/update_weights", "/pause", "/resume")
+_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+VLLM_ROUTER_POLICY = {"round_robin": "round_robin", "least_outstanding": "power_of_two", "consistent_hash": "consistent_hash"}
+
+
+def vllm_router_argv(cfg: RouterConfig, backends: list[str], port: int, exe: str = "vllm-router") -> list[str]:
+    """The `vllm-router` command line for these backends (its flags follow the sglang-router lineage)."""
+    return [
+        exe, "--host", cfg.host, "--port", str(port), "--worker-urls", *backends,
+        "--policy", VLLM_ROUTER_POLICY[cfg.policy],
+        "--health-check-interval-secs", str(max(1, round(cfg.health_interval))),
+        "--health-check-timeout-secs", str(max(1, round(cfg.health_timeout))),
+        "--health-failure-threshold", str(cfg.eject_after),
+        "--retry-max-retries", str(cfg.max_retries),
+        "--request-timeout-secs", str(max(1, round(cfg.request_timeout))),
+    ]
+
+
+def use_vllm_router(cfg: RouterConfig) -> str | None:
+    """The vllm-router executable to use, or None for the built-in router."""
+    if cfg.implementation == "builtin":
+        return None
+    exe = shutil.which("vllm-router")
+    if exe is None and cfg.implementation == "vllm-router":
+        raise ConfigError("inference.router.implementation = 'vllm-router' but no vllm-router is on PATH")
+    return exe
+
+
+def session_key(headers: Any, body: bytes) -> str | None:
+    """The session id of a request: the X-Session-Id header, else the JSON body's session_id or user."""
+    key = headers.get("X-Session-Id")
+    if key:
+        return key
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(data, dict):
+        for name in ("session_id", "user"):
+            if isinstance(data.get(name), (str, int)):
+                return str(data[name])
+    return None
+
+
+def rendezvous(key: str, urls: list[str]) -> str:
+    """Highest-random-weight hashing: stable per key, and removing a backend moves only the keys it held."""
+    return max(urls, key=lambda u: hashlib.blake2b(f"{u}|{key}".encode(), digest_size=8).digest())
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    fails: int = 0
+    requests: int = 0
+    errors: int = 0
+    policy_version: int = 0
+    health: dict[str, Any] = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, backends: list[str], cfg: RouterConfig) -> None:
+        if not backends:
+            raise ConfigError("router.backends is empty: give at least one backend URL")
+        self.cfg = cfg
+        self.backends = [Backend(u.rstrip("/")) for u in backends]
+        self._rr = itertools.count()
+        self.retries = self.ejections = self.readmissions = self.requests = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self.last_update: dict[str, Any] | None = None  # replayed on re-admission
+        self.paused = False
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=conn, timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout), auto_decompress=False
+        )
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.add_routes([
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+            *[web.post(p, self.admin) for p in ADMIN],
+            web.route("*", "/{tail:.*}", self.forward),
+        ])
+
+        async def on_startup(_: web.Application) -> None:
+            await self.start()
+
+        async def on_cleanup(_: web.Application) -> None:
+            await self.close()
+
+        app.on_startup.append(on_startup)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+    # ---- picking ----
+
+    def pick(self, key: str | None, exclude: set[str]) -> Backend | None:
+        live = [b for b in self.backends if b.healthy and b.url not in exclude]
+        if not live:
+            return None
+        policy = self.cfg.policy
+        if policy == "consistent_hash" and key is not None:
+            # Hash over the whole fleet's healthy members, not minus `exclude`, so a retry goes to the backend
+            # the session would move to if its own backend were ejected.
+            url = rendezvous(key, [b.url for b in live])
+            return next(b for b in live if b.url == url)
+        start = next(self._rr)
+        if policy == "least_outstanding":
+            n = len(live)
+            return min((live[(start + i) % n] for i in range(n)), key=lambda b: b.outstanding)
+        return live[start % len(live)]
+
+    def _failed(self, b: Backend, refused: bool) -> None:
+        b.errors += 1
+        b.fails += 1
+        if b.healthy and (refused or b.fails >= self.cfg.eject_after):
+            self._eject(b, "connection refused" if refused else f"{b.fails} failures")
+
+    def _eject(self, b: Backend, why: str) -> None:
+        b.healthy = False
+        self.ejections += 1
+        log.warning("ejected %s (%s)", b.url, why)
+
+    # ---- proxying ----
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        body = await request.read()
+        path = request.rel_url.raw_path_qs
+        retryable = request.method == "GET" or request.path in RETRYABLE_POST
+        key = session_key(request.headers, body) if self.cfg.policy == "consistent_hash" else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        self.requests += 1
+        tried: set[str] = set()
+        last = "no backend in rotation"
+        for attempt in range((self.cfg.max_retries if retryable else 0) + 1):
+            b = self.pick(key, tried)
+            if b is None:
+                break
+            if attempt:
+                self.retries += 1
+            tried.add(b.url)
+            b.outstanding += 1
+            b.requests += 1
+            try:
+                async with self._session.request(request.method, b.url + path, data=body, headers=headers) as resp:
+                    if resp.status >= 500 and retryable:
+                        last = f"{b.url} answered {resp.status}: {(await resp.read())[:200]!r}"
+                        self._failed(b, refused=False)
+                        continue
+                    b.fails = 0
+                    out = web.StreamResponse(status=resp.status, headers={
+                        k: v for k, v in resp.headers.items() if k.lower() not in _HOP})
+                    if resp.content_length is not None:
+                        out.content_length = resp.content_length
+                    await out.prepare(request)
+                    async for chunk in resp.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                    return out
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                last = f"{b.url}: {type(e).__name__}: {e}"
+                self._failed(b, refused=isinstance(e, aiohttp.ClientConnectorError))
+                if not retryable:
+                    break
+            finally:
+                b.outstanding -= 1
+            log.warning("request %s failed on %s; %s", request.path, b.url, "retrying" if retryable else "not retried")
+        return web.json_response(
+            {"error": {"message": f"no backend served {request.path}: {last}", "type": "unavailable", "param": None}},
+            status=503,
+        )
+
+    # ---- admin fan-out ----
+
+    async def _post(self, b: Backend, path: str, body: bytes) -> tuple[int, Any]:
+        assert self._session is not None
+        try:
+            async with self._session.post(b.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+                text = await r.read()
+                try:
+                    return r.status, json.loads(text)
+                except ValueError:
+                    return r.status, text.decode(errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return 0, f"{type(e).__name__}: {e}"
+
+    async def admin(self, request: web.Request) -> web.Response:
+        """Sends the call to every backend; ejected ones too (best effort: they get it again on re-admission)."""
+        body = await request.read()
+        results = await asyncio.gather(*(self._post(b, request.path, body) for b in self.backends))
+        report = {b.url: {"status": s, "in_rotation": b.healthy, "body": d} for b, (s, d) in zip(self.backends, results)}
+        live = [(b, s, d) for b, (s, d) in zip(self.backends, results) if b.healthy]
+        for b, (s, d) in zip(self.backends, results):
+            if s == 0 and b.healthy:
+                self._failed(b, refused=True)
+            if s == 200 and isinstance(d, dict) and isinstance(d.get("policy_version"), int):
+                b.policy_version = d["policy_version"]
+        ok = [s for _, s, _ in live if 200 <= s < 300]
+        bad_request = [s for _, s, _ in live if 400 <= s < 500]
+        if bad_request:  # e.g. a pruned weights directory: the caller's mistake, the same on every backend
+            status = bad_request[0]
+        elif ok and len(ok) == sum(1 for _, s, _ in live if s != 0):
+            status = 200
+        else:
+            status = 502 if ok or any(s for _, s, _ in live) else 503
+        if status == 200:
+            self._remember(request.path, body)
+        message = None if status == 200 else f"{request.path} failed on some backends: " + json.dumps(report)[:2000]
+        versions = [d.get("policy_version") for _, s, d in live if s == 200 and isinstance(d, dict)]
+        out: dict[str, Any] = {"results": report}
+        if versions and all(isinstance(v, int) for v in versions):
+            out["policy_version"] = min(versions)
+        if message:
+            out["error"] = {"message": message, "type": "fanout_error", "param": None}
+        return web.json_response(out, status=status)
+
+    def _remember(self, path: str, body: bytes) -> None:
+        if path == "/update_weights":
+            self.last_update = json.loads(body)
+        elif path in ("/pause", "/resume"):
+            self.paused = path == "/pause"
+
+    async def _catch_up(self, b: Backend) -> bool:
+        """Brings a recovering backend to the fleet's state (weights, pause) before it serves again."""
+        if self.last_update is not None and b.policy_version != self.last_update.get("version"):
+            status, data = await self._post(b, "/update_weights", json.dumps(self.last_update).encode())
+            if status != 200:
+                log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
+                return False
+            b.policy_version = int(self.last_update.get("version", b.policy_version))
+        if self.paused:
+            status, _ = await self._post(b, "/pause", b"{}")
+            if status != 200:
+                return False
+        return True
+
+    # ---- health ----
+
+    async def _check(self, b: Backend) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout)) as r:
+                ok = r.status == 200
+                data = await r.json(content_type=None) if ok else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            ok, data = False, {}
+        if not ok:
+            self._failed(b, refused=False)
+            return
+        b.health = data if isinstance(data, dict) else {}
+        b.policy_version = int(b.health.get("policy_version", 0))
+        if not b.healthy:
+            if not await self._catch_up(b):
+                return
+            b.healthy = True
+            self.readmissions += 1
+            log.warning("re-admitted %s", b.url)
+        b.fails = 0
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(b) for b in self.backends))
+            await asyncio.sleep(self.cfg.health_interval)
+
+    async def health(self, request: web.Request) -> web.Response:
+        live = [b for b in self.backends if b.healthy]
+        body = {"status": "ok" if live else "unavailable", "backends": {b.url: b.healthy for b in self.backends},
+                "policy_version": min((b.policy_version for b in live), default=0)}
+        return web.json_response(body, status=200 if live else 503)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "requests": self.requests, "retries": self.retries, "ejections": self.ejections,
+            "readmissions": self.readmissions, "backends_in_rotation": sum(b.healthy for b in self.backends),
+        }
+        for i, b in enumerate(self.backends):
+            out[f"outstanding_{i}"] = b.outstanding
+        return out
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = []
+        for name, value in self.stats().items():
+            if not name.startswith("outstanding_"):
+                lines.append(f"arbor_router_{name} {value}")
+        for b in self.backends:
+            lines.append(f'arbor_router_outstanding{{backend="{b.url}"}} {b.outstanding}')
+            lines.append(f'arbor_router_backend_healthy{{backend="{b.url}"}} {int(b.healthy)}')
+            lines.append(f'arbor_router_backend_requests{{backend="{b.url}"}} {b.requests}')
+            lines.append(f'arbor_router_backend_errors{{backend="{b.url}"}} {b.errors}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def parse_router_metrics(text: str) -> dict[str, float]:
+    """The fleet-wide `arbor_router_*` counters of a /metrics page (empty when it is not a router's)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("arbor_router_") and "{" not in line:
+            name, _, value = line.partition(" ")
+            try:
+                out[name[len("arbor_router_"):]] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+async def serve(cfg: RouterConfig) -> None:
+    from arbor.inference.server import start_site, write_ready_file
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    router = Router(cfg.backends, cfg)
+    runner, url = await start_site(router.app(), cfg.host, cfg.port)
+    try:
+        if cfg.ready_file:
+            write_ready_file(cfg.ready_file, url)
+        log.info("router ready at %s (%s over %d backends)", url, cfg.policy, len(cfg.backends))
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(RouterConfig, argv, prog="router")
+    if not cfg.backends:
+        raise ConfigError("backends: give at least one backend URL (--backends '[\"http://host:port\"]')")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exe = use_vllm_router(cfg)
+    if exe is not None:
+        os.execv(exe, vllm_router_argv(cfg, cfg.backends, cfg.port, exe))
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        log.error("%s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

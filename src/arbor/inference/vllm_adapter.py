@@ -1,0 +1,418 @@
+"""The vLLM backend (`inference.backend = "vllm"`): every vLLM touch of arbor's server side lives here and in
+`arbor.inference.vllm_worker` (the worker extension vLLM imports by dotted path).
+
+Shape: `vllm serve` runs as a child process on a private loopback port, started with the options of
+`[inference.vllm]`, `--worker-extension-cls arbor.inference.vllm_worker:WeightUpdateExtension`,
+`--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
+top_p < 1 vLLM's processed logprobs are also truncated, arbor's local engine's are not) and
+VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
+thin aiohttp proxy on the configured host/port serves arbor's API:
+
+- /v1/completions and /v1/chat/completions are forwarded as *streaming* requests and reassembled into the
+  ordinary (non-streaming) response, so every token can be tagged with the policy version current when it
+  arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
+  is being applied is tagged with the older version (conservative: it can only overstate staleness).
+  Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
+- /update_weights {path, version}: `collective_rpc` of the worker extension's `arbor_load_dir` (files, checksum
+  checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
+  collective RPC between engine steps, so requests in flight continue on the new weights, as on the local
+  engine; unlike the local engine, vLLM keeps the KV already computed by the old weights for them.
+- /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
+  vLLM is healthy, with the served policy version.
+
+Why a proxy plus collective_rpc rather than vLLM's own sleep/wake/reload endpoints: those reload from the
+original model path or need the engine idle, while RL needs loads from a new directory or an NCCL stream
+every step with requests in flight, and per-token versions that vLLM does not track. The proxy costs one
+loopback hop per request. Everything here except `run` is importable without vLLM (command line and request
+rendering are unit-tested on CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from arbor.config.inference import InferenceConfig
+from arbor.config.loader import ConfigError
+
+log = logging.getLogger("arbor.inference.vllm")
+
+ROUTED_EXPERTS = "routed_experts"
+"""The per-choice field vLLM returns routed experts in (with `--enable-return-routed-experts`)."""
+WORKER_METHODS = {"filesystem": "arbor_load_dir", "nccl": "arbor_load_nccl"}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    if not vllm_available():
+        raise ConfigError("inference.backend = 'vllm' needs vLLM, which is not installed: `uv sync --extra gpu` (vllm==0.32.0)")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def render_extra(extra: dict[str, Any]) -> list[str]:
+    """`extra_args` as vLLM flags: true -> bare flag, false/None -> omitted, list -> repeated values, dict -> JSON."""
+    out: list[str] = []
+    for key, value in extra.items():
+        if value is True:
+            out.append(_flag(key))
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, dict):
+            out += [_flag(key), json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, list):
+            out += [_flag(key), *map(str, value)]
+        else:
+            out += [_flag(key), str(value)]
+    return out
+
+
+def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer: bool = False) -> list[str]:
+    """The `vllm serve` command line for this config (vLLM listens on loopback `port`; the proxy is public)."""
+    v = cfg.vllm
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", cfg.model.name,
+        "--tensor-parallel-size", str(v.tensor_parallel_size),
+        "--data-parallel-size", str(v.data_parallel_size),
+        "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+        "--max-model-len", str(v.max_model_len or cfg.seq_len),
+        "--dtype", v.dtype,
+        "--seed", str(cfg.seed),
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", v.worker_extension_cls,
+        "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if v.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    if v.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(v.kv_transfer_config, separators=(",", ":"))]
+    if v.kv_offloading_backend is not None:
+        argv += ["--kv-offloading-backend", v.kv_offloading_backend, "--kv-offloading-size", str(v.kv_offloading_size)]
+    if cfg.router_replay:
+        argv.append("--enable-return-routed-experts")
+    if skip_tokenizer:  # arbor's byte tokenizer is not a HF tokenizer: vLLM then works on token ids only
+        argv.append("--skip-tokenizer-init")
+    return argv + render_extra(v.extra_args)
+
+
+def serve_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    return env
+
+
+def render_request(body: dict[str, Any], chat: bool, cache_salt: str | None, router_replay: bool) -> dict[str, Any]:
+    """The request forwarded to vLLM: streamed (for per-token versions), token ids on, the salt kept."""
+    out = dict(body)
+    out["stream"] = True
+    out["stream_options"] = {"include_usage": True}
+    out["return_token_ids"] = True
+    if cache_salt is not None and "cache_salt" not in out:
+        out["cache_salt"] = cache_salt
+    if router_replay:
+        out["return_routed_experts"] = True
+    if not chat and out.get("logprobs") is None:
+        out["logprobs"] = 0  # token logprobs are cheap and RL always wants them; dropped again below if unasked
+    return out
+
+
+def rpc_request(method: str, args: list[Any], timeout: float) -> dict[str, Any]:
+    """A vLLM `/collective_rpc` body calling one worker-extension method on every worker."""
+    return {"method": method, "args": args, "kwargs": {}, "timeout": timeout}
+
+
+class Reassembler:
+    """Builds a non-streaming response from vLLM stream chunks, tagging each new token with a version."""
+
+    def __init__(self, chat: bool, want_logprobs: bool) -> None:
+        self.chat, self.want_logprobs = chat, want_logprobs
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.head: dict[str, Any] = {}
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any], version: int) -> None:
+        if not self.head:
+            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("prompt_token_ids") is not None:
+            self.head["prompt_token_ids"] = chunk["prompt_token_ids"]
+        for c in chunk.get("choices") or []:
+            acc = self.choices.setdefault(c["index"], {
+                "index": c["index"], "text": "", "token_ids": [], "policy_versions": [], "finish_reason": None,
+                "stop_reason": None, "lp_tokens": [], "lp_values": [], "lp_top": [], "lp_content": [],
+            })
+            if c.get("prompt_token_ids") is not None:
+                acc["prompt_token_ids"] = c["prompt_token_ids"]
+            ids = c.get("token_ids") or []
+            acc["token_ids"] += ids
+            acc["policy_versions"] += [version] * len(ids)
+            if self.chat:
+                acc["text"] += (c.get("delta") or {}).get("content") or ""
+            else:
+                acc["text"] += c.get("text") or ""
+            lp = c.get("logprobs") or {}
+            if self.chat:
+                acc["lp_content"] += lp.get("content") or []
+            else:
+                acc["lp_tokens"] += lp.get("tokens") or []
+                acc["lp_values"] += lp.get("token_logprobs") or []
+                acc["lp_top"] += lp.get("top_logprobs") or []
+            if c.get(ROUTED_EXPERTS) is not None:
+                acc.setdefault(ROUTED_EXPERTS, []).extend(c[ROUTED_EXPERTS])
+            if c.get("finish_reason") is not None:
+                acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for i in sorted(self.choices):
+            a = self.choices[i]
+            choice: dict[str, Any] = {"index": i, "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"],
+                                      "token_ids": a["token_ids"], "policy_versions": a["policy_versions"]}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": a["text"]}
+                choice["logprobs"] = {"content": a["lp_content"]} if self.want_logprobs else None
+            else:
+                choice["text"] = a["text"]
+                offsets, at = [], 0
+                for t in a["lp_tokens"]:
+                    offsets.append(at)
+                    at += len(t)
+                choice["logprobs"] = ({"tokens": a["lp_tokens"], "token_logprobs": a["lp_values"],
+                                       "top_logprobs": a["lp_top"], "text_offset": offsets}
+                                      if self.want_logprobs else None)
+                if "prompt_token_ids" in a:
+                    choice["prompt_token_ids"] = a["prompt_token_ids"]
+            if ROUTED_EXPERTS in a:
+                choice[ROUTED_EXPERTS] = a[ROUTED_EXPERTS]
+            choices.append(choice)
+        out = {**{k: v for k, v in self.head.items() if v is not None},
+               "object": "chat.completion" if self.chat else "text_completion", "choices": choices}
+        if self.usage is not None:
+            out["usage"] = self.usage
+        return out
+
+
+class VLLMProxy:
+    """arbor's API in front of one `vllm serve` process at `upstream`."""
+
+    def __init__(self, upstream: str, cfg: InferenceConfig) -> None:
+        self.upstream, self.cfg = upstream.rstrip("/"), cfg
+        self.version = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.add_routes([
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.completions),
+            web.get("/health", self.health), web.post("/update_weights", self.update_weights),
+            web.post("/pause", self.pause), web.post("/resume", self.resume),
+            web.route("*", "/{tail:.*}", self.forward),
+        ])
+
+        async def startup(_: web.Application) -> None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=None))
+
+        async def cleanup(_: web.Application) -> None:
+            if self._session is not None:
+                await self._session.close()
+
+        app.on_startup.append(startup)
+        app.on_cleanup.append(cleanup)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        chat = request.path.endswith("/chat/completions")
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            return web.json_response({"error": {"message": f"malformed JSON body: {e}", "param": None}}, status=400)
+        if not isinstance(body, dict) or body.get("stream"):
+            return web.json_response({"error": {"message": "the body must be an object without stream", "param": "stream"}}, status=400)
+        await self._open.wait()
+        want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        forwarded = render_request(body, chat, f"policy-{self.version}", self.cfg.router_replay)
+        acc = Reassembler(chat, want)
+        async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
+            if resp.status != 200:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):  # vLLM reports a failure inside the stream: a 5xx, so routers retry it
+                    return web.json_response({"error": chunk["error"]}, status=500)
+                acc.add(chunk, self.version)
+        return web.json_response(acc.response())
+
+    async def _rpc(self, method: str, args: list[Any]) -> Any:
+        assert self._session is not None
+        timeout = self.cfg.vllm.rpc_timeout
+        async with self._session.post(self.upstream + "/collective_rpc", json=rpc_request(method, args, timeout),
+                                      timeout=aiohttp.ClientTimeout(total=timeout + 30)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"vLLM collective_rpc {method} failed ({r.status}): {(await r.text())[:500]}")
+            return await r.json()
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        path, version = body.get("path"), body.get("version")
+        if not isinstance(path, str) or not isinstance(version, int) or version < 0:
+            return web.json_response({"error": {"message": "path (str) and version (int >= 0) are required", "param": "path"}}, status=400)
+        if not Path(path).is_dir():
+            return web.json_response({"error": {"message": f"weights directory {path} does not exist", "param": "path"}}, status=400)
+        w = self.cfg.weights
+        args: list[Any] = [path, w.verify_checksums, w.timeout] if w.kind == "filesystem" else [
+            path, w.nccl_host, w.nccl_port, 1 + self.cfg.replica * self.workers(), w.nccl_inference_ranks + 1, w.timeout]
+        async with self._update_lock:
+            try:
+                await self._rpc(WORKER_METHODS[w.kind], args)
+                async with self._session.post(self.upstream + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
+                    await r.read()
+            except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return web.json_response({"error": {"message": str(e), "type": "internal_error", "param": None}}, status=500)
+            self.version = version
+        return web.json_response({"policy_version": version})
+
+    def workers(self) -> int:
+        return self.cfg.vllm.tensor_parallel_size * self.cfg.vllm.data_parallel_size
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self._open.clear()
+        return web.json_response({"paused": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self._open.set()
+        return web.json_response({"paused": False})
+
+    async def health(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.upstream + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        return web.json_response({"status": "ok" if ok else "unavailable", "policy_version": self.version},
+                                 status=200 if ok else 503)
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        async with self._session.request(request.method, self.upstream + request.rel_url.raw_path_qs,
+                                         data=await request.read(), headers={"Content-Type": request.content_type}) as r:
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+
+def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
+    """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized."""
+    from arbor.models import PRESETS
+
+    name = cfg.model.name
+    if name not in PRESETS:
+        path = Path(name)
+        return name, path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    import torch  # noqa: F401  (the preset's weights are built here once and cached)
+
+    from arbor.models import build_model, build_tokenizer
+    from arbor.models.hf import save_checkpoint_dir
+
+    out = Path(tempfile.gettempdir()) / "arbor-vllm" / f"{name}-seed{cfg.model.init_seed}-{cfg.model.dtype}"
+    if not (out / "config.json").exists():
+        model = build_model(cfg.model)
+        save_checkpoint_dir(model.state_dict(), model.args, out, build_tokenizer(cfg.model))
+    return str(out), True
+
+
+def run(cfg: InferenceConfig) -> int:
+    """Starts `vllm serve` and the proxy; serves until SIGTERM; never leaves vLLM running."""
+    require_vllm()
+    from arbor.inference.server import start_site, write_ready_file
+
+    path, skip_tok = model_dir(cfg)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = serve_argv(cfg, path, port, skip_tok)
+    log.info("starting vLLM: %s", " ".join(argv))
+    proc = subprocess.Popen(argv, env=serve_env(), start_new_session=True)
+    upstream = f"http://127.0.0.1:{port}"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        deadline = time.monotonic() + cfg.vllm.startup_timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve exited with code {proc.returncode} while starting (its output is above)")
+                try:
+                    async with s.get(upstream + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if time.monotonic() > deadline or stop.is_set():
+                    raise RuntimeError(f"vllm serve was not healthy within {cfg.vllm.startup_timeout:.0f}s")
+                await asyncio.sleep(1.0)
+        runner, url = await start_site(VLLMProxy(upstream, cfg).app(), cfg.host, cfg.port)
+        try:
+            if cfg.ready_file:
+                write_ready_file(cfg.ready_file, url)
+            log.info("inference (vLLM) ready at %s", url)
+            while not stop.is_set():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve exited with code {proc.returncode}")
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return 0

@@ -1,0 +1,58 @@
+"""`rl` with two local inference replicas behind the built-in router: a killed replica does not fail the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import tomllib
+import urllib.request
+
+import pytest
+
+from arbor.inference.router import parse_router_metrics
+from arbor.monitor.metrics import read_jsonl
+from test_rl_e2e import _finish, _rl, _wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_replicas_survive_a_killed_one_and_take_it_back(tmp_path):
+    out = tmp_path / "run"
+    steps = 80
+    proc = _rl(out, "--max-steps", str(steps), "--inference.replicas", "2", "--inference.router.eject-after", "3")
+    _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 2, 180, "two steps")
+    backends = tomllib.loads((out / "configs" / "router.toml").read_text())["backends"]
+    victim_port = backends[1].rsplit(":", 1)[1]
+    lines = subprocess.run(["pgrep", "-af", f"arbor.inference.server @ {out}"], capture_output=True, text=True).stdout
+    pids = [int(line.split()[0]) for line in lines.splitlines() if line.endswith(f"--port {victim_port}")]
+    assert len(pids) == 1, lines
+    router = tomllib.loads((out / "configs" / "orchestrator.toml").read_text())["client"]["base_urls"][0]
+    # Kill it while the router has a request in flight on it, so that request must be retried elsewhere.
+    busy = f'arbor_router_outstanding{{backend="{backends[1]}"}} '
+    _wait_for(lambda: any(line.startswith(busy) and float(line.split()[-1]) > 0
+                          for line in urllib.request.urlopen(router + "/metrics", timeout=5).read().decode().splitlines()),
+              120, "a request in flight on the second replica")
+    os.kill(pids[0], signal.SIGKILL)
+    seen: dict[str, float] = {}
+    while proc.poll() is None and seen.get("readmissions", 0) < 1:  # the launcher restarts it; the router takes it back
+        try:
+            with urllib.request.urlopen(router + "/metrics", timeout=5) as r:
+                seen = parse_router_metrics(r.read().decode())
+        except OSError:
+            pass
+        time.sleep(0.5)
+    rc, stdout, stderr = _finish(proc, timeout=400)
+    assert rc == 0, stderr + stdout
+    assert "inference_1 exited with code -9; restarting it" in stderr
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps))
+    last = rows[-1]
+    assert last["router/ejections"] >= 1, last
+    assert last["router/retries"] >= 1, last
+    assert seen.get("readmissions", 0) >= 1, f"the restarted replica never came back into rotation: {seen}"
+    assert "router/readmissions" in last and last["router/backends_in_rotation"] in (1, 2)
+    assert rows[0]["router/ejections"] == 0 and rows[0]["router/retries"] == 0
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, "processes outlived the launcher"
