@@ -125,9 +125,6 @@ class Orchestrator:
         t0 = time.perf_counter()
         beat(f"waiting for policy version {max(0, step - self.policy.lag(step))} (step {step})")
         waited = 0.0 if weights is None else await weights.ensure(step - self.policy.lag(step), cfg.weight_update_timeout)
-        curriculum = self.curriculum.state() if self.curriculum is not None else None
-        save_state(cfg.output_dir, OrchestratorState(step, self.sampler.epoch, self.sampler.position, curriculum))
-        prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         t_gen = time.perf_counter()
         dropped_before, filtered_before = self.dropped_stale, sum(self.filtered.values())
         beat(f"generating and scoring step {step}")
@@ -137,6 +134,11 @@ class Orchestrator:
         dropped = self.dropped_stale - dropped_before + sum(self.filtered.values()) - filtered_before
         if self.buffer is not None:
             groups = self._through_buffer(step, groups)
+        # The state step+1 resumes from is on disk before batch `step` is: the trainer cannot checkpoint step+1
+        # without this batch, so no trainer checkpoint ever lacks its orchestrator state, wherever a kill lands.
+        curriculum = self.curriculum.state() if self.curriculum is not None else None
+        save_state(cfg.output_dir, OrchestratorState(step + 1, self.sampler.epoch, self.sampler.position, curriculum))
+        prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,

@@ -1,8 +1,10 @@
 """The orchestrator's resumable state: which step comes next and where in the dataset it is.
 
-State for step N is written to `checkpoints/step_N/orchestrator.json` before batch N is generated, so that it
-sits beside the trainer checkpoint taken after N optimizer steps; a resume from trainer checkpoint N restores
-exactly the dataset position that produced batch N the first time, and no task is skipped or repeated.
+State for step N (the dataset position right after batch N-1 was collected) is written to
+`checkpoints/step_N/orchestrator.json` before batch N-1 is written, so it sits beside the trainer checkpoint
+taken after N optimizer steps and always exists when that checkpoint does (the trainer cannot take step N-1
+before its batch exists). A resume from trainer checkpoint N restores exactly the dataset position that
+produced batch N the first time, so no task is skipped or repeated.
 """
 
 from __future__ import annotations
