@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def test_two_replicas_survive_a_killed_one_and_take_it_back(tmp_path):
     out = tmp_path / "run"
-    steps = 80
+    steps = 250  # long enough (~25 s even on an idle machine) for the restart and re-admission to happen mid-run
     proc = _rl(out, "--max-steps", str(steps), "--inference.replicas", "2", "--inference.router.eject-after", "3")
     _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 2, 180, "two steps")
     backends = tomllib.loads((out / "configs" / "router.toml").read_text())["backends"]
