@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.models.hf import fuse_experts
+from arbor.models.hf import copy_state_into, fuse_experts
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -340,21 +340,8 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        state = fuse_experts(self.weights.load(path))  # verified against the publish manifest; MoE experts fused
-        own = dict(self.model.named_parameters())
-        if self.model.args.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-            own.pop("lm_head.weight", None)
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise ValueError(f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, "
-                                 f"model has {tuple(own[name].shape)}")
-        for name, tensor in state.items():
-            own[name].copy_(tensor.to(own[name].dtype))
+        # verified against the publish manifest; MoE experts fused; checked in full before any copy
+        copy_state_into(self.model, fuse_experts(self.weights.load(path)), path)
 
     def _recompute_caches(self) -> None:
         """Rebuilds the KV cache of running sequences with the current weights (prompt once per request)."""

@@ -75,21 +75,26 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly)."""
-    state = fuse_experts(read_safetensors_dir(path))
+    copy_state_into(model, fuse_experts(read_safetensors_dir(path)), path)
+
+
+def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
+    """Checks every tensor of `state` against `model` before copying any, so a mismatched checkpoint leaves the
+    model untouched (the inference engine keeps serving its old weights)."""
     args: ModelArgs = model.args
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
     own = dict(model.named_parameters())
-    missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if args.tie_word_embeddings else set()))
-    unexpected = sorted(set(state) - set(own))
+    if args.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        own.pop("lm_head.weight", None)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"checkpoint {source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"checkpoint {source}: {name} has shape {tuple(tensor.shape)}, model has {tuple(own[name].shape)}")
     with torch.no_grad():
         for name, tensor in state.items():
-            p = own[name]
-            if p.shape != tensor.shape:
-                raise ValueError(f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, model has {tuple(p.shape)}")
-            p.copy_(tensor.to(p.dtype))
+            own[name].copy_(tensor.to(own[name].dtype))
 
 
 def save_checkpoint_dir(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, tokenizer=None) -> None:

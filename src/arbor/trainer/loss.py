@@ -119,15 +119,21 @@ def _ratio_stats(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Ten
     }
 
 
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic surrogate `-min(r*A, clip(r, 1-low, 1+high)*A)` per token, and which tokens it clipped
+    (the clipped branch is the smaller one, so the token passes no gradient)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped) & mask
+
+
 def ppo_clip(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
     """Token-level PPO clip: `-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)`, r = exp(logprobs - inference)."""
     ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
     ratio = torch.exp(logprobs - inference_logprobs)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    # A token is "clipped" when the clipped branch is the smaller one, i.e. it passes no gradient.
-    is_clipped = (clipped < unclipped) & mask
+    per_token, is_clipped = _clipped_surrogate(ratio, advantages, cfg.clip_low, cfg.clip_high, mask)
     return LossOutput(
         _reduce(per_token, mask, ctx), {"clip_frac": _count(is_clipped, logprobs.dtype), **_ratio_stats(ratio, mask)}
     )
@@ -154,10 +160,7 @@ def gspo(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, c
     log_r = torch.where(mask, logprobs - inference_logprobs, torch.zeros_like(logprobs))
     seq_log = ctx.segment_sum(log_r) / ctx.segment_sum(m).clamp(min=1.0)
     s = torch.exp(seq_log)[ctx.sample_index(logprobs.shape[0]).to(logprobs.device)]
-    unclipped = s * advantages
-    clipped = s.clamp(1.0 - cfg.gspo_clip_low, 1.0 + cfg.gspo_clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    is_clipped = (clipped < unclipped) & mask
+    per_token, is_clipped = _clipped_surrogate(s, advantages, cfg.gspo_clip_low, cfg.gspo_clip_high, mask)
     return LossOutput(
         _reduce(per_token, mask, ctx), {"clip_frac": _count(is_clipped, logprobs.dtype), **_ratio_stats(s, mask)}
     )
