@@ -3,7 +3,6 @@ explicit per-token weights, the `ctx`-taking user-loss contract, and the KL refe
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
