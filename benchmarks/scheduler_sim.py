@@ -20,11 +20,15 @@ the total-variation distance between the difficulty mix of everything trained an
 (`batch_tv_mean`, the mean per-batch distance, also includes the sampling noise of a 64-rollout batch).
 Target: windowed FIFO keeps >= 80% of greedy's throughput with <= 1/3 of greedy's mix shift.
 
-Partial rollouts are on for the modes with a head that can block (async = strict FIFO, windowed FIFO): a
-rollout in the window running longer than `abort_after` is aborted and resumed at the queue's tail. Without
-them a 50x straggler at the head stalls a window for its whole latency (the `windowed_no_partial` row shows
-that cost). Greedy never blocks and gets none. A resumed rollout's staleness counts from its resume (its
-earlier tokens are older; the trainer sees their per-token versions).
+Partial rollouts are on for the modes with a head that can block (async = strict FIFO, windowed FIFO), with the
+orchestrator's exact rule (arbor.orchestrator.main, `[orchestrator.partial]`): while a step is being collected,
+a rollout inside the window [H, H+W) that has run longer than `straggler_factor` times the median duration of
+the last 32 finished rollouts (none before 8 have finished) is aborted, leaves its position (so the head
+advances) and is relaunched at the queue's tail with its tokens kept; one already relaunched `max_resumes` times
+stays where it is; one whose oldest token is already too stale for the step being collected is dropped
+instead. Staleness counts from a rollout's first launch (its oldest token: the trainer's per-token bound).
+Without partial rollouts a 50x straggler at the head stalls a window for its whole latency (the
+`windowed_no_partial` row shows that cost). Greedy never blocks and gets none.
 
     uv run python benchmarks/scheduler_sim.py [--steps 300] [--batch 64] [--concurrency 128] [--window 64]
 """
@@ -42,14 +46,19 @@ import numpy as np
 from arbor.orchestrator.scheduler import RolloutQueue
 
 DIFFICULTIES = ("easy", "normal", "hard")
+MIN_FINISHED, RECENT = 8, 32  # the orchestrator's straggler rule: arbor.orchestrator.main.STRAGGLER_*
 
 
 def sample_task(rng: random.Random, mix: list[float], a: argparse.Namespace) -> tuple[int, float]:
     d = rng.choices(range(3), weights=mix)[0]
+    return d, task_latency(rng, d, a)
+
+
+def task_latency(rng: random.Random, d: int, a: argparse.Namespace) -> float:
     latency = rng.lognormvariate(a.mu[d], a.sigma)
     if rng.random() < a.straggler_p:
         latency *= 50.0
-    return d, latency
+    return latency
 
 
 def total_variation(counts: np.ndarray, mix: np.ndarray) -> float:
@@ -88,26 +97,36 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
     window = {"async": 1, "greedy": None, "windowed_fifo": a.window}[mode]
     q: RolloutQueue[tuple[int, int]] = RolloutQueue(window)
     events: list[tuple[float, int, int, int]] = []  # (finish time, position, difficulty, launch version)
-    running: dict[int, tuple[float, float, int, int]] = {}  # position -> (finish, start, difficulty, version)
+    # position -> (finish, since: launch or relaunch time, first launch time, difficulty, launch version, resumes)
+    running: dict[int, tuple[float, float, float, int, int, int]] = {}
     moved: set[int] = set()  # positions whose rollout was aborted and re-queued (stale heap entries)
+    durations: list[float] = []  # whole durations (first launch to finish) of finished rollouts
     dropped = partials = 0
 
+    def threshold() -> float:
+        if len(durations) < MIN_FINISHED:
+            return float("inf")
+        return a.straggler_factor * float(np.median(durations[-RECENT:]))
+
     def requeue_stragglers(now: float) -> None:
-        """Partial rollouts: a rollout inside the window that has run longer than `abort_after` is aborted and
-        resumed at the tail of the queue under the current policy (its tokens so far kept), so a straggler stops
-        holding the head; it still finishes when its remaining tokens are done."""
-        nonlocal partials
-        limit = q.head + (q.window or 0)
+        """The orchestrator's straggler rule (module docstring): abort, leave the position, relaunch at the tail;
+        the rollout still finishes when its remaining tokens are done."""
+        nonlocal partials, dropped
+        limit, limit_t = q.head + (q.window or 0), threshold()
         for pos in [p for p in running if p < limit]:
-            finish, start, d, v = running[pos]
-            if now - start > a.abort_after:
-                del running[pos]
-                moved.add(pos)
-                q.discard(pos)
-                new = q.launch()
-                running[new] = (finish, now, d, version_at(now))
-                heapq.heappush(events, (finish, new, d, version_at(now)))
-                partials += 1
+            finish, since, first, d, v, resumes = running[pos]
+            if resumes >= a.max_resumes or now - since <= limit_t:
+                continue
+            del running[pos]
+            moved.add(pos)
+            q.discard(pos)
+            if len(train_done) - v > a.max_off_policy:  # its oldest token can never be trained: cancelled
+                dropped += 1
+                continue
+            new = q.launch()
+            running[new] = (finish, now, first, d, v, resumes + 1)
+            heapq.heappush(events, (finish, new, d, v))
+            partials += 1
 
     def fill(now: float) -> None:
         # Launch only what can still be trained within the staleness bound: the outstanding rollouts fill the
@@ -117,7 +136,7 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
         while q.in_flight < a.concurrency and len(train_done) + q.outstanding // a.batch - v <= a.max_off_policy:
             d, lat = sample_task(rng, mix, a)
             pos = q.launch()
-            running[pos] = (now + lat, now, d, version_at(now))
+            running[pos] = (now + lat, now, now, d, version_at(now), 0)
             heapq.heappush(events, (now + lat, pos, d, version_at(now)))
 
     def gate() -> float:
@@ -131,9 +150,10 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
     batch: list[tuple[int, int]] = []
     while len(train_done) < a.steps:
         next_finish = events[0][0] if events else float("inf")
-        if partial and q.window is not None:  # the moment a rollout in the window turns into a straggler
-            limit = q.head + q.window
-            due = [r[1] + a.abort_after for p, r in running.items() if p < limit and r[1] + a.abort_after > t]
+        if partial and q.window is not None and t >= gate():  # when a rollout in the window turns straggler
+            limit, limit_t = q.head + q.window, threshold()
+            due = [r[1] + limit_t for p, r in running.items()
+                   if p < limit and r[5] < a.max_resumes and r[1] + limit_t > t]
             next_finish = min([next_finish, *due])
         later = [x for x in train_done if x > t]  # a finished trainer step may admit new launches
         if t < gate() <= next_finish:
@@ -149,9 +169,9 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
             if pos in moved:
                 moved.discard(pos)
                 continue
-            del running[pos]
+            durations.append(t - running.pop(pos)[2])
             q.finish(pos, (d, v))
-        if partial and q.window is not None:
+        if partial and q.window is not None and t >= gate():  # the loop checks while it collects a step
             requeue_stragglers(t)
         while t >= gate() and len(train_done) < a.steps:
             taken = q.take(a.batch - len(batch))
@@ -193,7 +213,9 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.6)
     p.add_argument("--straggler-p", type=float, default=0.01, help="chance of a 50x straggler")
     p.add_argument("--max-off-policy", type=int, default=2, help="drop rollouts staler than this many steps")
-    p.add_argument("--abort-after", type=float, default=4.0, help="partial rollouts: abort a head straggler after this long")
+    p.add_argument("--straggler-factor", type=float, default=4.0,
+                   help="partial rollouts: a window member running longer than this x the recent median is aborted")
+    p.add_argument("--max-resumes", type=int, default=3, help="partial rollouts: relaunches per rollout at most")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     results = {m: simulate(m, a) for m in ("sync", "async", "greedy", "windowed_fifo")}

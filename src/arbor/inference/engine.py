@@ -47,7 +47,8 @@ class Completion:
     """Per token, the `top_logprobs` most likely (token id, logprob) pairs, most likely first (empty when 0)."""
     policy_versions: list[int]
     finish_reason: str
-    """"stop" (eos or a stop string) or "length" (max_tokens reached)."""
+    """"stop" (eos or a stop string), "length" (max_tokens reached) or "abort" (`Engine.abort`: the lists hold
+    what was generated until then, possibly nothing)."""
     stop_reason: str | None
     """The stop string that ended the sequence, if one did."""
     text: str
@@ -78,10 +79,11 @@ class EngineStats:
 
 
 class _Request:
-    def __init__(self, prompt: list[int], params: SamplingParams, seed: int) -> None:
+    def __init__(self, prompt: list[int], params: SamplingParams, seed: int, request_id: str | None = None) -> None:
         self.prompt = prompt
         self.params = params
         self.seed = seed
+        self.request_id = request_id
         self.future: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
         self.seqs: list[_Seq] = []
 
@@ -115,7 +117,7 @@ class _Seq:
 
     def completion(self) -> Completion:
         routes = None
-        if self.routes is not None:
+        if self.routes is not None and self.tokens:
             n = len(self.req.prompt) + len(self.tokens)
             routes = self.routes[:n].copy()
             routes[n - 1] = routes[n - 2]
@@ -134,7 +136,8 @@ class Engine:
     """Continuous-batching generation over `max_batch_size` cache slots of `seq_len` positions each.
 
     `submit(prompt_ids, params)` -> Future[RequestOutput]; `update_weights(path, version)` -> Future[int];
-    `pause()` / `resume()` -> Future[bool] (resolved once the engine thread has applied them); `stats()`.
+    `pause()` / `resume()` -> Future[bool] (resolved once the engine thread has applied them);
+    `abort(request_ids)` -> Future[int]; `stats()`.
     Call `start()` once and `stop()` at the end (also usable as a context manager).
     """
 
@@ -174,6 +177,9 @@ class Engine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats = EngineStats(policy_version=version)
+        # Ids aborted recently: a request that reaches the engine after its abort (it was still in transit)
+        # finishes at once instead of running to the end. Bounded: only the newest ABORT_MEMORY are kept.
+        self._aborted_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._run, name="arbor-engine", daemon=True)
 
     # ---- caller side (any thread) ----
@@ -221,16 +227,37 @@ class Engine:
         if params.n > self.max_batch_size:
             raise InvalidRequest(f"n={params.n} exceeds max_batch_size {self.max_batch_size}", "n")
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> concurrent.futures.Future[RequestOutput]:
-        """Queues a request; cancel the future to abort it (its slots are freed at the next step)."""
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               request_id: str | None = None) -> concurrent.futures.Future[RequestOutput]:
+        """Queues a request; cancel the future to drop it (its slots are freed at the next step, its output is
+        lost), or `abort(request_id)` to finish it with what it has generated so far. Several requests may
+        share one `request_id` (one abort ends them all)."""
         self.check(prompt_ids, params)
         with self._cv:
             self._raise_if_stopped()
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**62)
-            req = _Request([int(t) for t in prompt_ids], params, seed)
+            req = _Request([int(t) for t in prompt_ids], params, seed, request_id)
+            if request_id is not None and request_id in self._aborted_ids:
+                _resolve(req.future, _aborted_output(req))
+                return req.future
             self._waiting.append(req)
             self._cv.notify_all()
         return req.future
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> concurrent.futures.Future[int]:
+        """Finishes the requests with these ids (None: every request) between two decode steps: their futures
+        resolve with the tokens, logprobs and versions generated so far and finish_reason "abort" (samples that
+        had already finished keep theirs). Resolves to the number of requests aborted. An id not seen yet is
+        remembered, so a request that arrives after its abort ends at once."""
+        ids = None if request_ids is None else frozenset(request_ids)
+        if ids:
+            with self._cv:
+                for rid in ids:
+                    self._aborted_ids[rid] = None
+                    self._aborted_ids.move_to_end(rid)
+                while len(self._aborted_ids) > ABORT_MEMORY:
+                    self._aborted_ids.popitem(last=False)
+        return self._command("abort", ids)
 
     def update_weights(self, path: str | Path, version: int) -> concurrent.futures.Future[int]:
         """Loads a Hugging Face checkpoint directory between decode steps; on error the old weights stay."""
@@ -319,6 +346,8 @@ class Engine:
         elif cmd.kind == "resume":
             self._stats.paused = False
             _resolve(cmd.future, False)
+        elif cmd.kind == "abort":
+            _resolve(cmd.future, self._abort(cmd.args[0]))
         elif cmd.kind == "update":
             path, version = cmd.args
             try:
@@ -335,6 +364,26 @@ class Engine:
             _resolve(cmd.future, version)
         else:
             _fail(cmd.future, ValueError(f"unknown engine command {cmd.kind!r}"))
+
+    def _abort(self, ids: frozenset[str] | None) -> int:
+        """Finishes matching requests now: queued ones with no tokens, running ones with their tokens so far."""
+        hit = lambda r: ids is None or r.request_id in ids  # noqa: E731
+        with self._cv:
+            queued = [r for r in self._waiting if hit(r)]
+            self._waiting = collections.deque(r for r in self._waiting if not hit(r))
+        for req in queued:
+            _resolve(req.future, _aborted_output(req))
+        running = {id(s.req): s.req for s in self._running if hit(s.req)}
+        for req in running.values():
+            for s in req.seqs:
+                if s.finish_reason is None:
+                    s.finish_reason = "abort"
+                    s.text = self.tokenizer.decode(s.tokens, skip_special_tokens=req.params.skip_special_tokens)
+                self._release(s)
+            _resolve(req.future, RequestOutput(req.prompt, [x.completion() for x in req.seqs]))
+        self._running = [s for s in self._running if not hit(s.req)]
+        self._stats.running = len(self._running)
+        return len(queued) + len(running)
 
     def _load_weights(self, path: Path) -> None:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
@@ -494,6 +543,15 @@ class Engine:
         self._running = [s for s in self._running if s.req is not req]
         self._stats.running = len(self._running)
         _fail(req.future, err)
+
+
+ABORT_MEMORY = 65536
+"""Aborted request ids an engine remembers (for requests that arrive after their abort)."""
+
+
+def _aborted_output(req: _Request) -> RequestOutput:
+    """The output of a request aborted before it was admitted: every sample empty."""
+    return RequestOutput(req.prompt, [Completion(i, [], [], [], [], "abort", None, "") for i in range(req.params.n)])
 
 
 def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

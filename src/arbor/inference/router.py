@@ -9,7 +9,9 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
   state the fleet received, so a restarted replica never serves stale weights.
 - failover: a completion/chat completion (idempotent for RL: the orchestrator keeps whatever comes back) or any
   GET that fails on one backend with a connection error or a 5xx is retried on another, up to `max_retries`.
-- admin fan-out: POST /update_weights, /pause, /resume go to every backend and answer per-backend results.
+- admin fan-out: POST /update_weights, /pause, /resume, /abort_requests go to every backend and answer
+  per-backend results (an abort names request ids, and the router does not track which backend holds which,
+  so every backend gets it; one that never saw an id remembers it as aborted, which is harmless).
 - GET /metrics: Prometheus text with retries, ejections, re-admissions and per-backend outstanding counts;
   GET /health: 200 while any backend is in rotation, with the lowest policy version among them.
 
@@ -44,7 +46,7 @@ from arbor.config.loader import ConfigError, load_config, main_guard
 log = logging.getLogger("arbor.inference.router")
 
 RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
-ADMIN = ("/update_weights", "/pause", "/resume")
+ADMIN = ("/update_weights", "/pause", "/resume", "/abort_requests")
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 VLLM_ROUTER_POLICY = {"round_robin": "round_robin", "least_outstanding": "power_of_two", "consistent_hash": "consistent_hash"}
 

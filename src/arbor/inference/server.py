@@ -4,8 +4,12 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, pl
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
 array with its dtype and shape, see arbor.transport.batch.encode_routes), GET /health, GET /v1/models, GET /metrics
-(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume. The vLLM request field
-`cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache across requests.
+(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume, and
+POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts): a generation request may carry a
+client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
+with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
+so far. An id aborted before its request arrives is remembered, so that request ends at once (empty). The vLLM
+request field `cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache.
 Bad input gets a 400 with
 `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field; the server never dies on it.
 
@@ -168,6 +172,22 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _request_id(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The client-chosen request id: vLLM's body field `request_id`, else the `X-Request-Id` header."""
+    rid = _get(body, "request_id", (str,), None)
+    return rid if rid is not None else request.headers.get("X-Request-Id")
+
+
+def abort_ids(body: dict[str, Any]) -> list[str] | None:
+    """`{"request_ids": [...]}` -> those ids; `{"request_ids": "all"}` -> None (every request)."""
+    ids = body.get("request_ids")
+    if ids == "all":
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise BadRequest('request_ids must be a list of request id strings or "all"', "request_ids")
+    return ids
+
+
 # ---- response building ----
 
 def _token_str(tokenizer: Any, token_id: int, as_ids: bool) -> str:
@@ -231,16 +251,18 @@ class InferenceServer:
             web.post("/update_weights", self.update_weights),
             web.post("/pause", self.pause),
             web.post("/resume", self.resume),
+            web.post("/abort_requests", self.abort_requests),
         ])
         return app
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, param: str) -> list["RequestOutput"]:
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, param: str,
+                        request_id: str | None = None) -> list["RequestOutput"]:
         for p in prompts:  # validate every prompt before queuing any, so a bad one leaves nothing running
             try:
                 self.engine.check(p, params)
             except InvalidRequest as e:
                 raise BadRequest(str(e), param if e.param == "prompt" else e.param) from None
-        futures = [self.engine.submit(p, params) for p in prompts]
+        futures = [self.engine.submit(p, params, request_id) for p in prompts]
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         finally:
@@ -257,7 +279,7 @@ class InferenceServer:
         return_ids = _get(body, "return_token_ids", (bool,), False)
         as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
         _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
-        outputs = await self._generate(prompts, params, "prompt")
+        outputs = await self._generate(prompts, params, "prompt", _request_id(request, body))
         choices = []
         for pi, out in enumerate(outputs):
             for c in out.completions:
@@ -297,7 +319,7 @@ class InferenceServer:
         return_ids = _get(body, "return_token_ids", (bool,), False)
         as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
         _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
-        (out,) = await self._generate([prompt], params, "messages")
+        (out,) = await self._generate([prompt], params, "messages", _request_id(request, body))
         choices = []
         for c in out.completions:
             choice: dict[str, Any] = {
@@ -363,6 +385,10 @@ class InferenceServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        ids = abort_ids(await _body(request))
+        return web.json_response({"aborted": await asyncio.wrap_future(self.engine.abort(ids))})
 
     async def resume(self, request: web.Request) -> web.Response:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.resume())})

@@ -9,6 +9,10 @@ them out itself).
 Every generation request carries `cache_salt = "policy-{version}"` (a vLLM request field), the newest policy
 version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
 older weights (the local engine has no prefix cache and accepts the field for compatibility).
+
+Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
+`abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls
+then return what was produced so far with `finish_reason == "abort"` (arbor.orchestrator.partial resumes them).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class Completion:
     finish_reason: str
     routed_experts: "np.ndarray | None" = None
     """MoE router replay payload `[prompt + completion tokens, moe_layers, top_k]`, decoded without a copy."""
+    pieces: int = 1
+    """Requests this completion was generated in: > 1 for a partial rollout resumed after aborts."""
 
 
 class InferenceClient:
@@ -94,6 +100,7 @@ class InferenceClient:
         temperature: float,
         top_p: float,
         seed: int | None = None,
+        request_id: str | None = None,
     ) -> list[Completion]:
         body = {
             "model": self.model,
@@ -108,6 +115,8 @@ class InferenceClient:
         }
         if seed is not None:
             body["seed"] = seed
+        if request_id is not None:
+            body["request_id"] = request_id
         data = await self._post("/v1/completions", body)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
@@ -131,6 +140,11 @@ class InferenceClient:
         """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
         await asyncio.gather(*(self._post("/update_weights", {"path": path, "version": version}, url=u) for u in self.admin_urls))
         self.policy_version = max(self.policy_version, version)
+
+    async def abort_requests(self, request_ids: list[str] | None) -> None:
+        """Finishes these requests (None: every request) on every server in `admin_urls` (a router fans out)."""
+        body = {"request_ids": "all" if request_ids is None else list(request_ids)}
+        await asyncio.gather(*(self._post("/abort_requests", body, url=u) for u in self.admin_urls))
 
     async def router_stats(self) -> dict[str, float]:
         """The router's fleet counters (retries, ejections, re-admissions) when `base_urls` is one router."""

@@ -2,7 +2,8 @@
 
 A rollout keeps exactly the tokens the engine produced (never re-tokenised text), their logprobs and the
 policy version that sampled each token; that is what the trainer's importance ratio and the staleness bound
-are computed from.
+are computed from. The orchestrator passes a `GroupHandle` (arbor.orchestrator.partial) as the client: the same
+`generate`, but resumable across aborts, so a partial rollout arrives here already whole.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arbor.environments import Environment, Task, total_reward
 from arbor.orchestrator.client import InferenceClient
+
+if TYPE_CHECKING:
+    from arbor.orchestrator.partial import GroupHandle
 
 log = logging.getLogger("arbor.orchestrator.rollout")
 
@@ -42,6 +46,8 @@ class Rollout:
     """Per-completion-token advantages (reward-to-go); None means `advantage` on every token."""
     latency: float | None = None
     """Seconds from launch to finish, when the environment measures it per rollout (composite time reward)."""
+    pieces: int = 1
+    """Generation requests it took: > 1 for a partial rollout (aborted, then resumed with its tokens kept)."""
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +67,7 @@ class GroupSpec:
 
 
 async def generate_group(
-    client: InferenceClient,
+    client: "InferenceClient | GroupHandle",
     env: Environment,
     spec: GroupSpec,
     group_size: int,
@@ -75,7 +81,7 @@ async def generate_group(
     rollouts = [
         Rollout(
             spec.task.get("id", -1), spec.prompt_ids, c.token_ids, c.logprobs, c.policy_versions, c.text,
-            c.finish_reason, routed_experts=c.routed_experts, group_id=spec.group_id,
+            c.finish_reason, routed_experts=c.routed_experts, group_id=spec.group_id, pieces=c.pieces,
         )
         for c in completions
     ]
