@@ -125,7 +125,29 @@ class SchedulerConfig(Config):
     """windowed_fifo: W, in groups, of the visible part [H, H+W) of the generation queue; default: half a step."""
     max_in_flight: int | None = Field(None, ge=1)
     """Groups generating at once. Default: two steps' worth for the continuous modes (async, greedy,
-    windowed_fifo), max_concurrent_groups (or one step) for the per-step ones."""
+    windowed_fifo), max_concurrent_groups (or one step) for the per-step ones (times `oversample`)."""
+    oversample: float = Field(1.0, ge=1.0)
+    """Per-step modes (sync, one_step_off): launch ceil(oversample x groups per step) groups; once the batch is
+    full, the surplus still generating is cancelled (counted as partial/cancelled) or, with
+    `[orchestrator.partial]` enabled, aborted and parked with its tokens and resumed first at the next step
+    (slime's design). Surplus groups that already finished are kept for the next step."""
+
+
+class PartialConfig(Config):
+    enabled: bool = False
+    """Partial rollouts: generation that is aborted mid-way keeps its tokens, logprobs and per-token policy
+    versions (and its environment's state) and is resumed later (arbor.orchestrator.partial)."""
+    straggler_factor: float = Field(4.0, gt=0)
+    """Continuous modes with a window (async, windowed_fifo): while a step is collected, a group inside the
+    window [H, H+W) that has run longer than this many times the median duration of the last 32 finished groups
+    (no group before 8 have finished) is aborted, leaves its queue position (so the head advances) and is
+    relaunched at the tail with its tokens. benchmarks/scheduler_sim.py models exactly this rule."""
+    max_resumes: int = Field(3, ge=0)
+    """A group moved or parked this many times is not aborted by the scheduler again: it finishes where it is."""
+    abort_on_weight_update: bool = False
+    """Abort every running group before a weight update and resume it after: no token of the new policy is
+    then computed on KV cache from older weights (needed with vLLM, which keeps in-flight KV; the local engine
+    recomputes it). These pauses do not count towards max_resumes."""
 
 
 class OrchestratorConfig(Config):
@@ -167,6 +189,8 @@ class OrchestratorConfig(Config):
     """Advantage estimation."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Scheduling of generation against training."""
+    partial: PartialConfig = PartialConfig()
+    """Partial rollouts (abort, park, resume with tokens kept)."""
     buffer: BufferConfig = BufferConfig()
     """Persistent experience buffer."""
     eval: OrchestratorEvalConfig = OrchestratorEvalConfig()

@@ -18,6 +18,8 @@ is saved as launched).
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import time
 import zlib
@@ -27,6 +29,29 @@ from arbor.config.loader import load_config, main_guard
 from arbor.config.orchestrator import OrchestratorConfig
 
 log = logging.getLogger("arbor.orchestrator")
+
+STRAGGLER_MIN_FINISHED, STRAGGLER_RECENT = 8, 32
+"""The straggler rule's median is over the last STRAGGLER_RECENT finished groups, once MIN_FINISHED have."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """One group's generation: its queue position, task and resumable handle."""
+
+    pos: int
+    task: asyncio.Task
+    handle: Any  # arbor.orchestrator.partial.GroupHandle
+    since: float
+    """When it took its current position (launch, or relaunch at the tail)."""
+    started: float
+    version: int
+    """Policy version the fleet served at launch: no token of it is older."""
+    parked: bool = False
+
+    @property
+    def oldest(self) -> int:
+        v = self.handle.oldest_version
+        return self.version if v is None else min(v, self.version)
 
 
 class Orchestrator:
@@ -49,7 +74,12 @@ class Orchestrator:
 
         self.policy = SchedulePolicy.from_config(cfg)
         self.queue: RolloutQueue[asyncio.Task] = RolloutQueue(self.policy.window)
-        self._running: dict[int, asyncio.Task] = {}
+        self._flights: dict[int, _Flight] = {}  # group id -> its generation, while it runs or is parked
+        self._parked: list[_Flight] = []  # per-step modes: surplus groups aborted at batch fill, oldest first
+        self._durations: collections.deque[float] = collections.deque(maxlen=STRAGGLER_RECENT)
+        self.partial = None  # the PartialRollouts controller, made for the client in _collect_groups
+        self.partial_counts = {"cancelled": 0, "parked": 0, "resumed": 0, "moved": 0}
+        self._last_aborted = 0
         self.finished_groups = 0  # groups the generator has produced (for the production rate)
         self._last_write: float | None = None
         self._last_finished = 0
@@ -98,6 +128,12 @@ class Orchestrator:
                                    admin_urls=cfg.client.admin_urls) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
             client.policy_version = weights.loaded_version
+            from arbor.orchestrator.partial import PartialRollouts
+
+            self.partial = PartialRollouts(client, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            if cfg.partial.enabled and cfg.partial.abort_on_weight_update:
+                weights.pause_generation = self.partial.abort_all
+                weights.resume_generation = self._resume_after_update
             background = [asyncio.create_task(weights.run()), asyncio.create_task(self._poll_metrics(metrics))]
             try:
                 if start:
@@ -107,7 +143,7 @@ class Orchestrator:
                     await self._step(step, client, weights, metrics)
                 await self._drain_metrics(metrics, weights)
             finally:
-                for t in [*background, *self._running.values()]:
+                for t in [*background, *(f.task for f in self._flights.values())]:
                     t.cancel()
                 metrics.close()
                 if self.buffer is not None:
@@ -152,6 +188,7 @@ class Orchestrator:
                     figures[f"router/{name}"] = value
         figures.update(self._throughput(len(rollouts), dropped, waited))
         figures.update(self._difficulty_mix(groups))
+        figures.update(self._partial_figures(groups))
         if client is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
             from arbor.orchestrator.eval import client_generator, evaluate
 
@@ -164,29 +201,16 @@ class Orchestrator:
 
     async def _collect_groups(self, step: int, client, weights) -> list[list]:
         """Takes a step's groups from the generation queue (launching as the mode allows), replacing those
-        dropped as too stale."""
-        from arbor.orchestrator.advantages import compute_advantages
-        from arbor.orchestrator.filters import filter_reason, solve_rate
-        from arbor.orchestrator.rollout import generate_group
+        dropped as too stale; applies oversampling and partial rollouts (module docstring)."""
+        from arbor.orchestrator.partial import PartialRollouts
 
         cfg, pol, q = self.cfg, self.policy, self.queue
         need = cfg.batch_size // cfg.group_size
-        weights_of = cfg.environment.reward_weights
-
-        async def one(spec) -> list:
-            return await generate_group(
-                client, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                cfg.sampling.top_p, weights_of, cfg.environment.timeout,
-            )
-
-        def launch(k: int) -> None:
-            pos = q.launch()
-            task = asyncio.create_task(one(self._next_spec(step, k)))
-            self._running[pos] = task
-            task.add_done_callback(lambda t, p=pos: self._finished(p, t))
-
+        if self.partial is None or self.partial.client is not client:
+            self.partial = PartialRollouts(client, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         kept: list[list] = []
-        launched = filtered_here = 0
+        launched = 0
+        self._filtered_here = 0
         while len(kept) < need:
             if pol.continuous:
                 # Keep the fleet busy, but launch only groups the staleness bound will still admit when their
@@ -194,52 +218,190 @@ class Orchestrator:
                 while q.in_flight < pol.max_in_flight and (
                     step + q.outstanding // need - weights.loaded_version <= cfg.max_off_policy_steps
                 ):
-                    launch(launched)
+                    self._launch(step, launched, weights)
                     launched += 1
-            else:  # exactly the step's groups (plus replacements), at most max_in_flight at once
-                while len(kept) + q.in_flight + q.ready < need and q.in_flight < pol.max_in_flight:
-                    launch(launched)
-                    launched += 1
+            else:  # the step's groups (oversampled, plus replacements), parked ones first, max_in_flight at once
+                while len(kept) + q.in_flight + q.ready < pol.per_step and q.in_flight < pol.max_in_flight:
+                    if not self._unpark(step):
+                        self._launch(step, launched, weights)
+                        launched += 1
             taken = q.take(need - len(kept))
             for _, task in taken:
                 group = task.result()  # a failed generation fails the run, as the client already retried
-                task = self._task_of_group.pop(group[0].group_id, None) if group else None
-                if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
-                    self.dropped_stale += len(group)
-                    continue
-                compute_advantages([group], cfg.advantage)  # per group: advantages are group-relative
-                if self.curriculum is not None and task is not None:
-                    self.curriculum.record(task, solve_rate(group, cfg.filters.solve_threshold))
-                reason = filter_reason(group, cfg.filters)
-                if reason is not None:
-                    self.filtered[reason] += len(group)
-                    filtered_here += 1
-                    if filtered_here > 50 * need and not kept:
-                        raise RuntimeError(
-                            f"orchestrator.filters dropped {filtered_here} groups in a row at step {step} "
-                            f"(last reason: {reason}): loosen drop_zero_advantage / min_solve_rate / max_solve_rate"
-                        )
-                    continue
-                kept.append(group)
+                if self._keep(step, group, need, len(kept)):
+                    kept.append(group)
             if len(kept) >= need:
                 break
             if taken:  # some were dropped: launch replacements and look at the queue again before waiting
                 continue
-            if not self._running:
+            due = await self._move_stragglers(step) if cfg.partial.enabled and pol.continuous else None
+            running = [f.task for f in self._flights.values() if not f.parked]
+            if not running:
+                if self._parked:
+                    continue
                 raise RuntimeError(
                     f"scheduler stalled at step {step}: nothing running, {len(kept)}/{need} groups kept, queue head "
                     f"{q.head}, next {q.next_position}, in flight {q.in_flight}, waiting {q.waiting}, policy "
                     f"version {weights.loaded_version}"
                 )
-            await asyncio.wait(set(self._running.values()), return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if due is None else max(due - time.monotonic(), 0.0)
+            await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not pol.continuous:
+            await self._surplus(step)
         return kept
 
-    def _finished(self, position: int, task: asyncio.Task) -> None:
-        self._running.pop(position, None)
-        if task.cancelled():
+    def _keep(self, step: int, group: list, need: int, kept: int) -> bool:
+        """Staleness bound, advantages, curriculum record and filters for one taken group."""
+        from arbor.orchestrator.advantages import compute_advantages
+        from arbor.orchestrator.filters import filter_reason, solve_rate
+
+        cfg = self.cfg
+        task = self._task_of_group.pop(group[0].group_id, None) if group else None
+        if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
+            self.dropped_stale += len(group)
+            return False
+        compute_advantages([group], cfg.advantage)  # per group: advantages are group-relative
+        if self.curriculum is not None and task is not None:
+            self.curriculum.record(task, solve_rate(group, cfg.filters.solve_threshold))
+        reason = filter_reason(group, cfg.filters)
+        if reason is None:
+            return True
+        self.filtered[reason] += len(group)
+        self._filtered_here += 1
+        if self._filtered_here > 50 * need and not kept:
+            raise RuntimeError(
+                f"orchestrator.filters dropped {self._filtered_here} groups in a row at step {step} "
+                f"(last reason: {reason}): loosen drop_zero_advantage / min_solve_rate / max_solve_rate"
+            )
+        return False
+
+    def _launch(self, step: int, k: int, weights) -> None:
+        from arbor.orchestrator.rollout import generate_group
+
+        cfg = self.cfg
+        spec = self._next_spec(step, k)
+        handle = self.partial.handle(spec.group_id)
+        coro = generate_group(handle, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
+                              cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout)
+        now = time.monotonic()
+        flight = _Flight(self.queue.launch(), asyncio.create_task(coro), handle, now, now, weights.loaded_version)
+        self._flights[spec.group_id] = flight
+        flight.task.add_done_callback(lambda t, f=flight, key=spec.group_id: self._finished(key, f, t))
+
+    def _unpark(self, step: int) -> bool:
+        """Resumes the oldest parked group at the queue's tail (True), dropping parked groups whose oldest token
+        is already too stale for this step; False when none is left."""
+        while self._parked:
+            f = self._parked.pop(0)
+            if f.task.done():
+                continue
+            if step - f.oldest > self.cfg.max_off_policy_steps:
+                self.dropped_stale += self.cfg.group_size
+                f.task.cancel()
+                continue
+            f.parked, f.pos, f.since = False, self.queue.launch(), time.monotonic()
+            f.handle.resume()
+            self.partial_counts["resumed"] += 1
+            return True
+        return False
+
+    async def _surplus(self, step: int) -> None:
+        """Per-step modes, batch full: groups still generating are cancelled, or parked for the next step (partial
+        rollouts); a group already resumed max_resumes times keeps running into the next step."""
+        cfg = self.cfg
+        running = [f for f in self._flights.values() if not f.parked and not f.task.done()]
+        if not running:
             return
+        if not cfg.partial.enabled:
+            for f in running:
+                f.task.cancel()
+            self.partial_counts["cancelled"] += len(running)
+            return
+        park = [f for f in running if f.handle.resumes < cfg.partial.max_resumes]
+        for f in park:
+            self.queue.discard(f.pos)
+            f.parked = True
+        self._parked.extend(park)
+        await self.partial.abort([f.handle for f in park])
+        self.partial_counts["parked"] += len(park)
+
+    async def _move_stragglers(self, step: int) -> float | None:
+        """Continuous modes with a window: aborts groups in [H, H+W) running longer than straggler_factor x the
+        recent median group duration and relaunches them at the tail (too stale ones are dropped instead).
+        Returns when the next window member becomes a straggler (None: never, as things stand)."""
+        cfg, q = self.cfg, self.queue
+        if q.window is None or len(self._durations) < STRAGGLER_MIN_FINISHED:
+            return None
+        import statistics
+
+        limit = cfg.partial.straggler_factor * statistics.median(self._durations)
+        now, due = time.monotonic(), []
+        movers = []
+        for f in self._flights.values():
+            if f.parked or f.task.done() or not q.head <= f.pos < q.head + q.window:
+                continue
+            if f.handle.resumes >= cfg.partial.max_resumes:
+                continue
+            if now - f.since > limit:
+                movers.append(f)
+            else:
+                due.append(f.since + limit)
+        if movers:
+            for f in movers:
+                q.discard(f.pos)
+                f.parked = True  # until relaunched below; a finish in between is handled by _finished
+            await self.partial.abort([f.handle for f in movers])
+            for f in movers:
+                if f.task.done():
+                    continue
+                if step - f.oldest > cfg.max_off_policy_steps:  # its tokens can never be trained
+                    self.dropped_stale += cfg.group_size
+                    f.task.cancel()
+                    continue
+                f.parked, f.pos, f.since = False, q.launch(), time.monotonic()
+                f.handle.resume()
+                self.partial_counts["moved"] += 1
+            return time.monotonic()  # look at the queue again at once
+        return min(due) if due else None
+
+    def _resume_after_update(self, handles: list) -> None:
+        """Resumes the groups paused for a weight update, except those the scheduler parked meanwhile."""
+        live = [h for h in handles if (f := self._flights.get(h.key)) is not None and not f.parked]
+        self.partial.resume(live, scheduled=False)
+
+    def _finished(self, key: int, flight: "_Flight", task: asyncio.Task) -> None:
+        self._flights.pop(key, None)
+        if task.cancelled():
+            self._task_of_group.pop(key, None)
+        if self.partial is not None:
+            self.partial.forget(key)
+        if flight in self._parked:
+            self._parked.remove(flight)
+        if task.cancelled():
+            if not flight.parked:
+                self.queue.discard(flight.pos)
+            return
+        if flight.parked:  # it finished while parked (it was not generating): back in the queue, done
+            flight.pos, flight.parked = self.queue.launch(), False
         self.finished_groups += 1
-        self.queue.finish(position, task)
+        self._durations.append(time.monotonic() - flight.started)
+        self.queue.finish(flight.pos, task)
+
+    def _partial_figures(self, groups: list[list]) -> dict[str, Any]:
+        """Per-step partial-rollout counts: groups/rollouts of this batch generated in pieces, and what the
+        scheduler aborted, parked, moved or cancelled since the last batch (plus the cumulative aborts)."""
+        out: dict[str, Any] = {
+            "partial/resumed_groups": sum(any(r.pieces > 1 for r in g) for g in groups),
+            "partial/resumed_rollouts": sum(r.pieces > 1 for g in groups for r in g),
+            "partial/parked_now": len(self._parked),
+        }
+        aborted = self.partial.aborted if self.partial is not None else 0
+        out["partial/aborted"] = aborted - self._last_aborted
+        self._last_aborted = aborted
+        for k, v in self.partial_counts.items():
+            out[f"partial/{k}"] = v
+            self.partial_counts[k] = 0
+        return out
 
     def _through_buffer(self, step: int, groups: list[list]) -> list[list]:
         """Writes the step's new groups to the buffer, then claims the step's batch from it (which may include

@@ -16,11 +16,15 @@ one step's groups launched when the step starts, as the walking skeleton did):
 - `greedy`: lag max_off_policy_steps, continuous, first finished first out.
 - `windowed_fifo`: lag max_off_policy_steps, continuous, window W.
 Every mode drops (and counts) a group with a token older than max_off_policy_steps when it is taken.
+Oversampling (per-step modes) and partial rollouts (aborting stragglers out of the window) are applied by the
+orchestrator's loop (arbor.orchestrator.main) on top of this queue: a moved group is `discard`ed at its old
+position and `launch`ed again at the tail.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Generic, Iterable, TypeVar
 
 from arbor.config.orchestrator import OrchestratorConfig
@@ -109,6 +113,8 @@ class SchedulePolicy:
     max_in_flight: int
     lag_interval: int
     fixed_lag: int
+    per_step: int = 0
+    """Per-step modes: groups launched for a step (ceil(oversample x groups per step))."""
 
     @classmethod
     def from_config(cls, cfg: OrchestratorConfig) -> "SchedulePolicy":
@@ -119,12 +125,14 @@ class SchedulePolicy:
         window = {"async": 1, "greedy": None, "windowed_fifo": s.window or max(1, groups // 2)}.get(mode)
         if not continuous:
             window = None  # per-step: all of the step's groups are needed, order is irrelevant
-        in_flight = s.max_in_flight or (2 * groups if continuous else cfg.max_concurrent_groups or groups)
+        launched = math.ceil(s.oversample * groups)
+        in_flight = s.max_in_flight or (2 * groups if continuous else cfg.max_concurrent_groups or launched)
         if s.mode is None and cfg.async_lag > 1:
             lag = cfg.async_lag
         else:
             lag = 1 if mode == "one_step_off" else cfg.max_off_policy_steps
-        return cls(mode, continuous, window, in_flight, s.sync_interval if mode == "sync" else 0, lag)
+        return cls(mode, continuous, window, in_flight, s.sync_interval if mode == "sync" else 0, lag,
+                   groups if continuous else launched)
 
     def lag(self, step: int) -> int:
         """Versions the policy serving `step`'s generation may trail `step` by."""

@@ -3,7 +3,8 @@
 A background task watches `broadcasts/` and, as soon as the trainer publishes a newer version, tells every
 server to load it (servers swap weights between decode steps, so in-flight requests continue and their later
 tokens carry the new version). `ensure(v)` blocks a step until the fleet serves version >= v: that is the
-async-lag bound (`ensure(step - async_lag)`).
+async-lag bound (`ensure(step - async_lag)`). With `pause_generation`/`resume_generation` set (partial rollouts,
+`abort_on_weight_update`), running generations are aborted before each update and resumed after it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.transport.weights import broadcast_dir, latest_published
@@ -27,6 +29,10 @@ class WeightSync:
         self.update_seconds = 0.0
         self._changed = asyncio.Event()
         self.error: Exception | None = None
+        self.pause_generation: Callable[[], Awaitable[Any]] | None = None
+        """Optional (partial rollouts' abort_on_weight_update): awaited before each update; its result is
+        passed to `resume_generation` after the update, whether it succeeded or not."""
+        self.resume_generation: Callable[[Any], None] | None = None
 
     async def run(self) -> None:
         try:
@@ -44,6 +50,7 @@ class WeightSync:
             newest = latest_published(self.output_dir)
             if newest is not None and newest > self.loaded_version:
                 t0 = time.perf_counter()
+                paused = await self.pause_generation() if self.pause_generation is not None else None
                 try:
                     await self.client.update_weights(str(broadcast_dir(self.output_dir, newest)), newest)
                 except InferenceError:
@@ -51,6 +58,9 @@ class WeightSync:
                     if (latest_published(self.output_dir) or -1) > newest:
                         continue
                     raise
+                finally:
+                    if self.resume_generation is not None:
+                        self.resume_generation(paused)
                 self.loaded_version = newest
                 self.updates += 1
                 self.update_seconds += time.perf_counter() - t0
