@@ -1,0 +1,265 @@
+"""Partial rollouts: abort with partial output (engine, server, router), the resumable GroupHandle, and the
+orchestrator's oversampling / parking / straggler moves on scripted fake fleets."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from arbor.inference.sampling import SamplingParams
+from arbor.models.hf import save_checkpoint_dir
+from arbor.orchestrator.client import Completion, InferenceClient
+from arbor.orchestrator.partial import PartialRollouts
+from test_inference import (TOK, greedy_reference, http, make_model, one_torch_thread, reference_logprobs,  # noqa: F401
+                            running_engine, server, slow_down, wait_until)
+
+
+def test_engine_abort_returns_exact_partial_output() -> None:
+    model, ref = make_model(), make_model()
+    prompt = TOK.encode("abort me")
+    slow_down(model, 0.003)
+    with running_engine(model) as engine:
+        assert engine.abort(["never-sent"]).result(timeout=60) == 0
+        late = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0), "never-sent")
+        assert late.result(timeout=5).completions[0].finish_reason == "abort"  # aborted before it arrived
+        fut = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0, n=2), "r1")
+        other = engine.submit(prompt, SamplingParams(max_tokens=10, temperature=0), "r2")
+        wait_until(lambda: engine.stats().generated_tokens >= 8)
+        assert engine.abort(["r1"]).result(timeout=60) == 1
+        out = fut.result(timeout=60)
+        assert other.result(timeout=60).completions[0].finish_reason == "length"  # untouched
+        assert engine.stats().running == 0
+    full = greedy_reference(ref, prompt, 40)
+    for c in out.completions:
+        k = len(c.token_ids)
+        assert c.finish_reason == "abort" and 0 < k < 40
+        assert c.token_ids == full[:k] and c.policy_versions == [0] * k
+        _, lp = reference_logprobs(ref, prompt, c.token_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-5, rtol=0)
+
+
+def _abort_when(url: str, engine, ids: Any, tokens: int) -> threading.Thread:
+    def go() -> None:
+        wait_until(lambda: engine.stats().generated_tokens >= tokens)
+        assert http(url + "/abort_requests", {"request_ids": ids})[0] == 200
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_server_abort_and_resumed_generation_equals_uninterrupted(tmp_path: Path) -> None:
+    """Over HTTP: an aborted request answers its partial tokens; the GroupHandle resumes it, and at temperature 0
+    the joined completion is the uninterrupted one; across a weight update the versions split where it resumed."""
+    model, ref = make_model(), make_model()
+    new = copy.deepcopy(ref)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    save_checkpoint_dir(new.state_dict(), new.args, tmp_path / "step_1")
+    prompt = TOK.encode("resume me")
+    full = greedy_reference(ref, prompt, 40)
+    slow_down(model, 0.003)
+    with server(model) as (url, engine):
+        assert http(url + "/abort_requests", {"request_ids": 3})[0] == 400
+        t = _abort_when(url, engine, ["x1"], 5)
+        status, data = http(url + "/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                                      "logprobs": 0, "return_token_ids": True, "request_id": "x1"})
+        t.join()
+        (c,) = data["choices"]
+        k = len(c["token_ids"])
+        assert status == 200 and c["finish_reason"] == "abort" and 0 < k < 40 and c["token_ids"] == full[:k]
+        assert c["policy_versions"] == [0] * k and len(c["logprobs"]["token_logprobs"]) == k
+
+        async def run(update: bool) -> tuple[Completion, int]:
+            async with InferenceClient([url], timeout=60, max_retries=0) as client:
+                ctl = PartialRollouts(client, TOK.decode)
+                h = ctl.handle("g")
+                job = asyncio.create_task(h.generate(prompt, 1, 40, 0.0, 1.0, 0))
+                while engine.stats().generated_tokens < before + 6:
+                    await asyncio.sleep(0.002)
+                await ctl.abort([h])
+                await asyncio.sleep(0.2)
+                assert not job.done() and h.parked  # parked: the caller is still suspended
+                if update:
+                    await client.update_weights(str(tmp_path / "step_1"), 1)
+                h.resume()
+                (out,) = await job
+                return out, h.resumes
+
+        before = engine.stats().generated_tokens
+        same, resumes = asyncio.run(run(update=False))
+        assert same.pieces == 2 and resumes == 1
+        assert same.token_ids == full and same.finish_reason == "length" and same.text == TOK.decode(full)
+        _, lp = reference_logprobs(ref, prompt, full)
+        torch.testing.assert_close(torch.tensor(same.logprobs), lp, atol=1e-5, rtol=0)
+        before = engine.stats().generated_tokens
+        moved, _ = asyncio.run(run(update=True))
+    v = moved.policy_versions
+    k = v.index(1)
+    assert moved.pieces == 2 and 0 < k < 40 and v == [0] * k + [1] * (40 - k)
+    assert moved.token_ids[:k] == full[:k]
+    with torch.no_grad():
+        logits = new(torch.tensor([prompt + moved.token_ids]))[0].float()
+    assert all(moved.token_ids[j] == int(logits[len(prompt) - 1 + j].argmax()) for j in range(k, 40))
+    _, lp_new = reference_logprobs(new, prompt, moved.token_ids)
+    torch.testing.assert_close(torch.tensor(moved.logprobs[k:]), lp_new[k:], atol=1e-5, rtol=0)
+
+
+def test_router_fans_abort_out_to_every_backend() -> None:
+    from arbor.config.inference import RouterConfig
+    from arbor.inference.router import Router
+    from arbor.inference.server import start_site
+    from test_router import FakeBackend, _post
+
+    async def go() -> None:
+        import aiohttp
+        from aiohttp import web
+
+        backends = [FakeBackend("b0"), FakeBackend("b1")]
+        for b in backends:
+            app = b.app
+
+            def with_abort(b=b, app=app) -> web.Application:
+                a = app()
+
+                async def abort(request: web.Request) -> web.Response:
+                    b.admin.append((request.path, await request.json()))
+                    return web.json_response({"aborted": 1})
+
+                a.router.add_post("/abort_requests", abort)
+                return a
+
+            b.app = with_abort
+        urls = [await b.start() for b in backends]
+        router = Router(urls, RouterConfig(health_interval=0.05))
+        runner, url = await start_site(router.app(), "127.0.0.1", 0)
+        async with aiohttp.ClientSession() as s:
+            status, data = await _post(s, url + "/abort_requests", {"request_ids": ["a", "b"]})
+            assert status == 200 and len(data["results"]) == 2
+        async with InferenceClient([url], timeout=10, max_retries=0) as client:
+            await client.abort_requests(None)
+        assert [a for b in backends for a in b.admin] == [("/abort_requests", {"request_ids": ["a", "b"]}),
+                                                          ("/abort_requests", {"request_ids": "all"})] * 2 or \
+            all(b.admin == [("/abort_requests", {"request_ids": ["a", "b"]}),
+                            ("/abort_requests", {"request_ids": "all"})] for b in backends)
+        await runner.cleanup()
+        for b in backends:
+            await b.stop()
+
+    asyncio.run(go())
+
+
+# ---- the orchestrator on a scripted fleet ----
+
+class ScriptedFleet:
+    """A fake InferenceClient: a group whose seed is in `slow` generates one token and then waits until it is
+    aborted; every other request (and every continuation) finishes at once with 3 tokens at the fleet's version."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.slow: set[int] = set()
+        self.hold: dict[str, asyncio.Event] = {}
+        self.aborted: list[str] = []
+        self.calls: list[tuple[int, int, str]] = []  # (prompt length, max_tokens, request id)
+
+    async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, request_id=None):
+        self.calls.append((len(prompt_ids), max_tokens, request_id))
+        if seed in self.slow and request_id not in self.aborted:
+            self.hold[request_id] = ev = asyncio.Event()
+            await ev.wait()
+            return [Completion([70], [-0.5], [self.version], "F", "abort") for _ in range(n)]
+        return [Completion([65, 66, 67][:max_tokens], [-0.1] * 3, [self.version] * 3, "abc", "length")
+                for _ in range(n)]
+
+    async def abort_requests(self, ids):
+        for rid in ids:
+            self.aborted.append(rid)
+            if rid in self.hold:
+                self.hold.pop(rid).set()
+
+
+def _orchestrator(**over: Any):
+    from arbor.config.orchestrator import OrchestratorConfig
+    from arbor.orchestrator.main import Orchestrator
+    from arbor.orchestrator.state import TaskSampler
+
+    cfg = OrchestratorConfig.model_validate({"model": {"name": "qwen3-test"}, "batch_size": 4, "group_size": 2,
+                                             "sampling": {"max_tokens": 8}, **over})
+    orch = Orchestrator(cfg)
+    orch.sampler = TaskSampler(orch.tasks, 0, 0, 0)
+    return orch
+
+
+def _seed(orch, step: int, k: int) -> int:
+    import zlib
+
+    return zlib.crc32(f"{orch.cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_oversampling_cancels_or_parks_the_surplus(partial: bool) -> None:
+    orch = _orchestrator(scheduler={"mode": "one_step_off", "oversample": 2.0}, partial={"enabled": partial})
+    fleet = ScriptedFleet()
+    fleet.slow = {_seed(orch, 0, 2), _seed(orch, 0, 3)}  # 4 launched for 2 needed: the last two straggle
+    weights = types.SimpleNamespace(loaded_version=0)
+
+    async def go():
+        first = await orch._collect_groups(0, fleet, weights)
+        figures0 = orch._partial_figures(first)
+        await asyncio.sleep(0.05)
+        fleet.slow = {_seed(orch, 1, 0), _seed(orch, 1, 1)}  # step 1's new groups straggle: the resumed win
+        second = await orch._collect_groups(1, fleet, weights)
+        return first, figures0, second, orch._partial_figures(second)
+
+    first, f0, second, f1 = asyncio.run(go())
+    assert len(first) == len(second) == 2 and all(len(r.completion_ids) == 3 for g in first for r in g)
+    if not partial:
+        assert f0["partial/cancelled"] == 2 and f0["partial/parked"] == 0
+        assert not any(r.pieces > 1 for g in second for r in g)
+        assert not orch._flights  # nothing left running after a cancel
+        assert f1["partial/cancelled"] == 2
+    else:  # parked at step 0, resumed first at step 1: one token from the first piece, the rest from the second
+        assert f0["partial/parked"] == 2 and f0["partial/aborted"] == 2 and f0["partial/cancelled"] == 0
+        assert f1["partial/resumed"] == 2 and f1["partial/resumed_groups"] == 2 and f1["partial/resumed_rollouts"] == 4
+        assert f1["partial/parked"] == 2
+        assert all(r.completion_ids == [70, 65, 66, 67] and r.pieces == 2 for g in second for r in g)
+        assert [m for _, m, _ in fleet.calls if m != 8] == [7] * 4  # one per sample: the kept token, 7 left
+
+
+def test_windowed_fifo_head_advances_past_an_aborted_straggler() -> None:
+    """Continuous, W = 1 (async: strict FIFO): group 0 hangs at the head. Once it has run longer than
+    straggler_factor x the median of recent group durations, it is aborted, leaves the head (which advances),
+    and is relaunched at the tail, keeping its first token; the batches fill with the groups behind it, and it
+    is trained later, whole, in two pieces."""
+    orch = _orchestrator(scheduler={"mode": "async", "max_in_flight": 6}, max_off_policy_steps=1,
+                         partial={"enabled": True, "straggler_factor": 2.0})
+    fleet = ScriptedFleet()
+    fleet.slow = {_seed(orch, 0, 0)}
+    orch._durations.extend([0.01] * 8)  # the rule is armed: a straggler is a group running over 0.02 s
+    weights = types.SimpleNamespace(loaded_version=0)
+
+    async def go():
+        t0 = time.monotonic()
+        batches = []
+        for step in range(3):
+            weights.loaded_version = fleet.version = step  # the trainer keeps up: version = step
+            batches.append(await orch._collect_groups(step, fleet, weights))
+        return batches, time.monotonic() - t0
+
+    batches, seconds = asyncio.run(go())
+    ids = [[g[0].group_id for g in b] for b in batches]
+    assert ids[0] == [1, 2] and seconds < 10, ids  # the head moved past group 0 instead of waiting for it
+    assert orch.partial_counts["moved"] == 1 and len(fleet.aborted) == 1, ids
+    (late,) = [g for b in batches for g in b if g[0].group_id == 0]
+    assert all(r.pieces == 2 and r.completion_ids == [70, 65, 66, 67] for r in late)
+    assert late[0].policy_versions == [0] * 4 and orch.dropped_stale == 0  # relaunched at once, same version
