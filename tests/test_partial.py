@@ -263,3 +263,39 @@ def test_windowed_fifo_head_advances_past_an_aborted_straggler() -> None:
     (late,) = [g for b in batches for g in b if g[0].group_id == 0]
     assert all(r.pieces == 2 and r.completion_ids == [70, 65, 66, 67] for r in late)
     assert late[0].policy_versions == [0] * 4 and orch.dropped_stale == 0  # relaunched at once, same version
+
+
+def test_vllm_proxy_abort_hangs_up_upstream_and_answers_partial_output() -> None:
+    import aiohttp
+
+    from arbor.config.inference import InferenceConfig
+    from arbor.inference.server import start_site
+    from arbor.inference.vllm_adapter import VLLMProxy
+    from test_vllm_adapter import FakeVLLM
+
+    async def go() -> None:
+        fake = FakeVLLM()  # streams 3 tokens, then waits for `tick` (never set here)
+        up_runner, up = await start_site(fake.app(), "127.0.0.1", 0)
+        runner, url = await start_site(VLLMProxy(up, InferenceConfig.model_validate({"backend": "vllm"})).app(),
+                                       "127.0.0.1", 0)
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": [1, 2], "max_tokens": 6, "logprobs": 0, "request_id": "r1"}
+            pending = asyncio.create_task(s.post(url + "/v1/completions", json=body))
+            while not fake.requests:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            async with s.post(url + "/abort_requests", json={"request_ids": ["r1", "later"]}) as r:
+                assert (await r.json())["aborted"] == 1
+            async with await pending as r:
+                (c,) = (await r.json())["choices"]
+            assert c["finish_reason"] == "abort" and c["token_ids"] == [10, 11, 12]
+            assert c["logprobs"]["token_logprobs"] == [0.0, -0.5, -1.0] and c["policy_versions"] == [0, 0, 0]
+            assert fake.requests[0]["request_id"] == "r1"
+            async with s.post(url + "/v1/completions", json={**body, "request_id": "later", "n": 2}) as r:
+                data = await r.json()
+            assert [(c["finish_reason"], c["token_ids"]) for c in data["choices"]] == [("abort", [])] * 2
+            assert len(fake.requests) == 1  # never sent upstream
+        await runner.cleanup()
+        await up_runner.cleanup()
+
+    asyncio.run(go())

@@ -17,6 +17,11 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
   collective RPC between engine steps, so requests in flight continue on the new weights, as on the local
   engine; unlike the local engine, vLLM keeps the KV already computed by the old weights for them.
+- /abort_requests {"request_ids": [...] | "all"} (partial rollouts): the proxy stops reading the named requests'
+  upstream streams and closes those connections (vLLM aborts a streaming request whose client disconnects,
+  freeing its KV), and answers each with what it had received, unfinished choices with finish_reason "abort".
+  Request ids are the body's `request_id` (vLLM's own field, forwarded) or the `X-Request-Id` header; an id
+  aborted before its request arrives is remembered, and that request is answered at once, empty.
 - /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
   vLLM is healthy, with the served policy version.
 
@@ -30,6 +35,7 @@ rendering are unit-tested on CPU).
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib.util
 import json
 import logging
@@ -53,6 +59,8 @@ log = logging.getLogger("arbor.inference.vllm")
 
 ROUTED_EXPERTS = "routed_experts"
 """The per-choice field vLLM returns routed experts in (with `--enable-return-routed-experts`)."""
+ABORT_MEMORY = 65536
+"""Aborted request ids the proxy remembers (for requests that arrive after their abort)."""
 WORKER_METHODS = {"filesystem": "arbor_load_dir", "nccl": "arbor_load_nccl"}
 
 
@@ -187,6 +195,15 @@ class Reassembler:
             if c.get("finish_reason") is not None:
                 acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c.get("stop_reason")
 
+    def abort(self, n: int) -> None:
+        """Marks every unfinished choice (and any of the first `n` that never started) as aborted."""
+        for i in range(n):
+            if i not in self.choices:
+                self.add({"choices": [{"index": i}]}, 0)
+        for a in self.choices.values():
+            if a["finish_reason"] is None:
+                a["finish_reason"] = "abort"
+
     def response(self) -> dict[str, Any]:
         choices = []
         for i in sorted(self.choices):
@@ -227,6 +244,8 @@ class VLLMProxy:
         self._open.set()
         self._update_lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
+        self._inflight: dict[str | None, set[asyncio.Event]] = {}  # request id -> its abort signals
+        self._aborted_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -234,6 +253,7 @@ class VLLMProxy:
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.completions),
             web.get("/health", self.health), web.post("/update_weights", self.update_weights),
             web.post("/pause", self.pause), web.post("/resume", self.resume),
+            web.post("/abort_requests", self.abort_requests),
             web.route("*", "/{tail:.*}", self.forward),
         ])
 
@@ -262,21 +282,65 @@ class VLLMProxy:
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         forwarded = render_request(body, chat, f"policy-{self.version}", self.cfg.router_replay)
         acc = Reassembler(chat, want)
-        async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
-            if resp.status != 200:
-                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):  # vLLM reports a failure inside the stream: a 5xx, so routers retry it
-                    return web.json_response({"error": chunk["error"]}, status=500)
-                acc.add(chunk, self.version)
+        rid = body.get("request_id") if isinstance(body.get("request_id"), str) else request.headers.get("X-Request-Id")
+        n = body.get("n") if isinstance(body.get("n"), int) else 1
+        if rid is not None and rid in self._aborted_ids:
+            acc.abort(n)
+            return web.json_response(acc.response())
+        stop = asyncio.Event()
+        self._inflight.setdefault(rid, set()).add(stop)
+        try:
+            async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
+                if resp.status != 200:
+                    return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+                reader = asyncio.create_task(self._read(resp, acc))
+                aborted = asyncio.create_task(stop.wait())
+                await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                if not reader.done():  # aborted: hang up on vLLM (it aborts the request) and answer what came
+                    reader.cancel()
+                    resp.close()
+                    acc.abort(n)
+                else:
+                    aborted.cancel()
+                    error = reader.result()
+                    if error is not None:  # vLLM reports a failure inside the stream: a 5xx, so routers retry it
+                        return web.json_response({"error": error}, status=500)
+        finally:
+            self._inflight[rid].discard(stop)
+            if not self._inflight[rid]:
+                del self._inflight[rid]
         return web.json_response(acc.response())
+
+    async def _read(self, resp: aiohttp.ClientResponse, acc: Reassembler) -> Any:
+        """Feeds vLLM's stream into `acc`; returns the error object vLLM streamed, if any."""
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                return chunk["error"]
+            acc.add(chunk, self.version)
+        return None
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        ids = (await request.json()).get("request_ids")
+        if ids != "all" and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            return web.json_response({"error": {"message": 'request_ids must be a list of ids or "all"',
+                                                "param": "request_ids"}}, status=400)
+        keys = list(self._inflight) if ids == "all" else ids
+        if ids != "all":
+            for rid in ids:
+                self._aborted_ids[rid] = None
+            while len(self._aborted_ids) > ABORT_MEMORY:
+                self._aborted_ids.popitem(last=False)
+        hit = [ev for k in keys for ev in self._inflight.get(k, ())]
+        for ev in hit:
+            ev.set()
+        return web.json_response({"aborted": len(hit)})
 
     async def _rpc(self, method: str, args: list[Any]) -> Any:
         assert self._session is not None
