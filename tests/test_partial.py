@@ -299,3 +299,22 @@ def test_vllm_proxy_abort_hangs_up_upstream_and_answers_partial_output() -> None
         await up_runner.cleanup()
 
     asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_rl_run_with_oversampling_and_partial_rollouts(tmp_path: Path) -> None:
+    from arbor.monitor.metrics import read_jsonl
+    from test_rl_e2e import _finish, _rl
+
+    out = tmp_path / "run"
+    rc, stdout, stderr = _finish(_rl(
+        out, "--max-steps", "4", "--orchestrator.scheduler.mode", "one_step_off",
+        "--orchestrator.scheduler.oversample", "2.0", "--orchestrator.partial.enabled", "true",
+        "--orchestrator.partial.abort-on-weight-update", "true",
+    ))
+    assert rc == 0, stderr + stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert sum(r["partial/parked"] for r in rows) > 0 and sum(r["partial/aborted"] for r in rows) > 0
+    assert sum(r["partial/resumed"] for r in rows) > 0
+    assert all(r["staleness/max"] <= 2 for r in rows)
