@@ -13,6 +13,15 @@ continuous modes (async, greedy, windowed_fifo) keep up to `max_in_flight` group
 boundaries, so generation never idles while a step is written or the trainer catches up; groups still in
 flight when a run stops are lost, and on resume their tasks are skipped, not repeated (the dataset position
 is saved as launched).
+
+Oversampling and partial rollouts (`scheduler.oversample`, `[orchestrator.partial]`; every group generates
+through a resumable `GroupHandle`, arbor.orchestrator.partial): per-step modes launch ceil(oversample x need)
+groups and, when the batch is full, cancel those still generating or, with partial rollouts, abort and park them
+(tokens kept, environment coroutine suspended) and resume them first at the next step (dropped instead when
+their oldest token is already too stale; a group parked max_resumes times keeps running). Continuous modes with
+a window move a window member running longer than straggler_factor x the median of recent group durations to
+the queue's tail (abort + immediate resume), so the head advances; benchmarks/scheduler_sim.py models that
+rule. `abort_on_weight_update` aborts running groups around each weight update and resumes them after.
 """
 
 from __future__ import annotations
