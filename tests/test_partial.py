@@ -318,3 +318,55 @@ def test_rl_run_with_oversampling_and_partial_rollouts(tmp_path: Path) -> None:
     assert sum(r["partial/parked"] for r in rows) > 0 and sum(r["partial/aborted"] for r in rows) > 0
     assert sum(r["partial/resumed"] for r in rows) > 0
     assert all(r["staleness/max"] <= 2 for r in rows)
+
+
+@pytest.mark.gpu
+def test_real_vllm_abort_and_resume_equals_uninterrupted_greedy(tmp_path: Path) -> None:
+    """`inference --backend vllm`: a greedy request aborted through /abort_requests answers its partial tokens,
+    and the GroupHandle's resumed completion equals the uninterrupted one token for token."""
+    pytest.importorskip("vllm")
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from arbor.config.model import ModelConfig
+    from arbor.models import build_model
+
+    base = build_model(ModelConfig(name="qwen3-test"))
+    base.init_weights(0, std=0.3)
+    save_checkpoint_dir(base.state_dict(), base.args, tmp_path / "model")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
+                             "--model.name", str(tmp_path / "model"), "--seq-len", "256", "--ready-file", str(ready),
+                             "--vllm.enforce-eager", "true", "--vllm.gpu-memory-utilization", "0.3",
+                             "--vllm.dtype", "float32"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "vLLM server did not start"
+            time.sleep(1)
+        url = ready.read_text().strip()
+        prompt = [5, 17, 99, 3, 42]
+
+        async def go() -> tuple[Completion, Completion]:
+            async with InferenceClient([url], timeout=600, max_retries=0) as client:
+                (whole,) = await client.generate(prompt, 1, 240, 0.0, 1.0, 0)
+                ctl = PartialRollouts(client)
+                for delay in (0.05, 0.02, 0.01, 0.005, 0.0):
+                    h = ctl.handle(f"g{delay}")
+                    job = asyncio.create_task(h.generate(prompt, 1, 240, 0.0, 1.0, 0))
+                    await asyncio.sleep(delay)
+                    await ctl.abort([h])
+                    h.resume()
+                    (out,) = await job
+                    if out.pieces > 1:
+                        return whole, out
+                raise AssertionError("every request finished before its abort")
+
+        whole, resumed = asyncio.run(go())
+        assert whole.finish_reason == "length" and resumed.token_ids == whole.token_ids
+        assert len(resumed.logprobs) == len(resumed.policy_versions) == 240
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
