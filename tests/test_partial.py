@@ -370,3 +370,30 @@ def test_real_vllm_abort_and_resume_equals_uninterrupted_greedy(tmp_path: Path) 
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
+
+
+def test_resume_relaunches_tasks_that_were_in_flight(tmp_path: Path) -> None:
+    """Continuous mode: the state saved after a step lists the tasks launched but not in a batch; a resumed
+    orchestrator launches exactly those first, then continues the dataset where it was."""
+    from arbor.orchestrator.state import OrchestratorState, load_state, save_state
+
+    orch = _orchestrator(scheduler={"mode": "windowed_fifo", "max_in_flight": 5})
+    fleet = ScriptedFleet()
+    fleet.slow = {_seed(orch, 0, k) for k in (2, 4)}  # two groups never finish before the "crash"
+    weights = types.SimpleNamespace(loaded_version=0)
+    async def step0() -> list[int]:
+        await orch._collect_groups(0, fleet, weights)
+        return orch._pending_tasks()  # as _step saves it, while the groups still run
+
+    pending = asyncio.run(step0())
+    assert len(pending) == orch.groups_launched - 2 and len(pending) >= 2
+    save_state(tmp_path, OrchestratorState(1, orch.sampler.epoch, orch.sampler.position, None, pending))
+    state = load_state(tmp_path, 1)
+    resumed = _orchestrator(scheduler={"mode": "windowed_fifo", "max_in_flight": 5})
+    from arbor.orchestrator.state import TaskSampler
+
+    resumed.sampler = TaskSampler(resumed.tasks, 0, state.epoch, state.position)
+    resumed._relaunch.extend(resumed.tasks[i] for i in state.pending)
+    first = [resumed.tasks.index(resumed._next_spec(1, k).task) for k in range(len(pending) + 1)]
+    assert first[:-1] == pending
+    assert resumed.tasks[first[-1]] == orch.sampler.next()  # then the dataset goes on from the saved position

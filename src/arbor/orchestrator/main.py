@@ -10,9 +10,10 @@ updates run in the background (`WeightSync`) and metrics are merged with the tra
 
 Per-step modes (sync, one_step_off: the default) launch exactly the step's groups when the step starts. The
 continuous modes (async, greedy, windowed_fifo) keep up to `max_in_flight` groups generating across step
-boundaries, so generation never idles while a step is written or the trainer catches up; groups still in
-flight when a run stops are lost, and on resume their tasks are skipped, not repeated (the dataset position
-is saved as launched).
+boundaries, so generation never idles while a step is written or the trainer catches up. Groups still in
+flight (or parked, or finished but not taken) when a run stops lose their generation, but not their tasks:
+the saved state lists them (`pending`) and a resumed run launches them first, so no task is skipped (the
+dataset position is saved as launched).
 
 Oversampling and partial rollouts (`scheduler.oversample`, `[orchestrator.partial]`; every group generates
 through a resumable `GroupHandle`, arbor.orchestrator.partial): per-step modes launch ceil(oversample x need)
@@ -89,6 +90,7 @@ class Orchestrator:
         self.partial = None  # the PartialRollouts controller, made for the client in _collect_groups
         self.partial_counts = {"cancelled": 0, "parked": 0, "resumed": 0, "moved": 0}
         self._last_aborted = 0
+        self._relaunch: collections.deque[dict] = collections.deque()  # pending tasks of a resumed run
         self.finished_groups = 0  # groups the generator has produced (for the production rate)
         self._last_write: float | None = None
         self._last_finished = 0
@@ -106,6 +108,7 @@ class Orchestrator:
         start = (latest_checkpoint(cfg.output_dir) or 0) if cfg.resume else 0
         state = load_state(cfg.output_dir, start) if start else OrchestratorState()
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
+        self._relaunch.extend(self.tasks[i] for i in state.pending)
         if cfg.curriculum.enabled:
             from arbor.orchestrator.filters import CurriculumSampler
 
@@ -182,7 +185,8 @@ class Orchestrator:
         # The state step+1 resumes from is on disk before batch `step` is: the trainer cannot checkpoint step+1
         # without this batch, so no trainer checkpoint ever lacks its orchestrator state, wherever a kill lands.
         curriculum = self.curriculum.state() if self.curriculum is not None else None
-        save_state(cfg.output_dir, OrchestratorState(step + 1, self.sampler.epoch, self.sampler.position, curriculum))
+        save_state(cfg.output_dir, OrchestratorState(step + 1, self.sampler.epoch, self.sampler.position, curriculum,
+                                                     self._pending_tasks()))
         prune_states(cfg.output_dir, latest_checkpoint(cfg.output_dir) or 0)
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
@@ -465,7 +469,10 @@ class Orchestrator:
 
         cfg = self.cfg
         while True:
-            task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
+            if self._relaunch:
+                task = self._relaunch.popleft()
+            else:
+                task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
             prompt_ids = self.tokenizer.apply_chat_template(self.env.prompt(task), add_generation_prompt=True)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
@@ -473,6 +480,12 @@ class Orchestrator:
                 self._task_of_group[self.groups_launched - 1] = task
                 return GroupSpec(task, prompt_ids, seed, self.groups_launched - 1)
             self.skipped_long += 1
+
+    def _pending_tasks(self) -> list[int]:
+        """Dataset indices of the tasks launched and not yet taken (for the saved state; see state.pending)."""
+        index = {id(t): i for i, t in enumerate(self.tasks)}
+        out = [index[id(t)] for t in self._task_of_group.values() if id(t) in index]
+        return out + [index[id(t)] for t in self._relaunch if id(t) in index]
 
     def _figures(self, step, rollouts, gen_seconds, waited, step_seconds, weights, client) -> dict[str, Any]:
         import numpy as np

@@ -4,7 +4,8 @@ State for step N (the dataset position right after batch N-1 was collected) is w
 `checkpoints/step_N/orchestrator.json` before batch N-1 is written, so it sits beside the trainer checkpoint
 taken after N optimizer steps and always exists when that checkpoint does (the trainer cannot take step N-1
 before its batch exists). A resume from trainer checkpoint N restores exactly the dataset position that
-produced batch N the first time, so no task is skipped or repeated.
+produced batch N the first time, plus the tasks that were launched but not yet trained (`pending`, relaunched
+first), so no task is skipped or repeated.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class OrchestratorState:
     position: int = 0
     curriculum: dict[str, Any] | None = None
     """CurriculumSampler.state() when the curriculum is on."""
+    pending: list[int] = dataclasses.field(default_factory=list)
+    """Dataset indices of tasks launched but in no batch yet when this state was saved (groups in flight, parked
+    or finished but not taken), in launch order: a resumed orchestrator launches them first, so a crash skips no
+    task."""
 
 
 class TaskSampler:
