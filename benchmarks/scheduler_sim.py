@@ -28,7 +28,9 @@ advances) and is relaunched at the queue's tail with its tokens kept; one alread
 stays where it is; one whose oldest token is already too stale for the step being collected is dropped
 instead. Staleness counts from a rollout's first launch (its oldest token: the trainer's per-token bound).
 Without partial rollouts a 50x straggler at the head stalls a window for its whole latency (the
-`windowed_no_partial` row shows that cost). Greedy never blocks and gets none.
+`windowed_no_partial` row shows that cost). Greedy never blocks and gets none. (An earlier version of this
+simulation counted a relaunched rollout's staleness from its relaunch, which the orchestrator cannot do with
+its per-token bound; with the honest count the windowed-FIFO target is not met at these parameters.)
 
     uv run python benchmarks/scheduler_sim.py [--steps 300] [--batch 64] [--concurrency 128] [--window 64]
 """
