@@ -132,10 +132,11 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
 
     def fill(now: float) -> None:
         # Launch only what can still be trained within the staleness bound: the outstanding rollouts fill the
-        # next outstanding // batch steps, and the newest of them must be at most max_off_policy steps ahead of
+        # rest of the batch being filled and then the next ones, and the newest of them must be at most max_off_policy steps ahead of
         # the current policy (AReaL's admission rule; the orchestrator's loop uses the same).
         v = version_at(now)
-        while q.in_flight < a.concurrency and len(train_done) + q.outstanding // a.batch - v <= a.max_off_policy:
+        while q.in_flight < a.concurrency and (
+                len(train_done) + (len(batch) + q.outstanding) // a.batch - v <= a.max_off_policy):
             d, lat = sample_task(rng, mix, a)
             pos = q.launch()
             running[pos] = (now + lat, now, now, d, version_at(now), 0)
@@ -147,9 +148,9 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
         n = len(train_done) - 2
         return train_done[n] if n >= 0 else 0.0
 
+    batch: list[tuple[int, int]] = []
     fill(0.0)
     t = 0.0
-    batch: list[tuple[int, int]] = []
     while len(train_done) < a.steps:
         next_finish = events[0][0] if events else float("inf")
         if partial and q.window is not None and t >= gate():  # when a rollout in the window turns straggler

@@ -227,9 +227,10 @@ class Orchestrator:
         while len(kept) < need:
             if pol.continuous:
                 # Keep the fleet busy, but launch only groups the staleness bound will still admit when their
-                # step comes: the outstanding groups fill the next outstanding // need steps (AReaL's rule).
+                # step comes (AReaL's rule): the outstanding groups fill the rest of this step's batch (after the
+                # len(kept) groups it already has), then the next steps, in order.
                 while q.in_flight < pol.max_in_flight and (
-                    step + q.outstanding // need - weights.loaded_version <= cfg.max_off_policy_steps
+                    step + (len(kept) + q.outstanding) // need - weights.loaded_version <= cfg.max_off_policy_steps
                 ):
                     self._launch(step, launched, weights)
                     launched += 1
