@@ -122,6 +122,40 @@ def test_hf_checkpoint_round_trip(tmp_path: Path, name: str):
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_glm5_config_with_yarn_round_trip(tmp_path: Path):
+    """A GLM-5-style config (GlmMoeDsaForCausalLM, per-layer mlp_layer_types, YaRN rope_scaling, plain q_proj):
+    the fields map onto DSAArgs (indexer RoPE interleaved by default), the YaRN frequencies interpolate the low
+    frequencies only, and a saved checkpoint reloads with identical logits."""
+    from arbor.models.deepseek_v32 import DeepseekV32ForCausalLM, DSAArgs, rope_setup
+
+    cfg = {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 264,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 8, "index_n_heads": 2, "index_head_dim": 16,
+        "index_topk": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"], "scoring_func": "sigmoid",
+        "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }
+    args = DSAArgs.from_hf_config(cfg)
+    assert args.indexer_rope_interleave and args.first_k_dense_replace == 1 and args.moe_layers == [1, 2]
+    plain, _, _ = rope_setup(DSAArgs(**{**args.__dict__, "rope_scaling": None}))
+    inv_freq, attn, softmax = rope_setup(args)
+    assert torch.equal(inv_freq[0], plain[0]) and torch.allclose(inv_freq[-1], plain[-1] / 40)
+    assert attn == 1.0 and softmax == pytest.approx((0.1 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+    model = DeepseekV32ForCausalLM(args)
+    model.init_weights(7, std=0.2)
+    save_checkpoint_dir(model.state_dict(), args, tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["model_type"] == "glm_moe_dsa"
+    loaded = build_model(ModelConfig(name=str(tmp_path / "ckpt")))
+    assert loaded.args.rope_scaling["factor"] == 40.0 and loaded.args.indexer_rope_interleave
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
 def test_engine_decoding_matches_full_forward():
     """The inference engine on a DSA model (latent KV + index-key slot cache, indexer over the cached keys while
     decoding) gives the tokens and logprobs of plain full forwards, past index_topk tokens."""

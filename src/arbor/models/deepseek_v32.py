@@ -13,15 +13,17 @@ built from the grouped experts of `qwen3_moe`.
 Names checked against DeepSeek-V3.2-Exp's `inference/model.py` + `convert.py` mapping and vLLM's
 `deepseek_v2.py` (`Indexer`: `wq_b`, `wk`, `k_norm` LayerNorm eps 1e-6, `weights_proj`; indexer RoPE in the
 non-interleaved "neox" layout, MLA RoPE interleaved, `indexer_rope_interleave` switches the former).
-Departures: see `arbor.models.dsa` (no FP8, indexer without gradient, absorbed MLA everywhere); only the default
-RoPE (a checkpoint with YaRN `rope_scaling`, as the published 671B one, is rejected with a clear error); the
-router's correction bias is loaded and used but not updated (no auxiliary-loss-free balancing in training),
+GLM-5 (`GlmMoeDsaForCausalLM`, `model_type = "glm_moe_dsa"`) uses the same parameter names (checked against
+prime-rl's `glm_moe_dsa` model) with the indexer RoPE interleaved by default and `mlp_layer_types`.
+Departures: see `arbor.models.dsa` (no FP8, indexer without gradient, absorbed MLA everywhere); RoPE is plain or
+YaRN (DeepSeek's `rope_scaling`), nothing else; the router's correction bias is loaded and used but not updated (no auxiliary-loss-free balancing in training),
 and there is no auxiliary load-balancing loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -56,7 +58,13 @@ class DSAArgs:
     rope_theta: float = 10_000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    rope_interleave: bool = True
+    """MLA's RoPE on consecutive pairs (DeepSeek's layout); False: on halves."""
     indexer_rope_interleave: bool = False
+    """The indexer's RoPE layout: halves for DeepSeek-V3.2 (the reference's 2025-11 fix), pairs for GLM-5."""
+    rope_scaling: dict[str, Any] | None = None
+    """None (plain RoPE) or YaRN as in DeepSeek's config: {"rope_type": "yarn", "factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}."""
     architecture: str = "DeepseekV32ForCausalLM"
     n_routed_experts: int = 0
     num_experts_per_tok: int = 2
@@ -76,6 +84,8 @@ class DSAArgs:
             raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim})")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "yarn":
+            raise ValueError(f"unsupported rope scaling {self.rope_scaling!r}; the DSA model implements default RoPE and YaRN")
         if self.index_topk < 1:
             raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
         if self.is_moe and (self.n_routed_experts % self.n_group or self.topk_group > self.n_group):
@@ -109,7 +119,7 @@ class DSAArgs:
     _FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
                "index_head_dim", "index_topk", "q_lora_rank", "rms_norm_eps", "tie_word_embeddings",
-               "max_position_embeddings", "indexer_rope_interleave", "n_routed_experts", "num_experts_per_tok",
+               "max_position_embeddings", "rope_interleave", "indexer_rope_interleave", "n_routed_experts", "num_experts_per_tok",
                "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group",
                "topk_group", "norm_topk_prob", "routed_scaling_factor")
 
@@ -118,22 +128,34 @@ class DSAArgs:
         arch = (cfg.get("architectures") or ["DeepseekV32ForCausalLM"])[0]
         if arch not in DSA_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r} for a DSA model; arbor loads {sorted(DSA_ARCHITECTURES)}")
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if params.get("rope_type", params.get("type", "default")) not in ("default", None):
-            raise ValueError(f"unsupported rope scaling {params.get('rope_type', params.get('type'))!r}; arbor's DSA "
-                             "model implements the default RoPE only")
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", "yarn", None):
+            raise ValueError(f"unsupported rope scaling {kind!r}; arbor's DSA model implements default RoPE and YaRN")
         if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError("arbor's DSA MoE implements scoring_func = 'sigmoid' with topk_method = 'noaux_tc'")
         kwargs = {f: cfg[f] for f in cls._FIELDS if cfg.get(f) is not None}
         kwargs["rope_theta"] = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+        if kind == "yarn":
+            kwargs["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": "yarn"}
+        kwargs.setdefault("indexer_rope_interleave", arch == "GlmMoeDsaForCausalLM")  # GLM-5's default
+        if cfg.get("mlp_layer_types"):  # GLM-5 lists dense/sparse per layer; arbor supports a dense prefix
+            types = list(cfg["mlp_layer_types"])
+            k = types.index("sparse") if "sparse" in types else len(types)
+            if any(t != "sparse" for t in types[k:]):
+                raise ValueError(f"mlp_layer_types {types}: arbor supports dense layers followed by sparse ones only")
+            kwargs["first_k_dense_replace"] = k
         return cls(architecture=arch, **kwargs)
 
     def to_hf_config(self) -> dict[str, Any]:
         out: dict[str, Any] = {"architectures": [self.architecture], "model_type": DSA_ARCHITECTURES[self.architecture]}
         out.update({f: getattr(self, f) for f in self._FIELDS})
+        rope = dict(self.rope_scaling or {"rope_type": "default"}) | {"rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling) | {"type": "yarn"}
         out.update(
             num_key_value_heads=self.num_attention_heads, rope_theta=self.rope_theta,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, hidden_act="silu",
+            rope_parameters=rope, hidden_act="silu",
             attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", torch_dtype="float32",
         )
         return out
@@ -151,6 +173,59 @@ class DSAArgs:
         n_moe = len(self.moe_layers)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (q + kv + idx + 2 * h) + n_moe * moe + (L - n_moe) * 3 * h * self.intermediate_size + emb + h
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def rope_setup(args: DSAArgs) -> tuple[torch.Tensor, float, float]:
+    """(inverse frequencies `[Dr/2]`, factor on cos/sin, factor on the softmax scale) of the model's RoPE.
+
+    YaRN as DeepSeek-V3 and transformers' `_compute_yarn_parameters` define it: frequencies whose wavelength
+    exceeds the original context are divided by `factor`, those well inside it kept, a linear ramp between
+    (correction range from `beta_fast` / `beta_slow` rotations); cos/sin times mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim); MLA's softmax scale times mscale(factor, mscale_all_dim)^2."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    ys = args.rope_scaling
+    if not ys:
+        return inv_freq, 1.0, 1.0
+    factor = float(ys["factor"])
+    original = int(ys.get("original_max_position_embeddings") or args.max_position_embeddings)
+    beta_fast, beta_slow = float(ys.get("beta_fast") or 32), float(ys.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: keep the frequency (high frequencies), 0: interpolate
+    inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+    m, m_all = ys.get("mscale"), ys.get("mscale_all_dim")
+    attn = ys.get("attention_factor")
+    if attn is None:
+        attn = yarn_get_mscale(factor, m) / yarn_get_mscale(factor, m_all) if m and m_all else yarn_get_mscale(factor, 1.0)
+    softmax = yarn_get_mscale(factor, m_all) ** 2 if m_all else 1.0
+    return inv_freq, float(attn), softmax
+
+
+class DSARotaryEmbedding(RotaryEmbedding):
+    """`RotaryEmbedding` with the (possibly YaRN-scaled) frequencies of `rope_setup`."""
+
+    def __init__(self, args: DSAArgs) -> None:
+        super().__init__(args.qk_rope_head_dim, args.rope_theta)
+        inv_freq, self.attention_factor, _ = rope_setup(args)
+        self.inv_freq.copy_(inv_freq)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().forward(position_ids)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,7 +293,8 @@ class DSAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, H * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * args.v_head_dim, h, bias=False)
         self.indexer = Indexer(args, args.q_lora_rank or h)
-        self.scale = mla_scale(args.qk_head_dim)
+        self.scale = mla_scale(args.qk_head_dim) * rope_setup(args)[2]
+        self.rope = rope_interleaved if args.rope_interleave else rope_neox
         self.last_topk: torch.Tensor | None = None
         """Key indices `[B, T, k]` the last forward selected, -1 where a query had fewer than k visible keys (indices
         into the global row under context parallelism)."""
@@ -235,10 +311,10 @@ class DSAAttention(nn.Module):
             q_lat = x
             q = self.q_proj(x)
         q_nope, q_pe = q.view(B, T, a.num_attention_heads, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = rope_interleaved(q_pe, *rope)
+        q_pe = self.rope(q_pe, *rope)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        k_pe = rope_interleaved(k_pe, *rope)
+        k_pe = self.rope(k_pe, *rope)
         iq, iw, ik = self.indexer(x, q_lat, *rope)
         return q_nope, q_pe, iq, iw, torch.cat([c_kv, k_pe, ik.to(c_kv.dtype)], dim=-1)
 
@@ -337,7 +413,7 @@ class DSABackbone(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DSADecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.qk_rope_head_dim, args.rope_theta)
+        self.rotary_emb = DSARotaryEmbedding(args)
 
 
 class DeepseekV32ForCausalLM(nn.Module):

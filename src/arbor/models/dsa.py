@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from arbor.models.attention import cache_mask
 
-QUERY_CHUNK = 512
+QUERY_CHUNK = 128
 """Queries per block in the indexer and the sparse attention: bounds the `[chunk, Tk]` score and
 `[chunk, k, kv_lora_rank]` gathered-latent buffers."""
 
