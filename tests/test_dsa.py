@@ -256,3 +256,29 @@ def test_dsa_context_parallel_trainer_matches_one_rank(tmp_path: Path):
         assert r1["num_tokens"] == r2["num_tokens"]
     for version in (1, 2):
         assert_same_weights(broadcast_dir(one, version), broadcast_dir(cp, version), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_rl_run_on_dsa_with_context_parallel_trainer_stays_on_policy(tmp_path: Path):
+    """`rl` end to end with model.name = dsa-test: the CPU engine samples with the latent KV cache, the trainer
+    runs 2 ranks with DSA context parallelism (cp_style auto), and synchronous steps stay on policy (engine and
+    trainer logprobs agree: mismatch KL ~ 0)."""
+    import subprocess
+    import sys
+
+    from arbor.monitor.metrics import read_jsonl
+    from test_rl_e2e import TINY
+
+    args = [a if a != "qwen3-test" else "dsa-test" for a in TINY]
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), *args, "--max-steps", "3",
+         "--orchestrator.async-lag", "0", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["staleness/max"] == 0
+        assert r["mismatch_kl"] < 1e-3
