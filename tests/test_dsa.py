@@ -236,6 +236,13 @@ def _dsa_cp_worker(rank: int, world: int, name: str) -> None:
         assert_close(g / world, p_ref.grad, f"dsa cp grad {n}")
 
 
+def test_dsa_moe_expert_parallel_matches_one_process():
+    """EP=2 on the DSA MoE preset (DeepSeek router, shared experts): forward and gradients as one process."""
+    from test_parallel import _ep_worker
+
+    _spawn(_ep_worker, "dsa-moe-test")
+
+
 @pytest.mark.parametrize("name", ["dsa-test", "dsa-moe-test"])
 def test_dsa_context_parallel_matches_one_process(name):
     _spawn(_dsa_cp_worker, name)

@@ -32,7 +32,7 @@ from torch import nn
 
 from arbor.models.dsa import DSACache, causal_mask, index_scores, mla_scale, select_topk, sparse_mla
 from arbor.models.qwen3 import MLP, RMSNorm, RotaryEmbedding, apply_rope
-from arbor.models.qwen3_moe import GroupedExperts, local_dispatch
+from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 
 DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
 
@@ -367,9 +367,12 @@ class DeepseekRouter(nn.Module):
         return (w * a.routed_scaling_factor).to(x.dtype), idx
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(MoE):
+    """DeepSeek's MoE block. A subclass of Qwen3-MoE's block (its own router, shared experts and forward) so that
+    expert parallelism (`arbor.trainer.expert_parallel.apply_ep`) finds and shards its grouped experts."""
+
     def __init__(self, args: DSAArgs) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.gate = DeepseekRouter(args)
         self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
         self.dispatcher = local_dispatch
@@ -378,7 +381,8 @@ class DeepseekMoE(nn.Module):
             inter = args.moe_intermediate_size * args.n_shared_experts
             self.shared_experts = MLP(args, inter)  # type: ignore[arg-type]  (reads hidden_size only)
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        """(output `[B, T, H]`, chosen experts `[B*T, k]`)."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         w, idx = self.gate(flat, None if replay is None else replay.reshape(B * T, -1))
