@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from arbor.models.dsa import causal_mask, dense_mla, index_scores, mla_scale, select_topk, sparse_mla
+from arbor.models.dsa import causal_mask, dense_mla, indexer_topk, mla_scale, sparse_mla
 
 LENGTHS = (1024, 2048, 4096)
 
@@ -60,13 +60,13 @@ def run_case(kind: str, x: dict[str, torch.Tensor], a: argparse.Namespace, backw
     scale = mla_scale(a.nope + a.rope)
     mask = causal_mask(T, torch.device("cpu"))
     mla_in = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["kv_b"])
-    fixed = select_topk(index_scores(x["iq"], x["iw"], x["ik"], mask), a.topk)
+    fixed = indexer_topk(x["iq"], x["iw"], x["ik"], mask, a.topk)
 
     def step():
         if kind == "dense":
             out = dense_mla(*mla_in, None, a.v, scale)
         else:
-            idx, valid = fixed if kind == "dsa-sparse" else select_topk(index_scores(x["iq"], x["iw"], x["ik"], mask), a.topk)
+            idx, valid = fixed if kind == "dsa-sparse" else indexer_topk(x["iq"], x["iw"], x["ik"], mask, a.topk)
             out = sparse_mla(*mla_in, idx, valid, a.v, scale)
         if backward:
             torch.autograd.grad(out.float().square().mean(), [t for t in mla_in if t.requires_grad])

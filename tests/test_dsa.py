@@ -77,6 +77,23 @@ def test_sparse_mla_attends_exactly_the_selected_keys():
     assert_close(out, dense_mla(q_nope, q_pe, c_kv, k_pe, kv_b, chosen, Dv, 0.3), "sparse vs masked dense")
 
 
+def test_query_blocks_do_not_change_the_result(monkeypatch):
+    """The indexer, top-k and sparse attention run in blocks of queries; blocks of 5 give the same logits and
+    gradients as one block."""
+    import arbor.models.dsa as dsa
+
+    model = build_model(ModelConfig(name="dsa-test"))
+    model.init_weights(0, std=0.3)
+    ids = torch.randint(0, 256, (1, sum(LENS)), generator=torch.Generator().manual_seed(9))
+    args = (ids, position_ids_for(LENS), packed_causal_mask(LENS))
+    ref = model(*args)
+    ref_grad = torch.autograd.grad(ref.square().mean(), model.lm_head.weight)[0]
+    monkeypatch.setattr(dsa, "QUERY_CHUNK", 5)
+    out = model(*args)
+    assert_close(out, ref.detach(), "blocked logits")
+    assert_close(torch.autograd.grad(out.square().mean(), model.lm_head.weight)[0], ref_grad, "blocked grad")
+
+
 @pytest.mark.parametrize("name", ["dsa-test", "dsa-moe-test"])
 def test_packed_row_equals_separate_sequences(name):
     model = build_model(ModelConfig(name=name)).eval()
@@ -249,14 +266,15 @@ def test_dsa_context_parallel_matches_one_process(name):
 
 
 def test_dsa_context_parallel_trainer_matches_one_rank(tmp_path: Path):
-    """`trainer` under torchrun with cp = 2 on dsa-test (cp_style auto -> dsa, FSDP2 over the cp ranks) trains
-    exactly as one rank: loss figures and published weights after each step."""
+    """`trainer` under torchrun with cp = 2 on dsa-test (cp_style auto -> dsa, FSDP2 over the cp ranks, activation
+    checkpointing) trains exactly as one rank: loss figures and published weights after each step."""
     one, cp = tmp_path / "one", tmp_path / "cp"
     write_rollouts({1: one}, steps=2)
     shutil.copytree(one / "rollouts", cp / "rollouts")
     common = ["--max-steps", "2", "--model.name", "dsa-test", "--optim.lr", "1e-3", "--num-threads", "1"]
     assert trainer_main(["--output-dir", str(one), *common]) == 0
-    run_torchrun(2, ["--output-dir", str(cp), *common, "--parallel.nproc", "2", "--parallel.cp", "2"])
+    run_torchrun(2, ["--output-dir", str(cp), *common, "--parallel.nproc", "2", "--parallel.cp", "2",
+                     "--parallel.activation-checkpointing", "true"])
     for r1, r2 in zip(read_metrics(one), read_metrics(cp), strict=True):
         assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
         assert r1["grad_norm"] == pytest.approx(r2["grad_norm"], rel=1e-5)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.models.dsa import DSACache, causal_mask, index_scores, mla_scale, select_topk, sparse_mla
+from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
 from arbor.models.qwen3 import MLP, RMSNorm, RotaryEmbedding, apply_rope
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 
@@ -330,7 +330,7 @@ class DSAAttention(nn.Module):
             keys = row
             mask = causal_mask(T, x.device) if attn_mask is None else attn_mask[:, 0]
         c_kv, k_pe, ik = keys.split([a.kv_lora_rank, a.qk_rope_head_dim, a.index_head_dim], dim=-1)
-        idx, valid = select_topk(index_scores(iq, iw, ik, mask), a.index_topk)
+        idx, valid = indexer_topk(iq, iw, ik, mask, a.index_topk)
         self.last_topk = idx.masked_fill(~valid, -1)
         out = sparse_mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, idx, valid, a.v_head_dim, self.scale)
         return self.o_proj(out.reshape(B, T, -1))

@@ -42,14 +42,23 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, mask: torch.
     `q [B, Tq, Hi, Di]` index queries, `w [B, Tq, Hi]` per-head weights (already scaled), `k [B, Tk, Di]` index
     keys (shared by the heads)."""
     B, Tq, Hi, Di = q.shape
-    out = torch.empty(B, Tq, k.shape[1], dtype=torch.float32, device=q.device)
     kt = k.float().transpose(1, 2)  # [B, Di, Tk]
-    for s in range(0, Tq, QUERY_CHUNK):
-        e = min(s + QUERY_CHUNK, Tq)
-        logits = torch.bmm(q[:, s:e].float().reshape(B, (e - s) * Hi, Di), kt).relu_()
-        score = torch.einsum("bqhk,bqh->bqk", logits.view(B, e - s, Hi, -1), w[:, s:e].float())
-        out[:, s:e] = score.masked_fill_(~mask[:, s:e], float("-inf"))
-    return out
+    logits = torch.bmm(q.float().reshape(B, Tq * Hi, Di), kt).relu_()
+    score = torch.einsum("bqhk,bqh->bqk", logits.view(B, Tq, Hi, -1), w.float())
+    return score.masked_fill_(~mask, float("-inf"))
+
+
+@torch.no_grad()
+def indexer_topk(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_topk(index_scores(...))` one block of queries at a time, so the `[Tq, Tk]` scores are never all
+    in memory: (indices, valid) `[B, Tq, min(topk, Tk)]`."""
+    parts = [select_topk(index_scores(q[:, s:s + QUERY_CHUNK], w[:, s:s + QUERY_CHUNK], k, mask[:, s:s + QUERY_CHUNK]), topk)
+             for s in range(0, q.shape[1], QUERY_CHUNK)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
 
 @torch.no_grad()
