@@ -10,14 +10,19 @@ each query attends to (`arbor.models.dsa`). MLP: SwiGLU, or from layer `first_k_
 (sigmoid router with `e_score_correction_bias`, group-limited top-k, `routed_scaling_factor`, shared experts),
 built from the grouped experts of `qwen3_moe`.
 
-Names checked against DeepSeek-V3.2-Exp's `inference/model.py` + `convert.py` mapping and vLLM's
-`deepseek_v2.py` (`Indexer`: `wq_b`, `wk`, `k_norm` LayerNorm eps 1e-6, `weights_proj`; indexer RoPE in the
-non-interleaved "neox" layout, MLA RoPE interleaved, `indexer_rope_interleave` switches the former).
-GLM-5 (`GlmMoeDsaForCausalLM`, `model_type = "glm_moe_dsa"`) uses the same parameter names (checked against
-prime-rl's `glm_moe_dsa` model) with the indexer RoPE interleaved by default and `mlp_layer_types`.
-Departures: see `arbor.models.dsa` (no FP8, indexer without gradient, absorbed MLA everywhere); RoPE is plain or
-YaRN (DeepSeek's `rope_scaling`), nothing else; the router's correction bias is loaded and used but not updated (no auxiliary-loss-free balancing in training),
-and there is no auxiliary load-balancing loss.
+Names and numerics checked against: DeepSeek-V3.2-Exp's `inference/model.py` (module structure; the indexer
+splits its heads rope-first, MLA nope-first; index weights scaled by `index_n_heads^-1/2 x index_head_dim^-1/2`;
+top-k under the causal mask) and its README (since 2025-11 the indexer's RoPE is non-interleaved, MLA's
+interleaved); vLLM's DeepSeek-V3.2 `Indexer` (`wq_b`, `wk`, `k_norm` LayerNorm eps 1e-6 with a bias,
+`weights_proj`, all without bias; `indexer_rope_interleave`); prime-rl's GLM-5 model (`GlmMoeDsaForCausalLM`,
+`model_type = "glm_moe_dsa"`): the same MLA and indexer names (`q_a_proj`, `q_a_layernorm`, `q_b_proj`,
+`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, `indexer.*`), indexer RoPE interleaved by
+default, `mlp_layer_types`. No published checkpoint was loaded (no downloads here): the round trip is tested on
+tiny random models saved in this layout.
+
+Departures: see `arbor.models.dsa` (no FP8, indexer without gradient, absorbed MLA everywhere); RoPE is plain
+or YaRN (DeepSeek's `rope_scaling`), nothing else; the router's correction bias is loaded and used but not
+updated (no auxiliary-loss-free balancing in training), and there is no auxiliary load-balancing loss.
 """
 
 from __future__ import annotations
