@@ -11,7 +11,9 @@ from arbor.config.base import Config
 
 class ModelConfig(Config):
     name: str = "qwen3-tiny"
-    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-moe-test, qwen3-moe-tiny) or a local Hugging Face checkpoint directory."""
+    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse
+    attention: dsa-test, dsa-tiny, dsa-moe-test) or a local Hugging Face checkpoint directory (Qwen3, Qwen3-MoE,
+    DeepSeek-V3.2)."""
     tokenizer: str | None = None
     """Tokenizer directory; default: the checkpoint's own, or the built-in byte tokenizer for presets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -105,9 +105,11 @@ class ParallelConfig(Config):
     cp: int = Field(1, ge=1)
     """Context parallel degree: each packed row is split over this many ranks (attention heads must divide by
     it for Ulysses)."""
-    cp_style: Literal["ulysses", "ring"] = "ulysses"
-    """Context parallel attention: "ulysses" (all-to-all from sequence to head sharding) or "ring" (key/value
-    chunks passed around the ranks, online-softmax merge; zig-zag load-balanced sharding)."""
+    cp_style: Literal["auto", "ulysses", "ring", "dsa"] = "auto"
+    """Context parallel attention: "ulysses" (all-to-all from sequence to head sharding), "ring" (key/value
+    chunks passed around the ranks, online-softmax merge; zig-zag load-balanced sharding) or "dsa" (DeepSeek
+    sparse attention models only: one all-gather of the latent KV and index keys per layer, indexer and top-k
+    sparse attention for the local queries); "auto" = "dsa" for DSA models, "ulysses" otherwise."""
     ep: int = Field(1, ge=1)
     """Expert parallel degree for MoE models: experts are split over this many ranks, a divisor of
     dp_shard x cp (and of the number of experts)."""
@@ -151,3 +153,16 @@ class TrainerConfig(Config):
     """Seconds to wait for a step's rollouts before failing."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads per rank; default: torch's choice."""
+
+    @model_validator(mode="after")
+    def _cp_style_fits_model(self) -> "TrainerConfig":
+        if self.parallel.cp == 1:
+            return self
+        from arbor.models.presets import PRESETS
+
+        args = PRESETS.get(self.model.name)  # a checkpoint directory is checked when the trainer builds it
+        if args is not None:
+            from arbor.trainer.dsa_cp import check_cp_style
+
+            check_cp_style(self.parallel.cp_style, getattr(args, "is_dsa", False))
+        return self

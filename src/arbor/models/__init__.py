@@ -36,16 +36,20 @@ def build_tokenizer(cfg: "ModelConfig") -> Tokenizer:
 
 
 def build_model(cfg: "ModelConfig", device: str = "cpu", load: bool = True) -> "Qwen3ForCausalLM":
-    """The dense or MoE (a Qwen3ForCausalLM subclass) model on `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
+    """The dense or MoE (a Qwen3ForCausalLM subclass) or DeepSeek sparse attention (DeepseekV32ForCausalLM) model on `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
     import torch
 
+    from arbor.models.deepseek_v32 import DeepseekV32ForCausalLM
     from arbor.models.hf import load_weights
     from arbor.models.qwen3 import Qwen3ForCausalLM
     from arbor.models.qwen3_moe import Qwen3MoeForCausalLM
 
     args = model_args(cfg)
     # Dispatch on the architecture (config.json's `architectures[0]`, or the preset's).
-    model = Qwen3MoeForCausalLM(args) if args.is_moe else Qwen3ForCausalLM(args)
+    if getattr(args, "is_dsa", False):
+        model = DeepseekV32ForCausalLM(args)
+    else:
+        model = Qwen3MoeForCausalLM(args) if args.is_moe else Qwen3ForCausalLM(args)
     if load:
         if cfg.name in PRESETS:
             model.init_weights(cfg.init_seed)

@@ -120,7 +120,15 @@ class ModelArgs:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
-        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        """The checkpoint's architecture: DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) get their own
+        `arbor.models.deepseek_v32.DSAArgs`, which the rest of arbor reads through the same attribute names."""
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        from arbor.models.deepseek_v32 import DSA_ARCHITECTURES, DSAArgs
+
+        arch = (cfg.get("architectures") or [""])[0]
+        if arch in DSA_ARCHITECTURES or cfg.get("model_type") in DSA_ARCHITECTURES.values():
+            return DSAArgs.from_hf_config(cfg)  # type: ignore[return-value]
+        return cls.from_hf_config(cfg)
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from arbor.models.args import ModelArgs
+from arbor.models.deepseek_v32 import DSAArgs
 
 BYTE_VOCAB = 264  # 259 byte-tokenizer ids padded to a multiple of 8
 
-PRESETS: dict[str, ModelArgs] = {
+PRESETS: dict[str, ModelArgs | DSAArgs] = {
     # ~0.1M parameters: unit tests.
     "qwen3-test": ModelArgs(
         vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -33,5 +34,26 @@ PRESETS: dict[str, ModelArgs] = {
         vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=1024,
         architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+    ),
+    # DeepSeek-V3.2 architecture (MLA + DeepSeek sparse attention), ~0.1M parameters: unit and CP tests. A small
+    # index_topk so that even short test rows attend sparsely.
+    "dsa-test": DSAArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        index_n_heads=2, index_head_dim=8, index_topk=8, tie_word_embeddings=True, max_position_embeddings=512,
+    ),
+    # ~1M parameters: the CPU DSA example (rl with model.name = "dsa-tiny").
+    "dsa-tiny": DSAArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        index_n_heads=4, index_head_dim=32, index_topk=64, tie_word_embeddings=True, max_position_embeddings=1024,
+    ),
+    # DSA with DeepSeek MoE layers after the first (4 routed experts in 2 groups, top-2, one shared expert).
+    "dsa-moe-test": DSAArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        index_n_heads=2, index_head_dim=8, index_topk=8, tie_word_embeddings=True, max_position_embeddings=512,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
     ),
 }

@@ -178,8 +178,13 @@ def parallelize(
         model._arbor_expert_replicas = meshes.expert_replicas
     if parallel_dims.cp_enabled:
         from arbor.trainer.context_parallel import apply_cp
+        from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
 
-        apply_cp(model, meshes.cp, pc.cp_style)
+        style = resolve_cp_style(pc.cp_style, model)
+        if style == "dsa":
+            apply_dsa_cp(model, meshes.cp)
+        else:
+            apply_cp(model, meshes.cp, style)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(model, meshes.fsdp, compute_dtype(config), ignored)
     return model

@@ -1,0 +1,484 @@
+"""A DeepSeek-V3.2-architecture decoder (DeepSeek sparse attention over multi-head latent attention) in plain
+PyTorch, with Hugging Face configuration and parameter names (`model_type = "deepseek_v32"`).
+
+Attention (per layer, `self_attn`): queries through a low-rank bottleneck (`q_a_proj` -> `q_a_layernorm` ->
+`q_b_proj`) or one `q_proj` when `q_lora_rank` is None; keys and values compressed into a `kv_lora_rank` latent
+plus one decoupled RoPE key shared by the heads (`kv_a_proj_with_mqa` -> `kv_a_layernorm`), expanded per head by
+`kv_b_proj` into `qk_nope_head_dim` keys and `v_head_dim` values; a lightning indexer (`indexer.wq_b` on the
+query latent, `indexer.wk` + LayerNorm `indexer.k_norm`, `indexer.weights_proj`) picks the `index_topk` keys
+each query attends to (`arbor.models.dsa`). MLP: SwiGLU, or from layer `first_k_dense_replace` on a DeepSeek MoE
+(sigmoid router with `e_score_correction_bias`, group-limited top-k, `routed_scaling_factor`, shared experts),
+built from the grouped experts of `qwen3_moe`.
+
+Names and numerics checked against: DeepSeek-V3.2-Exp's `inference/model.py` (module structure; the indexer
+splits its heads rope-first, MLA nope-first; index weights scaled by `index_n_heads^-1/2 x index_head_dim^-1/2`;
+top-k under the causal mask) and its README (since 2025-11 the indexer's RoPE is non-interleaved, MLA's
+interleaved); vLLM's DeepSeek-V3.2 `Indexer` (`wq_b`, `wk`, `k_norm` LayerNorm eps 1e-6 with a bias,
+`weights_proj`, all without bias; `indexer_rope_interleave`); prime-rl's GLM-5 model (`GlmMoeDsaForCausalLM`,
+`model_type = "glm_moe_dsa"`): the same MLA and indexer names (`q_a_proj`, `q_a_layernorm`, `q_b_proj`,
+`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, `indexer.*`), indexer RoPE interleaved by
+default, `mlp_layer_types`. No published checkpoint was loaded (no downloads here): the round trip is tested on
+tiny random models saved in this layout.
+
+Departures: see `arbor.models.dsa` (no FP8, indexer without gradient, absorbed MLA everywhere); RoPE is plain
+or YaRN (DeepSeek's `rope_scaling`), nothing else; the router's correction bias is loaded and used but not
+updated (no auxiliary-loss-free balancing in training), and there is no auxiliary load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
+from arbor.models.qwen3 import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
+
+DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+
+
+@dataclasses.dataclass
+class DSAArgs:
+    """Architecture of a DeepSeek-V3.2 decoder (Hugging Face field names). `n_routed_experts = 0`: dense MLPs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    q_lora_rank: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    rope_interleave: bool = True
+    """MLA's RoPE on consecutive pairs (DeepSeek's layout); False: on halves."""
+    indexer_rope_interleave: bool = False
+    """The indexer's RoPE layout: halves for DeepSeek-V3.2 (the reference's 2025-11 fix), pairs for GLM-5."""
+    rope_scaling: dict[str, Any] | None = None
+    """None (plain RoPE) or YaRN as in DeepSeek's config: {"rope_type": "yarn", "factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}."""
+    architecture: str = "DeepseekV32ForCausalLM"
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    is_dsa = True
+
+    def __post_init__(self) -> None:
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim})")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "yarn":
+            raise ValueError(f"unsupported rope scaling {self.rope_scaling!r}; the DSA model implements default RoPE and YaRN")
+        if self.index_topk < 1:
+            raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
+        if self.is_moe and (self.n_routed_experts % self.n_group or self.topk_group > self.n_group):
+            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts}) "
+                             f"and be >= topk_group ({self.topk_group})")
+
+    # -- the interface the rest of arbor reads (same names as ModelArgs) --------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+
+    _FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+               "index_head_dim", "index_topk", "q_lora_rank", "rms_norm_eps", "tie_word_embeddings",
+               "max_position_embeddings", "rope_interleave", "indexer_rope_interleave", "n_routed_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group",
+               "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "DSAArgs":
+        arch = (cfg.get("architectures") or ["DeepseekV32ForCausalLM"])[0]
+        if arch not in DSA_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} for a DSA model; arbor loads {sorted(DSA_ARCHITECTURES)}")
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", "yarn", None):
+            raise ValueError(f"unsupported rope scaling {kind!r}; arbor's DSA model implements default RoPE and YaRN")
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError("arbor's DSA MoE implements scoring_func = 'sigmoid' with topk_method = 'noaux_tc'")
+        kwargs = {f: cfg[f] for f in cls._FIELDS if cfg.get(f) is not None}
+        kwargs["rope_theta"] = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+        if kind == "yarn":
+            kwargs["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": "yarn"}
+        kwargs.setdefault("indexer_rope_interleave", arch == "GlmMoeDsaForCausalLM")  # GLM-5's default
+        if cfg.get("mlp_layer_types"):  # GLM-5 lists dense/sparse per layer; arbor supports a dense prefix
+            types = list(cfg["mlp_layer_types"])
+            k = types.index("sparse") if "sparse" in types else len(types)
+            if any(t != "sparse" for t in types[k:]):
+                raise ValueError(f"mlp_layer_types {types}: arbor supports dense layers followed by sparse ones only")
+            kwargs["first_k_dense_replace"] = k
+        return cls(architecture=arch, **kwargs)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"architectures": [self.architecture], "model_type": DSA_ARCHITECTURES[self.architecture]}
+        out.update({f: getattr(self, f) for f in self._FIELDS})
+        rope = dict(self.rope_scaling or {"rope_type": "default"}) | {"rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling) | {"type": "yarn"}
+        out.update(
+            num_key_value_heads=self.num_attention_heads, rope_theta=self.rope_theta,
+            rope_parameters=rope, hidden_act="silu",
+            attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", torch_dtype="float32",
+        )
+        return out
+
+    def num_params(self) -> int:
+        h, H, L = self.hidden_size, self.num_attention_heads, self.num_hidden_layers
+        qin = self.q_lora_rank or h
+        q = (h * self.q_lora_rank + self.q_lora_rank if self.q_lora_rank else 0) + qin * H * self.qk_head_dim
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * h
+        idx = qin * self.index_n_heads * self.index_head_dim + h * self.index_head_dim + 2 * self.index_head_dim
+        idx += h * self.index_n_heads
+        moe = 3 * h * self.moe_intermediate_size * (self.n_routed_experts + self.n_shared_experts)
+        moe += self.n_routed_experts * (h + 1)
+        n_moe = len(self.moe_layers)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * (q + kv + idx + 2 * h) + n_moe * moe + (L - n_moe) * 3 * h * self.intermediate_size + emb + h
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def rope_setup(args: DSAArgs) -> tuple[torch.Tensor, float, float]:
+    """(inverse frequencies `[Dr/2]`, factor on cos/sin, factor on the softmax scale) of the model's RoPE.
+
+    YaRN as DeepSeek-V3 and transformers' `_compute_yarn_parameters` define it: frequencies whose wavelength
+    exceeds the original context are divided by `factor`, those well inside it kept, a linear ramp between
+    (correction range from `beta_fast` / `beta_slow` rotations); cos/sin times mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim); MLA's softmax scale times mscale(factor, mscale_all_dim)^2."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    ys = args.rope_scaling
+    if not ys:
+        return inv_freq, 1.0, 1.0
+    factor = float(ys["factor"])
+    original = int(ys.get("original_max_position_embeddings") or args.max_position_embeddings)
+    beta_fast, beta_slow = float(ys.get("beta_fast") or 32), float(ys.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: keep the frequency (high frequencies), 0: interpolate
+    inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+    m, m_all = ys.get("mscale"), ys.get("mscale_all_dim")
+    attn = ys.get("attention_factor")
+    if attn is None:
+        attn = yarn_get_mscale(factor, m) / yarn_get_mscale(factor, m_all) if m and m_all else yarn_get_mscale(factor, 1.0)
+    softmax = yarn_get_mscale(factor, m_all) ** 2 if m_all else 1.0
+    return inv_freq, float(attn), softmax
+
+
+class DSARotaryEmbedding(RotaryEmbedding):
+    """`RotaryEmbedding` with the (possibly YaRN-scaled) frequencies of `rope_setup`."""
+
+    def __init__(self, args: DSAArgs) -> None:
+        super().__init__(args.qk_rope_head_dim, args.rope_theta)
+        inv_freq, self.attention_factor, _ = rope_setup(args)
+        self.inv_freq.copy_(inv_freq)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().forward(position_ids)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on consecutive pairs (x0, x1), (x2, x3), ... (DeepSeek's MLA layout); `cos, sin [B, T, D]` as
+    `RotaryEmbedding` returns them (the frequencies repeated twice), broadcast over the heads of `x [B, T, H, D]`."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half, None].to(x.dtype), sin[..., :half, None].to(x.dtype)
+    if x.dim() == 4:
+        c, s = c[:, :, None], s[:, :, None]
+    pairs = x.unflatten(-1, (half, 2))
+    x0, x1 = pairs[..., :1], pairs[..., 1:]
+    return torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on halves (the Llama/"neox" layout) of `x [B, T, H, D]` or `[B, T, D]`."""
+    if x.dim() == 4:
+        return apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    return apply_rope(x[:, None], cos, sin)[:, 0]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: `index_n_heads` ReLU dot-product heads scoring every key for each query."""
+
+    def __init__(self, args: DSAArgs, q_in: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
+        self.rope = rope_interleaved if args.indexer_rope_interleave else rope_neox
+        self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+
+    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The rope part comes first in the indexer's head (after the nope part in MLA's).
+        pe, nope = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([self.rope(pe, cos, sin), nope], dim=-1)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(queries `[B, T, Hi, Di]`, head weights `[B, T, Hi]`, keys `[B, T, Di]`), all rotated and scaled."""
+        B, T, _ = x.shape
+        q = self._rotate(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = self._rotate(self.k_norm(self.wk(x)), cos, sin)
+        w = self.weights_proj(x) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return q, w, k
+
+
+class DSAAttention(nn.Module):
+    cp = None
+    """DSA context parallel state (arbor.trainer.dsa_cp.DSAContextParallel), installed by `apply_dsa_cp`."""
+
+    def __init__(self, args: DSAArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.args, self.layer_idx = args, layer_idx
+        h, H = args.hidden_size, args.num_attention_heads
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, H * args.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, H * args.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, H * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * args.v_head_dim, h, bias=False)
+        self.indexer = Indexer(args, args.q_lora_rank or h)
+        self.scale = mla_scale(args.qk_head_dim) * rope_setup(args)[2]
+        self.rope = rope_interleaved if args.rope_interleave else rope_neox
+        self.last_topk: torch.Tensor | None = None
+        """Key indices `[B, T, k]` the last forward selected, -1 where a query had fewer than k visible keys (indices
+        into the global row under context parallelism)."""
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """(q_nope, q_pe, index queries, index weights, per-token row `[B, T, R + Dr + Di]` = latent | rope key |
+        index key): the row is what the cache stores and context parallelism all-gathers."""
+        a = self.args
+        B, T, _ = x.shape
+        if a.q_lora_rank:
+            q_lat = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lat)
+        else:
+            q_lat = x
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(B, T, a.num_attention_heads, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        q_pe = self.rope(q_pe, *rope)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        k_pe = self.rope(k_pe, *rope)
+        iq, iw, ik = self.indexer(x, q_lat, *rope)
+        return q_nope, q_pe, iq, iw, torch.cat([c_kv, k_pe, ik.to(c_kv.dtype)], dim=-1)
+
+    def forward(self, x, rope, position_ids, attn_mask, kv_cache, cache_slots) -> torch.Tensor:
+        a = self.args
+        B, T, _ = x.shape
+        q_nope, q_pe, iq, iw, row = self.project(x, rope)
+        if self.cp is not None and kv_cache is None:
+            keys, mask = self.cp.gather_keys(row), self.cp.local_mask()
+        elif kv_cache is not None:
+            keys, mask = kv_cache.write_and_read(self.layer_idx, row, cache_slots, position_ids)
+        else:
+            keys = row
+            mask = causal_mask(T, x.device) if attn_mask is None else attn_mask[:, 0]
+        c_kv, k_pe, ik = keys.split([a.kv_lora_rank, a.qk_rope_head_dim, a.index_head_dim], dim=-1)
+        idx, valid = indexer_topk(iq, iw, ik, mask, a.index_topk)
+        self.last_topk = idx.masked_fill(~valid, -1)
+        out = sparse_mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, idx, valid, a.v_head_dim, self.scale)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class DeepseekRouter(nn.Module):
+    """Sigmoid scores; experts chosen on `scores + e_score_correction_bias` within the `topk_group` best of
+    `n_group` groups (a group scores the sum of its two best); weights are the chosen plain scores, renormalised
+    (`norm_topk_prob`) and times `routed_scaling_factor`."""
+
+    def __init__(self, args: DSAArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.zeros(args.n_routed_experts, args.hidden_size))
+        # A checkpoint tensor (so a Parameter, for loading and FSDP), not trained here.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        if replay is not None:
+            idx = replay.to(device=x.device, dtype=torch.long)
+        else:
+            choice = scores.detach() + self.e_score_correction_bias.float()
+            if a.n_group > 1:
+                groups = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)
+                best = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(-1).topk(a.topk_group, dim=-1)[1]
+                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+                choice = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+            idx = choice.topk(a.num_experts_per_tok, dim=-1)[1]
+        w = scores.gather(-1, idx)
+        if a.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return (w * a.routed_scaling_factor).to(x.dtype), idx
+
+
+class DeepseekMoE(MoE):
+    """DeepSeek's MoE block. A subclass of Qwen3-MoE's block (its own router, shared experts and forward) so that
+    expert parallelism (`arbor.trainer.expert_parallel.apply_ep`) finds and shards its grouped experts."""
+
+    def __init__(self, args: DSAArgs) -> None:
+        nn.Module.__init__(self)
+        self.gate = DeepseekRouter(args)
+        self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
+        self.dispatcher = local_dispatch
+        self.shared_experts = None
+        if args.n_shared_experts:
+            inter = args.moe_intermediate_size * args.n_shared_experts
+            self.shared_experts = MLP(args, inter)  # type: ignore[arg-type]  (reads hidden_size only)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        """(output `[B, T, H]`, chosen experts `[B*T, k]`)."""
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        w, idx = self.gate(flat, None if replay is None else replay.reshape(B * T, -1))
+        y = self.dispatcher(flat, w, idx, self.experts)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.reshape(B, T, H), idx
+
+
+class DSADecoderLayer(nn.Module):
+    def __init__(self, args: DSAArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DSAAttention(args, layer_idx)
+        self.is_moe = args.is_moe_layer(layer_idx)
+        self.mlp = DeepseekMoE(args) if self.is_moe else MLP(args)  # type: ignore[arg-type]
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay=None):
+        """(hidden states, chosen experts `[B*T, k]` or None)."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, attn_mask, kv_cache, cache_slots)
+        h = self.post_attention_layernorm(x)
+        if not self.is_moe:
+            return x + self.mlp(h), None
+        y, idx = self.mlp(h, replay)
+        return x + y, idx
+
+
+class DSABackbone(nn.Module):
+    def __init__(self, args: DSAArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DSADecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = DSARotaryEmbedding(args)
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    """Same forward contract as `Qwen3ForCausalLM` (packed rows with a `[B, 1, T, T]` mask, or a slot cache from
+    `make_kv_cache`), plus `routed_experts` router replay and `last_routed_experts` for MoE layers."""
+
+    def __init__(self, args: DSAArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DSABackbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.last_routed_experts: torch.Tensor | None = None
+        self.aux_loss = None  # DeepSeek balances experts without an auxiliary loss
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache: DSACache | None = None,
+        cache_slots: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        routed_experts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(position_ids)
+        chosen = []
+        for layer in self.model.layers:
+            replay = routed_experts[:, :, len(chosen)] if routed_experts is not None and layer.is_moe else None
+            x, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
+            if idx is not None:
+                chosen.append(idx)
+        self.last_routed_experts = torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
+        x = self.model.norm(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return self.lm_head(x)
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic initialisation from `seed`: norms 1 (LayerNorm biases and router biases 0), the rest
+        normal with `std`."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(("norm.bias", "e_score_correction_bias")):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def make_kv_cache(self, num_slots: int, max_len: int) -> DSACache:
+        p = next(self.parameters())
+        return DSACache(self.args.num_hidden_layers, num_slots, max_len, self.args.cache_width, p.dtype, p.device)
