@@ -142,7 +142,7 @@ class Orchestrator:
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,
-            self.tokenizer.pad_token_id, cfg.batching.normalization,
+            self.tokenizer.pad_token_id, cfg.batching.normalization, cfg.batching.prefix_merge,
         )
         write_step(cfg.output_dir, step, batches)
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
