@@ -167,7 +167,8 @@ def test_merged_equals_unmerged_logprobs_loss_and_gradients(preset, replay, pert
     merged, plain = merge_row(ordered), _micro_batch(ordered)
     assert merged.num_tokens < plain.num_tokens
     if perturb is not None:  # the perturbed sample shares only the 5 tokens before its changed route
-        other = next(s for s in samples if s is not samples[perturb] and s["input_ids"][:9].tolist() == samples[perturb]["input_ids"][:9].tolist())
+        head = samples[perturb]["input_ids"][:9].tolist()
+        other = next(s for s in samples if s is not samples[perturb] and s["input_ids"][:9].tolist() == head)
         assert common_prefix(samples[perturb], other) == 5
     lp_m, loss_m, grads_m = _loss_and_grads(model, merged, replay)
     lp_p, loss_p, grads_p = _loss_and_grads(model, plain, replay)

@@ -64,10 +64,11 @@ def tree_block_mask(subtree_end: torch.Tensor):
     return create_block_mask(tree_mask_mod(subtree_end), None, None, T, T, device=subtree_end.device)
 
 
-def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str):
-    """What the model's attention takes for one row: a FlexAttention block mask on CUDA, else the dense mask."""
+def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, block_mask: bool = True):
+    """What the model's attention takes for one row: a FlexAttention block mask on CUDA (when `block_mask`: the
+    model's attention goes through `attend`), else the dense mask."""
     end = subtree_end.to(device, non_blocking=True)
-    if end.is_cuda and _flex_available():
+    if block_mask and end.is_cuda and _flex_available():
         return tree_block_mask(end)
     return tree_mask(end)
 

@@ -127,6 +127,10 @@ class Qwen3Backbone(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """Decoder with a language-model head; `forward` returns logits `[B, T, vocab]` (fp32 upcast left to callers)."""
 
+    accepts_block_mask = True
+    """Its attention takes a FlexAttention `BlockMask` as `attn_mask` (arbor.models.attention.attend); the trainer
+    passes dense masks to models without this attribute."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -145,7 +149,8 @@ class Qwen3ForCausalLM(nn.Module):
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """`attn_mask` `[B, 1, T, T]` (True = attend) or a FlexAttention `BlockMask` (arbor.models.attention)
-        overrides plain causal attention; with `kv_cache` the mask comes from the cache. `logits_to_keep > 0` computes logits for the last positions only (prefill)."""
+        overrides plain causal attention; with `kv_cache` the mask comes from the cache. `logits_to_keep > 0`
+        computes logits for the last positions only (prefill)."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)

@@ -146,6 +146,9 @@ class Orchestrator:
         )
         write_step(cfg.output_dir, step, batches)
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
+        if cfg.batching.prefix_merge:  # sample tokens per trained (trie) token: what merging saved this step
+            rows = sum(mb.num_tokens for b in batches for mb in b.micro_batches)
+            figures["batch/prefix_merge_ratio"] = sum(r.num_tokens for r in rollouts) / max(rows, 1)
         if client is not None:
             for name, value in (await client.router_stats()).items():  # cumulative fleet counters (replicas > 1)
                 if name in ("requests", "retries", "ejections", "readmissions", "backends_in_rotation"):

@@ -79,7 +79,7 @@ def _row_forward(
 ) -> torch.Tensor:
     """Logits `[T, V]` of one row under its tree mask (a packed row is a forest of chains): one mask per row,
     shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
-    mask = row_attention_mask(subtree_end, device)
+    mask = row_attention_mask(subtree_end, device, getattr(model, "accepts_block_mask", False))
     kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
     return model(input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask, **kwargs)[0]
 

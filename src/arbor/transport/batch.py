@@ -83,7 +83,8 @@ class MicroBatch:
             self.loss_weights = torch.ones(n, dtype=torch.float32)
         if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != m):
             raise ValueError(
-                f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, expected ({m}, layers, top_k)"
+                f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, "
+                f"expected ({m}, layers, top_k)"
             )
         for names, size in ((NODE_FIELDS, m), (SAMPLE_TOKEN_FIELDS, n)):
             for name in names:
@@ -91,7 +92,8 @@ class MicroBatch:
                 if t.dim() != 1 or t.shape[0] != size:
                     raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({size},)")
         if self.subtree_end is not None and (self.subtree_end.dim() != 1 or self.subtree_end.shape[0] != m):
-            raise ValueError(f"micro-batch field subtree_end has shape {tuple(self.subtree_end.shape)}, expected ({m},)")
+            shape = tuple(self.subtree_end.shape)
+            raise ValueError(f"micro-batch field subtree_end has shape {shape}, expected ({m},)")
         if self.token_nodes is not None:
             if self.subtree_end is None:
                 raise ValueError("micro-batch has token_nodes (a merged row) but no subtree_end")
