@@ -3,15 +3,14 @@
 Samples go to ranks longest-first onto the rank with the fewest tokens (LPT scheduling, within 4/3 of the
 optimum), then each rank packs first-fit-decreasing into rows of at most `micro_batch_tokens`. Every rank gets
 the same number of micro-batches (FSDP's collectives need the same number of forward passes): short ranks get
-one-token rows with an empty loss mask.
+one-token rows with an empty loss mask. With `prefix_merge` the rows are prefix tries instead
+(arbor.orchestrator.prefix_tree): samples sharing token prefixes are merged, the row budget counts trie tokens,
+and ranks are balanced by trie tokens.
 
 Normalisation is explicit in the per-token `loss_weights` (the trainer divides the weighted loss sum by the
 step's loss-token count L): "token" weighs every token 1 (a token mean over the step); "sequence" gives sample
 i's tokens L / (N * len_i), so the step's loss is the mean over the N samples of each sample's token mean;
 "group" gives group g's tokens L / (G * tokens_g): the mean over the G groups of each group's token mean.
-
-With `prefix_merge` the rows are prefix tries instead (arbor.orchestrator.prefix_tree): samples sharing token
-prefixes are merged, the row budget counts trie tokens, and ranks are balanced by trie tokens.
 """
 
 from __future__ import annotations
