@@ -106,6 +106,22 @@ def test_flex_mask_mod_gives_the_sdpa_mask():
     assert torch.equal(dense.reshape(M, M), tree_mask(mb.subtree_end)[0, 0])
 
 
+def test_flex_block_mask_forward_matches_dense_sdpa_on_cpu():
+    """FlexAttention runs forward only on CPU (eager): the block mask built from the mask_mod gives SDPA's output."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from arbor.models.attention import attend
+
+    samples = _samples(tree_rollouts(4))
+    mb = merge_row([samples[i] for i in lexicographic_order(samples)])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, mb.num_tokens, 16, generator=gen) for h in (4, 2, 2))
+    with torch.no_grad():
+        flex = flex_attention(q, k, v, block_mask=tree_block_mask(mb.subtree_end), enable_gqa=True)
+        dense = attend(q, k, v, tree_mask(mb.subtree_end), True)
+    assert (flex - dense).abs().max().item() < 1e-5
+
+
 @pytest.mark.gpu
 def test_flex_block_mask_forward_backward_matches_dense_sdpa_on_gpu():
     """CUDA: the same merged row through FlexAttention (block mask) and through SDPA with the dense mask."""
@@ -142,14 +158,17 @@ def _with_routes(model, rollouts: list[Rollout], perturb: int | None = None) -> 
         routes[5, 0] = (routes[5, 0] + 1) % model.args.num_experts
 
 
-def _loss_and_grads(model, mb, replay: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_and_grads(model, mb, replay: bool, device: torch.device = CPU):
+    """(logprobs, loss incl. an MoE aux loss, gradients) of one micro-batch, all on the CPU."""
     model.zero_grad(set_to_none=True)
-    logprobs, _ = micro_batch_logprobs(model, mb, 0.8, CPU, router_replay=replay)
-    ctx = LossContext(mb.seq_lens, mb.loss_weights)
-    out = ppo_clip(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, LossConfig(), ctx)
+    logprobs, _ = micro_batch_logprobs(model, mb, 0.8, device, router_replay=replay)
+    ctx = LossContext(mb.seq_lens.to(device), mb.loss_weights.to(device))
+    out = ppo_clip(logprobs, mb.inference_logprobs.to(device), mb.advantages.to(device), mb.loss_mask.to(device),
+                   LossConfig(), ctx)
     total = out.loss_sum + (model.aux_loss if getattr(model, "aux_loss", None) is not None else 0.0)
     total.backward()
-    return logprobs.detach(), total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    return logprobs.detach().cpu(), total.detach().cpu(), grads
 
 
 @pytest.mark.parametrize("preset, replay, perturb", [
@@ -180,6 +199,22 @@ def test_merged_equals_unmerged_logprobs_loss_and_gradients(preset, replay, pert
     for name in grads_p:
         err = (grads_m[name] - grads_p[name]).abs().max().item()
         assert err < TOL, f"{name}: gradient differs by {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_merged_equals_unmerged_on_gpu_with_flex_attention():
+    """CUDA, fp32: both rows go through FlexAttention block masks (compiled); merged equals unmerged."""
+    dev = torch.device("cuda")
+    model = build_model(ModelConfig(name="qwen3-tiny"), device="cuda")
+    samples = _samples(tree_rollouts(9))
+    ordered = [samples[i] for i in lexicographic_order(samples)]
+    lp_m, loss_m, grads_m = _loss_and_grads(model, merge_row(ordered), False, dev)
+    lp_p, loss_p, grads_p = _loss_and_grads(model, _micro_batch(ordered), False, dev)
+    mask = torch.from_numpy(np.concatenate([s["loss_mask"] for s in ordered]))
+    assert (lp_m[mask] - lp_p[mask]).abs().max().item() < 1e-4
+    assert abs(loss_m.item() - loss_p.item()) < 1e-4
+    for name in grads_p:
+        assert (grads_m[name] - grads_p[name]).abs().max().item() < 1e-4, name
 
 
 def test_merged_entropy_and_ref_logprobs_equal_unmerged():
