@@ -331,3 +331,12 @@ def test_plain_rows_have_no_tree_fields_and_a_merged_row_needs_its_mask():
     assert torch.equal(plain.row_subtree_end(), subtree_end_for(plain.seq_lens, plain.num_tokens))
     with pytest.raises(ValueError, match="subtree_end"):
         dataclasses.replace(merge_row(samples[:2]), subtree_end=None)
+
+
+def test_merged_batching_edge_cases_more_ranks_than_samples_long_sample_and_no_sample():
+    rollouts = tree_rollouts(10)[:2]
+    batches = build_step_batches(rollouts, 0, 4, 16, 1.0, 0, prefix_merge=True)  # budget below every sample
+    assert len(batches) == 4 and len({len(b.micro_batches) for b in batches}) == 1
+    merged = [mb for b in batches for mb in b.micro_batches if mb.merged]
+    assert sorted(len(mb.seq_lens) for mb in merged) == [1, 1]  # each over-long sample alone in its row
+    assert all(build_step_batches([], 0, 2, 64, 1.0, 0, prefix_merge=True)[r].micro_batches == [] for r in range(2))
