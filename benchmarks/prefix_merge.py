@@ -12,6 +12,10 @@ spans rows), the measured step speedup (median unmerged time / median merged tim
 warm-up so machine load hits both alike) and the fraction of the ideal achieved (target >= 0.7). Last line:
 `{"benchmark": "prefix_merge", "value": fraction, "target": 0.7, "ok": ..., ...}`.
 
+The token ratio is the ideal of the work linear in tokens. On CPU both arms attend with dense row masks, whose
+cost grows with the square of the row length, and merged rows are shorter, so the fraction can exceed 1; timings
+on a shared machine vary by tens of percent between runs.
+
     uv run python benchmarks/prefix_merge.py [--model qwen3-tiny] [--repeats 5] [--row-tokens 3072]
 """
 

@@ -75,7 +75,7 @@ def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, bl
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
     """Attention `[B, H, T, D]` under `mask`: None (plain causal), a boolean tensor (SDPA) or a FlexAttention
-    `BlockMask` (compiled flex_attention where torch.compile works, eager otherwise)."""
+    `BlockMask` (flex_attention, compiled where Triton is available, eager otherwise)."""
     import torch.nn.functional as F
 
     if mask is None:
@@ -92,11 +92,10 @@ def _flex():
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
+        from torch.utils._triton import has_triton
 
-        try:  # compiled, flex_attention runs fused kernels; eager it materialises scores (correct but slow)
-            _FLEX = torch.compile(flex_attention, dynamic=True)
-        except RuntimeError:
-            _FLEX = flex_attention
+        # Compiled, flex_attention runs fused Triton kernels; eager it materialises the scores (correct, slow).
+        _FLEX = torch.compile(flex_attention, dynamic=True) if has_triton() else flex_attention
     return _FLEX
 
 
