@@ -57,6 +57,12 @@ class BatchingConfig(Config):
     """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
     tokens (DAPO), "sequence" = mean over samples of each sample's token mean (GRPO, GSPO), "group" = mean over
     groups of each group's token mean."""
+    prefix_merge: bool = False
+    """Prefix-tree merging: samples of a row that share token prefixes (multi-turn histories, a common system
+    prompt) are merged into a trie and trained once per shared token, with a tree attention mask; the loss,
+    gradients and metrics stay those of the unmerged samples. The row budget (`micro_batch_tokens`) counts trie
+    tokens. With router replay, samples share a prefix only where their routed experts agree too. Not with
+    context parallelism (`trainer.parallel.cp > 1`)."""
 
 
 class FilterConfig(Config):

@@ -103,6 +103,11 @@ class RLConfig(Config):
         if p.nproc % p.cp:
             raise ValueError(f"trainer.parallel.cp ({p.cp}) must divide trainer.parallel.nproc ({p.nproc})")
         ranks = p.nproc // p.cp
+        if self.orchestrator.batching.prefix_merge and p.cp > 1:
+            raise ValueError(
+                f"orchestrator.batching.prefix_merge = true needs trainer.parallel.cp = 1 (got {p.cp}): context "
+                "parallelism splits rows by position and cannot carry a prefix tree's mask; turn one of them off"
+            )
         if self.orchestrator.batching.trainer_ranks not in (1, ranks):
             raise ValueError(
                 f"orchestrator.batching.trainer_ranks ({self.orchestrator.batching.trainer_ranks}) differs from "

@@ -4,6 +4,14 @@ One mask convention everywhere: a boolean tensor `[B, 1, Tq, Tk]`, True where a 
 trainer packs several samples into one row and attends block-diagonally (`packed_causal_mask`); the inference
 engine keeps one cache slot per sequence and attends to every cached position at or before the query's own
 position (`cache_mask`), which is plain causal attention because a slot holds exactly one sequence.
+
+Tree rows (prefix-tree merging, arbor.orchestrator.prefix_tree) and packed rows share one encoding: per token j
+of the row, `subtree_end[j]`, the end of j's subtree in DFS order; token i may attend to j iff
+`j <= i < subtree_end[j]`, i.e. iff j is an ancestor of i (or i itself). A packed row is the special case of
+chains: `subtree_end[j]` is the end of j's sample, and a padding token's is `j + 1` (it sees only itself). On
+CPU the trainer builds the dense mask once per micro-batch (`tree_mask`, vectorised) and every layer shares it
+(SDPA with an explicit mask, since FlexAttention has no CPU backward); on CUDA `tree_block_mask` gives a
+FlexAttention block mask from the same predicate (`tree_mask_mod`), so masked-out blocks are never computed.
 """
 
 from __future__ import annotations
@@ -17,17 +25,86 @@ def packed_causal_mask(seq_lens: torch.Tensor | list[int], total_len: int | None
     Positions past `sum(seq_lens)` (padding up to `total_len`) attend only to themselves so that softmax stays
     finite; their outputs are ignored by the loss mask.
     """
+    return tree_mask(subtree_end_for(seq_lens, total_len))
+
+
+def subtree_end_for(seq_lens: torch.Tensor | list[int], total_len: int | None = None) -> torch.Tensor:
+    """`subtree_end [T]` (int64) of a packed row: each token's sample end; padding tokens end at themselves + 1."""
     lens = torch.as_tensor(seq_lens, dtype=torch.long)
     used = int(lens.sum())
     T = used if total_len is None else total_len
     if T < used:
         raise ValueError(f"total_len {T} is shorter than the packed samples ({used} tokens)")
-    doc = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    if T > used:  # every padding token is its own document
-        doc = torch.cat([doc, torch.arange(len(lens), len(lens) + T - used)])
-    idx = torch.arange(T)
-    mask = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
-    return mask[None, None]
+    ends = torch.repeat_interleave(torch.cumsum(lens, 0), lens)
+    return torch.cat([ends, torch.arange(used + 1, T + 1)])
+
+
+def tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """Dense boolean mask `[1, 1, T, T]` of a row given `subtree_end [T]`: query i sees key j iff j <= i < end[j]."""
+    end = subtree_end.to(torch.long)
+    idx = torch.arange(end.shape[0], device=end.device)
+    return ((idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :]))[None, None]
+
+
+def tree_mask_mod(subtree_end: torch.Tensor):
+    """FlexAttention `mask_mod(b, h, q, kv)` of the same predicate as `tree_mask` (on `subtree_end`'s device)."""
+    end = subtree_end.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
+
+    return mask_mod
+
+
+def tree_block_mask(subtree_end: torch.Tensor):
+    """FlexAttention `BlockMask` of a row (CUDA): blocks wholly outside the tree mask are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    T = subtree_end.shape[0]
+    return create_block_mask(tree_mask_mod(subtree_end), None, None, T, T, device=subtree_end.device)
+
+
+def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, block_mask: bool = True):
+    """What the model's attention takes for one row: a FlexAttention block mask on CUDA (when `block_mask`: the
+    model's attention goes through `attend`), else the dense mask."""
+    end = subtree_end.to(device, non_blocking=True)
+    if block_mask and end.is_cuda and _flex_available():
+        return tree_block_mask(end)
+    return tree_mask(end)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
+    """Attention `[B, H, T, D]` under `mask`: None (plain causal), a boolean tensor (SDPA) or a FlexAttention
+    `BlockMask` (flex_attention, compiled where Triton is available, eager otherwise)."""
+    import torch.nn.functional as F
+
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+_FLEX = None
+
+
+def _flex():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        from torch.utils._triton import has_triton
+
+        # Compiled, flex_attention runs fused Triton kernels; eager it materialises the scores (correct, slow).
+        _FLEX = torch.compile(flex_attention, dynamic=True) if has_triton() else flex_attention
+    return _FLEX
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def position_ids_for(seq_lens: torch.Tensor | list[int], total_len: int | None = None) -> torch.Tensor:

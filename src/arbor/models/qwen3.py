@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arbor.models.args import ModelArgs
-from arbor.models.attention import KVCache
+from arbor.models.attention import KVCache, attend
 
 
 class RMSNorm(nn.Module):
@@ -85,11 +85,7 @@ class Attention(nn.Module):
             return self.o_proj(self.cp.attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
         if kv_cache is not None:
             k, v, attn_mask = kv_cache.write_and_read(self.layer_idx, k, v, cache_slots, position_ids)
-        gqa = self.n_heads != self.n_kv
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        out = attend(q, k, v, attn_mask, self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -131,6 +127,10 @@ class Qwen3Backbone(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """Decoder with a language-model head; `forward` returns logits `[B, T, vocab]` (fp32 upcast left to callers)."""
 
+    accepts_block_mask = True
+    """Its attention takes a FlexAttention `BlockMask` as `attn_mask` (arbor.models.attention.attend); the trainer
+    passes dense masks to models without this attribute."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -148,8 +148,9 @@ class Qwen3ForCausalLM(nn.Module):
         cache_slots: torch.Tensor | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
-        """`attn_mask` `[B, 1, T, T]` (True = attend) overrides plain causal attention; with `kv_cache` the mask
-        comes from the cache. `logits_to_keep > 0` computes logits for the last positions only (prefill)."""
+        """`attn_mask` `[B, 1, T, T]` (True = attend) or a FlexAttention `BlockMask` (arbor.models.attention)
+        overrides plain causal attention; with `kv_cache` the mask comes from the cache. `logits_to_keep > 0`
+        computes logits for the last positions only (prefill)."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)

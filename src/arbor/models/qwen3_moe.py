@@ -178,7 +178,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.last_routed_experts: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
         # Set by context parallelism (arbor.trainer.context_parallel): which local tokens count in the aux loss
-        # (not the row's cp padding) and the group whose statistics it sums.
+        # (not the row's cp padding) and the group whose statistics it sums. Prefix-tree merged rows set per-token
+        # counts instead (how many samples share each node, arbor.trainer.step.tree_logprobs).
         self.aux_valid: torch.Tensor | None = None
         self.aux_group = None
 
@@ -232,9 +233,10 @@ def load_balancing_loss(
     """Switch Transformer's loss as transformers computes it for Qwen3-MoE: `E * sum_e f_e * P_e` over all MoE
     layers' tokens, f_e = top-k assignments to expert e per token, P_e = mean router probability; times the
     coefficient. Counts this rank's tokens (padding included, as transformers does without a mask) except
-    where `valid [N]` is False; with `group` (context parallel) the counts and probability sums are summed over
-    the group first, so every rank gets the loss of the whole row (the sum's backward all-reduces gradients,
-    matching how the CP trainer treats its duplicated policy loss)."""
+    where `valid [N]` is False (or counts each token `valid[t]` times when it holds counts: a merged trie node
+    stands for that many sample tokens); with `group` (context parallel) the counts and probability sums are
+    summed over the group first, so every rank gets the loss of the whole row (the sum's backward all-reduces
+    gradients, matching how the CP trainer treats its duplicated policy loss)."""
     E, k = args.num_experts, args.num_experts_per_tok
     probs = torch.cat([torch.softmax(lg.float(), dim=-1) for lg in logits])
     chosen = torch.cat([i.reshape(-1) for i in indices])

@@ -3,7 +3,9 @@
 Samples go to ranks longest-first onto the rank with the fewest tokens (LPT scheduling, within 4/3 of the
 optimum), then each rank packs first-fit-decreasing into rows of at most `micro_batch_tokens`. Every rank gets
 the same number of micro-batches (FSDP's collectives need the same number of forward passes): short ranks get
-one-token rows with an empty loss mask.
+one-token rows with an empty loss mask. With `prefix_merge` the rows are prefix tries instead
+(arbor.orchestrator.prefix_tree): samples sharing token prefixes are merged, the row budget counts trie tokens,
+and ranks are balanced by trie tokens.
 
 Normalisation is explicit in the per-token `loss_weights` (the trainer divides the weighted loss sum by the
 step's loss-token count L): "token" weighs every token 1 (a token mean over the step); "sequence" gives sample
@@ -105,13 +107,19 @@ def build_step_batches(
     temperature: float,
     pad_id: int,
     normalization: str = "token",
+    prefix_merge: bool = False,
 ) -> list[StepBatch]:
     samples = [sample_arrays(r, w) for r, w in zip(rollouts, loss_weights(rollouts, normalization))]
     lengths = [len(s["input_ids"]) for s in samples]
-    per_rank = [
-        [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, micro_batch_tokens)]
-        for idx in assign_ranks(lengths, ranks)
-    ]
+    if prefix_merge:
+        from arbor.orchestrator.prefix_tree import merged_rank_rows
+
+        per_rank = merged_rank_rows(samples, ranks, micro_batch_tokens)
+    else:
+        per_rank = [
+            [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, micro_batch_tokens)]
+            for idx in assign_ranks(lengths, ranks)
+        ]
     most = max(len(m) for m in per_rank)
     for mbs in per_rank:
         mbs += [_empty_micro_batch(pad_id) for _ in range(most - len(mbs))]
@@ -119,7 +127,7 @@ def build_step_batches(
     return [
         StepBatch(
             step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts),
-            temperature=temperature, metadata={"normalization": normalization},
+            temperature=temperature, metadata={"normalization": normalization, "prefix_merge": prefix_merge},
         )
         for mbs in per_rank
     ]

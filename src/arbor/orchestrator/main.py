@@ -191,10 +191,13 @@ class Orchestrator:
         rollouts = [r for g in groups for r in g]
         batches = build_step_batches(
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,
-            self.tokenizer.pad_token_id, cfg.batching.normalization,
+            self.tokenizer.pad_token_id, cfg.batching.normalization, cfg.batching.prefix_merge,
         )
         write_step(cfg.output_dir, step, batches)
         figures = self._figures(step, rollouts, gen_seconds, waited, time.perf_counter() - t0, weights, client)
+        if cfg.batching.prefix_merge:  # sample tokens per trained (trie) token: what merging saved this step
+            rows = sum(mb.num_tokens for b in batches for mb in b.micro_batches)
+            figures["batch/prefix_merge_ratio"] = sum(r.num_tokens for r in rollouts) / max(rows, 1)
         if client is not None:
             for name, value in (await client.router_stats()).items():  # cumulative fleet counters (replicas > 1)
                 if name in ("requests", "retries", "ejections", "readmissions", "backends_in_rotation"):

@@ -2,6 +2,10 @@
 AdamW; then the step's figures reduced over ranks. The RL loop, the tests and the benchmark call these same
 functions, so what is measured is what trains.
 
+Prefix-tree merged rows (arbor.orchestrator.prefix_tree) forward the trie's nodes once under their tree mask and
+unmerge: each original sample token's logprob is read from the logits of the node that predicts it
+(`tree_logprobs`), so everything after the forward sees the unmerged per-token arrays.
+
 Normalisation: each micro-batch's loss is `loss_sum / loss_tokens_total * dp_size`. FSDP2 averages gradients
 over the `dp_size` ranks, so the update follows the exact token mean over the whole step, however the samples
 were packed or split across ranks.
@@ -17,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from arbor.config.trainer import LossConfig
-from arbor.models.attention import packed_causal_mask
+from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
 
@@ -60,18 +64,93 @@ def packed_logprobs(
         return packed_logprobs_cp(model, input_ids, position_ids, seq_lens, temperature, device, with_entropy,
                                   routed_experts)
     input_ids = input_ids.to(device, non_blocking=True)
-    position_ids = position_ids.to(device, non_blocking=True)
-    mask = packed_causal_mask(seq_lens, input_ids.shape[0]).to(device, non_blocking=True)
-    kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
-    logits = model(input_ids[None], position_ids[None], mask, **kwargs)[0]
+    end = subtree_end_for(seq_lens, input_ids.shape[0])
+    logits = _row_forward(model, input_ids, position_ids, end, device, routed_experts)
     return shifted_logprobs(logits, input_ids, temperature, with_entropy)
+
+
+def _row_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    subtree_end: torch.Tensor,
+    device: torch.device,
+    routed_experts: torch.Tensor | None,
+) -> torch.Tensor:
+    """Logits `[T, V]` of one row under its tree mask (a packed row is a forest of chains): one mask per row,
+    shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
+    mask = row_attention_mask(subtree_end, device, getattr(model, "accepts_block_mask", False))
+    kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
+    return model(input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask, **kwargs)[0]
+
+
+def tree_logprobs(
+    model: nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    device: torch.device,
+    with_entropy: bool = True,
+    routed_experts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward a prefix-tree merged row once over its M nodes; (logprobs, entropy) `[N]` per ORIGINAL sample
+    token (0 at each sample's first token), equal to the unmerged samples' within float rounding.
+
+    An MoE model's load-balancing loss counts each node as many times as samples pass through it (the
+    per-token weights `aux_valid`), so it equals the unmerged row's too."""
+    if getattr(model, "_arbor_cp", None) is not None:
+        raise ValueError(
+            "a prefix-tree merged micro-batch reached a context-parallel trainer: set "
+            "orchestrator.batching.prefix_merge = false or trainer.parallel.cp = 1"
+        )
+    nodes = mb.token_nodes.to(device, torch.long)
+    moe = hasattr(model, "aux_valid")
+    if moe:
+        model.aux_valid = torch.bincount(nodes, minlength=mb.num_tokens)
+    try:
+        logits = _row_forward(model, mb.input_ids, mb.position_ids, mb.subtree_end, device, routed_experts)
+    finally:
+        if moe:
+            model.aux_valid = None
+    return unmerged_logprobs(logits, mb.input_ids.to(device), nodes, mb.predictor_nodes().to(device), temperature,
+                             with_entropy)
+
+
+def unmerged_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    token_nodes: torch.Tensor,
+    predictors: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) from node logits `[M, V]`
+    (0 where predictors[t] < 0). The softmax normaliser is computed once per node, then gathered, so a node
+    shared by many samples costs one row of the vocabulary, not one per sample."""
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    has = predictors >= 0
+    src = predictors.clamp(min=0)
+    picked = logits[src, input_ids[token_nodes]] - lse[src]
+    logprobs = torch.where(has, picked, torch.zeros_like(picked))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            logp = logits - lse[:, None]
+            ent = -(logp.exp() * logp).sum(-1)
+            entropy = torch.where(has, ent[src], torch.zeros_like(picked))
+    return logprobs, entropy
 
 
 def micro_batch_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True,
     router_replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged)."""
     replay = mb.routed_experts if router_replay else None
+    if mb.merged:
+        return tree_logprobs(model, mb, temperature, device, with_entropy, replay)
     return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay)
 
 

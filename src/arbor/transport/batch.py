@@ -1,14 +1,31 @@
 """The typed wire format of one training step: per trainer rank, a list of packed micro-batches.
 
-A micro-batch is one packed row of several samples. Every per-token array has the length of `input_ids`;
-`seq_lens` gives the packed samples' lengths (their sum may be shorter than the row: the rest is padding).
-Token `t`'s `inference_logprobs[t]`, `advantages[t]` and `loss_mask[t]` describe the prediction *of* token
-`t` from the tokens before it, so the trainer shifts logits by one. `policy_versions[t]` is the trainer step
-whose weights sampled token `t` (-1 for prompt tokens). `loss_weights[t]` multiplies token `t`'s loss: it makes
-the step's normalisation explicit (token: 1; sequence and group: see arbor.orchestrator.batcher). A file
-written without it (an older writer) reads as all ones. The optional `routed_experts [T, moe_layers, top_k]`
-(uint8 or int16) holds the experts the inference engine routed each token to (router replay); absent for dense
-models or with replay off.
+A micro-batch is one packed row of several samples. `seq_lens` gives the packed samples' lengths (their sum may
+be shorter than the row: the rest is padding). Token `t`'s `inference_logprobs[t]`, `advantages[t]` and
+`loss_mask[t]` describe the prediction *of* token `t` from the tokens before it, so the trainer shifts logits by
+one. `policy_versions[t]` is the trainer step whose weights sampled token `t` (-1 for prompt tokens).
+`loss_weights[t]` multiplies token `t`'s loss: it makes the step's normalisation explicit (token: 1; sequence
+and group: see arbor.orchestrator.batcher). A file written without it (an older writer) reads as all ones. The
+optional `routed_experts [T, moe_layers, top_k]` (uint8 or int16) holds the experts the inference engine routed
+each token to (router replay); absent for dense models or with replay off.
+
+Plain rows: every per-token array has the length of `input_ids`.
+
+Prefix-tree merged rows (`[orchestrator.batching] prefix_merge`, arbor.orchestrator.prefix_tree) depart from
+that (and from DESIGN.md's "every per-token array has the length of input_ids"): the row holds the M nodes of a
+trie of its samples, flattened in DFS order, and two optional fields appear:
+
+- `subtree_end [M]` (int32): node j's subtree is `[j, subtree_end[j])`; node i attends to node j iff
+  `j <= i < subtree_end[j]` (arbor.models.attention). Without it the mask is the packed causal one of `seq_lens`.
+- `token_nodes [N]` (int32): for each token of the ORIGINAL samples (concatenated in `seq_lens` order, N =
+  sum(seq_lens)), the node that holds it. The node whose logits predict sample token t is `token_nodes[t-1]`
+  (none for a sample's first token), and its target id is `input_ids[token_nodes[t]]`.
+
+In a merged row the node arrays `input_ids`, `position_ids` (depth in the trie), `subtree_end` and
+`routed_experts` have length M, and the per-sample-token arrays `loss_mask`, `advantages`,
+`inference_logprobs`, `policy_versions` and `loss_weights` keep length N: they stay per original sample token,
+so two samples sharing a node may carry different advantages, and the loss, gradients and metrics are those of
+the unmerged samples. Files without the two fields (older writers) read as plain rows.
 """
 
 from __future__ import annotations
@@ -22,9 +39,11 @@ import torch
 if TYPE_CHECKING:
     import numpy as np
 
-PER_TOKEN = (
-    "input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights"
-)
+NODE_FIELDS = ("input_ids", "position_ids")
+"""Per row token (per trie node in a merged row)."""
+SAMPLE_TOKEN_FIELDS = ("loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights")
+"""Per original sample token (the same as per row token in a plain row)."""
+PER_TOKEN = NODE_FIELDS + SAMPLE_TOKEN_FIELDS
 DTYPES = {
     "input_ids": torch.int64,
     "position_ids": torch.int64,
@@ -34,6 +53,8 @@ DTYPES = {
     "policy_versions": torch.int32,
     "seq_lens": torch.int32,
     "loss_weights": torch.float32,
+    "subtree_end": torch.int32,
+    "token_nodes": torch.int32,
 }
 
 
@@ -49,26 +70,64 @@ class MicroBatch:
     loss_weights: torch.Tensor | None = None
     """Per-token loss multipliers; None (the default) means all ones."""
     routed_experts: torch.Tensor | None = None
-    """Router replay: the engine's experts per token `[T, moe_layers, top_k]`; None for dense models."""
+    """Router replay: the engine's experts per row token `[T, moe_layers, top_k]`; None for dense models."""
+    subtree_end: torch.Tensor | None = None
+    """Tree mask `[T]`: token i attends to j iff j <= i < subtree_end[j]; None means packed causal (seq_lens)."""
+    token_nodes: torch.Tensor | None = None
+    """Merged row: the row token (trie node) holding each original sample token `[N]`; None for a plain row."""
 
     def __post_init__(self) -> None:
-        n = self.input_ids.shape[0]
+        m = self.input_ids.shape[0]
+        n = m if self.token_nodes is None else self.token_nodes.shape[0]
         if self.loss_weights is None:
             self.loss_weights = torch.ones(n, dtype=torch.float32)
-        if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != n):
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != m):
             raise ValueError(
-                f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, expected ({n}, layers, top_k)"
+                f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, "
+                f"expected ({m}, layers, top_k)"
             )
-        for name in PER_TOKEN:
-            t = getattr(self, name)
-            if t.dim() != 1 or t.shape[0] != n:
-                raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({n},)")
-        if int(self.seq_lens.sum()) > n:
-            raise ValueError(f"seq_lens sum to {int(self.seq_lens.sum())}, more than the row's {n} tokens")
+        for names, size in ((NODE_FIELDS, m), (SAMPLE_TOKEN_FIELDS, n)):
+            for name in names:
+                t = getattr(self, name)
+                if t.dim() != 1 or t.shape[0] != size:
+                    raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({size},)")
+        if self.subtree_end is not None and (self.subtree_end.dim() != 1 or self.subtree_end.shape[0] != m):
+            shape = tuple(self.subtree_end.shape)
+            raise ValueError(f"micro-batch field subtree_end has shape {shape}, expected ({m},)")
+        if self.token_nodes is not None:
+            if self.subtree_end is None:
+                raise ValueError("micro-batch has token_nodes (a merged row) but no subtree_end")
+            if n and (int(self.token_nodes.min()) < 0 or int(self.token_nodes.max()) >= m):
+                raise ValueError(f"micro-batch field token_nodes points outside the row's {m} nodes")
+            if int(self.seq_lens.sum()) != n:
+                raise ValueError(f"seq_lens sum to {int(self.seq_lens.sum())}, not the merged row's {n} sample tokens")
+        elif int(self.seq_lens.sum()) > m:
+            raise ValueError(f"seq_lens sum to {int(self.seq_lens.sum())}, more than the row's {m} tokens")
 
     @property
     def num_tokens(self) -> int:
+        """Row tokens (trie nodes in a merged row): what the forward pass computes."""
         return int(self.input_ids.shape[0])
+
+    @property
+    def merged(self) -> bool:
+        return self.token_nodes is not None
+
+    def row_subtree_end(self) -> torch.Tensor:
+        """The row's tree-mask encoding `[T]` (derived from `seq_lens` for a plain row)."""
+        from arbor.models.attention import subtree_end_for
+
+        return self.subtree_end if self.subtree_end is not None else subtree_end_for(self.seq_lens, self.num_tokens)
+
+    def predictor_nodes(self) -> torch.Tensor:
+        """Merged row: `[N]` int64, the node whose logits predict each sample token (-1 at each sample's start)."""
+        if self.token_nodes is None:
+            raise ValueError("predictor_nodes needs a merged row (token_nodes)")
+        nodes = self.token_nodes.to(torch.long)
+        pred = torch.cat([nodes.new_full((1,), -1), nodes[:-1]])
+        starts = torch.cumsum(self.seq_lens.to(torch.long), 0) - self.seq_lens.to(torch.long)
+        pred[starts[self.seq_lens > 0]] = -1
+        return pred
 
 
 @dataclasses.dataclass
