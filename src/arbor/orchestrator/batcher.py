@@ -36,7 +36,7 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
         "advantages": np.concatenate([np.zeros(P, np.float32), np.where(trained, np.asarray(adv, np.float32), 0)]),
         "inference_logprobs": np.concatenate([np.zeros(P, np.float32), np.asarray(r.logprobs, np.float32)]),
         "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
-        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.where(trained, np.float32(weight), 0).astype(np.float32)]),
+        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.where(trained, weight, 0.0).astype(np.float32)]),
     }
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts

@@ -119,15 +119,16 @@ async def run_episode(
             if budget < 1:
                 finish = "budget"
                 break
-            (completion,) = await generate(ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns))
+            (completion,) = await generate(
+                ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns)
+            )
             traj.add_completion(completion)
             turns += 1
             reply = {"role": "assistant", "content": completion.text}
             full.append(reply)
             view.append(reply)
             result = await guarded(f"step of task {tid}", env.step, task, state, full, **policy)
-            branch = traj.num_branches - 1
-            turn_rewards.append((branch, len(traj.samples()[branch].turns) - 1, result.reward))
+            turn_rewards.append((traj.num_branches - 1, traj.num_turns - 1, result.reward))
             full += result.messages
             view += result.messages
             if result.done:
@@ -149,7 +150,8 @@ async def run_episode(
     stats.branches += len(samples)
     reward = total_reward(components, cfg.reward_weights) if failure is None else 0.0
     latency = time.perf_counter() - t0
-    common = dict(reward=reward, score_failed=failure is not None, group_id=group_id, latency=latency, episode_id=episode_id)
+    common = dict(reward=reward, score_failed=failure is not None, group_id=group_id, latency=latency,
+                  episode_id=episode_id)
     if not samples:  # failed before anything was generated: an empty rollout keeps the failure in the group
         from arbor.environments.base import env_prompt_ids
 

@@ -212,7 +212,9 @@ class Orchestrator:
                     self.filtered["env_skipped"] += 1
                     filtered_here += 1
                     if filtered_here > 50 * need and not kept:
-                        raise RuntimeError(f"the environment failed every rollout of {filtered_here} groups in a row at step {step}")
+                        raise RuntimeError(
+                            f"the environment failed every rollout of {filtered_here} groups in a row at step {step}"
+                        )
                     continue
                 if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
                     self.dropped_stale += len(group)

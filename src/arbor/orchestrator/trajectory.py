@@ -20,7 +20,8 @@ Public API:
     ids = traj.prompt_ids(messages, tools=None)  # the token ids to send for the next turn (tools: override)
     traj.add_completion(completion)              # an arbor.orchestrator.client.Completion sampled from `ids`
     traj.samples() -> list[Sample]               # the closed branches plus the open one (if it sampled anything)
-    traj.num_branches, traj.num_tokens           # branches so far; tokens of the open branch incl. pending delta
+    traj.num_branches, traj.num_turns            # branches so far; sampled turns of the open branch
+    traj.num_tokens                              # tokens of the open branch, including a pending delta
 
 A `Sample` holds `prompt_ids` (the branch's first prompt), `completion_ids` (everything after it),
 `completion_mask` (1 = sampled by the policy and trained; 0 = inserted by the environment or the template),
@@ -95,6 +96,11 @@ class Trajectory:
         return len(self._closed) + (self._branch is not None)
 
     @property
+    def num_turns(self) -> int:
+        """Sampled turns of the open branch."""
+        return 0 if self._branch is None else len(self._branch.turns)
+
+    @property
     def num_tokens(self) -> int:
         b = self._branch
         return 0 if b is None else len(b.prompt) + len(b.completion) + len(b.pending)
@@ -112,7 +118,8 @@ class Trajectory:
         if b is not None and b.turns:  # history was rewritten: close the branch as a sample of its own
             self._closed.append(b)
         # A branch that never sampled (prompt_ids called twice in a row) is simply replaced.
-        self._branch = _Branch(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools), rendered)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        self._branch = _Branch(ids, rendered)
         return list(self._branch.prompt)
 
     def add_completion(self, completion: Any) -> None:
