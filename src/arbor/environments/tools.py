@@ -55,7 +55,7 @@ def _arg_docs(doc: str) -> dict[str, str]:
             m = re.match(r"(\w+)\s*(\([^)]*\))?\s*:\s*(.+)", stripped)
             if m:
                 out[m.group(1)] = m.group(3)
-            elif not stripped:  # a blank line ends the Args section
+            elif not stripped or stripped.endswith(":"):  # a blank line or the next section ends Args
                 in_args = False
     return out
 

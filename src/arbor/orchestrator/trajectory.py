@@ -34,7 +34,10 @@ Contract for callers: append the assistant's turn as `{"role": "assistant", "con
 engine's text, the tool-call markup included). Appending a re-serialised structured `tool_calls` form instead
 is allowed but usually renders differently from the sampled text and then branches every turn. A template
 that drops past reasoning (Qwen3's `<think>` stripping before the last user turn) branches at such turns; that
-is exact, only less mergeable.
+is exact, only less mergeable. Likewise a completion whose text was cut at a stop string (the tokens hold the
+stop string, the text does not) branches at the next turn, and a tokenizer whose decode does not reproduce its
+template's text (some SentencePiece prefix-space rules) branches every turn: exact, never merged. Byte-level
+BPE tokenizers (Qwen, Llama 3) and the byte tokenizer round-trip.
 """
 
 from __future__ import annotations
