@@ -90,7 +90,8 @@ class MultiTurnEnvironment(Protocol):
         ...
 
     async def step(self, task: Task, state: Any, messages: list[dict[str, Any]]) -> StepResult:
-        """React to the assistant's latest turn (the last message of `messages`)."""
+        """React to the assistant's latest turn (the last message of `messages`). A failed or timed-out step is
+        retried with the same arguments, so change `state` only once the step cannot fail any more."""
         ...
 
     async def score_episode(self, task: Task, state: Any, messages: list[dict[str, Any]]) -> dict[str, float]:

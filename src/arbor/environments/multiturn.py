@@ -49,9 +49,9 @@ class ToolEnv(abc.ABC):
         return ToolState()
 
     async def step(self, task: Task, state: ToolState, messages: list[dict[str, Any]]) -> StepResult:
-        state.turns += 1
         calls, errors = parse_tool_calls(messages[-1].get("content") or "")
         if not calls and not errors:
+            state.turns += 1
             return StepResult(done=True)
         by_name = {fn.__name__: fn for fn in self.tools(task)}
         replies: list[dict[str, Any]] = []
@@ -68,6 +68,8 @@ class ToolEnv(abc.ABC):
             except ToolError as e:
                 invalid += 1
                 replies.append({"role": "tool", "content": f"error: {e}"})
+        # state changes last: a step retried after a timeout must not count its calls twice
+        state.turns += 1
         state.tool_calls += len(calls) + len(errors)
         state.invalid_calls += invalid
         reward = -self.process_penalty * invalid if self.process_penalty > 0 else None

@@ -106,8 +106,12 @@ async def run_episode(
     turns, finish, failure = 0, "max_turns", None
     try:
         state = await guarded(f"setup of task {tid}", env.setup, task, **policy)
-        traj = Trajectory(tokenizer, [tool_schema(fn) for fn in env.tools(task)] or None)
-        full = list(env.prompt(task))
+        try:  # the environment's own code: its failures are the episode's, like setup's (never retried)
+            schemas = [tool_schema(fn) for fn in env.tools(task)] or None
+            full = list(env.prompt(task))
+        except Exception as e:  # noqa: BLE001 - counted and scored like any environment failure
+            raise EnvFailure(f"tools or prompt of task {tid} failed: {e!r}") from e
+        traj = Trajectory(tokenizer, schemas)
         view, num_prompt = list(full), len(full)
         while turns < max_turns:
             ids = traj.prompt_ids(view)
