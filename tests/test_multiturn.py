@@ -267,6 +267,8 @@ def test_math_dataset_is_deterministic_and_solvable():
         assert asyncio.run(env.score(t, "\\boxed{999999}"))["correct"] == 0.0 or t["answer"] == "999999"
     with pytest.raises(ValueError, match="unknown kinds"):
         MathEnv(kinds=["calculus"])
+    built = load_environment(EnvironmentConfig(id="math", args={"num_tasks": 3, "kinds": ["linear"]}))
+    assert isinstance(built, MathEnv) and all(t["kind"] == "linear" for t in built.dataset(0))
 
 
 # --- tool_use ----------------------------------------------------------------------------------------------
