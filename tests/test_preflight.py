@@ -119,3 +119,13 @@ def test_gpu_count_without_torch_matches_torch():
     import torch
 
     assert preflight.count_gpus() == torch.cuda.device_count()
+
+
+def test_context_summariser_not_importable(tmp_path):
+    cfg = load_config(RLConfig, ["--output-dir", str(tmp_path / "run"), *TINY, "--orchestrator.environment.id", "tool_use",
+                                 "--orchestrator.environment.context.strategy", "summarise",
+                                 "--orchestrator.environment.context.summariser", "no_such_module:summary"])
+    with pytest.raises(PreflightError, match=r"orchestrator.environment.context.summariser 'no_such_module:summary'"):
+        preflight.check_plugins(cfg)
+    with pytest.raises(Exception, match="trigger_tokens is set but context.strategy is 'none'"):
+        load_config(RLConfig, [*TINY, "--orchestrator.environment.context.trigger-tokens", "100"])

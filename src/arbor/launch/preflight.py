@@ -121,7 +121,11 @@ def check_environment(env_id: str) -> None:
 
 def check_plugins(cfg: RLConfig) -> None:
     """A loss or advantage function given by dotted path must be importable (built-in names pass)."""
-    for field, value in (("trainer.loss.name", cfg.trainer.loss.name), ("orchestrator.advantage.name", cfg.orchestrator.advantage.name)):
+    plugins = [("trainer.loss.name", cfg.trainer.loss.name), ("orchestrator.advantage.name", cfg.orchestrator.advantage.name)]
+    context = cfg.orchestrator.environment.context
+    if context.strategy == "summarise":
+        plugins.append(("orchestrator.environment.context.summariser", context.summariser))
+    for field, value in plugins:
         if ":" not in value and "." not in value:
             continue  # a built-in name, checked by the process that uses it
         module = value.partition(":")[0] if ":" in value else value.rpartition(".")[0]

@@ -78,7 +78,10 @@ class Orchestrator:
         self.groups_launched = 0
         self.curriculum = None
         self.buffer = None
-        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0}
+        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0, "env_skipped": 0}
+        from arbor.orchestrator.episode import EpisodeStats
+
+        self.env_stats = EpisodeStats()  # environment retries, failures and skips; multi-turn episode figures
         self._task_of_group: dict[int, dict] = {}
         from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 
@@ -274,6 +277,14 @@ class Orchestrator:
 
         cfg = self.cfg
         task = self._task_of_group.pop(group[0].group_id, None) if group else None
+        if not group:  # every rollout skipped after environment failures (counted in env/skipped)
+            self.filtered["env_skipped"] += 1
+            self._filtered_here += 1
+            if self._filtered_here > 50 * need and not kept:
+                raise RuntimeError(
+                    f"the environment failed every rollout of {self._filtered_here} groups in a row at step {step}"
+                )
+            return False
         if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
             self.dropped_stale += len(group)
             return False
@@ -299,7 +310,9 @@ class Orchestrator:
         spec = self._next_spec(step, k)
         handle = self.partial.handle(spec.group_id)
         coro = generate_group(handle, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                              cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout)
+                              cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
+                              generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
+                              seq_len=cfg.seq_len, stats=self.env_stats)
         now = time.monotonic()
         flight = _Flight(self.queue.launch(), asyncio.create_task(coro), handle, now, now, weights.loaded_version)
         self._flights[spec.group_id] = flight
@@ -469,6 +482,7 @@ class Orchestrator:
         return out
 
     def _next_spec(self, step: int, k: int):
+        from arbor.environments import env_prompt_ids
         from arbor.orchestrator.rollout import GroupSpec
 
         cfg = self.cfg
@@ -477,7 +491,7 @@ class Orchestrator:
                 task = self._relaunch.popleft()
             else:
                 task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
-            prompt_ids = self.tokenizer.apply_chat_template(self.env.prompt(task), add_generation_prompt=True)
+            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
                 self.groups_launched += 1
@@ -498,7 +512,7 @@ class Orchestrator:
 
         rewards = np.array([r.reward for r in rollouts])
         stale = np.array([r.staleness(step) for r in rollouts])
-        comp_lens = np.array([len(r.completion_ids) for r in rollouts])
+        comp_lens = np.array([r.num_trained for r in rollouts])  # sampled tokens (multi-turn: all turns)
         figures: dict[str, Any] = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
@@ -519,6 +533,7 @@ class Orchestrator:
             "time/wait_weights": waited,
             "time/orchestrator_step": step_seconds,
             "epoch": self.sampler.epoch,
+            **self.env_stats.figures(),
         }
         for name in sorted({k for r in rollouts for k in r.components}):
             figures[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in rollouts]))
