@@ -2,9 +2,9 @@
 
 Not imported by arbor: `sandbox.py` passes this file's source to `python -I -B -c` (so the child needs no read
 access to the repository) with a JSON configuration as argv[1]. It uses only the standard library. Steps, in an
-order that matters: join the pids cgroup (while /sys is still writable), make every mount but the work directory
-read-only (mount namespace), set rlimits, drop to the sandbox uid/gid (so RLIMIT_NPROC is enforced and nothing of
-root's is writable), forbid privilege gain (no_new_privs), install the best-effort audit hook when asked (the
+order that matters: join the pids cgroup (while /sys is still writable), mount a size-bounded tmpfs on the work
+directory and make every other mount read-only (mount namespace), set rlimits, drop to the sandbox uid/gid (so RLIMIT_NPROC is enforced and nothing of
+root's is writable), drop all capabilities and forbid regaining any (no_new_privs), install the best-effort audit hook when asked (the
 mode without namespaces), and only then run the user's code. Any setup failure exits 125 before user code runs.
 """
 
@@ -21,7 +21,7 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND = 1024, 2048, 4096
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
 KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
 
 
 def fail(msg):
@@ -29,8 +29,8 @@ def fail(msg):
     os._exit(SETUP_FAILED)
 
 
-def mount(libc, src, target, flags):
-    if libc.mount(src, target.encode(), None, flags, None) != 0:
+def mount(libc, src, target, flags, fstype=None, data=None):
+    if libc.mount(src, target.encode(), fstype, flags, data) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
@@ -40,14 +40,25 @@ def unescape(path):
     return path.encode().decode("unicode_escape").encode("latin-1").decode()
 
 
-def read_only_everything_but(workdir):
-    """Bind the work directory onto itself (its own mount), then remount every other mount read-only.
+def read_only_everything_but(workdir, size_mb, uid, gid):
+    """Mount a tmpfs of `size_mb` on the work directory (which bounds the disk a run can fill; the few files
+    already there are copied in), then remount every other mount read-only.
 
     Flags a remount does not name are cleared, so the existing nosuid/nodev/noexec/atime flags are repeated
     (in a user namespace they are locked and changing them fails)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    wd = workdir.encode()
-    mount(libc, wd, workdir, MS_BIND)
+    files = {}
+    for name in os.listdir(workdir):
+        with open(os.path.join(workdir, name), "rb") as f:
+            files[name] = f.read()
+    owner = f",uid={uid},gid={gid}" if uid is not None else ""
+    mount(libc, b"tmpfs", workdir, MS_NOSUID | MS_NODEV, b"tmpfs", f"size={size_mb}m,mode=700{owner}".encode())
+    for name, data in files.items():
+        path = os.path.join(workdir, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        if uid is not None:
+            os.chown(path, uid, gid)
     with open("/proc/self/mountinfo") as f:
         lines = f.read().splitlines()
     for line in reversed(lines):  # children before parents, as listed last
@@ -100,6 +111,22 @@ def audit_hook(workdir):
     sys.addaudithook(hook)
 
 
+def drop_bounding_set(libc):
+    """Empties the capability bounding set (needs CAP_SETPCAP, so before the uid drop)."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: no such cap
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
+
+
+def drop_capabilities(libc):
+    """Empties the effective, permitted and inheritable sets. Needed when the run stays uid 0 inside a user
+    namespace: that root owns the mount namespace and could otherwise remount it writable."""
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     workdir = cfg["workdir"]
@@ -108,15 +135,17 @@ def main():
             with open(cfg["cgroup_procs"], "w") as f:
                 f.write(str(os.getpid()))
         if cfg.get("read_only_mounts"):
-            read_only_everything_but(workdir)
+            read_only_everything_but(workdir, cfg["disk_mb"], cfg.get("uid"), cfg.get("gid"))
         for name, value in cfg["rlimits"].items():
             soft, hard = value if isinstance(value, list) else (value, value)
             resource.setrlimit(getattr(resource, name), (soft, hard))
+        libc = ctypes.CDLL(None, use_errno=True)
+        drop_bounding_set(libc)
         if cfg.get("uid") is not None:
             os.setgroups([])
             os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        libc = ctypes.CDLL(None, use_errno=True)
+        drop_capabilities(libc)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         os.chdir(workdir)

@@ -37,7 +37,11 @@ class Environment(Protocol):
         ...
 
 
-BUILTINS = {"reverse_text": "arbor.environments.reverse_text:ReverseTextEnv"}
+BUILTINS = {
+    "reverse_text": "arbor.environments.reverse_text:ReverseTextEnv",
+    "code": "arbor.environments.code:CodeEnv",
+    "verifiers": "arbor.environments.verifiers_adapter:VerifiersEnv",
+}
 
 
 def load_object(path: str) -> Any:

@@ -7,9 +7,11 @@ chosen once per process from what the host offers, strongest first (`detect_isol
 
 - `namespaces` (root + util-linux `unshare`): new pid, network, mount, ipc and uts namespaces. The pid namespace
   means no process outlives the run (when its first process exits the kernel kills the rest); the network
-  namespace has only a loopback that is down, so no connection can be made; in the mount namespace every mount
-  but the work directory is remounted read-only. The child then drops to an unprivileged uid/gid unique to its
-  concurrency slot, so RLIMIT_NPROC (which the kernel does not enforce for root) holds, and sets no_new_privs.
+  namespace has only a loopback that is down, so no connection can be made; in the mount namespace the work
+  directory is a tmpfs of `disk_mb` (bounding what all files together can fill) and every other mount is
+  remounted read-only. The child then drops to an unprivileged uid/gid unique to its
+  concurrency slot, so RLIMIT_NPROC (which the kernel does not enforce for root) holds, drops every capability and sets
+  no_new_privs.
 - `userns` (not root, user namespaces allowed): the same namespaces inside a user namespace (`unshare -U -r`).
 - `rlimits` (neither works): rlimits only, plus an audit hook in the child that refuses sockets, process
   creation, ctypes and writes outside the work directory. This is best effort: native code can bypass it.
@@ -67,6 +69,8 @@ class SandboxLimits:
     max_processes: int = 32
     """Processes and threads in the run (RLIMIT_NPROC for the slot uid, and pids.max)."""
     max_open_files: int = 64
+    disk_mb: int = 64
+    """Size of the work directory's tmpfs (namespace modes), which bounds all files written together."""
     max_output_bytes: int = 64 * 1024
     """Bytes of stdout and of stderr kept; the rest is read and dropped."""
 
@@ -300,6 +304,7 @@ class Sandbox:
             cgroup = await asyncio.to_thread(self._make_cgroup, slot)
             cfg = {"workdir": os.path.realpath(workdir), "main": "main.py", "rlimits": self._rlimits(),
                    "uid": uid, "gid": gid, "read_only_mounts": iso.mode != "rlimits",
+                   "disk_mb": self.limits.disk_mb,
                    "audit": iso.mode == "rlimits", "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None}
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                    "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
