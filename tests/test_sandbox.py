@@ -78,6 +78,16 @@ def test_isolation_is_detected_and_strongest_here():
     assert iso.mode in ("namespaces", "userns", "rlimits")
     if os.geteuid() == 0 and shutil.which("unshare") and os.environ.get("ARBOR_EXPECT_NAMESPACES", "1") == "1":
         assert iso.mode == "namespaces" and iso.drop_uid, iso.describe()
+    r = run("import os\nprint(open('/proc/self/cgroup').read())\nprint(os.getuid(), os.getpid())")
+    groups = dict(line.split(":", 2)[1:] for line in r.stdout.splitlines()[:-1] if line)
+    for controller, parent in (("pids", iso.pids_cgroup), ("cpu", iso.cpu_cgroup)):
+        if parent:  # the run sits in its own per-run cgroup of that controller
+            assert any(controller in k.split(",") and CGROUP_PREFIX in v for k, v in groups.items()), groups
+    uid, pid = map(int, r.stdout.splitlines()[-1].split())
+    if iso.drop_uid:
+        assert uid >= UID_BASE
+    if iso.mode != "rlimits":
+        assert pid == 1  # its own pid namespace
 
 
 def test_program_runs_in_fresh_dir_that_is_removed(clean):

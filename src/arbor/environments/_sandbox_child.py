@@ -2,7 +2,7 @@
 
 Not imported by arbor: `sandbox.py` passes this file's source to `python -I -B -c` (so the child needs no read
 access to the repository) with a JSON configuration as argv[1]. It uses only the standard library. Steps, in an
-order that matters: join the pids cgroup (while /sys is still writable), mount a size-bounded tmpfs on the work
+order that matters: join the cgroups (while /sys is still writable), mount a size-bounded tmpfs on the work
 directory and make every other mount read-only (mount namespace), set rlimits, drop to the sandbox uid/gid (so RLIMIT_NPROC is enforced and nothing of
 root's is writable), drop all capabilities and forbid regaining any (no_new_privs), install the best-effort audit hook when asked (the
 mode without namespaces), and only then run the user's code. Any setup failure exits 125 before user code runs.
@@ -131,8 +131,8 @@ def main():
     cfg = json.loads(sys.argv[1])
     workdir = cfg["workdir"]
     try:
-        if cfg.get("cgroup_procs"):
-            with open(cfg["cgroup_procs"], "w") as f:
+        for procs in cfg.get("cgroup_procs") or []:
+            with open(procs, "w") as f:
                 f.write(str(os.getpid()))
         if cfg.get("read_only_mounts"):
             read_only_everything_but(workdir, cfg["disk_mb"], cfg.get("uid"), cfg.get("gid"))

@@ -17,7 +17,8 @@ chosen once per process from what the host offers, strongest first (`detect_isol
   creation, ctypes and writes outside the work directory. This is best effort: native code can bypass it.
 
 In every mode, when a pids cgroup can be created under this process's own cgroup, each run is put in its own
-one with `pids.max` = `max_processes`, which bounds a fork bomb regardless of uid. Memory is bounded per process
+one with `pids.max` = `max_processes`, which bounds a fork bomb regardless of uid; likewise a cpu cgroup with a
+quota of one CPU, so a run with many busy processes cannot take the machine's other cores from the trainer. Memory is bounded per process
 by RLIMIT_AS (so the run as a whole by `max_processes` x `memory_mb`); a memory cgroup is deliberately not used
 because it would be nested in the host's (the container's) memory hierarchy and a crash could leave it behind.
 
@@ -100,6 +101,8 @@ class Isolation:
     drop_uid: bool
     pids_cgroup: str | None
     """Directory under which a per-run pids cgroup is created, or None."""
+    cpu_cgroup: str | None = None
+    """Directory under which a per-run cpu cgroup (quota: one CPU) is created, or None."""
 
     def describe(self) -> str:
         parts = {"namespaces": "pid+net+mount(read-only)+ipc+uts namespaces via unshare",
@@ -107,6 +110,7 @@ class Isolation:
                  "rlimits": "no namespaces; audit hook refuses sockets/processes/ctypes/writes outside (best effort)"}
         extra = ["uid drop per slot (RLIMIT_NPROC enforced)"] if self.drop_uid else []
         extra.append(f"pids cgroup under {self.pids_cgroup}" if self.pids_cgroup else "no pids cgroup")
+        extra.append(f"cpu cgroup (1 CPU) under {self.cpu_cgroup}" if self.cpu_cgroup else "no cpu cgroup")
         return f"{self.mode}: {parts[self.mode]}; {'; '.join(extra)}; rlimits cpu/as/fsize/nproc/nofile; python {self.python}"
 
 
@@ -136,23 +140,25 @@ def _python_for(drop_uid: bool) -> str | None:
     return None
 
 
-def _own_pids_cgroup() -> Path | None:
-    """The pids cgroup directory this process is in, when it is writable (v1 `pids` hierarchy or v2)."""
+def _own_cgroup(controller: str) -> Path | None:
+    """This process's cgroup directory for `controller` (a v1 hierarchy, or v2 when it offers the controller),
+    when it is writable."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "pids" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/pids")
-        elif controllers == "" and "pids" in _read("/sys/fs/cgroup/cgroup.controllers"):
-            base = Path("/sys/fs/cgroup")
+        if controller in controllers.split(","):
+            bases = [Path("/sys/fs/cgroup", controllers), Path("/sys/fs/cgroup", controller)]
+        elif controllers == "" and controller in _read("/sys/fs/cgroup/cgroup.controllers").split():
+            bases = [Path("/sys/fs/cgroup")]
         else:
             continue
-        d = base / path.lstrip("/")
-        if (d / "cgroup.procs").exists() and os.access(d, os.W_OK):
-            return d
+        for base in bases:
+            d = base / path.lstrip("/")
+            if (d / "cgroup.procs").exists() and os.access(d, os.W_OK):
+                return d
     return None
 
 
@@ -196,20 +202,22 @@ def detect_isolation() -> Isolation:
 @functools.cache
 def _detect_isolation() -> Isolation:
     unshare = shutil.which("unshare")
-    cgroup = _own_pids_cgroup()
-    if cgroup is not None:
-        _remove_stale_cgroups(cgroup)
-    cg = str(cgroup) if cgroup else None
+    groups = {c: _own_cgroup(c) for c in ("pids", "cpu")}
+    for d in groups.values():
+        if d is not None:
+            _remove_stale_cgroups(d)
+    cg = str(groups["pids"]) if groups["pids"] else None
+    cpu = str(groups["cpu"]) if groups["cpu"] else None
     root = os.geteuid() == 0
     candidates = []
     if unshare and root and (py := _python_for(drop_uid=True)):
-        candidates.append(Isolation("namespaces", (unshare, *UNSHARE_FLAGS), py, True, cg))
+        candidates.append(Isolation("namespaces", (unshare, *UNSHARE_FLAGS), py, True, cg, cpu))
     if unshare and not root:
         candidates.append(Isolation("userns", (unshare, "--user", "--map-root-user", *UNSHARE_FLAGS),
-                                    sys.executable, False, cg))
+                                    sys.executable, False, cg, cpu))
     if root and (py := _python_for(drop_uid=True)):
-        candidates.append(Isolation("rlimits", (), py, True, cg))
-    candidates.append(Isolation("rlimits", (), sys.executable, False, cg))
+        candidates.append(Isolation("rlimits", (), py, True, cg, cpu))
+    candidates.append(Isolation("rlimits", (), sys.executable, False, cg, cpu))
     for iso in candidates:
         why = _probe(iso)
         if why is None:
@@ -252,13 +260,21 @@ class Sandbox:
         if self._isolation is None:
             await asyncio.to_thread(lambda: self.isolation)  # the first probe runs subprocesses
         async with self._semaphore():
-            with self._lock:
-                slot = self._slots.pop()
+            slot = await self._take_slot()
             try:
                 return await self._run(code, files or {}, stdin, slot)
             finally:
                 with self._lock:
                     self._slots.append(slot)
+
+    async def _take_slot(self) -> int:
+        # The per-loop semaphore bounds one loop; slots (uids) are shared by all loops using this sandbox, so
+        # a run from a second loop waits here while the first holds them all.
+        while True:
+            with self._lock:
+                if self._slots:
+                    return self._slots.pop()
+            await asyncio.sleep(0.05)
 
     def _rlimits(self) -> dict[str, list[int]]:
         lim, mib = self.limits, 1024 * 1024
@@ -269,19 +285,28 @@ class Sandbox:
                 "RLIMIT_NOFILE": [lim.max_open_files] * 2,
                 "RLIMIT_CORE": [0, 0]}
 
-    def _make_cgroup(self, slot: int) -> Path | None:
-        parent = self.isolation.pids_cgroup
-        if parent is None:
-            return None
-        d = Path(parent) / f"{CGROUP_PREFIX}{os.getpid()}-{slot}-{next(_run_ids)}"
-        try:
-            d.mkdir()
-            (d / "pids.max").write_text(str(self.limits.max_processes))
-        except OSError as e:
-            log.warning("code sandbox: cannot create pids cgroup %s (%s); relying on RLIMIT_NPROC", d, e)
-            _rmdir_cgroup(d)
-            return None
-        return d
+    def _make_cgroups(self, slot: int) -> list[Path]:
+        """This run's pids cgroup (pids.max) and cpu cgroup (a quota of one CPU, so a fork bomb or a busy loop
+        takes at most one core however many processes it has), as far as the host allows."""
+        iso, made = self.isolation, []
+        name = f"{CGROUP_PREFIX}{os.getpid()}-{slot}-{next(_run_ids)}"
+        wanted = [(iso.pids_cgroup, [("pids.max", str(self.limits.max_processes))]),
+                  (iso.cpu_cgroup, [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "100000")]
+                   if Path(iso.cpu_cgroup or "", "cpu.cfs_quota_us").exists() else [("cpu.max", "100000 100000")])]
+        for parent, settings in wanted:
+            if parent is None:
+                continue
+            d = Path(parent) / name
+            try:
+                d.mkdir()
+                for file, value in settings:
+                    (d / file).write_text(value)
+            except OSError as e:
+                log.warning("code sandbox: cannot set up cgroup %s (%s); running without it", d, e)
+                _rmdir_cgroup(d)
+                continue
+            made.append(d)
+        return made
 
     async def _run(self, code: str, files: dict[str, str], stdin: str, slot: int) -> SandboxResult:
         iso = self.isolation
@@ -289,7 +314,7 @@ class Sandbox:
         uid = gid = None
         if iso.drop_uid:
             uid = gid = UID_BASE + (os.getpid() % 4_000_000) * MAX_SLOTS + slot
-        cgroup = None
+        cgroups: list[Path] = []
         start = time.monotonic()
         try:
             for name, text in {**files, "main.py": code}.items():
@@ -301,22 +326,22 @@ class Sandbox:
                 for p in [workdir, *(str(Path(workdir, n)) for n in [*files, "main.py"])]:
                     os.chown(p, uid, gid)
             os.chmod(workdir, 0o700)
-            cgroup = await asyncio.to_thread(self._make_cgroup, slot)
+            cgroups = await asyncio.to_thread(self._make_cgroups, slot)
             cfg = {"workdir": os.path.realpath(workdir), "main": "main.py", "rlimits": self._rlimits(),
                    "uid": uid, "gid": gid, "read_only_mounts": iso.mode != "rlimits",
                    "disk_mb": self.limits.disk_mb,
-                   "audit": iso.mode == "rlimits", "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None}
+                   "audit": iso.mode == "rlimits", "cgroup_procs": [str(d / "cgroup.procs") for d in cgroups]}
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                    "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
             argv = [*iso.prefix, iso.python, "-I", "-B", "-c", CHILD_SOURCE, json.dumps(cfg)]
-            return await self._execute(argv, env, workdir, stdin, start, cgroup)
+            return await self._execute(argv, env, workdir, stdin, start, cgroups)
         finally:
-            if cgroup is not None:
-                await asyncio.to_thread(_kill_cgroup, cgroup)
+            for d in cgroups:
+                await asyncio.to_thread(_kill_cgroup, d)
             await asyncio.to_thread(_remove_tree, workdir)
 
     async def _execute(self, argv: list[str], env: dict[str, str], workdir: str, stdin: str, start: float,
-                       cgroup: Path | None) -> SandboxResult:
+                       cgroups: list[Path]) -> SandboxResult:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=workdir,
             start_new_session=True)
@@ -329,8 +354,8 @@ class Sandbox:
             timed_out = True
         finally:
             _kill_group(proc.pid)
-            if cgroup is not None:
-                await asyncio.to_thread(_kill_cgroup, cgroup, False)
+            if cgroups:
+                await asyncio.to_thread(_kill_cgroup, cgroups[0], False)
             await proc.wait()
         # Pipes close when the last holder dies; without a pid namespace an escaped daemon could hold them.
         done, pending = await asyncio.wait(readers, timeout=1.0)
