@@ -9,6 +9,7 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +22,8 @@ from arbor.config.environment import EnvironmentConfig
 from arbor.environments.base import Environment, load_environment
 from arbor.environments.code import CodeEnv, extract_code
 from arbor.environments.sandbox import (
-    CGROUP_PREFIX, UID_BASE, UNSHARE_FLAGS, Isolation, Sandbox, SandboxLimits, _python_for, detect_isolation,
+    CGROUP_PREFIX, MAX_SLOTS, UID_BASE, UNSHARE_FLAGS, Isolation, Sandbox, SandboxLimits, _python_for, _remove_stale,
+    detect_isolation,
 )
 
 LIMITS = SandboxLimits(cpu_seconds=3, wall_seconds=6, memory_mb=256, max_processes=16, disk_mb=32)
@@ -36,8 +38,12 @@ WRITE_1GB_MANY_FILES = ("chunk = b'0' * 2 ** 20\nfor i in range(1024):\n    with
                         "        for _ in range(8):\n            f.write(chunk)\n")
 
 
-def sandbox_processes() -> list[str]:
-    """Live processes that belong to a sandbox: a sandbox uid, or a sandbox work directory on the command line."""
+def sandbox_processes(owner: int | None = None) -> list[str]:
+    """Live processes of the sandboxes of process `owner` (default: this one; other runs may share the host):
+    one of its slot uids, or one of its work directories on the command line."""
+    owner = os.getpid() if owner is None else owner
+    mine = f"/arbor-sandbox-{owner}-".encode()
+    uids = range(UID_BASE + (owner % 4_000_000) * MAX_SLOTS, UID_BASE + (owner % 4_000_000 + 1) * MAX_SLOTS)
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
@@ -45,22 +51,23 @@ def sandbox_processes() -> list[str]:
             cmdline = (status.parent / "cmdline").read_bytes()
         except (OSError, StopIteration):
             continue
-        if uid >= UID_BASE or b"/arbor-sandbox-" in cmdline:
+        if uid in uids or mine in cmdline:
             found.append(f"{status.parent.name} uid={uid} {cmdline[:80]!r}")
     return found
 
 
 def leftovers(before_dirs: set[str]) -> list[str]:
-    dirs = set(map(str, Path(tempfile.gettempdir()).glob("arbor-sandbox-*"))) - before_dirs
-    cg = detect_isolation().pids_cgroup
-    cgroups = [str(p) for p in Path(cg).glob(f"{CGROUP_PREFIX}{os.getpid()}-*")] if cg else []
+    dirs = set(map(str, Path(tempfile.gettempdir()).glob(f"arbor-sandbox-{os.getpid()}-*"))) - before_dirs
+    iso = detect_isolation()
+    cgroups = [str(p) for parent in (iso.pids_cgroup, iso.cpu_cgroup) if parent
+               for p in Path(parent).glob(f"{CGROUP_PREFIX}{os.getpid()}-*")]
     return sandbox_processes() + sorted(dirs) + cgroups
 
 
 @pytest.fixture
 def clean():
     """Asserts the test leaves no sandbox process, work directory or cgroup behind."""
-    before = set(map(str, Path(tempfile.gettempdir()).glob("arbor-sandbox-*")))
+    before = set(map(str, Path(tempfile.gettempdir()).glob(f"arbor-sandbox-{os.getpid()}-*")))
     yield
     deadline = time.monotonic() + 5
     while (left := leftovers(before)) and time.monotonic() < deadline:
@@ -76,7 +83,10 @@ def test_isolation_is_detected_and_strongest_here():
     iso = detect_isolation()
     print(iso.describe())
     assert iso.mode in ("namespaces", "userns", "rlimits")
-    if os.geteuid() == 0 and shutil.which("unshare") and os.environ.get("ARBOR_EXPECT_NAMESPACES", "1") == "1":
+    unshare = shutil.which("unshare")
+    can_unshare = unshare and subprocess.run([unshare, "--pid", "--fork", "--mount", "--net", "true"],
+                                             capture_output=True, timeout=30).returncode == 0
+    if os.geteuid() == 0 and can_unshare:  # root where namespaces work: the strongest mode must be chosen
         assert iso.mode == "namespaces" and iso.drop_uid, iso.describe()
     r = run("import os\nprint(open('/proc/self/cgroup').read())\nprint(os.getuid(), os.getpid())")
     groups = dict(line.split(":", 2)[1:] for line in r.stdout.splitlines()[:-1] if line)
@@ -99,6 +109,35 @@ def test_program_runs_in_fresh_dir_that_is_removed(clean):
     assert "AWS" not in env and "VIRTUAL_ENV" not in env  # scrubbed environment
     assert r.stdout.splitlines()[1] == "HELLO"
     assert not Path(cwd).exists()
+
+
+def test_sandbox_dies_with_its_orchestrator():
+    """SIGKILL the process that started a run: the run's processes die too (no orphan keeps sleeping)."""
+    forks = detect_isolation().mode != "rlimits"  # the audit hook of that mode refuses fork
+    program = "import os, time\\nos.fork()\\ntime.sleep(300)" if forks else "import time\\ntime.sleep(300)"
+    script = ("import asyncio\nfrom arbor.environments.sandbox import Sandbox, SandboxLimits\n"
+              "asyncio.run(Sandbox(SandboxLimits(wall_seconds=300, cpu_seconds=300)).run("
+              f"'{program}'))\n")
+    owner = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline, started = time.monotonic() + 60, 0
+        while started < 2 and time.monotonic() < deadline:  # twice, 1 s apart: not the short isolation probe
+            started = started + 1 if len(sandbox_processes(owner.pid)) >= 1 + forks else 0
+            time.sleep(1.0)
+        assert started == 2, "the sandboxed program did not start"
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 10
+    while sandbox_processes(owner.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not sandbox_processes(owner.pid)
+    # What the dead process could not clean, the next process's first sandbox removes.
+    iso = detect_isolation()
+    for parent, cgroups in [(iso.pids_cgroup, True), (iso.cpu_cgroup, True), (tempfile.gettempdir(), False)]:
+        if parent:
+            _remove_stale(Path(parent), cgroups)
+            assert not list(Path(parent).glob(f"{CGROUP_PREFIX}{owner.pid}-*"))
 
 
 def test_hostile_programs_contained(clean):

@@ -4,7 +4,8 @@ Not imported by arbor: `sandbox.py` passes this file's source to `python -I -B -
 access to the repository) with a JSON configuration as argv[1]. It uses only the standard library. Steps, in an
 order that matters: join the cgroups (while /sys is still writable), mount a size-bounded tmpfs on the work
 directory and make every other mount read-only (mount namespace), set rlimits, drop to the sandbox uid/gid (so RLIMIT_NPROC is enforced and nothing of
-root's is writable), drop all capabilities and forbid regaining any (no_new_privs), install the best-effort audit hook when asked (the
+root's is writable), drop all capabilities and forbid regaining any (no_new_privs), die
+with the parent (PR_SET_PDEATHSIG), install the best-effort audit hook when asked (the
 mode without namespaces), and only then run the user's code. Any setup failure exits 125 before user code runs.
 """
 
@@ -21,7 +22,7 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND = 1024, 2048, 4096
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
 KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
-PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_PDEATHSIG = 38, 24, 1
 
 
 def fail(msg):
@@ -148,6 +149,9 @@ def main():
         drop_capabilities(libc)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        # Die with the parent (the orchestrator, or unshare). Set last: a credential change clears it.
+        if libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
         os.chdir(workdir)
     except OSError as e:
         fail(repr(e))

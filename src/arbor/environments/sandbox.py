@@ -109,6 +109,8 @@ class Isolation:
                  "userns": "user+pid+net+mount(read-only)+ipc+uts namespaces via unshare -U",
                  "rlimits": "no namespaces; audit hook refuses sockets/processes/ctypes/writes outside (best effort)"}
         extra = ["uid drop per slot (RLIMIT_NPROC enforced)"] if self.drop_uid else []
+        if "--pdeathsig" in self.prefix:
+            extra.append("namespace killed if this process dies (setpriv --pdeathsig)")
         extra.append(f"pids cgroup under {self.pids_cgroup}" if self.pids_cgroup else "no pids cgroup")
         extra.append(f"cpu cgroup (1 CPU) under {self.cpu_cgroup}" if self.cpu_cgroup else "no cpu cgroup")
         return f"{self.mode}: {parts[self.mode]}; {'; '.join(extra)}; rlimits cpu/as/fsize/nproc/nofile; python {self.python}"
@@ -169,13 +171,13 @@ def _read(path: str) -> str:
         return ""
 
 
-def _remove_stale_cgroups(parent: Path) -> None:
-    """Empty per-run cgroups left by a crashed process (its pid is in the name) are removed."""
+def _remove_stale(parent: Path, cgroups: bool) -> None:
+    """Per-run cgroups (empty by then) or work directories left by a process that died (its pid is in the name)."""
     for d in parent.glob(CGROUP_PREFIX + "*"):
         owner = d.name[len(CGROUP_PREFIX):].split("-")[0]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             try:
-                d.rmdir()
+                d.rmdir() if cgroups else _remove_tree(str(d))
             except OSError:
                 pass
 
@@ -205,15 +207,21 @@ def _detect_isolation() -> Isolation:
     groups = {c: _own_cgroup(c) for c in ("pids", "cpu")}
     for d in groups.values():
         if d is not None:
-            _remove_stale_cgroups(d)
+            _remove_stale(d, cgroups=True)
+    _remove_stale(Path(tempfile.gettempdir()), cgroups=False)
     cg = str(groups["pids"]) if groups["pids"] else None
     cpu = str(groups["cpu"]) if groups["cpu"] else None
     root = os.geteuid() == 0
     candidates = []
+    enter: tuple[str, ...] = (unshare,) if unshare else ()
+    if unshare and (setpriv := shutil.which("setpriv")):
+        helped = subprocess.run([setpriv, "--help"], capture_output=True, text=True).stdout
+        if "--pdeathsig" in helped:  # unshare then dies with this process, and with it the whole namespace
+            enter = (setpriv, "--pdeathsig", "KILL", unshare)
     if unshare and root and (py := _python_for(drop_uid=True)):
-        candidates.append(Isolation("namespaces", (unshare, *UNSHARE_FLAGS), py, True, cg, cpu))
+        candidates.append(Isolation("namespaces", (*enter, *UNSHARE_FLAGS), py, True, cg, cpu))
     if unshare and not root:
-        candidates.append(Isolation("userns", (unshare, "--user", "--map-root-user", *UNSHARE_FLAGS),
+        candidates.append(Isolation("userns", (*enter, "--user", "--map-root-user", *UNSHARE_FLAGS),
                                     sys.executable, False, cg, cpu))
     if root and (py := _python_for(drop_uid=True)):
         candidates.append(Isolation("rlimits", (), py, True, cg, cpu))
@@ -310,7 +318,7 @@ class Sandbox:
 
     async def _run(self, code: str, files: dict[str, str], stdin: str, slot: int) -> SandboxResult:
         iso = self.isolation
-        workdir = tempfile.mkdtemp(prefix="arbor-sandbox-", dir=self.root)
+        workdir = tempfile.mkdtemp(prefix=f"{CGROUP_PREFIX}{os.getpid()}-", dir=self.root)  # owner in the name
         uid = gid = None
         if iso.drop_uid:
             uid = gid = UID_BASE + (os.getpid() % 4_000_000) * MAX_SLOTS + slot
