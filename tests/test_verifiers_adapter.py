@@ -125,3 +125,78 @@ def test_missing_extra_names_it(monkeypatch):
     monkeypatch.setattr(preflight, "_importable", lambda module: module != "verifiers")
     with pytest.raises(preflight.PreflightError, match="uv sync --extra verifiers"):
         preflight.check_environment("verifiers")
+
+
+# --- multi-turn: a taskset with a toolset runs as an arbor tool environment ----------------------------------
+
+
+class CalcToolset(vf.Toolset):
+    @vf.tool
+    async def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first addend
+            b: the second addend
+        """
+        return a + b
+
+    @vf.tool(name="negate")
+    def neg(self, x: int) -> int:
+        """Negate an integer."""
+        return -x
+
+
+class CalcTask(vf.Task[SumData]):
+    @classmethod
+    def toolsets(cls, config):
+        return [CalcToolset(vf.ToolsetConfig())]
+
+    @vf.reward
+    async def correct(self, task, trace) -> float:
+        return float(trace.last_reply == task.answer)
+
+    @vf.reward(weight=0.1)
+    async def used_tools(self, trace) -> float:
+        calls = [c for m in trace.assistant_messages for c in (m.tool_calls or [])]
+        answered = {m.tool_call_id for m in trace.tool_messages}
+        return float(bool(calls) and all(c.id in answered for c in calls))
+
+
+class CalcTaskset(vf.Taskset[CalcTask]):
+    def load(self):
+        yield CalcTask(SumData(prompt="What is 20 + 22? Use the tools.", answer="42"), self.config.task)
+
+
+def test_toolset_taskset_is_a_multi_turn_tool_environment():
+    from arbor.environments.base import MultiTurnEnvironment, is_multi_turn
+    from arbor.environments.tools import tool_schema
+
+    env = load_environment(EnvironmentConfig(id="verifiers", args={
+        "env_id": "test_verifiers_adapter:CalcTaskset", "max_turns": 3}))
+    assert is_multi_turn(env) and isinstance(env, MultiTurnEnvironment) and env.max_turns == 3
+    single = load_environment(EnvironmentConfig(id="verifiers", args={"env_id": "test_verifiers_adapter:SumTaskset"}))
+    assert not is_multi_turn(single)
+    (task,) = env.dataset(0)
+    schemas = {s["function"]["name"]: s["function"] for s in map(tool_schema, env.tools(task))}
+    assert set(schemas) == {"add", "negate"}
+    assert schemas["add"]["parameters"]["required"] == ["a", "b"]
+    assert schemas["add"]["parameters"]["properties"]["a"]["type"] == "integer"
+
+    async def episode():
+        state = await env.setup(task)
+        messages = env.prompt(task)
+        turns = ['<tool_call>\n{"name": "add", "arguments": {"a": 20, "b": 22}}\n</tool_call>',
+                 '<tool_call>\n{"name": "negate", "arguments": {"x": 5}}\n</tool_call>', "42"]
+        results = []
+        for text in turns:
+            messages.append({"role": "assistant", "content": text})
+            step = await env.step(task, state, messages)
+            messages += step.messages
+            results.append((step.done, [m["content"] for m in step.messages]))
+        return results, await env.score_episode(task, state, messages)
+
+    results, scores = asyncio.run(episode())
+    assert results == [(False, ["42"]), (False, ["-5"]), (True, [])]
+    assert scores == {"correct": 1.0, "used_tools": 0.1}
+    assert asyncio.run(env.score(task, "41")) == {"correct": 0.0, "used_tools": 0.0}  # single-turn fallback

@@ -13,17 +13,28 @@ functions run unchanged. Each reward becomes one arbor component, valued `score 
 `Reward.value`) so that arbor's default sum equals verifiers' `trace.reward`; a reward that failed (None) is 0.
 `reference` is the task data's `answer` field when it is a string.
 
-Not covered (verifiers' agentic side): harnesses, toolsets and runtimes (multi-turn agents run as programs in a
-box; arbor trains those through its gateway, not this adapter), rewards that require a `runtime` (skipped,
-verifiers logs which), `@vf.metric`s (recorded by verifiers, not summed, so not reward components here) and
-infinite tasksets beyond `max_tasks`. verifiers is imported lazily: without it, one line names the extra.
+Multi-turn with tools: when the taskset or its task type declares `toolsets(config)`, the environment is an
+arbor `MultiTurnEnvironment` (a `ToolEnv`): the toolsets' `@vf.tool` methods are called in-process as arbor
+tools (Qwen3/Hermes tool-call markup, `max_turns` from args), and the finished episode (assistant turns with
+their parsed tool calls, tool results) becomes the trace that the task's rewards score.
+
+Not covered (verifiers' agentic side): harnesses and runtimes (agents that run as programs in a box; arbor
+trains those through its gateway, not this adapter), toolsets served remotely or whose tools rely on synced
+per-rollout `State`, user simulators, rewards that require a `runtime` (skipped, verifiers logs which),
+`@vf.metric`s (recorded by verifiers, not summed, so not reward components here) and infinite tasksets beyond
+`max_tasks`. verifiers is imported lazily: without it, one line names the extra.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+import json
+from typing import Any, Callable
 
 from arbor.environments.base import Task, load_object
+from arbor.environments.multiturn import ToolEnv, ToolState
+from arbor.environments.tools import parse_tool_calls
 
 INSTALL_HINT = "the verifiers adapter needs the optional extra: uv sync --extra verifiers"
 
@@ -91,30 +102,111 @@ class VerifiersEnv:
             raise ValueError(f"verifiers task {task['id']}: prompt roles {bad} (tool calls) are not supported here")
         return messages + [{"role": m.role, "content": content_text(m.content)} for m in data.prompt or []]
 
-    def _trace(self, vf_task: Any, messages: list[dict[str, str]], completion: str) -> Any:
+    def _trace(self, vf_task: Any, messages: list[dict[str, Any]]) -> Any:
+        """A verifiers trace of `messages`: one chain of nodes; assistant turns are the sampled ones, with their
+        `<tool_call>` blocks as verifiers tool calls whose ids the following tool results answer."""
         vf = self.vf
         from verifiers.v1.state import state_cls
 
-        kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-        nodes = [vf.MessageNode(message=kinds[m["role"]](content=m["content"]), parent=i - 1 if i else None)
-                 for i, m in enumerate(messages)]
-        nodes.append(vf.MessageNode(message=vf.AssistantMessage(content=completion), sampled=True,
-                                    parent=len(nodes) - 1 if nodes else None))
+        nodes, pending = [], []
+        for i, m in enumerate(messages):
+            role, content = m["role"], m.get("content") or ""
+            if role == "assistant":
+                calls, _ = parse_tool_calls(content)
+                tool_calls = [vf.ToolCall(id=f"call_{i}_{j}", name=c.name, arguments=json.dumps(c.arguments))
+                              for j, c in enumerate(calls)] or None
+                pending = [c.id for c in tool_calls or []]
+                message = vf.AssistantMessage(content=content, tool_calls=tool_calls)
+            elif role == "tool":
+                message = vf.ToolMessage(content=content, tool_call_id=pending.pop(0) if pending else f"call_{i}")
+            elif role in ("system", "user"):
+                message = (vf.SystemMessage if role == "system" else vf.UserMessage)(content=content)
+            else:
+                raise ValueError(f"verifiers adapter: message role {role!r} has no verifiers counterpart")
+            nodes.append(vf.MessageNode(message=message, parent=i - 1 if i else None, sampled=role == "assistant"))
         return vf.Trace(
             task=vf.TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key, hash=vf_task.hash),
             state=state_cls(type(vf_task))(),
             agent=vf.AgentInfo(config=vf.AgentConfig(), name="arbor"),
             nodes=nodes, is_completed=True, ok=True)
 
-    async def score(self, task: Task, completion: str) -> dict[str, float]:
+    async def _rewards(self, task: Task, messages: list[dict[str, Any]]) -> dict[str, float]:
         vf_task = self._vf_task(task)
-        trace = self._trace(vf_task, self.prompt(task), completion)
+        trace = self._trace(vf_task, messages)
         await vf_task.score(trace)
         return {name: (r.value if r is not None else 0.0) for name, r in trace.rewards.items()}
+
+    async def score(self, task: Task, completion: str) -> dict[str, float]:
+        return await self._rewards(task, self.prompt(task) + [{"role": "assistant", "content": completion}])
 
     def reference(self, task: Task) -> str | None:
         answer = getattr(self._vf_task(task).data, "answer", None)
         return answer if isinstance(answer, str) else None
+
+
+class VerifiersToolEnv(VerifiersEnv, ToolEnv):
+    """A verifiers taskset with toolsets, as an arbor multi-turn tool environment."""
+
+    def __init__(self, env_id: str, config: dict[str, Any] | None = None, max_tasks: int | None = None,
+                 name: str | None = None, max_turns: int = 6, tool_timeout: float = 10.0) -> None:
+        super().__init__(env_id, config, max_tasks, name)
+        self.max_turns, self.tool_timeout = max_turns, tool_timeout
+        self._tools = tool_functions(self.vf, toolsets_of(self.taskset))
+
+    def tools(self, task: Task) -> list[Callable[..., Any]]:
+        return self._tools
+
+    async def score_episode(self, task: Task, state: ToolState, messages: list[dict[str, Any]]) -> dict[str, float]:
+        return await self._rewards(task, messages)
+
+    async def score(self, task: Task, completion: str) -> dict[str, float]:
+        return await VerifiersEnv.score(self, task, completion)
+
+
+def toolsets_of(taskset: Any) -> list[Any]:
+    """The toolsets a taskset declares for all its tasks and for its task type."""
+    return [*type(taskset).toolsets(taskset.config), *type(taskset).task_type().toolsets(taskset.config.task)]
+
+
+def tool_functions(vf: Any, toolsets: list[Any]) -> list[Callable[..., Any]]:
+    """The toolsets' `@vf.tool` methods as plain functions named as the model calls them."""
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    fns = []
+    for toolset in toolsets:
+        if toolset.config.url:
+            raise ValueError(f"verifiers toolset {type(toolset).__name__} is served remotely ({toolset.config.url}): "
+                             "the adapter runs tools in-process only")
+        for method in discover_decorated(toolset, "tool"):
+            fns.append(_as_tool(method, getattr(method, "tool_name", None) or method.__name__))
+    names = [fn.__name__ for fn in fns]
+    if len(set(names)) != len(names):
+        raise ValueError(f"verifiers toolsets define a tool name twice: {sorted(names)}")
+    return fns
+
+
+def _as_tool(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A function named `name` with the method's signature, docstring and type hints (the tool schema); async
+    when the method is, so that sync tools keep running in a thread."""
+    if inspect.iscoroutinefunction(method):
+        async def tool(**kwargs: Any) -> Any:
+            return await method(**kwargs)
+    else:
+        def tool(**kwargs: Any) -> Any:
+            return method(**kwargs)
+    functools.update_wrapper(tool, method)
+    tool.__name__ = tool.__qualname__ = name
+    return tool
+
+
+def load_verifiers_env(env_id: str, config: dict[str, Any] | None = None, max_tasks: int | None = None,
+                       name: str | None = None, max_turns: int = 6, tool_timeout: float = 10.0) -> VerifiersEnv:
+    """The `verifiers` built-in: a multi-turn tool environment when the taskset declares toolsets, else single
+    turn (where `max_turns` and `tool_timeout` do not apply)."""
+    env = VerifiersEnv(env_id, config, max_tasks, name)
+    if toolsets_of(env.taskset):
+        return VerifiersToolEnv(env_id, config, max_tasks, name, max_turns, tool_timeout)
+    return env
 
 
 def is_available() -> bool:

@@ -43,7 +43,10 @@ class Orchestrator:
         self.groups_launched = 0
         self.curriculum = None
         self.buffer = None
-        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0}
+        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0, "env_skipped": 0}
+        from arbor.orchestrator.episode import EpisodeStats
+
+        self.env_stats = EpisodeStats()  # environment retries, failures and skips; multi-turn episode figures
         self._task_of_group: dict[int, dict] = {}
         from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 
@@ -176,7 +179,8 @@ class Orchestrator:
         async def one(spec) -> list:
             return await generate_group(
                 client, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                cfg.sampling.top_p, weights_of, cfg.environment.timeout,
+                cfg.sampling.top_p, weights_of, cfg.environment.timeout, generate=client.generate,
+                env_cfg=cfg.environment, tokenizer=self.tokenizer, seq_len=cfg.seq_len, stats=self.env_stats,
             )
 
         def launch(k: int) -> None:
@@ -204,6 +208,12 @@ class Orchestrator:
             for _, task in taken:
                 group = task.result()  # a failed generation fails the run, as the client already retried
                 task = self._task_of_group.pop(group[0].group_id, None) if group else None
+                if not group:  # every rollout skipped after environment failures (counted in env/skipped)
+                    self.filtered["env_skipped"] += 1
+                    filtered_here += 1
+                    if filtered_here > 50 * need and not kept:
+                        raise RuntimeError(f"the environment failed every rollout of {filtered_here} groups in a row at step {step}")
+                    continue
                 if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
                     self.dropped_stale += len(group)
                     continue
@@ -290,12 +300,13 @@ class Orchestrator:
         return out
 
     def _next_spec(self, step: int, k: int):
+        from arbor.environments import env_prompt_ids
         from arbor.orchestrator.rollout import GroupSpec
 
         cfg = self.cfg
         while True:
             task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
-            prompt_ids = self.tokenizer.apply_chat_template(self.env.prompt(task), add_generation_prompt=True)
+            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
                 self.groups_launched += 1
@@ -331,6 +342,7 @@ class Orchestrator:
             "time/wait_weights": waited,
             "time/orchestrator_step": step_seconds,
             "epoch": self.sampler.epoch,
+            **self.env_stats.figures(),
         }
         for name in sorted({k for r in rollouts for k in r.components}):
             figures[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in rollouts]))
