@@ -29,8 +29,9 @@ from arbor.environments.sandbox import (
 LIMITS = SandboxLimits(cpu_seconds=3, wall_seconds=6, memory_mb=256, max_processes=16, disk_mb=32)
 
 FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-SHELL_FORK_BOMB = ("import subprocess\nwhile True:\n    try:\n        subprocess.Popen(['sh', '-c', 'f() { f | f & }; f'],"
-                   " start_new_session=True)\n    except OSError:\n        pass\n")
+SHELL_FORK_BOMB = ("import subprocess\nwhile True:\n    try:\n"
+                   "        subprocess.Popen(['sh', '-c', 'f() { f | f & }; f'], start_new_session=True)\n"
+                   "    except OSError:\n        pass\n")
 INFINITE_LOOP = "while True:\n    pass\n"
 ALLOCATE_10GB = "x = bytearray(10 * 1024 ** 3)\n"
 WRITE_1GB = "with open('big', 'wb') as f:\n    for _ in range(1024):\n        f.write(b'0' * 2 ** 20)\n"

@@ -81,7 +81,8 @@ def test_factory_chat_prompt_and_rebuilt_tasks():
     other = load_environment(EnvironmentConfig(id="verifiers", args={
         "env_id": "test_verifiers_adapter:make_sum_taskset", "config": {"num_tasks": 2}, "max_tasks": 1}))
     assert len(other.dataset(0)) == 1
-    fresh = load_environment(EnvironmentConfig(id="verifiers", args={"env_id": "test_verifiers_adapter:make_sum_taskset"}))
+    fresh = load_environment(EnvironmentConfig(id="verifiers",
+                                               args={"env_id": "test_verifiers_adapter:make_sum_taskset"}))
     assert asyncio.run(fresh.score(other.dataset(0)[0], "0"))["correct"] == 1.0
 
 

@@ -2,11 +2,12 @@
 
 Not imported by arbor: `sandbox.py` passes this file's source to `python -I -B -c` (so the child needs no read
 access to the repository) with a JSON configuration as argv[1]. It uses only the standard library. Steps, in an
-order that matters: join the cgroups (while /sys is still writable), mount a size-bounded tmpfs on the work
-directory and make every other mount read-only (mount namespace), set rlimits, drop to the sandbox uid/gid (so RLIMIT_NPROC is enforced and nothing of
-root's is writable), drop all capabilities and forbid regaining any (no_new_privs), die
-with the parent (PR_SET_PDEATHSIG), install the best-effort audit hook when asked (the
-mode without namespaces), and only then run the user's code. Any setup failure exits 125 before user code runs.
+order that matters: join the cgroups (while /sys is still writable); mount a size-bounded tmpfs on the work
+directory and make every other mount read-only (mount namespace); set rlimits; empty the capability bounding
+set, then drop to the sandbox uid/gid (so RLIMIT_NPROC is enforced and nothing of root's is writable) and drop
+every capability; forbid regaining any (no_new_privs); die with the parent (PR_SET_PDEATHSIG, last, since a
+credential change clears it); install the best-effort audit hook when asked (the mode without namespaces); and
+only then run the user's code. Any setup failure exits 125 before user code runs.
 """
 
 import ctypes

@@ -2,7 +2,7 @@
 components.
 
 An environment is built from `[orchestrator.environment]`: `id` names a built-in (`reverse_text`, `math`,
-`tool_use`, `code`, `verifiers`) or a dotted path `package.module:factory`; `args` are the factory's keyword arguments. Every call is
+`tool_use`) or a dotted path `package.module:factory`; `args` are the factory's keyword arguments. Every call is
 async so that verifiers, tools and sandboxes never block the orchestrator's event loop.
 
 Two shapes:

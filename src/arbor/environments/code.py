@@ -113,7 +113,8 @@ FAMILIES = [
                       f"if i % {p['a']} == 0 or i % {p['b']} == 0)\n"),
            lambda r: dict(zip("ab", r.sample([2, 3, 5, 7, 11], 2))), lambda r, p: [r.randint(0, 200)]),
     Family("fibonacci", lambda p: "returns the n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1",
-           lambda p: "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+           lambda p: ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+                      "    return a\n"),
            lambda r: {}, lambda r, p: [r.randint(0, 40)]),
     Family("gcd", lambda p: "returns the greatest common divisor of the positive integers a and b",
            lambda p: "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",

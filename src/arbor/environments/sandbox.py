@@ -18,9 +18,11 @@ chosen once per process from what the host offers, strongest first (`detect_isol
 
 In every mode, when a pids cgroup can be created under this process's own cgroup, each run is put in its own
 one with `pids.max` = `max_processes`, which bounds a fork bomb regardless of uid; likewise a cpu cgroup with a
-quota of one CPU, so a run with many busy processes cannot take the machine's other cores from the trainer. Memory is bounded per process
-by RLIMIT_AS (so the run as a whole by `max_processes` x `memory_mb`); a memory cgroup is deliberately not used
-because it would be nested in the host's (the container's) memory hierarchy and a crash could leave it behind.
+quota of one CPU, so a run with many busy processes cannot take the other cores from the trainer. Memory is
+bounded per process by RLIMIT_AS (so the run as a whole by `max_processes` x `memory_mb`); a memory cgroup is
+deliberately not used: it would be nested in the host's (the container's) memory hierarchy, and one left behind
+by a crash would stop the host from removing its own cgroup. If this process dies, `setpriv --pdeathsig` kills
+`unshare` and so the namespace; the next process's first run removes the work directories and cgroups left.
 
 The interpreter is this process's Python when the sandbox uid can read it, else a system `python3`: model
 code gets the standard library, not the orchestrator's packages. Departure from prime-rl/verifiers, which run code
@@ -113,7 +115,8 @@ class Isolation:
             extra.append("namespace killed if this process dies (setpriv --pdeathsig)")
         extra.append(f"pids cgroup under {self.pids_cgroup}" if self.pids_cgroup else "no pids cgroup")
         extra.append(f"cpu cgroup (1 CPU) under {self.cpu_cgroup}" if self.cpu_cgroup else "no cpu cgroup")
-        return f"{self.mode}: {parts[self.mode]}; {'; '.join(extra)}; rlimits cpu/as/fsize/nproc/nofile; python {self.python}"
+        extra += ["rlimits cpu/as/fsize/nproc/nofile", f"python {self.python}"]
+        return f"{self.mode}: {parts[self.mode]}; {'; '.join(extra)}"
 
 
 def _world_usable(path: str) -> bool:
