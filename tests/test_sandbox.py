@@ -161,6 +161,18 @@ def test_hostile_programs_contained(clean):
     assert run("print(sum(range(10)))").stdout == "45\n"  # the machine still runs programs
 
 
+@pytest.mark.skipif(detect_isolation().pids_cgroup is None and detect_isolation().cpu_cgroup is None,
+                    reason="the run-wide memory watchdog needs a per-run cgroup to list the processes")
+def test_total_memory_bounded(clean):
+    """8 processes of 160 MiB each, each within RLIMIT_AS (256 MiB), 1.3 GiB together: over the run's 256 MiB."""
+    code = ("import os, time\nfor _ in range(7):\n    if os.fork() == 0:\n        break\n"
+            "x = bytearray(160 * 2 ** 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\ntime.sleep(5)\n")
+    r = run(code)
+    assert r.memory_exceeded and not r.ok and not r.timed_out, r
+    assert r.seconds < 4
+    assert run("x = bytearray(100 * 2 ** 20)\nprint(len(x))").ok  # one process under the limit is fine
+
+
 @pytest.mark.skipif(detect_isolation().mode == "rlimits", reason="needs the tmpfs work directory (namespaces)")
 def test_total_disk_bounded(clean):
     r = run(WRITE_1GB_MANY_FILES)

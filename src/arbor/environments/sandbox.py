@@ -19,9 +19,10 @@ chosen once per process from what the host offers, strongest first (`detect_isol
 In every mode, when a pids cgroup can be created under this process's own cgroup, each run is put in its own
 one with `pids.max` = `max_processes`, which bounds a fork bomb regardless of uid; likewise a cpu cgroup with a
 quota of one CPU, so a run with many busy processes cannot take the other cores from the trainer. Memory is
-bounded per process by RLIMIT_AS (so the run as a whole by `max_processes` x `memory_mb`); a memory cgroup is
-deliberately not used: it would be nested in the host's (the container's) memory hierarchy, and one left behind
-by a crash would stop the host from removing its own cgroup. If this process dies, `setpriv --pdeathsig` kills
+bounded per process by RLIMIT_AS and, when there is a per-run cgroup to list its processes, for the run as a
+whole by a watchdog that polls their resident memory every 20 ms (without a cgroup: `max_processes` x
+`memory_mb`). A memory cgroup would be exact but is deliberately not used: it would be nested in the host's
+(the container's) memory hierarchy, and one left behind by a crash would stop the host removing its own. If this process dies, `setpriv --pdeathsig` kills
 `unshare` and so the namespace; the next process's first run removes the work directories and cgroups left.
 
 The interpreter is this process's Python when the sandbox uid can read it, else a system `python3`: model
@@ -87,10 +88,12 @@ class SandboxResult:
     timed_out: bool
     seconds: float
     truncated: bool = False
+    memory_exceeded: bool = False
+    """Killed because its processes together held more than `memory_mb` resident (needs a cgroup)."""
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.memory_exceeded
 
 
 @dataclass(frozen=True)
@@ -358,12 +361,15 @@ class Sandbox:
             start_new_session=True)
         cap = self.limits.max_output_bytes
         readers = [asyncio.ensure_future(_read_capped(s, cap)) for s in (proc.stdout, proc.stderr)]
-        timed_out = False
+        waiter = asyncio.ensure_future(_feed_and_wait(proc, stdin))
+        watcher = asyncio.ensure_future(_watch_memory(cgroups[0], self.limits.memory_mb * 2**20)) if cgroups else None
         try:
-            await asyncio.wait_for(_feed_and_wait(proc, stdin), self.limits.wall_seconds)
-        except asyncio.TimeoutError:
-            timed_out = True
+            ended, _ = await asyncio.wait([t for t in (waiter, watcher) if t], timeout=self.limits.wall_seconds,
+                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for t in (waiter, watcher):
+                if t:
+                    t.cancel()
             _kill_group(proc.pid)
             if cgroups:
                 await asyncio.to_thread(_kill_cgroup, cgroups[0], False)
@@ -376,8 +382,25 @@ class Sandbox:
         if proc.returncode == SETUP_FAILED and b"sandbox setup failed" in err:
             log.error("code sandbox: %s", err.decode(errors="replace").strip())
         return SandboxResult(returncode=proc.returncode, stdout=out.decode(errors="replace"),
-                             stderr=err.decode(errors="replace"), timed_out=timed_out,
-                             seconds=time.monotonic() - start, truncated=out_cut or err_cut)
+                             stderr=err.decode(errors="replace"), timed_out=not ended,
+                             seconds=time.monotonic() - start, truncated=out_cut or err_cut,
+                             memory_exceeded=watcher in ended)
+
+
+async def _watch_memory(cgroup: Path, limit: int, interval: float = 0.02) -> None:
+    """Returns when the resident memory of all the run's processes together exceeds `limit` (RLIMIT_AS bounds
+    each process only). Polled, so a run may overshoot by what it allocates in `interval` (with the one-CPU
+    quota, well under a GiB). Shared pages count once per process, so this errs on the strict side."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    procs = cgroup / "cgroup.procs"
+    while True:
+        total = 0
+        for pid in _read(str(procs)).split():
+            statm = _read(f"/proc/{pid}/statm").split()
+            total += int(statm[1]) * page if len(statm) > 1 else 0
+        if total > limit:
+            return
+        await asyncio.sleep(interval)
 
 
 async def _feed_and_wait(proc: asyncio.subprocess.Process, stdin: str) -> None:
