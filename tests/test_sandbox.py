@@ -168,7 +168,7 @@ def test_total_memory_bounded(clean):
     code = ("import os, time\nfor _ in range(7):\n    if os.fork() == 0:\n        break\n"
             "x = bytearray(160 * 2 ** 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\ntime.sleep(5)\n")
     r = run(code)
-    assert r.memory_exceeded and not r.ok and not r.timed_out, r
+    assert r.exceeded == "memory" and not r.ok and not r.timed_out, r
     assert r.seconds < 4
     assert run("x = bytearray(100 * 2 ** 20)\nprint(len(x))").ok  # one process under the limit is fine
 
@@ -277,6 +277,8 @@ def test_weaker_modes_still_contain(mode, clean):
     r = run("import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', 9))\nprint('CONNECTED')",
             sandbox)
     assert "CONNECTED" not in r.stdout
+    r = run(WRITE_1GB_MANY_FILES, sandbox)
+    assert not r.ok and (r.exceeded == "disk" or "No space left" in r.stderr), r
     if mode == "userns":  # uid 0 of the user namespace must not be able to undo the read-only mounts
         r = run("import subprocess\nprint(subprocess.run(['mount', '-o', 'remount,rw', '/'], capture_output=True)"
                 ".returncode)", sandbox)

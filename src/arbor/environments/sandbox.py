@@ -14,7 +14,8 @@ chosen once per process from what the host offers, strongest first (`detect_isol
   no_new_privs.
 - `userns` (not root, user namespaces allowed): the same namespaces inside a user namespace (`unshare -U -r`).
 - `rlimits` (neither works): rlimits only, plus an audit hook in the child that refuses sockets, process
-  creation, ctypes and writes outside the work directory. This is best effort: native code can bypass it.
+  creation, ctypes and writes outside the work directory. This is best effort: native code can bypass it. The
+  work directory's total size is polled (no tmpfs bounds it). As root, the uid drop still applies.
 
 In every mode, when a pids cgroup can be created under this process's own cgroup, each run is put in its own
 one with `pids.max` = `max_processes`, which bounds a fork bomb regardless of uid; likewise a cpu cgroup with a
@@ -74,7 +75,7 @@ class SandboxLimits:
     """Processes and threads in the run (RLIMIT_NPROC for the slot uid, and pids.max)."""
     max_open_files: int = 64
     disk_mb: int = 64
-    """Size of the work directory's tmpfs (namespace modes), which bounds all files written together."""
+    """All files of a run together, MiB: the size of the work directory's tmpfs (namespace modes), else polled."""
     max_output_bytes: int = 64 * 1024
     """Bytes of stdout and of stderr kept; the rest is read and dropped."""
 
@@ -88,12 +89,13 @@ class SandboxResult:
     timed_out: bool
     seconds: float
     truncated: bool = False
-    memory_exceeded: bool = False
-    """Killed because its processes together held more than `memory_mb` resident (needs a cgroup)."""
+    exceeded: str | None = None
+    """"memory": killed because its processes together held more than `memory_mb` resident (needs a cgroup);
+    "disk": because its files together took more than `disk_mb` (the mode without a tmpfs)."""
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.memory_exceeded
+        return self.returncode == 0 and not self.timed_out and self.exceeded is None
 
 
 @dataclass(frozen=True)
@@ -362,7 +364,11 @@ class Sandbox:
         cap = self.limits.max_output_bytes
         readers = [asyncio.ensure_future(_read_capped(s, cap)) for s in (proc.stdout, proc.stderr)]
         waiter = asyncio.ensure_future(_feed_and_wait(proc, stdin))
-        watcher = asyncio.ensure_future(_watch_memory(cgroups[0], self.limits.memory_mb * 2**20)) if cgroups else None
+        disk = workdir if self.isolation.mode == "rlimits" else None  # the namespace modes have a bounded tmpfs
+        watcher = None
+        if cgroups or disk:
+            watcher = asyncio.ensure_future(_watch(cgroups[0] if cgroups else None, self.limits.memory_mb * 2**20,
+                                                   disk, self.limits.disk_mb * 2**20))
         try:
             ended, _ = await asyncio.wait([t for t in (waiter, watcher) if t], timeout=self.limits.wall_seconds,
                                           return_when=asyncio.FIRST_COMPLETED)
@@ -384,23 +390,38 @@ class Sandbox:
         return SandboxResult(returncode=proc.returncode, stdout=out.decode(errors="replace"),
                              stderr=err.decode(errors="replace"), timed_out=not ended,
                              seconds=time.monotonic() - start, truncated=out_cut or err_cut,
-                             memory_exceeded=watcher in ended)
+                             exceeded=watcher.result() if watcher in ended else None)
 
 
-async def _watch_memory(cgroup: Path, limit: int, interval: float = 0.02) -> None:
-    """Returns when the resident memory of all the run's processes together exceeds `limit` (RLIMIT_AS bounds
-    each process only). Polled, so a run may overshoot by what it allocates in `interval` (with the one-CPU
-    quota, well under a GiB). Shared pages count once per process, so this errs on the strict side."""
+async def _watch(cgroup: Path | None, memory: int, workdir: str | None, disk: int, interval: float = 0.02) -> str:
+    """Returns what the run exceeded: "memory" when the resident memory of all its processes (listed by its
+    cgroup) together exceeds `memory` (RLIMIT_AS bounds each process only), "disk" when the files under `workdir`
+    together exceed `disk` (RLIMIT_FSIZE bounds each file only; used where no tmpfs bounds the directory).
+    Polled, so a run may overshoot by what it allocates or writes in `interval` (with the one-CPU quota, well
+    under a GiB). Shared pages count once per process, so the memory check errs on the strict side."""
     page = os.sysconf("SC_PAGE_SIZE")
-    procs = cgroup / "cgroup.procs"
     while True:
-        total = 0
-        for pid in _read(str(procs)).split():
-            statm = _read(f"/proc/{pid}/statm").split()
-            total += int(statm[1]) * page if len(statm) > 1 else 0
-        if total > limit:
-            return
+        if cgroup is not None:
+            total = 0
+            for pid in _read(str(cgroup / "cgroup.procs")).split():
+                statm = _read(f"/proc/{pid}/statm").split()
+                total += int(statm[1]) * page if len(statm) > 1 else 0
+            if total > memory:
+                return "memory"
+        if workdir is not None and _tree_size(workdir) > disk:
+            return "disk"
         await asyncio.sleep(interval)
+
+
+def _tree_size(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 async def _feed_and_wait(proc: asyncio.subprocess.Process, stdin: str) -> None:
