@@ -201,3 +201,24 @@ def test_toolset_taskset_is_a_multi_turn_tool_environment():
     assert results == [(False, ["42"]), (False, ["-5"]), (True, [])]
     assert scores == {"correct": 1.0, "used_tools": 0.1}
     assert asyncio.run(env.score(task, "41")) == {"correct": 0.0, "used_tools": 0.0}  # single-turn fallback
+
+
+def test_toolset_taskset_runs_through_the_episode_driver():
+    """The orchestrator's multi-turn driver (token-exact turns) plays the verifiers task; its rewards score it."""
+    from arbor.models.tokenizer import ByteTokenizer
+    from arbor.orchestrator.client import Completion
+    from arbor.orchestrator.episode import EpisodeSettings, run_episode
+
+    tok = ByteTokenizer()
+    texts = ['<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>', "42"]
+
+    async def generate(prompt_ids, n, max_tokens, temperature, top_p, seed=None):
+        ids = tok.encode(texts.pop(0)) + [tok.eos_token_id]
+        return [Completion(ids, [-0.5] * len(ids), [1] * len(ids), tok.decode(ids), "stop")]
+
+    env = load_environment(EnvironmentConfig(id="verifiers", args={"env_id": "test_verifiers_adapter:CalcTaskset"}))
+    settings = EpisodeSettings(max_tokens=128, temperature=1.0, top_p=1.0, seq_len=2048, env=EnvironmentConfig())
+    (r,) = asyncio.run(run_episode(generate, env, env.dataset(0)[0], tok, settings))
+    assert r.components == {"correct": 1.0, "used_tools": pytest.approx(0.1)} and not r.score_failed
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode([t for t, m in zip(r.completion_ids,
+                                                                                  r.completion_mask) if m == 0])
