@@ -23,8 +23,9 @@ quota of one CPU, so a run with many busy processes cannot take the other cores 
 bounded per process by RLIMIT_AS and, when there is a per-run cgroup to list its processes, for the run as a
 whole by a watchdog that polls their resident memory every 20 ms (without a cgroup: `max_processes` x
 `memory_mb`). A memory cgroup would be exact but is deliberately not used: it would be nested in the host's
-(the container's) memory hierarchy, and one left behind by a crash would stop the host removing its own. If this process dies, `setpriv --pdeathsig` kills
-`unshare` and so the namespace; the next process's first run removes the work directories and cgroups left.
+(the container's) memory hierarchy, and one left behind by a crash would stop the host removing its own. If
+this process dies, `setpriv --pdeathsig` kills `unshare` and so the namespace; the next process's first run
+removes the work directories and cgroups left behind.
 
 The interpreter is this process's Python when the sandbox uid can read it, else a system `python3`: model
 code gets the standard library, not the orchestrator's packages. Departure from prime-rl/verifiers, which run code
