@@ -120,7 +120,7 @@ def test_missing_extra_names_it(monkeypatch):
     adapter = importlib.import_module("arbor.environments.verifiers_adapter")  # imports without verifiers
     assert not adapter.is_available()
     with pytest.raises(ImportError, match="uv sync --extra verifiers"):
-        adapter.VerifiersEnv("anything")
+        adapter.load_verifiers_env("anything")
     from arbor.launch import preflight
 
     monkeypatch.setattr(preflight, "_importable", lambda module: module != "verifiers")

@@ -1,9 +1,10 @@
 """Run a `verifiers` (v0.4, the `verifiers.v1` API) taskset as an arbor environment, as-is.
 
-`[orchestrator.environment] id = "verifiers"`, `args = {env_id = "...", config = {...}}`: `env_id` is a verifiers
-taskset id (an installed taskset package, as `vf eval <id>` takes it, loaded with verifiers' own
-`load_taskset`) or a dotted path `package.module:attr` to a `Taskset` subclass, a factory returning a taskset, or
-a taskset instance (the colon is required); `config` holds the taskset's config fields (its `TasksetConfig` subclass).
+`[orchestrator.environment] id = "verifiers"`, `args = {env_id = "...", config = {...}}`: `env_id` is a
+verifiers taskset id (an installed taskset package, as `vf eval <id>` takes it, loaded with verifiers' own
+`load_taskset`) or a dotted path `package.module:attr` to a `Taskset` subclass, a factory returning a taskset,
+or a taskset instance (the colon is required); `config` holds the taskset's config fields (its
+`TasksetConfig` subclass). Other args: `max_tasks`, `name`, and for tool tasksets `max_turns`, `tool_timeout`.
 
 The mapping: each task the taskset yields is one arbor task (its `TaskData` dumped as JSON under "data"); the
 prompt is the task's `system_prompt` plus its `prompt` (a string becomes one user message, a message list is
@@ -18,8 +19,8 @@ arbor `MultiTurnEnvironment` (a `ToolEnv`): the toolsets' `@vf.tool` methods are
 tools (Qwen3/Hermes tool-call markup, `max_turns` from args), and the finished episode (assistant turns with
 their parsed tool calls, tool results) becomes the trace that the task's rewards score.
 
-Not covered (verifiers' agentic side): harnesses and runtimes (agents that run as programs in a box; arbor
-trains those through its gateway, not this adapter), toolsets served remotely or whose tools rely on synced
+Not covered (verifiers' agentic side): harnesses and runtimes (agents that run as programs in a box: the
+route for those is an OpenAI-compatible endpoint in front of arbor's inference, not this adapter), toolsets served remotely or whose tools rely on synced
 per-rollout `State`, user simulators, rewards that require a `runtime` (skipped, verifiers logs which),
 `@vf.metric`s (recorded by verifiers, not summed, so not reward components here) and infinite tasksets beyond
 `max_tasks`. verifiers is imported lazily: without it, one line names the extra.
@@ -48,33 +49,17 @@ def _vf() -> Any:
 
 
 class VerifiersEnv:
-    def __init__(self, env_id: str, config: dict[str, Any] | None = None, max_tasks: int | None = None,
-                 name: str | None = None) -> None:
+    """A single-turn verifiers taskset (built by `load_verifiers_env`)."""
+
+    def __init__(self, taskset: Any, env_id: str, max_tasks: int | None = None, name: str | None = None) -> None:
         self.vf = _vf()
-        self.taskset = self._load_taskset(env_id, dict(config or {}))
+        self.taskset = taskset
         if not self.taskset.bounded and max_tasks is None:
             raise ValueError(f"verifiers taskset {env_id!r} is infinite: set args.max_tasks")
         self.max_tasks = max_tasks
         self.task_type = type(self.taskset).task_type()
         self.name = name or env_id.rsplit(":", 1)[-1]
         self._tasks: dict[int, Any] = {}  # idx -> the verifiers Task that `dataset` yielded
-
-    def _load_taskset(self, env_id: str, config: dict[str, Any]) -> Any:
-        vf = self.vf
-        if ":" not in env_id:  # verifiers ids may hold dots (`name@0.1.0`); dotted paths here need the colon
-            cfg_type = vf.taskset_config_type(env_id)
-            return vf.load_taskset(cfg_type.model_validate({**config, "id": env_id}))
-        obj = load_object(env_id)
-        if isinstance(obj, type) and issubclass(obj, vf.Taskset):
-            from verifiers.v1.utils.generic import concrete_type
-
-            cfg_type = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-            obj = obj(cfg_type.model_validate(config))
-        elif callable(obj) and not isinstance(obj, vf.Taskset):
-            obj = obj(**config)
-        if not isinstance(obj, vf.Taskset):
-            raise TypeError(f"{env_id!r} is not a verifiers Taskset (subclass, factory or instance): {type(obj)}")
-        return obj
 
     def dataset(self, seed: int) -> list[Task]:
         view = self.taskset if self.max_tasks is None else self.taskset.take(self.max_tasks)
@@ -147,9 +132,9 @@ class VerifiersEnv:
 class VerifiersToolEnv(VerifiersEnv, ToolEnv):
     """A verifiers taskset with toolsets, as an arbor multi-turn tool environment."""
 
-    def __init__(self, env_id: str, config: dict[str, Any] | None = None, max_tasks: int | None = None,
-                 name: str | None = None, max_turns: int = 6, tool_timeout: float = 10.0) -> None:
-        super().__init__(env_id, config, max_tasks, name)
+    def __init__(self, taskset: Any, env_id: str, max_tasks: int | None = None, name: str | None = None,
+                 max_turns: int = 6, tool_timeout: float = 10.0) -> None:
+        super().__init__(taskset, env_id, max_tasks, name)
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
         self._tools = tool_functions(self.vf, toolsets_of(self.taskset))
 
@@ -185,6 +170,24 @@ def tool_functions(vf: Any, toolsets: list[Any]) -> list[Callable[..., Any]]:
     return fns
 
 
+def load_taskset(vf: Any, env_id: str, config: dict[str, Any]) -> Any:
+    """A taskset by verifiers id (its own loader) or by dotted path (a Taskset subclass, factory or instance)."""
+    if ":" not in env_id:  # verifiers ids may hold dots (`name@0.1.0`); dotted paths here need the colon
+        cfg_type = vf.taskset_config_type(env_id)
+        return vf.load_taskset(cfg_type.model_validate({**config, "id": env_id}))
+    obj = load_object(env_id)
+    if isinstance(obj, type) and issubclass(obj, vf.Taskset):
+        from verifiers.v1.utils.generic import concrete_type
+
+        cfg_type = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
+        obj = obj(cfg_type.model_validate(config))
+    elif callable(obj) and not isinstance(obj, vf.Taskset):
+        obj = obj(**config)
+    if not isinstance(obj, vf.Taskset):
+        raise TypeError(f"{env_id!r} is not a verifiers Taskset (subclass, factory or instance): {type(obj)}")
+    return obj
+
+
 def _as_tool(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A function named `name` with the method's signature, docstring and type hints (the tool schema); async
     when the method is, so that sync tools keep running in a thread."""
@@ -203,10 +206,10 @@ def load_verifiers_env(env_id: str, config: dict[str, Any] | None = None, max_ta
                        name: str | None = None, max_turns: int = 6, tool_timeout: float = 10.0) -> VerifiersEnv:
     """The `verifiers` built-in: a multi-turn tool environment when the taskset declares toolsets, else single
     turn (where `max_turns` and `tool_timeout` do not apply)."""
-    env = VerifiersEnv(env_id, config, max_tasks, name)
-    if toolsets_of(env.taskset):
-        return VerifiersToolEnv(env_id, config, max_tasks, name, max_turns, tool_timeout)
-    return env
+    taskset = load_taskset(_vf(), env_id, dict(config or {}))
+    if toolsets_of(taskset):
+        return VerifiersToolEnv(taskset, env_id, max_tasks, name, max_turns, tool_timeout)
+    return VerifiersEnv(taskset, env_id, max_tasks, name)
 
 
 def is_available() -> bool:
