@@ -20,10 +20,10 @@ tools (Qwen3/Hermes tool-call markup, `max_turns` from args), and the finished e
 their parsed tool calls, tool results) becomes the trace that the task's rewards score.
 
 Not covered (verifiers' agentic side): harnesses and runtimes (agents that run as programs in a box: the
-route for those is an OpenAI-compatible endpoint in front of arbor's inference, not this adapter), toolsets served remotely or whose tools rely on synced
-per-rollout `State`, user simulators, rewards that require a `runtime` (skipped, verifiers logs which),
-`@vf.metric`s (recorded by verifiers, not summed, so not reward components here) and infinite tasksets beyond
-`max_tasks`. verifiers is imported lazily: without it, one line names the extra.
+route for those is an OpenAI-compatible endpoint in front of arbor's inference, not this adapter), toolsets
+served remotely or whose tools rely on synced per-rollout `State`, user simulators, rewards that require a
+`runtime` (skipped, verifiers logs which), `@vf.metric`s (recorded by verifiers, not summed, so not reward
+components here) and infinite tasksets beyond `max_tasks`. verifiers is imported lazily: without it, one line names the extra.
 """
 
 from __future__ import annotations
