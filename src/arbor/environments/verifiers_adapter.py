@@ -23,7 +23,8 @@ Not covered (verifiers' agentic side): harnesses and runtimes (agents that run a
 route for those is an OpenAI-compatible endpoint in front of arbor's inference, not this adapter), toolsets
 served remotely or whose tools rely on synced per-rollout `State`, user simulators, rewards that require a
 `runtime` (skipped, verifiers logs which), `@vf.metric`s (recorded by verifiers, not summed, so not reward
-components here) and infinite tasksets beyond `max_tasks`. verifiers is imported lazily: without it, one line names the extra.
+components here) and infinite tasksets beyond `max_tasks`. verifiers is imported lazily: without it, one line
+names the extra.
 """
 
 from __future__ import annotations
