@@ -117,6 +117,8 @@ BUILTINS = {
     "reverse_text": "arbor.environments.reverse_text:ReverseTextEnv",
     "math": "arbor.environments.math_problems:MathEnv",
     "tool_use": "arbor.environments.tool_use:ToolUseEnv",
+    "code": "arbor.environments.code:CodeEnv",
+    "verifiers": "arbor.environments.verifiers_adapter:load_verifiers_env",
 }
 
 

@@ -117,6 +117,8 @@ def check_environment(env_id: str) -> None:
         raise PreflightError(f"orchestrator.environment.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path 'package.module:factory'")
     if not _importable(module):
         raise PreflightError(f"orchestrator.environment.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+    if env_id == "verifiers" and not _importable("verifiers"):
+        raise PreflightError("orchestrator.environment.id 'verifiers': the adapter needs the optional extra: uv sync --extra verifiers")
 
 
 def check_plugins(cfg: RLConfig) -> None:
