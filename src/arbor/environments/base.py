@@ -37,7 +37,10 @@ class Environment(Protocol):
         ...
 
 
-BUILTINS = {"reverse_text": "arbor.environments.reverse_text:ReverseTextEnv"}
+BUILTINS = {
+    "reverse_text": "arbor.environments.reverse_text:ReverseTextEnv",
+    "black_box": "arbor.environments.black_box:BlackBoxEnv",
+}
 
 
 def load_object(path: str) -> Any:

@@ -24,13 +24,15 @@ from arbor.transport.batch import MicroBatch, StepBatch
 def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
     P, C = len(r.prompt_ids), len(r.completion_ids)
     adv = r.token_advantages if r.token_advantages is not None else np.full(C, r.advantage, np.float32)
+    # Multi-turn samples: tokens injected between turns (tool results, user turns) are context, not loss.
+    model = np.ones(C, bool) if r.completion_mask is None else np.asarray(r.completion_mask, bool)
     out = {
         "input_ids": np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64),
-        "loss_mask": np.concatenate([np.zeros(P, bool), np.ones(C, bool)]),
+        "loss_mask": np.concatenate([np.zeros(P, bool), model]),
         "advantages": np.concatenate([np.zeros(P, np.float32), np.asarray(adv, np.float32)]),
         "inference_logprobs": np.concatenate([np.zeros(P, np.float32), np.asarray(r.logprobs, np.float32)]),
         "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
-        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.full(C, weight, np.float32)]),
+        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.where(model, np.float32(weight), np.float32(0))]),
     }
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts
@@ -39,15 +41,15 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
 
 def loss_weights(rollouts: list[Rollout], normalization: str) -> list[float]:
     """Per-rollout token weight for the step's normalisation (see the module docstring)."""
-    total = sum(len(r.completion_ids) for r in rollouts)
+    total = sum(r.num_loss_tokens for r in rollouts)
     if normalization == "token" or total == 0:
         return [1.0] * len(rollouts)
     if normalization == "sequence":
-        return [total / (len(rollouts) * max(len(r.completion_ids), 1)) for r in rollouts]
+        return [total / (len(rollouts) * max(r.num_loss_tokens, 1)) for r in rollouts]
     if normalization == "group":
         tokens: dict[object, int] = {}
         for r in rollouts:
-            tokens[r.group_id] = tokens.get(r.group_id, 0) + len(r.completion_ids)
+            tokens[r.group_id] = tokens.get(r.group_id, 0) + r.num_loss_tokens
         return [total / (len(tokens) * max(tokens[r.group_id], 1)) for r in rollouts]
     raise ValueError(f"unknown normalization {normalization!r}: use token, sequence or group")
 
@@ -115,7 +117,7 @@ def build_step_batches(
     most = max(len(m) for m in per_rank)
     for mbs in per_rank:
         mbs += [_empty_micro_batch(pad_id) for _ in range(most - len(mbs))]
-    loss_tokens = max(1, int(sum(len(r.completion_ids) for r in rollouts)))
+    loss_tokens = max(1, int(sum(r.num_loss_tokens for r in rollouts)))
     return [
         StepBatch(
             step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts),

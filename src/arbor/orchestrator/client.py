@@ -94,6 +94,7 @@ class InferenceClient:
         temperature: float,
         top_p: float,
         seed: int | None = None,
+        stop: list[str] | None = None,
     ) -> list[Completion]:
         body = {
             "model": self.model,
@@ -108,6 +109,8 @@ class InferenceClient:
         }
         if seed is not None:
             body["seed"] = seed
+        if stop:
+            body["stop"] = stop
         data = await self._post("/v1/completions", body)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):

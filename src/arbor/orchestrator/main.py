@@ -41,6 +41,8 @@ class Orchestrator:
         self.dropped_stale = 0
         self.skipped_long = 0
         self.groups_launched = 0
+        self.gateway = None
+        self.empty_groups = 0
         self.curriculum = None
         self.buffer = None
         self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0}
@@ -100,6 +102,7 @@ class Orchestrator:
             client.policy_version = weights.loaded_version
             background = [asyncio.create_task(weights.run()), asyncio.create_task(self._poll_metrics(metrics))]
             try:
+                await self._start_gateway(client)
                 if start:
                     log.info("resuming at step %d", start)
                     await weights.ensure(start, cfg.weight_update_timeout)
@@ -109,6 +112,8 @@ class Orchestrator:
             finally:
                 for t in [*background, *self._running.values()]:
                     t.cancel()
+                if self.gateway is not None:
+                    await self.gateway.stop()
                 metrics.close()
                 if self.buffer is not None:
                     self.buffer.close()
@@ -174,6 +179,8 @@ class Orchestrator:
         weights_of = cfg.environment.reward_weights
 
         async def one(spec) -> list:
+            if hasattr(self.env, "run_group"):  # black-box agents: the environment drives them via the gateway
+                return await self.env.run_group(self.gateway, spec, cfg.group_size, weights_of, cfg.environment.timeout)
             return await generate_group(
                 client, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
                 cfg.sampling.top_p, weights_of, cfg.environment.timeout,
@@ -203,6 +210,11 @@ class Orchestrator:
             taken = q.take(need - len(kept))
             for _, task in taken:
                 group = task.result()  # a failed generation fails the run, as the client already retried
+                if not group:  # every agent of the group failed (counted by the environment): replace it
+                    self.empty_groups += 1
+                    if self.empty_groups > 50 * need and not kept:
+                        raise RuntimeError(f"{self.empty_groups} groups produced no sample: the agents keep failing")
+                    continue
                 task = self._task_of_group.pop(group[0].group_id, None) if group else None
                 if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
                     self.dropped_stale += len(group)
@@ -233,6 +245,19 @@ class Orchestrator:
                 )
             await asyncio.wait(set(self._running.values()), return_when=asyncio.FIRST_COMPLETED)
         return kept
+
+    async def _start_gateway(self, client) -> None:
+        """The OpenAI-compatible gateway, when configured or when the environment drives black-box agents."""
+        cfg = self.cfg
+        if not (cfg.gateway.enabled or getattr(self.env, "needs_gateway", False)):
+            return
+        from arbor.orchestrator.gateway import Gateway
+
+        self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.temperature,
+                               top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens, seq_len=cfg.seq_len)
+        url = await self.gateway.start()
+        cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.output_dir / "gateway_url").write_text(url + "\n")
 
     def _finished(self, position: int, task: asyncio.Task) -> None:
         self._running.pop(position, None)
@@ -324,6 +349,7 @@ class Orchestrator:
             "dropped/stale": self.dropped_stale,
             "skipped/too_long": self.skipped_long,
             "score/failed": int(sum(r.score_failed for r in rollouts)),
+            **self._agent_figures(),
             "policy_version": weights.loaded_version if weights is not None else -1,
             "weights/updates": weights.updates if weights is not None else 0,
             "client/retries": client.retries if client is not None else 0,
@@ -335,6 +361,16 @@ class Orchestrator:
         for name in sorted({k for r in rollouts for k in r.components}):
             figures[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in rollouts]))
         return figures
+
+    def _agent_figures(self) -> dict[str, Any]:
+        if self.gateway is None:
+            return {}
+        out = {"gateway/calls": self.gateway.calls, "gateway/open_sessions": len(self.gateway.sessions),
+               "agents/empty_groups": self.empty_groups}
+        for name in ("failed", "retried"):
+            if hasattr(self.env, name):
+                out[f"agents/{name}"] = getattr(self.env, name)
+        return out
 
     async def _poll_metrics(self, metrics) -> None:
         while True:

@@ -40,12 +40,19 @@ class Rollout:
     that offset; multi-turn environments set it and `reward_to_go` turns it into per-token advantages."""
     token_advantages: list[float] | None = None
     """Per-completion-token advantages (reward-to-go); None means `advantage` on every token."""
+    completion_mask: list[bool] | None = None
+    """Which completion tokens the model sampled (trained); False marks tokens injected between turns (tool
+    results, user messages, template markup). None means every completion token is the model's."""
     latency: float | None = None
     """Seconds from launch to finish, when the environment measures it per rollout (composite time reward)."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return len(self.completion_ids) if self.completion_mask is None else int(sum(self.completion_mask))
 
     def staleness(self, step: int) -> int:
         """Trainer steps between the oldest policy that sampled a token of this rollout and `step`."""
