@@ -27,8 +27,8 @@ AGENT = Path(__file__).resolve().parents[1] / "examples" / "black_box_agent" / "
 class FakeClient:
     """A scripted backend: `reply(prompt_ids) -> text`; token ids are the text's bytes plus <|im_end|>."""
 
-    def __init__(self, reply: Callable[[list[int]], str] = lambda p: "ok", delay: float = 0.0) -> None:
-        self.reply, self.delay, self.requests = reply, delay, []
+    def __init__(self, reply: Callable[[list[int]], str] = lambda p: "ok", delay: float = 0.0, tok: Any = TOK) -> None:
+        self.reply, self.delay, self.requests, self.tok = reply, delay, [], tok
 
     async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, stop=None):
         self.requests.append({"prompt": list(prompt_ids), "n": n, "max_tokens": max_tokens,
@@ -37,9 +37,10 @@ class FakeClient:
         out = []
         for k in range(n):
             text = self.reply(prompt_ids)
-            ids = (TOK.encode(text) + [TOK.eos_token_id])[:max_tokens]
-            finish = "stop" if ids[-1] == TOK.eos_token_id else "length"
-            out.append(Completion(ids, [-0.25 - k] * len(ids), [7] * len(ids), TOK.decode(ids), finish))
+            # one token per character: not how the tokenizer would encode the text, as a sampled model may do
+            ids = ([t for ch in text for t in self.tok.encode(ch)] + [self.tok.eos_token_id])[:max_tokens]
+            finish = "stop" if ids[-1] == self.tok.eos_token_id else "length"
+            out.append(Completion(ids, [-0.25 - k] * len(ids), [7] * len(ids), self.tok.decode(ids), finish))
         return out
 
 
@@ -147,6 +148,53 @@ def test_tool_calls_are_parsed_and_their_echo_extends_the_session() -> None:
         assert (sample.prompt_ids + sample.completion_ids)[: len(s.turns[0].ids)] == s.turns[0].ids
         assert b"# Tools" in bytes(t for t in s.turns[0].prompt_ids if t < 256)
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_hf_template_with_tools_keeps_the_models_own_tokenization(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from arbor.models.tokenizer import HFTokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(['<tool_call> {"name": "add", "arguments": {"a": 1}} </tool_call> the sum is'] * 30, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>")
+    fast.chat_template = TOOLS_TEMPLATE
+    fast.save_pretrained(str(tmp_path))
+    tok = HFTokenizer(tmp_path)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    replies = iter([call, "the sum is 3"])
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with Served(FakeClient(lambda p: next(replies), tok=tok), max_tokens=200, tokenizer=tok) as srv:
+        s = srv.open()
+        oa = _openai(srv.gw.base_url(s.id))
+        msgs = [{"role": "user", "content": "add 1 and 2"}]
+        m = oa.chat.completions.create(model="arbor", messages=msgs, tools=tools).choices[0].message
+        assert m.tool_calls[0].function.name == "add" and m.content is None
+        msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "3"}]
+        oa.chat.completions.create(model="arbor", messages=msgs, tools=tools)
+        (sample,) = s.rollouts()
+    t0, t1 = s.turns
+    assert t1.parent == 0 and t0.prompt_ids == tok.encode(fast.apply_chat_template(msgs[:1], tools=tools, tokenize=False,
+                                                                                     add_generation_prompt=True))
+    assert t0.completion_ids != tok.encode(call) + [tok.eos_token_id]  # the model's own (per-character) tokens...
+    ids = sample.prompt_ids + sample.completion_ids
+    assert ids[: len(t0.ids)] == t0.ids and ids == t1.ids  # ...are what the sample trains on, never re-tokenised
+    assert sum(sample.completion_mask) == len(t0.completion_ids) + len(t1.completion_ids)
 
 
 def _chat(oa, messages):
