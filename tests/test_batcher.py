@@ -116,3 +116,44 @@ def test_wandb_offline_run_receives_merged_steps(tmp_path, monkeypatch):
     w.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_completion_mask_trains_only_sampled_tokens():
+    """Multi-turn: environment-inserted tokens (mask 0) get no loss, weight 0, and do not count in normalisation."""
+    multi = _rollout(3, 6, reward=1.0)
+    multi.completion_mask = [1, 1, 0, 0, 1, 1]
+    multi.policy_versions = [0, 0, -1, -1, 0, 0]
+    multi.advantage = 0.5
+    single = _rollout(2, 4)
+    single.group_id = 1
+    for norm in ("token", "sequence", "group"):
+        (b,) = build_step_batches([multi, single], 0, 1, 64, 1.0, 0, normalization=norm)
+        assert b.loss_tokens_total == 4 + 4
+        mb = b.micro_batches[0]
+        rows = {int(n): i for i, n in enumerate(mb.seq_lens.tolist())}
+        start = sum(mb.seq_lens.tolist()[: rows[9]])
+        mask = mb.loss_mask[start: start + 9].tolist()
+        assert mask == [False] * 3 + [True, True, False, False, True, True]
+        w = mb.loss_weights[start: start + 9]
+        assert (w[~mb.loss_mask[start: start + 9]] == 0).all()
+        assert mb.advantages[start + 5].item() == 0.0 and mb.advantages[start + 3].item() == 0.5
+        # every normalisation sums to the step's loss-token count over trained tokens
+        assert float(mb.loss_weights.sum()) == pytest.approx(8.0)
+    assert multi.staleness(2) == 2  # inserted tokens' version -1 is not "oldest"
+    with pytest.raises(ValueError, match="completion_mask"):
+        bad = _rollout(2, 3)
+        bad.completion_mask = [1]
+        build_step_batches([bad], 0, 1, 64, 1.0, 0)
+
+
+def test_reward_to_go_with_inserted_tokens():
+    r = _rollout(2, 6, reward=1.0)
+    r.completion_mask = [1, 1, 0, 0, 1, 1]
+    r.turn_rewards = [(2, 0.0), (6, 1.0)]
+    other = _rollout(2, 2, reward=0.0)
+    compute_advantages([[r, other]], AdvantageConfig())
+    (b,) = build_step_batches([r, other], 0, 1, 64, 1.0, 0)
+    mb = b.micro_batches[0]
+    # turn rewards (0, 1) and the other rollout's 0 have mean 1/3: turn 2 gets 2/3, turn 1 -1/3 + 2/3
+    assert sorted(mb.advantages[mb.loss_mask].tolist()) == pytest.approx(sorted([1 / 3] * 2 + [2 / 3] * 2 + [-1 / 3] * 2), abs=1e-6)
+    assert r.token_advantages[2:4] == pytest.approx([2 / 3] * 2)  # inserted tokens: carried, but masked out

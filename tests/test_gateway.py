@@ -18,7 +18,7 @@ import pytest
 from arbor.config.orchestrator import GatewayConfig
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.client import Completion
-from arbor.orchestrator.gateway import Gateway, make_render, parse_tool_calls
+from arbor.orchestrator.gateway import Gateway, make_render, split_tool_calls
 
 TOK = ByteTokenizer()
 AGENT = Path(__file__).resolve().parents[1] / "examples" / "black_box_agent" / "agent.py"
@@ -147,7 +147,7 @@ def test_tool_calls_are_parsed_and_their_echo_extends_the_session() -> None:
         (sample,) = s.rollouts()
         assert (sample.prompt_ids + sample.completion_ids)[: len(s.turns[0].ids)] == s.turns[0].ids
         assert b"# Tools" in bytes(t for t in s.turns[0].prompt_ids if t < 256)
-    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert split_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
 TOOLS_TEMPLATE = (
@@ -203,7 +203,7 @@ def _chat(oa, messages):
 
 
 def _model_positions(sample) -> list[bool]:
-    return [False] * len(sample.prompt_ids) + list(sample.completion_mask)
+    return [False] * len(sample.prompt_ids) + [bool(m) for m in sample.completion_mask]
 
 
 def test_multi_turn_session_is_token_exact() -> None:
@@ -229,13 +229,15 @@ def test_multi_turn_session_is_token_exact() -> None:
     # the injected tokens between turns are the template's rendering of the new user message
     assert ids[len(s.turns[0].ids):len(s.turns[1].prompt_ids)] == [ord("\n"), *render([msgs[3]], None, True)]
     assert sample.logprobs[: len(s.turns[0].completion_ids)] == s.turns[0].logprobs
-    assert sample.policy_versions and min(sample.policy_versions) == 7
+    assert {v for v, m in zip(sample.policy_versions, sample.completion_mask) if m} == {7}
+    assert {v for v, m in zip(sample.policy_versions, sample.completion_mask) if not m} == {-1}
+    assert sample.staleness(9) == 2
     # the batcher trains exactly the model's tokens
     from arbor.orchestrator.batcher import sample_arrays
 
     arrays = sample_arrays(sample)
     assert arrays["loss_mask"].tolist() == model
-    assert sample.num_loss_tokens == sum(len(t.completion_ids) for t in s.turns)
+    assert sample.num_trained == sum(len(t.completion_ids) for t in s.turns)
 
 
 def test_agent_that_truncates_its_history_branches_into_exact_samples() -> None:

@@ -1,6 +1,21 @@
 """Tokenizers behind one small protocol: the built-in byte tokenizer (no download) and Hugging Face tokenizers.
 
 Chat templates return token ids, never re-tokenised text, so that multi-turn prompts can be extended exactly.
+For multi-turn records (arbor.orchestrator.trajectory) a tokenizer also renders a conversation as text
+(`render_chat`) and encodes rendered template text with its special tokens recognised (`encode_rendered`), so a
+new turn's suffix can be tokenised alone.
+
+Tools: `apply_chat_template(..., tools=[json schema, ...])` exposes function schemas to the model. A Hugging Face
+tokenizer passes them to its own chat template (`tools=`); the byte tokenizer appends a compact block to the
+system message (one is created when the conversation has none):
+
+    # Tools
+    <tools>
+    {"type": "function", "function": {...}}   (one JSON object per line)
+    </tools>
+    Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+
+and renders `tool` messages like Qwen3 does, as a user turn `<tool_response>\n...\n</tool_response>`.
 """
 
 from __future__ import annotations
@@ -19,7 +34,41 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]: ...
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str: ...
+
+    def encode_rendered(self, text: str) -> list[int]: ...
+
+
+TOOL_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+
+
+def _byte_messages(messages: list[dict], tools: list[dict] | None) -> list[tuple[str, str]]:
+    """(role, content) pairs of the byte template: tools folded into the system message, tool results and
+    structured tool calls written out as text."""
+    out: list[tuple[str, str]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            args = fn.get("arguments", {})
+            args = json.loads(args) if isinstance(args, str) else args
+            content += "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
+        out.append((role, content))
+    if tools:
+        block = "# Tools\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\n" + TOOL_INSTRUCTION
+        if out and out[0][0] == "system":
+            out[0] = ("system", out[0][1] + "\n\n" + block)
+        else:
+            out.insert(0, ("system", block))
+    return out
 
 
 class ByteTokenizer:
@@ -53,12 +102,35 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        # Contents are encoded as bytes (a literal "<|im_end|>" in a message stays text, never a control token).
         ids: list[int] = []
-        for m in messages:
-            ids += [self.im_start, *self.encode(f"{m['role']}\n{m['content']}"), self.eos_token_id, *self.encode("\n")]
+        for role, content in _byte_messages(messages, tools):
+            ids += [self.im_start, *self.encode(f"{role}\n{content}"), self.eos_token_id, *self.encode("\n")]
         if add_generation_prompt:
             ids += [self.im_start, *self.encode("assistant\n")]
+        return ids
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in _byte_messages(messages, tools))
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Template text to ids, with the ChatML special tokens recognised."""
+        ids: list[int] = []
+        pos = 0
+        while pos < len(text):
+            hits = [(text.find(tok, pos), tok) for tok in self.SPECIALS if tok in text[pos:]]
+            if not hits:
+                ids += self.encode(text[pos:])
+                break
+            at, tok = min(hits)
+            ids += self.encode(text[pos:at]) + [self.special_ids[tok]]
+            pos = at + len(tok)
         return ids
 
     def save(self, path: str | Path) -> None:
@@ -86,10 +158,23 @@ class HFTokenizer:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # No clean-up of spaces: decoded text must match the template's text exactly (multi-turn prefixes).
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Template text to ids; HF tokenizers split out their added (special) tokens themselves."""
         return self.encode(text)
 
     def save(self, path: str | Path) -> None:

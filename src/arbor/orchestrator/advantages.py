@@ -72,7 +72,7 @@ def completion_time_bonus(group: list, weight: float) -> None:
     winners = [r for r in group if r.reward > 0]
     if weight <= 0 or not winners:
         return
-    cost = np.array([r.latency if r.latency is not None else len(r.completion_ids) for r in winners], float)
+    cost = np.array([r.latency if r.latency is not None else r.num_trained for r in winners], float)
     span = cost.max() - cost.min()
     for r, c in zip(winners, cost):
         bonus = weight * (cost.max() - c) / span if span > 0 else 0.0

@@ -9,6 +9,9 @@ Normalisation is explicit in the per-token `loss_weights` (the trainer divides t
 step's loss-token count L): "token" weighs every token 1 (a token mean over the step); "sequence" gives sample
 i's tokens L / (N * len_i), so the step's loss is the mean over the N samples of each sample's token mean;
 "group" gives group g's tokens L / (G * tokens_g): the mean over the G groups of each group's token mean.
+
+Multi-turn rollouts carry a `completion_mask`: tokens the environment inserted (mask 0) get loss_mask False and
+weight 0, and every count above (L, len_i, tokens_g) counts trained tokens only.
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ from arbor.transport.batch import MicroBatch, StepBatch
 def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
     P, C = len(r.prompt_ids), len(r.completion_ids)
     adv = r.token_advantages if r.token_advantages is not None else np.full(C, r.advantage, np.float32)
-    # Multi-turn samples: tokens injected between turns (tool results, user turns) are context, not loss.
-    model = np.ones(C, bool) if r.completion_mask is None else np.asarray(r.completion_mask, bool)
+    trained = np.ones(C, bool) if r.completion_mask is None else np.asarray(r.completion_mask, bool)
+    if trained.shape != (C,):
+        raise ValueError(f"rollout of task {r.task_id}: completion_mask has {trained.size} entries for {C} tokens")
     out = {
         "input_ids": np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64),
-        "loss_mask": np.concatenate([np.zeros(P, bool), model]),
-        "advantages": np.concatenate([np.zeros(P, np.float32), np.asarray(adv, np.float32)]),
+        "loss_mask": np.concatenate([np.zeros(P, bool), trained]),
+        "advantages": np.concatenate([np.zeros(P, np.float32), np.where(trained, np.asarray(adv, np.float32), 0)]),
         "inference_logprobs": np.concatenate([np.zeros(P, np.float32), np.asarray(r.logprobs, np.float32)]),
         "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
-        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.where(model, np.float32(weight), np.float32(0))]),
+        "loss_weights": np.concatenate([np.zeros(P, np.float32), np.where(trained, np.float32(weight), 0).astype(np.float32)]),
     }
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts
@@ -41,15 +45,15 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
 
 def loss_weights(rollouts: list[Rollout], normalization: str) -> list[float]:
     """Per-rollout token weight for the step's normalisation (see the module docstring)."""
-    total = sum(r.num_loss_tokens for r in rollouts)
+    total = sum(r.num_trained for r in rollouts)
     if normalization == "token" or total == 0:
         return [1.0] * len(rollouts)
     if normalization == "sequence":
-        return [total / (len(rollouts) * max(r.num_loss_tokens, 1)) for r in rollouts]
+        return [total / (len(rollouts) * max(r.num_trained, 1)) for r in rollouts]
     if normalization == "group":
         tokens: dict[object, int] = {}
         for r in rollouts:
-            tokens[r.group_id] = tokens.get(r.group_id, 0) + r.num_loss_tokens
+            tokens[r.group_id] = tokens.get(r.group_id, 0) + r.num_trained
         return [total / (len(tokens) * max(tokens[r.group_id], 1)) for r in rollouts]
     raise ValueError(f"unknown normalization {normalization!r}: use token, sequence or group")
 
@@ -117,7 +121,7 @@ def build_step_batches(
     most = max(len(m) for m in per_rank)
     for mbs in per_rank:
         mbs += [_empty_micro_batch(pad_id) for _ in range(most - len(mbs))]
-    loss_tokens = max(1, int(sum(r.num_loss_tokens for r in rollouts)))
+    loss_tokens = max(1, int(sum(r.num_trained for r in rollouts)))
     return [
         StepBatch(
             step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts),

@@ -14,7 +14,7 @@ For every call the gateway renders the messages with the chat template itself (t
 to the inference fleet (`InferenceClient.generate`: logprobs, per-token policy versions, routed experts), records
 them in the session (arbor.orchestrator.sessions: token-exact extension, branching on edited histories) and
 answers with ordinary OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks
-(the Hermes/Qwen convention), usage. Streaming is generated whole, then sent as a role chunk, one content chunk,
+(the Hermes/Qwen convention, arbor.environments.tools), usage. Streaming is generated whole, then sent as a role chunk, one content chunk,
 a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns token ids only
 for whole completions. Errors: malformed JSON or wrong types 400, bad or missing key 401, unknown session 404,
 closed session 409, body over `max_request_bytes` 413, too many sessions 429, backend failure 502; never a 500
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("arbor.orchestrator.gateway")
 
 MAX_N = 16
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 class HTTPError(Exception):
@@ -166,51 +166,26 @@ def _stop(body: dict[str, Any]) -> list[str] | None:
 # ---- rendering and parsing ----
 
 def make_render(tokenizer: Any) -> Render:
-    """The chat template with tools: a Hugging Face template takes them natively; the byte tokenizer's plain
-    ChatML gets them as a system block and assistant tool calls as `<tool_call>` JSON in the content."""
-    hf = getattr(tokenizer, "tok", None)
+    """The chat template with tools (arbor.models.tokenizer: a Hugging Face template takes them natively, the
+    byte tokenizer folds them into its system message)."""
 
     def render(messages: list[dict[str, Any]], tools: list[dict] | None, generation: bool) -> list[int]:
-        if hf is not None:
-            text = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
-            return tokenizer.encode(text)
-        flat = []
-        for m in messages:
-            content = m.get("content") or ""
-            for c in m.get("tool_calls") or []:
-                call = {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}
-                content += f"\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
-            flat.append({"role": m["role"], "content": content})
-        if tools:
-            block = "# Tools\n" + "\n".join(json.dumps(t) for t in tools)
-            if flat and flat[0]["role"] == "system":
-                flat[0] = {"role": "system", "content": flat[0]["content"] + "\n\n" + block}
-            else:
-                flat.insert(0, {"role": "system", "content": block})
-        return tokenizer.apply_chat_template(flat, add_generation_prompt=generation)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tools=tools)
 
     return render
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Splits `<tool_call>{"name", "arguments"}</tool_call>` blocks out of a completion; a block that is not such
-    JSON stays in the text."""
-    calls: list[dict[str, Any]] = []
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.environments.tools) and the text
+    outside them; with any malformed block the whole text stays content, so the agent sees what was sampled."""
+    from arbor.environments.tools import parse_tool_calls
 
-    def take(match: re.Match) -> str:
-        try:
-            obj = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            return match.group(0)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return match.group(0)
-        args = obj.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
-            "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
-        return ""
-
-    rest = TOOL_CALL.sub(take, text)
-    return (rest.strip() if calls else text), calls
+    calls, errors = parse_tool_calls(text)
+    if not calls or errors:
+        return text, []
+    out = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+    return TOOL_CALL.sub("", text).strip(), out
 
 
 # ---- the server ----
@@ -416,7 +391,7 @@ class Gateway:
         norm = [normalize_message(m) for m in messages]
         choices = []
         for i, c in enumerate(completions):
-            content, calls = parse_tool_calls(c.text)
+            content, calls = split_tool_calls(c.text)
             message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
             if calls:
                 message["tool_calls"] = calls

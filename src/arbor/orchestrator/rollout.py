@@ -40,23 +40,28 @@ class Rollout:
     that offset; multi-turn environments set it and `reward_to_go` turns it into per-token advantages."""
     token_advantages: list[float] | None = None
     """Per-completion-token advantages (reward-to-go); None means `advantage` on every token."""
-    completion_mask: list[bool] | None = None
-    """Which completion tokens the model sampled (trained); False marks tokens injected between turns (tool
-    results, user messages, template markup). None means every completion token is the model's."""
     latency: float | None = None
     """Seconds from launch to finish, when the environment measures it per rollout (composite time reward)."""
+    completion_mask: list[int] | None = None
+    """Multi-turn: 1 for completion tokens the policy sampled (trained), 0 for tokens the environment inserted
+    (tool results, user turns, template glue: no loss, logprob 0, policy version -1). None means all ones."""
+    episode_id: int = -1
+    """Multi-turn: the episode a rollout came from; a branched episode gives several rollouts with one id."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
     @property
-    def num_loss_tokens(self) -> int:
+    def num_trained(self) -> int:
+        """Completion tokens that carry loss (the sampled ones)."""
         return len(self.completion_ids) if self.completion_mask is None else int(sum(self.completion_mask))
 
     def staleness(self, step: int) -> int:
-        """Trainer steps between the oldest policy that sampled a token of this rollout and `step`."""
-        return step - min(self.policy_versions) if self.policy_versions else 0
+        """Trainer steps between the oldest policy that sampled a token of this rollout and `step` (inserted
+        tokens, version -1, do not count)."""
+        sampled = [v for v in self.policy_versions if v >= 0]
+        return step - min(sampled) if sampled else 0
 
 
 @dataclasses.dataclass

@@ -155,17 +155,16 @@ def _chain_rollout(chain: list[Turn], s: Session) -> Rollout:
     root = chain[0]
     P = len(root.prompt_ids)
     completion: list[int] = []
-    mask: list[bool] = []
+    mask: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     routes = []
     for t in chain:
         injected = t.prompt_ids[P + len(completion):]
-        fill = t.policy_versions[0] if t.policy_versions else (versions[-1] if versions else 0)
         completion += injected + t.completion_ids
-        mask += [False] * len(injected) + [True] * len(t.completion_ids)
+        mask += [0] * len(injected) + [1] * len(t.completion_ids)
         logprobs += [0.0] * len(injected) + list(t.logprobs)
-        versions += [fill] * len(injected) + list(t.policy_versions)
+        versions += [-1] * len(injected) + list(t.policy_versions)  # inserted tokens: no policy sampled them
         routes.append(t.routed_experts)
     leaf = chain[-1]
     # Router replay needs every token's experts: the leaf's prompt holds the whole chain, so its array does.

@@ -1,0 +1,157 @@
+"""Tools as plain Python functions, their JSON schemas, and parsing of tool calls out of assistant text.
+
+A tool is any sync or async function with type hints and a docstring: `tool_schema(fn)` gives the OpenAI-style
+schema that chat templates expose (`{"type": "function", "function": {"name", "description", "parameters"}}`),
+the description being the docstring's first paragraph and each parameter's description taken from a
+`name: text` line of the docstring's Args section when there is one.
+
+Tool calls are parsed in the Qwen3 / Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+anywhere in the assistant's text (`arguments` may also be a JSON-encoded string, as some templates emit). A
+block that is not valid JSON, lacks a string `name` or has non-object arguments, or a `<tool_call>` never closed,
+becomes a `ToolCallError` rather than being dropped, so environments can penalise invalid calls. Unlike Hermes'
+reference parser, text outside the blocks is kept as the message content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import re
+import types
+import typing
+from typing import Any, Callable
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def _json_type(hint: Any) -> dict[str, Any]:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _json_type(options[0]) if len(options) == 1 else {"anyOf": [_json_type(a) for a in options]}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(hint))}
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        return {"type": "array", **({"items": _json_type(args[0])} if args else {})}
+    if origin is dict:
+        return {"type": "object"}
+    if hint in _JSON_TYPES:
+        return {"type": _JSON_TYPES[hint]}
+    return {}  # unannotated or exotic: any JSON value
+
+
+def _arg_docs(doc: str) -> dict[str, str]:
+    out, in_args = {}, False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped.lower() in ("args:", "arguments:", "parameters:"):
+            in_args = True
+            continue
+        if in_args:
+            m = re.match(r"(\w+)\s*(\([^)]*\))?\s*:\s*(.+)", stripped)
+            if m:
+                out[m.group(1)] = m.group(3)
+            elif not stripped:  # a blank line ends the Args section
+                in_args = False
+    return out
+
+
+def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema of a function: name, docstring summary, parameters from its type hints."""
+    doc = inspect.getdoc(fn) or ""
+    hints = typing.get_type_hints(fn)
+    arg_docs = _arg_docs(doc)
+    props, required = {}, []
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        prop = _json_type(hints.get(name, Any))
+        if name in arg_docs:
+            prop["description"] = arg_docs[name]
+        props[name] = prop
+        if p.default is p.empty:
+            required.append(name)
+    summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": summary,
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
+
+
+@dataclasses.dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclasses.dataclass
+class ToolCallError:
+    raw: str
+    """The text of the malformed block."""
+    reason: str
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
+    """Every `<tool_call>` block of `text`, in order: the valid calls and the malformed ones."""
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end < 0:
+            errors.append(ToolCallError(text[start:], "unterminated <tool_call>"))
+            break
+        raw = text[start + len(OPEN): end]
+        pos = end + len(CLOSE)
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            errors.append(ToolCallError(raw, f"invalid JSON: {e.msg}"))
+            continue
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append(ToolCallError(raw, "a tool call needs a string 'name'"))
+        elif not isinstance(args, dict):
+            errors.append(ToolCallError(raw, "'arguments' must be a JSON object"))
+        else:
+            calls.append(ToolCall(obj["name"], args))
+    return calls, errors
+
+
+class ToolError(Exception):
+    """A tool call that cannot run (unknown tool, bad arguments, the tool raised): its message goes back to the
+    model as the tool's result and the call counts as invalid."""
+
+
+async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
+    """Runs one call; sync tools run in a thread so a slow tool does not block the event loop."""
+    fn = tools.get(call.name)
+    if fn is None:
+        raise ToolError(f"unknown tool {call.name!r}; available: {', '.join(sorted(tools))}")
+    try:
+        inspect.signature(fn).bind(**call.arguments)
+    except TypeError as e:
+        raise ToolError(f"bad arguments for {call.name}: {e}") from None
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(**call.arguments)
+        else:
+            result = await asyncio.to_thread(fn, **call.arguments)
+    except ToolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a tool's failure is the model's feedback, not the run's
+        raise ToolError(f"{call.name} failed: {type(e).__name__}: {e}") from None
+    return result if isinstance(result, str) else json.dumps(result)
