@@ -430,3 +430,27 @@ def test_black_box_env_function_agent_and_bad_args() -> None:
         BlackBoxEnv()
     with pytest.raises(ValueError, match="does not exist"):
         BlackBoxEnv(function="nowhere/agent.py:solve")
+
+
+@pytest.mark.slow
+def test_black_box_example_trains_end_to_end(tmp_path: Path) -> None:
+    """The example's rl.toml, shortened: warm-up, then RL steps whose every rollout is the agent calling the
+    gateway; the batches train (the reward-rising run is the full example, measured in the report)."""
+    import subprocess
+
+    from arbor.monitor.metrics import read_jsonl
+
+    out = tmp_path / "run"
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "arbor.launch.rl", "@", str(root / "examples/black_box_agent/rl.toml"),
+            "--output-dir", str(out), "--model.name", "qwen3-test", "--max-steps", "3", "--sft.steps", "5",
+            "--sft.batch-size", "8", "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4"]
+    res = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["gateway/calls"] > 0 and r["agents/failed"] == 0 and r["gateway/open_sessions"] == 0
+        assert "loss" in r and 0.0 <= r["reward/mean"] <= 1.0
+    assert rows[-1]["gateway/calls"] >= 48  # every rollout of the three steps went through the gateway
+    assert (out / "gateway_url").read_text().startswith("http://127.0.0.1:")
