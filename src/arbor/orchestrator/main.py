@@ -391,7 +391,8 @@ class Orchestrator:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    for noisy in ("aiohttp", "httpx", "openai"):  # httpx/openai: in-process black-box agents log every request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @main_guard
