@@ -1,20 +1,57 @@
-"""`[orchestrator.environment]`: the environment that turns tasks into prompts and completions into rewards."""
+"""`[orchestrator.environment]`: the environment that turns tasks into prompts and completions into rewards,
+with its failure policy and, for multi-turn environments, the episode limits and context management."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from arbor.config.base import Config
 
 
+class ContextConfig(Config):
+    """Context management between the turns of a multi-turn episode (an environment step applied by the driver;
+    the trained samples hold exactly the trimmed contexts the agent saw, branching at each edit)."""
+
+    strategy: Literal["none", "truncate", "summarise"] = "none"
+    """"truncate" keeps the system prompt, the task's prompt and the last `keep_turns` turns; "summarise" also
+    replaces the dropped turns by one user message holding `summariser`'s summary of them."""
+    keep_turns: int = Field(2, ge=1)
+    """Most recent turns kept (a turn is an assistant message and the environment messages that follow it)."""
+    trigger_tokens: int | None = Field(None, ge=1)
+    """Edit only once the next prompt would exceed this many tokens; None edits whenever more than `keep_turns`
+    turns have passed."""
+    keep_prompt: bool = True
+    """Keep the task's own prompt messages (the question) along with the system prompt."""
+    summariser: str = "arbor.environments.context:extractive_summary"
+    """"summarise": a dotted path to `(list of dropped messages) -> str`; the default is deterministic and
+    extractive (the first line of every dropped message, clipped), no model call."""
+
+
 class EnvironmentConfig(Config):
     id: str = "reverse_text"
-    """A built-in environment name or a dotted path `package.module:function` returning an Environment."""
+    """A built-in environment name (reverse_text, math, tool_use) or a dotted path `package.module:function`
+    returning an Environment or a MultiTurnEnvironment."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's constructor."""
     reward_weights: dict[str, float] = {}
     """Weights of named reward components (default 1.0 each); the reward is their weighted sum."""
     timeout: float = Field(60.0, gt=0)
-    """Seconds a single scoring call may take before the rollout is scored as failed (reward 0)."""
+    """Seconds one environment call (scoring, an episode's setup or step) may take before it counts as failed."""
+    retries: int = Field(1, ge=0)
+    """Retries of a failed or timed-out environment call, with a short backoff, before `on_failure` applies."""
+    on_failure: Literal["score_zero", "skip"] = "score_zero"
+    """When an environment call fails for good: "score_zero" keeps the rollout with reward 0 (counted as
+    `env/failed`); "skip" drops it (counted as `env/skipped`; its group trains with the rest, or is replaced
+    when nothing is left)."""
+    max_turns: int | None = Field(None, ge=1)
+    """Multi-turn: most assistant turns per episode; None uses the environment's own `max_turns`."""
+    context: ContextConfig = ContextConfig()
+    """Multi-turn: context management between turns."""
+
+    @model_validator(mode="after")
+    def _context_budget(self) -> "EnvironmentConfig":
+        if self.context.strategy == "none" and self.context.trigger_tokens is not None:
+            raise ValueError("context.trigger_tokens is set but context.strategy is 'none'")
+        return self

@@ -1,14 +1,31 @@
-"""The Environment protocol: tasks in, prompts out, completions scored into named reward components.
+"""The Environment protocols: tasks in, prompts out, completions (or whole episodes) scored into named reward
+components.
 
-An environment is built from `[orchestrator.environment]`: `id` names a built-in (`reverse_text`) or a dotted
-path `package.module:factory`; `args` are the factory's keyword arguments. Scoring is async so that verifiers
-can call sandboxes or judges without blocking the orchestrator's event loop.
+An environment is built from `[orchestrator.environment]`: `id` names a built-in (`reverse_text`, `math`,
+`tool_use`) or a dotted path `package.module:factory`; `args` are the factory's keyword arguments. Every call is
+async so that verifiers, tools and sandboxes never block the orchestrator's event loop.
+
+Two shapes:
+- `Environment` (single turn): `prompt(task)` is completed once and `score(task, completion)` rewards it.
+- `MultiTurnEnvironment`: an episode. The driver (arbor.orchestrator.episode) asks `setup(task)` for a fresh
+  per-episode state (any object; it lives in the driver coroutine, so it survives across turns and across
+  partial rollouts, which only suspend that coroutine), sends `prompt(task)` with the schemas of `tools(task)`
+  (plain Python functions: name, docstring and type hints make the schema, see arbor.environments.tools), then
+  after each assistant turn calls `step(task, state, messages)`: the environment answers with the messages to
+  append (tool results, a user turn) and whether the episode is done; finally `score_episode(task, state,
+  messages)` gives the reward components. `arbor.environments.multiturn.ToolEnv` implements tool calling
+  (Qwen3/Hermes `<tool_call>` markup) and is the usual base class.
+
+Failures: each environment call runs under `[orchestrator.environment] timeout` and is retried `retries` times;
+a call that still fails makes the rollout score 0 (`score_failed`, counted) or, with `on_failure = "skip"`,
+drops it (counted). No failure hangs the run or disappears silently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from arbor.config.environment import EnvironmentConfig
 
@@ -37,8 +54,68 @@ class Environment(Protocol):
         ...
 
 
+@dataclasses.dataclass
+class StepResult:
+    """The environment's answer to one assistant turn."""
+
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Messages appended to the conversation (tool results as role "tool", user turns)."""
+    done: bool = False
+    """The episode is over (the agent answered, gave up, or broke a rule)."""
+    reward: float | None = None
+    """An optional process reward for this turn; when any turn has one, the rollout carries per-turn rewards
+    and advantages are reward-to-go (arbor.orchestrator.advantages)."""
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Protocol):
+    name: str
+    max_turns: int
+    """Most assistant turns of an episode (`[orchestrator.environment] max_turns` overrides it)."""
+
+    def dataset(self, seed: int) -> list[Task]: ...
+
+    def prompt(self, task: Task) -> list[dict[str, Any]]:
+        """The episode's first messages."""
+        ...
+
+    def reference(self, task: Task) -> str | None: ...
+
+    def tools(self, task: Task) -> list[Callable[..., Any]]:
+        """The functions the model may call in this task (their schemas go into the chat template)."""
+        ...
+
+    async def setup(self, task: Task) -> Any:
+        """A fresh per-episode state."""
+        ...
+
+    async def step(self, task: Task, state: Any, messages: list[dict[str, Any]]) -> StepResult:
+        """React to the assistant's latest turn (the last message of `messages`)."""
+        ...
+
+    async def score_episode(self, task: Task, state: Any, messages: list[dict[str, Any]]) -> dict[str, float]:
+        """Reward components of the finished episode (`messages` is the full, untrimmed conversation)."""
+        ...
+
+
+def is_multi_turn(env: Any) -> bool:
+    return isinstance(env, MultiTurnEnvironment)
+
+
+def env_prompt_ids(env: Any, task: Task, tokenizer: Any) -> list[int]:
+    """The first prompt's token ids, with the task's tool schemas for a multi-turn environment."""
+    tools = None
+    if is_multi_turn(env):
+        from arbor.environments.tools import tool_schema
+
+        tools = [tool_schema(fn) for fn in env.tools(task)] or None
+    return tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True, tools=tools)
+
+
 BUILTINS = {
     "reverse_text": "arbor.environments.reverse_text:ReverseTextEnv",
+    "math": "arbor.environments.math_problems:MathEnv",
+    "tool_use": "arbor.environments.tool_use:ToolUseEnv",
     "black_box": "arbor.environments.black_box:BlackBoxEnv",
 }
 
@@ -56,11 +133,13 @@ def load_object(path: str) -> Any:
         raise ValueError(f"cannot import {path!r}: {e}") from None
 
 
-def load_environment(cfg: EnvironmentConfig) -> Environment:
+def load_environment(cfg: EnvironmentConfig) -> Environment | MultiTurnEnvironment:
     factory = load_object(BUILTINS.get(cfg.id, cfg.id))
     env = factory(**cfg.args)
-    if not isinstance(env, Environment):
-        raise TypeError(f"environment {cfg.id!r} does not implement arbor.environments.Environment")
+    if not isinstance(env, (Environment, MultiTurnEnvironment)):
+        raise TypeError(
+            f"environment {cfg.id!r} implements neither arbor.environments.Environment nor MultiTurnEnvironment"
+        )
     return env
 
 

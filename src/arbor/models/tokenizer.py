@@ -6,13 +6,13 @@ For multi-turn records (arbor.orchestrator.trajectory) a tokenizer also renders 
 new turn's suffix can be tokenised alone.
 
 Tools: `apply_chat_template(..., tools=[json schema, ...])` exposes function schemas to the model. A Hugging Face
-tokenizer passes them to its own chat template (`tools=`); the byte tokenizer appends a compact block to the
-system message (one is created when the conversation has none):
+tokenizer passes them to its own chat template (`tools=`); the byte tokenizer, whose tiny models have short
+contexts, appends a compact block to the system message (one is created when the conversation has none), one
+signature line per tool (optional parameters marked `?`, types from the JSON schema):
 
     # Tools
-    <tools>
-    {"type": "function", "function": {...}}   (one JSON object per line)
-    </tools>
+    calculator(expression: string) - Evaluates an arithmetic expression exactly.
+    search(query: string, k?: integer) - Searches a local encyclopedia of towns.
     Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 
 and renders `tool` messages like Qwen3 does, as a user turn `<tool_response>\n...\n</tool_response>`.
@@ -48,6 +48,18 @@ class Tokenizer(Protocol):
 TOOL_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 
 
+def _tool_line(tool: dict) -> str:
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {}
+    required = set(params.get("required") or [])
+    args = ", ".join(
+        f"{name}{'' if name in required else '?'}: {spec.get('type', 'any')}"
+        for name, spec in (params.get("properties") or {}).items()
+    )
+    desc = fn.get("description") or ""
+    return f"{fn['name']}({args})" + (f" - {desc}" if desc else "")
+
+
 def _byte_messages(messages: list[dict], tools: list[dict] | None) -> list[tuple[str, str]]:
     """(role, content) pairs of the byte template: tools folded into the system message, tool results and
     structured tool calls written out as text."""
@@ -63,7 +75,7 @@ def _byte_messages(messages: list[dict], tools: list[dict] | None) -> list[tuple
             content += "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
         out.append((role, content))
     if tools:
-        block = "# Tools\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + "\n</tools>\n" + TOOL_INSTRUCTION
+        block = "# Tools\n" + "".join(_tool_line(t) + "\n" for t in tools) + TOOL_INSTRUCTION
         if out and out[0][0] == "system":
             out[0] = ("system", out[0][1] + "\n\n" + block)
         else:

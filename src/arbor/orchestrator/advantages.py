@@ -15,6 +15,10 @@ all turn rewards of a group are normalised together (minus their mean, divided b
 `std_normalize`), and a token of turn k gets sum_{j >= k} gamma^(j-k) * normalised r_j. A rollout without turn
 rewards counts as one turn ending at its last token. Tokens after a rollout's last turn end get 0.
 
+Branched multi-turn episodes (several rollouts with one `episode_id`, see arbor.orchestrator.episode): scalar
+advantages are computed over the group's episodes, each counted once with its reward, and every branch of an
+episode gets that episode's advantage. With per-turn rewards, each branch is a rollout of reward-to-go.
+
 Composite rewards: components are already summed with `environment.reward_weights` (a process penalty such as
 invalid tool calls is a component with a negative weight); `completion_time_weight` adds Forge's relative
 completion time: among a group's rollouts with positive reward, the fastest gains the full weight, the slowest
@@ -111,6 +115,26 @@ def reward_to_go(group: list, cfg: AdvantageConfig) -> None:
         r.advantage = float(togo[0]) if togo else 0.0
 
 
+def _branched(group: list) -> bool:
+    ids = [r.episode_id for r in group if getattr(r, "episode_id", -1) >= 0]
+    return len(ids) != len(set(ids))
+
+
+def _episode_advantages(group: list, fn: AdvantageFn, cfg: AdvantageConfig) -> None:
+    """One advantage per episode (its reward counted once), shared by the episode's branches."""
+    episodes: dict[object, list] = {}
+    for i, r in enumerate(group):
+        episodes.setdefault(r.episode_id if r.episode_id >= 0 else ("rollout", i), []).append(r)
+    members = list(episodes.values())
+    rewards = np.array([[m[0].reward for m in members]], dtype=np.float64)
+    adv = np.asarray(fn(rewards, cfg), dtype=np.float64)
+    if adv.shape != rewards.shape:
+        raise ValueError(f"advantage function {cfg.name!r} returned shape {adv.shape}, expected {rewards.shape}")
+    for m, a in zip(members, adv[0]):
+        for r in m:
+            r.advantage = float(a)
+
+
 def compute_advantages(groups: list[list], cfg: AdvantageConfig) -> None:
     """Sets `.advantage` (and, for groups with per-turn rewards, `.token_advantages`) on every rollout.
     Groups may differ in size (e.g. after a filter): each size is computed as its own batch."""
@@ -123,6 +147,8 @@ def compute_advantages(groups: list[list], cfg: AdvantageConfig) -> None:
     for g in groups:
         if any(r.turn_rewards for r in g):
             reward_to_go(g, cfg)
+        elif _branched(g):
+            _episode_advantages(g, fn, cfg)
         else:
             by_size.setdefault(len(g), []).append(g)
     for size, same in by_size.items():

@@ -27,7 +27,7 @@ Generate = Callable[[list[int], int, int], Awaitable[list[str]]]
 
 async def evaluate(generate: Generate, tokenizer: Any, cfg: EvalSettings, max_prompt: int | None = None) -> dict[str, float]:
     """avg@k / pass@k / pass@1 per environment, as `eval/<env id>/<figure>`."""
-    from arbor.environments import load_environment, total_reward
+    from arbor.environments import env_prompt_ids, load_environment, total_reward
 
     out: dict[str, float] = {}
     for env_cfg in cfg.environments:
@@ -36,7 +36,7 @@ async def evaluate(generate: Generate, tokenizer: Any, cfg: EvalSettings, max_pr
         name = env_cfg.id.rsplit(":", 1)[-1]
 
         async def one(i: int, task: dict) -> tuple[list[float], list[int]]:
-            prompt = tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True)
+            prompt = env_prompt_ids(env, task, tokenizer)
             if max_prompt is not None and len(prompt) > max_prompt:
                 raise ValueError(f"eval task {i} of {env_cfg.id}: prompt of {len(prompt)} tokens exceeds {max_prompt}")
             seed = zlib.crc32(f"eval/{cfg.seed}/{name}/{i}".encode()) & 0x7FFFFFFF

@@ -42,10 +42,12 @@ class Orchestrator:
         self.skipped_long = 0
         self.groups_launched = 0
         self.gateway = None
-        self.empty_groups = 0
         self.curriculum = None
         self.buffer = None
-        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0}
+        self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0, "env_skipped": 0}
+        from arbor.orchestrator.episode import EpisodeStats
+
+        self.env_stats = EpisodeStats()  # environment retries, failures and skips; multi-turn episode figures
         self._task_of_group: dict[int, dict] = {}
         from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 
@@ -183,7 +185,8 @@ class Orchestrator:
                 return await self.env.run_group(self.gateway, spec, cfg.group_size, weights_of, cfg.environment.timeout)
             return await generate_group(
                 client, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                cfg.sampling.top_p, weights_of, cfg.environment.timeout,
+                cfg.sampling.top_p, weights_of, cfg.environment.timeout, generate=client.generate,
+                env_cfg=cfg.environment, tokenizer=self.tokenizer, seq_len=cfg.seq_len, stats=self.env_stats,
             )
 
         def launch(k: int) -> None:
@@ -210,12 +213,13 @@ class Orchestrator:
             taken = q.take(need - len(kept))
             for _, task in taken:
                 group = task.result()  # a failed generation fails the run, as the client already retried
-                if not group:  # every agent of the group failed (counted by the environment): replace it
-                    self.empty_groups += 1
-                    if self.empty_groups > 50 * need and not kept:
-                        raise RuntimeError(f"{self.empty_groups} groups produced no sample: the agents keep failing")
-                    continue
                 task = self._task_of_group.pop(group[0].group_id, None) if group else None
+                if not group:  # every rollout skipped after environment failures (counted in env/skipped)
+                    self.filtered["env_skipped"] += 1
+                    filtered_here += 1
+                    if filtered_here > 50 * need and not kept:
+                        raise RuntimeError(f"the environment failed every rollout of {filtered_here} groups in a row at step {step}")
+                    continue
                 if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
                     self.dropped_stale += len(group)
                     continue
@@ -315,12 +319,13 @@ class Orchestrator:
         return out
 
     def _next_spec(self, step: int, k: int):
+        from arbor.environments import env_prompt_ids
         from arbor.orchestrator.rollout import GroupSpec
 
         cfg = self.cfg
         while True:
             task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
-            prompt_ids = self.tokenizer.apply_chat_template(self.env.prompt(task), add_generation_prompt=True)
+            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
                 self.groups_launched += 1
@@ -357,6 +362,7 @@ class Orchestrator:
             "time/wait_weights": waited,
             "time/orchestrator_step": step_seconds,
             "epoch": self.sampler.epoch,
+            **self.env_stats.figures(),
         }
         for name in sorted({k for r in rollouts for k in r.components}):
             figures[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in rollouts]))
@@ -365,8 +371,7 @@ class Orchestrator:
     def _agent_figures(self) -> dict[str, Any]:
         if self.gateway is None:
             return {}
-        out = {"gateway/calls": self.gateway.calls, "gateway/open_sessions": len(self.gateway.sessions),
-               "agents/empty_groups": self.empty_groups}
+        out = {"gateway/calls": self.gateway.calls, "gateway/open_sessions": len(self.gateway.sessions)}
         for name in ("failed", "retried"):
             if hasattr(self.env, name):
                 out[f"agents/{name}"] = getattr(self.env, name)

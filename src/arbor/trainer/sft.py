@@ -57,7 +57,7 @@ def load_examples(cfg: SFTConfig, tokenizer: "Tokenizer") -> list[Example]:
 
 
 def _environment_examples(cfg: SFTConfig, tokenizer: "Tokenizer") -> list[Example]:
-    from arbor.environments import load_environment
+    from arbor.environments import env_prompt_ids, load_environment
 
     env = load_environment(cfg.environment)
     out = []
@@ -65,7 +65,7 @@ def _environment_examples(cfg: SFTConfig, tokenizer: "Tokenizer") -> list[Exampl
         reference = env.reference(task)
         if reference is None:
             continue
-        prompt = tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True)
+        prompt = env_prompt_ids(env, task, tokenizer)
         out.append(_single(prompt, tokenizer.encode(reference) + [tokenizer.eos_token_id]))
     if not out:
         raise ValueError(f"environment {cfg.environment.id!r} has no reference answers to fine-tune on")

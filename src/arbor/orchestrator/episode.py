@@ -1,0 +1,191 @@
+"""The multi-turn rollout driver: one episode of a MultiTurnEnvironment, recorded token-exactly.
+
+An episode runs `setup(task)`, then turn after turn: the agent's view of the conversation is (optionally)
+trimmed by the context policy, turned into prompt ids by a `Trajectory` (extending the previous turn's tokens,
+or branching after an edit), completed by `generate` (one sample), and the assistant's text goes to
+`step(task, state, messages)`, whose messages are appended; until the environment says done, `max_turns`
+assistant turns have passed, or the next prompt leaves no room under `seq_len` (the token budget of one sample).
+`score_episode` then scores the full conversation.
+
+`generate` is passed in, with `InferenceClient.generate`'s signature (prompt_ids, n, max_tokens, temperature,
+top_p, seed) -> [Completion]: the driver never talks to the client itself, so a caller can wrap generation
+(partial rollouts park and resume a request inside that call; the driver only sees one finished completion per
+turn). The episode state lives in this coroutine, so it is kept across turns and across such suspensions.
+
+Rewards of a branched episode: every branch becomes a Rollout with the episode's reward, components and
+`episode_id`. Group advantages are computed over episodes, not branches (arbor.orchestrator.advantages): each
+episode counts once in the group baseline and all its branches get its advantage, so an episode that was trimmed
+three times weighs no more in the baseline than one that was not (its tokens do weigh more in the loss, as they
+would unbranched). When the environment gives per-turn rewards (`StepResult.reward`), each branch carries
+`turn_rewards` (its turns' rewards, plus the episode's reward on its last turn, the outcome that follows every
+branch) and advantages are reward-to-go.
+
+Failures: setup, step and scoring run under the environment's timeout and retry policy (arbor.environments.guard).
+An episode whose environment fails for good is scored 0 (`score_failed`; its recorded branches are kept, or one
+empty rollout when nothing was generated) or, with on_failure = "skip", yields no rollout; both are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from arbor.config.environment import EnvironmentConfig
+from arbor.environments.base import MultiTurnEnvironment, Task, total_reward
+from arbor.environments.context import ContextPolicy
+from arbor.environments.guard import EnvFailure, EnvStats, guarded
+from arbor.environments.tools import tool_schema
+from arbor.orchestrator.rollout import Rollout
+from arbor.orchestrator.trajectory import Trajectory
+
+log = logging.getLogger("arbor.orchestrator.episode")
+
+GenerateFn = Callable[..., Awaitable[list[Any]]]
+"""`(prompt_ids, n, max_tokens, temperature, top_p, seed) -> list[Completion]`, as InferenceClient.generate."""
+
+
+@dataclasses.dataclass
+class EpisodeSettings:
+    max_tokens: int
+    """Most tokens generated per turn."""
+    temperature: float
+    top_p: float
+    seq_len: int
+    """Most tokens of one sample (a branch: its prompt plus all later turns)."""
+    env: EnvironmentConfig
+
+
+@dataclasses.dataclass
+class EpisodeStats(EnvStats):
+    episodes: int = 0
+    turns: int = 0
+    branches: int = 0
+    context_edits: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Why episodes ended: done, max_turns, budget, env_failed."""
+
+    def figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f"env/{k}": getattr(self, k) for k in ("retries", "timeouts", "failed", "skipped")}
+        if self.episodes:
+            out["episode/turns_mean"] = self.turns / self.episodes
+            out["episode/branches_mean"] = self.branches / self.episodes
+            out["episode/context_edits"] = self.context_edits
+            out.update({f"episode/ended_{k}": v for k, v in sorted(self.finished.items())})
+        return out
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    return None if seed is None else (seed + 7919 * turn) & 0x7FFFFFFF
+
+
+async def run_episode(
+    generate: GenerateFn,
+    env: MultiTurnEnvironment,
+    task: Task,
+    tokenizer: Any,
+    settings: EpisodeSettings,
+    seed: int | None = None,
+    group_id: int = -1,
+    episode_id: int = -1,
+    stats: EpisodeStats | None = None,
+) -> list[Rollout]:
+    """The rollouts (one per branch) of one episode; empty when it was skipped after an environment failure."""
+    cfg = settings.env
+    stats = stats if stats is not None else EpisodeStats()
+    policy = {"timeout": cfg.timeout, "retries": cfg.retries, "stats": stats}
+    t0 = time.perf_counter()
+    tid = task.get("id", -1)
+    max_turns = cfg.max_turns or env.max_turns
+    context = ContextPolicy(cfg.context) if cfg.context.strategy != "none" else None
+    traj: Trajectory | None = None
+    turn_rewards: list[tuple[int, int, float | None]] = []  # (branch, turn within branch, reward)
+    full: list[dict[str, Any]] = []
+    turns, finish, failure = 0, "max_turns", None
+    try:
+        state = await guarded(f"setup of task {tid}", env.setup, task, **policy)
+        traj = Trajectory(tokenizer, [tool_schema(fn) for fn in env.tools(task)] or None)
+        full = list(env.prompt(task))
+        view, num_prompt = list(full), len(full)
+        while turns < max_turns:
+            ids = traj.prompt_ids(view)
+            if context is not None and turns and context.should_edit(view, num_prompt, len(ids)):
+                view = context.edit(view, num_prompt)
+                ids = traj.prompt_ids(view)  # history rewritten: the trajectory branches here
+                stats.context_edits += 1
+            budget = min(settings.max_tokens, settings.seq_len - len(ids))
+            if budget < 1:
+                finish = "budget"
+                break
+            (completion,) = await generate(ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns))
+            traj.add_completion(completion)
+            turns += 1
+            reply = {"role": "assistant", "content": completion.text}
+            full.append(reply)
+            view.append(reply)
+            result = await guarded(f"step of task {tid}", env.step, task, state, full, **policy)
+            branch = traj.num_branches - 1
+            turn_rewards.append((branch, len(traj.samples()[branch].turns) - 1, result.reward))
+            full += result.messages
+            view += result.messages
+            if result.done:
+                finish = "done"
+                break
+        components = await guarded(f"scoring of task {tid}", env.score_episode, task, state, full, **policy)
+    except EnvFailure as e:
+        log.warning("episode of task %s: %s", tid, e)
+        failure, finish, components = e, "env_failed", {}
+    stats.episodes += 1
+    stats.turns += turns
+    stats.finished[finish] = stats.finished.get(finish, 0) + 1
+    if failure is not None and cfg.on_failure == "skip":
+        stats.skipped += 1
+        return []
+    if failure is not None:
+        stats.failed += 1
+    samples = traj.samples() if traj is not None else []
+    stats.branches += len(samples)
+    reward = total_reward(components, cfg.reward_weights) if failure is None else 0.0
+    latency = time.perf_counter() - t0
+    common = dict(reward=reward, score_failed=failure is not None, group_id=group_id, latency=latency, episode_id=episode_id)
+    if not samples:  # failed before anything was generated: an empty rollout keeps the failure in the group
+        from arbor.environments.base import env_prompt_ids
+
+        return [Rollout(tid, env_prompt_ids(env, task, tokenizer), [], [], [], "", finish, components=components,
+                        completion_mask=[], **common)]
+    per_turn = any(r is not None for _, _, r in turn_rewards) and failure is None
+    out = []
+    for b, s in enumerate(samples):
+        rewards = None
+        if per_turn:
+            mine = {t: (r or 0.0) for br, t, r in turn_rewards if br == b}
+            rewards = [(end, mine.get(t, 0.0) + (reward if t == len(s.turns) - 1 else 0.0))
+                       for t, (_, end) in enumerate(s.turns)]
+        out.append(Rollout(
+            tid, s.prompt_ids, s.completion_ids, s.logprobs, s.policy_versions, s.text, s.finish_reason,
+            components=dict(components), routed_experts=s.routed_experts, turn_rewards=rewards,
+            completion_mask=s.completion_mask, **common,
+        ))
+    return out
+
+
+async def run_group_episodes(
+    generate: GenerateFn,
+    env: MultiTurnEnvironment,
+    task: Task,
+    tokenizer: Any,
+    settings: EpisodeSettings,
+    group_size: int,
+    seed: int,
+    group_id: int = -1,
+    stats: EpisodeStats | None = None,
+) -> list[Rollout]:
+    """`group_size` concurrent episodes of one task; their rollouts (several per branched episode)."""
+    runs = [
+        run_episode(generate, env, task, tokenizer, settings, (seed + 104729 * k) & 0x7FFFFFFF, group_id,
+                    max(group_id, 0) * group_size + k, stats)
+        for k in range(group_size)
+    ]
+    return [r for rollouts in await asyncio.gather(*runs) for r in rollouts]
