@@ -348,7 +348,9 @@ def test_64_concurrent_sessions_against_the_cpu_engine_are_recorded_without_loss
                             await oa.close()
 
                         await asyncio.gather(*(agent(i) for i in range(64)))
-                        return [(s, (await gw.finish(s.id)).rollouts()) for s in sessions]
+                        results = [(s, (await gw.finish(s.id)).rollouts()) for s in sessions]
+                        await _fuzz_real_backend(gw)
+                        return results
 
             results = asyncio.run(main())
     finally:
@@ -365,6 +367,24 @@ def test_64_concurrent_sessions_against_the_cpu_engine_are_recorded_without_loss
         assert len(samples) == expected
         assert (samples[-1].prompt_ids + samples[-1].completion_ids) == s.turns[1].ids
     assert sum(s.turns[1].parent == 0 for s, _ in results) >= 32
+
+
+async def _fuzz_real_backend(gw: Gateway) -> None:
+    """Odd but well-formed requests reach the real engine: whatever it refuses must come back as a 4xx."""
+    import aiohttp
+
+    gw.open("fuzz")
+    url = gw.base_url("fuzz") + "/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    bodies = [{"messages": user, "seed": 2**62}, {"messages": user, "stop": ["\u0000", "x" * 500]},
+              {"messages": user, "max_tokens": 10**9, "n": 16}, {"messages": [{"role": "user", "content": "é" * 200}]},
+              {"messages": user, "seed": -1}, {"messages": user, "n": 17}, {"messages": user, "temperature": -1}]
+    async with aiohttp.ClientSession() as http:
+        for body in bodies:
+            async with http.post(url, json=body) as r:
+                assert r.status < 500, (body, r.status, await r.text())
+        async with http.post(gw.base_url("fuzz") + "/completions", json={"prompt": [10**6]}) as r:
+            assert r.status == 400
 
 
 def _spec(task_id: int = 0):

@@ -30,6 +30,11 @@ log = logging.getLogger("arbor.orchestrator.client")
 class InferenceError(RuntimeError):
     """A request that failed for good (bad request, or retries exhausted)."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The server's 4xx status when it rejected the request itself; None for failures after retries."""
+
 
 @dataclasses.dataclass
 class Completion:
@@ -76,7 +81,7 @@ class InferenceClient:
                         return data
                     message = (data.get("error") or {}).get("message", data) if isinstance(data, dict) else data
                     if resp.status < 500:
-                        raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}")
+                        raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}", resp.status)
                     last = InferenceError(f"{base}{path} failed ({resp.status}): {message}")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = e

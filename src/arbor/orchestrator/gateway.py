@@ -152,6 +152,13 @@ def _tools(body: dict[str, Any]) -> list[dict] | None:
     return tools or None
 
 
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _get(body, "seed", (int,), None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise HTTPError(400, f"seed must be in [0, 2**63), got {seed}", "seed")
+    return seed
+
+
 def _stop(body: dict[str, Any]) -> list[str] | None:
     stop = body.get("stop")
     if stop is None:
@@ -362,14 +369,16 @@ class Gateway:
             raise HTTPError(400, f"the prompt has {prompt_len} tokens; the run's seq_len is {self.seq_len}",
                             "messages", "context_length_exceeded")
         return {"n": n, "max_tokens": min(max_tokens or room, room), "temperature": float(temperature),
-                "top_p": float(top_p), "seed": _get(body, "seed", (int,), None), "stop": _stop(body)}
+                "top_p": float(top_p), "seed": _seed(body), "stop": _stop(body)}
 
     async def _generate(self, s: Session, prompt: list[int], sampling: dict[str, Any]):
         s.pending += 1
         self._idle[s.id].clear()
         try:
             return await self.client.generate(prompt, **sampling)
-        except InferenceError as e:
+        except InferenceError as e:  # the backend refusing this request is the agent's error, else the fleet's
+            if e.status is not None and 400 <= e.status < 500:
+                raise HTTPError(400, f"the inference backend rejected the request: {e}") from None
             raise HTTPError(502, f"inference backend: {e}", None, "api_error") from None
         finally:
             s.pending -= 1
