@@ -474,3 +474,27 @@ def test_black_box_example_trains_end_to_end(tmp_path: Path) -> None:
         assert "loss" in r and 0.0 <= r["reward/mean"] <= 1.0
     assert rows[-1]["gateway/calls"] >= 48  # every rollout of the three steps went through the gateway
     assert (out / "gateway_url").read_text().startswith("http://127.0.0.1:")
+
+
+def test_black_box_branched_sessions_count_once_in_group_advantages(tmp_path: Path) -> None:
+    from arbor.config.orchestrator import AdvantageConfig
+    from arbor.environments.black_box import BlackBoxEnv
+    from arbor.orchestrator.advantages import compute_advantages
+
+    agent = tmp_path / "restarting_agent.py"
+    agent.write_text(
+        "from openai import OpenAI\n"
+        "def solve(task, base_url, api_key):\n"
+        "    oa = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)\n"
+        "    oa.chat.completions.create(model='m', messages=[{'role': 'user', 'content': task}])\n"
+        "    again = [{'role': 'user', 'content': 'again: ' + task}]  # a fresh context: a second branch\n"
+        "    return oa.chat.completions.create(model='m', messages=again).choices[0].message.content\n"
+    )
+    answers = iter(["cba", "cba", "xyz", "xyz"])  # session order is not fixed: the rewards differ by session
+    env = BlackBoxEnv(function=f"{agent}:solve", max_concurrent_agents=1)
+    rollouts = _run_group(env, FakeClient(lambda p: next(answers)), group_size=2)
+    assert sorted(r.episode_id for r in rollouts) == [0, 0, 1, 1]
+    assert sorted(r.reward for r in rollouts) == [0.0, 0.0, 1.0, 1.0]
+    compute_advantages([rollouts], AdvantageConfig())
+    for r in rollouts:  # two episodes (rewards 1 and 0), not four rollouts: +-0.5, shared by both branches
+        assert r.advantage == pytest.approx(0.5 if r.reward == 1.0 else -0.5)

@@ -100,12 +100,12 @@ class BlackBoxEnv:
 
     async def run_group(self, gateway: "Gateway", spec: "GroupSpec", group_size: int, weights: dict[str, float],
                         score_timeout: float) -> list["Rollout"]:
-        groups = await asyncio.gather(*(self._rollout(gateway, spec, weights, score_timeout)
-                                        for _ in range(group_size)))
+        groups = await asyncio.gather(*(self._rollout(gateway, spec, weights, score_timeout, k)
+                                        for k in range(group_size)))
         return [r for g in groups for r in g]
 
     async def _rollout(self, gateway: "Gateway", spec: "GroupSpec", weights: dict[str, float],
-                       score_timeout: float) -> list["Rollout"]:
+                       score_timeout: float, episode: int) -> list["Rollout"]:
         text = self.task_text(spec.task)
         for attempt in range(self.retries + 1):
             session = gateway.open(task_id=spec.task.get("id", -1), group_id=spec.group_id)
@@ -132,7 +132,7 @@ class BlackBoxEnv:
                 except Exception as e:  # noqa: BLE001 - a failing scorer scores 0 and is counted, as in rollout.py
                     log.warning("scoring task %s failed: %r", spec.task.get("id"), e)
                     session.reward, session.components, failed = 0.0, {}, True
-            rollouts = session.rollouts()
+            rollouts = session.rollouts(episode)  # a branched session is one episode for advantages
             for r in rollouts:
                 r.score_failed, r.latency = failed, time.monotonic() - t0
             return rollouts

@@ -120,8 +120,9 @@ class Session:
                 best, best_len = i, len(ids)
         return best
 
-    def rollouts(self) -> list[Rollout]:
-        """One sample per root -> leaf chain, carrying the session's reward."""
+    def rollouts(self, episode_id: int = -1) -> list[Rollout]:
+        """One sample per root -> leaf chain, carrying the session's reward; `episode_id` (the session's index in
+        its group) makes group advantages count a branched session once (arbor.orchestrator.advantages)."""
         parents = {t.parent for t in self.turns if t.parent is not None}
         out = []
         for i, leaf in enumerate(self.turns):
@@ -131,7 +132,7 @@ class Session:
             while chain[-1].parent is not None:
                 chain.append(self.turns[chain[-1].parent])
             chain.reverse()
-            out.append(_chain_rollout(chain, self))
+            out.append(_chain_rollout(chain, self, episode_id))
         return out
 
 
@@ -151,7 +152,7 @@ def _splice(t: Turn, history: list[dict[str, Any]], tools: list[dict] | None, fu
     return ids + reply[end + 1:] + full[len(hist):]
 
 
-def _chain_rollout(chain: list[Turn], s: Session) -> Rollout:
+def _chain_rollout(chain: list[Turn], s: Session, episode_id: int) -> Rollout:
     root = chain[0]
     P = len(root.prompt_ids)
     completion: list[int] = []
@@ -174,5 +175,6 @@ def _chain_rollout(chain: list[Turn], s: Session) -> Rollout:
     return Rollout(
         s.task_id, list(root.prompt_ids), completion, logprobs, versions, leaf.text, leaf.finish_reason,
         reward=s.reward or 0.0, components=dict(s.components), routed_experts=experts, group_id=s.group_id, completion_mask=mask,
+        episode_id=episode_id,
     )
 
