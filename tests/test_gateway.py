@@ -498,3 +498,46 @@ def test_black_box_branched_sessions_count_once_in_group_advantages(tmp_path: Pa
     compute_advantages([rollouts], AdvantageConfig())
     for r in rollouts:  # two episodes (rewards 1 and 0), not four rollouts: +-0.5, shared by both branches
         assert r.advantage == pytest.approx(0.5 if r.reward == 1.0 else -0.5)
+
+
+def test_remote_agents_pull_work_and_post_rewards() -> None:
+    """Pull mode: agents elsewhere claim tasks with POST /v1/work, call their session, POST the reward; a task
+    nobody finishes in time is retried, then dropped and counted."""
+    from openai import AsyncOpenAI
+
+    from arbor.environments.black_box import BlackBoxEnv
+
+    async def main():
+        async with Gateway(FakeClient(lambda p: "cba"), TOK, GatewayConfig(api_key="k"), temperature=1.0,
+                           top_p=1.0, max_tokens=16, seq_len=64) as gw:
+            import aiohttp
+
+            key = {"Authorization": "Bearer k"}
+
+            async def worker(http) -> int:
+                done = 0
+                while True:
+                    async with http.post(gw.url + "/v1/work", json={"wait": 2}, headers=key) as r:
+                        if r.status == 204:
+                            return done
+                        job = await r.json()
+                    oa = AsyncOpenAI(base_url=job["base_url"], api_key="k", max_retries=0)
+                    reply = await oa.chat.completions.create(model="m", messages=[{"role": "user", "content": job["task"]}])
+                    await oa.close()
+                    reward = float(reply.choices[0].message.content == "cba")
+                    async with http.post(job["reward_url"], json={"reward": reward}, headers=key) as r:
+                        assert r.status == 200
+                    done += 1
+
+            env = BlackBoxEnv(remote=True, timeout=30)
+            async with aiohttp.ClientSession() as http:
+                async with http.post(gw.url + "/v1/work", json={"wait": 99}, headers=key) as r:
+                    assert r.status == 400
+                group, served = await asyncio.gather(env.run_group(gw, _spec(), 4, {}, 10.0),
+                                                     asyncio.gather(worker(http), worker(http)))
+            assert sum(served) == 4 and len(group) == 4 and all(r.reward == 1.0 for r in group)
+            lonely = BlackBoxEnv(remote=True, timeout=0.2, retries=1)
+            assert await lonely.run_group(gw, _spec(), 1, {}, 10.0) == [] and lonely.failed == 1 and lonely.retried == 1
+            assert not gw.sessions
+
+    asyncio.run(main())

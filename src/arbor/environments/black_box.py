@@ -5,7 +5,9 @@ For each rollout of a group the environment opens a gateway session and runs the
 `OPENAI_BASE_URL` / `OPENAI_API_KEY` pointing at it, giving it the task text (the last user message of the inner
 environment's prompt) on argv, stdin or in `ARBOR_TASK`. The agent is either a `command` (a subprocess per
 rollout: the true black box) or a `function` (`module:fn(task, base_url, api_key) -> str`, called in a thread:
-the same agent code without a process start per rollout, which is what makes the CPU example fast).
+the same agent code without a process start per rollout, which is what makes the CPU example fast), or, with
+`remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see arbor.orchestrator.gateway)
+and must POST the session's reward themselves.
 
 The reward is the one the agent (or its harness) POSTs to `/v1/sessions/{id}/reward` when it does; otherwise
 the inner environment scores what the agent printed (its stdout, stripped; or the function's return value).
@@ -49,6 +51,7 @@ class BlackBoxEnv:
         self,
         command: list[str] | str | None = None,
         function: str | None = None,
+        remote: bool = False,
         tasks: str = "reverse_text",
         task_args: dict[str, Any] | None = None,
         task_input: Literal["argv", "stdin", "env"] = "argv",
@@ -59,8 +62,9 @@ class BlackBoxEnv:
     ) -> None:
         from arbor.config.environment import EnvironmentConfig
 
-        if (command is None) == (function is None):
-            raise ValueError("black_box: give exactly one of `command` (argv list or string) or `function`")
+        if (command is not None) + (function is not None) + bool(remote) != 1:
+            raise ValueError("black_box: give exactly one of `command` (argv list or string), `function` or "
+                             "`remote = true`")
         if task_input not in ("argv", "stdin", "env"):
             raise ValueError(f"black_box: task_input must be argv, stdin or env, got {task_input!r}")
         if timeout <= 0 or retries < 0 or max_concurrent_agents < 1:
@@ -70,7 +74,7 @@ class BlackBoxEnv:
             self.command = [sys.executable, *self.command[1:]]  # the orchestrator's interpreter and venv
         self.function = _load_function(function) if function else None
         self.inner = load_environment(EnvironmentConfig(id=tasks, args=task_args or {}))
-        self.task_input, self.timeout, self.retries = task_input, timeout, retries
+        self.remote, self.task_input, self.timeout, self.retries = bool(remote), task_input, timeout, retries
         self.extra_env = dict(extra_env or {})
         self._slots = asyncio.Semaphore(max_concurrent_agents)
         # Function agents block in their HTTP calls: a pool as wide as the concurrency keeps them all in flight.
@@ -111,8 +115,12 @@ class BlackBoxEnv:
             session = gateway.open(task_id=spec.task.get("id", -1), group_id=spec.group_id)
             t0 = time.monotonic()
             try:
-                async with self._slots:
-                    answer = await self._run_agent(text, gateway.base_url(session.id), gateway.cfg.api_key or "none")
+                if self.remote:
+                    answer = await self._remote_agent(gateway, session.id, text)
+                else:
+                    async with self._slots:
+                        answer = await self._run_agent(text, gateway.base_url(session.id),
+                                                       gateway.cfg.api_key or "none")
             except AgentFailed as e:
                 await gateway.finish(session.id)
                 if attempt < self.retries:
@@ -137,6 +145,13 @@ class BlackBoxEnv:
                 r.score_failed, r.latency = failed, time.monotonic() - t0
             return rollouts
         return []
+
+    async def _remote_agent(self, gateway: "Gateway", session_id: str, task: str) -> str:
+        """Pull mode: a remote agent claims the task (POST /v1/work) and must POST the reward in time."""
+        gateway.offer(session_id, task)
+        if not await gateway.wait_reward(session_id, self.timeout):
+            raise AgentFailed(f"no reward posted within {self.timeout:.0f}s")
+        return ""
 
     async def _run_agent(self, task: str, base_url: str, api_key: str) -> str:
         if self.function is not None:

@@ -9,6 +9,9 @@ Routes (under the session prefix `/v1/sessions/{id}` or with the header): POST /
 `stream: true` as server-sent events in OpenAI's chunk format), POST /v1/completions, GET /v1/models. Session
 management: POST /v1/sessions (open; body `{"id"?, "task_id"?}`), GET /v1/sessions/{id},
 POST /v1/sessions/{id}/reward `{"reward": float, "components": {name: float}}` (closes it), GET /health.
+Pull mode (agents on other machines, the black_box environment with `remote = true`): POST /v1/work
+`{"wait": seconds}` claims the next task as `{"session_id", "base_url", "task", "reward_url"}` (204: none yet);
+the agent runs against `base_url` and POSTs its reward to `reward_url`.
 
 For every call the gateway renders the messages with the chat template itself (tools included), sends token ids
 to the inference fleet (`InferenceClient.generate`: logprobs, per-token policy versions, routed experts), records
@@ -207,6 +210,8 @@ class Gateway:
         self.temperature, self.top_p, self.max_tokens, self.seq_len = temperature, top_p, max_tokens, seq_len
         self.sessions: dict[str, Session] = {}
         self._idle: dict[str, asyncio.Event] = {}
+        self._rewarded: dict[str, asyncio.Event] = {}
+        self._work: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self.url = ""
         self._runner: web.AppRunner | None = None
         self.calls = 0
@@ -222,6 +227,7 @@ class Gateway:
         s = self.sessions[sid] = Session(sid, task_id, group_id)
         self._idle[sid] = asyncio.Event()
         self._idle[sid].set()
+        self._rewarded[sid] = asyncio.Event()
         return s
 
     def base_url(self, session_id: str) -> str:
@@ -233,14 +239,27 @@ class Gateway:
         if s.closed:
             raise HTTPError(409, f"session {session_id!r} is closed", kind="conflict_error")
         s.closed, s.reward, s.components = True, reward, dict(components or {})
+        self._rewarded[session_id].set()
         return s
+
+    def offer(self, session_id: str, task: str) -> None:
+        """Queues a session for a remote agent to claim with POST /v1/work (pull mode)."""
+        self._work.put_nowait((session_id, task))
+
+    async def wait_reward(self, session_id: str, timeout: float) -> bool:
+        """Waits until the session is closed by a reward POST; False on timeout."""
+        try:
+            await asyncio.wait_for(self._rewarded[session_id].wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def finish(self, session_id: str) -> Session:
         """Closes (if open), waits for calls still generating, and forgets the session; returns it."""
         s = self._session(session_id)
         s.closed = True
         await self._idle[session_id].wait()
-        del self.sessions[session_id], self._idle[session_id]
+        del self.sessions[session_id], self._idle[session_id], self._rewarded[session_id]
         return s
 
     def _session(self, session_id: str) -> Session:
@@ -257,6 +276,7 @@ class Gateway:
         app.add_routes([
             web.get("/health", self.health),
             web.post("/v1/sessions", self.open_session),
+            web.post("/v1/work", self.claim_work),
             web.get(s, self.show_session),
             web.post(s + "/reward", self.reward),
             web.post(s + "/v1/chat/completions", self.chat),
@@ -318,6 +338,30 @@ class Gateway:
             raise HTTPError(400, "id must be 1-128 characters of letters, digits, '.', '_' or '-'", "id")
         s = self.open(sid, _get(body, "task_id", (int, str), -1))
         return web.json_response({"id": s.id, "base_url": self.base_url(s.id)}, status=201)
+
+    async def claim_work(self, request: web.Request) -> web.Response:
+        """Pull mode: the next queued task and its session for a remote agent, waiting up to `wait` seconds;
+        204 when there is none."""
+        body = await _body(request) if request.can_read_body else {}
+        wait = _get(body, "wait", (int, float), 0)
+        if not 0 <= wait <= 60:
+            raise HTTPError(400, f"wait must be in [0, 60] seconds, got {wait}", "wait")
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            try:
+                sid, task = self._work.get_nowait()
+            except asyncio.QueueEmpty:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return web.Response(status=204)
+                try:
+                    sid, task = await asyncio.wait_for(self._work.get(), left)
+                except asyncio.TimeoutError:
+                    return web.Response(status=204)
+            s = self.sessions.get(sid)
+            if s is not None and not s.closed:  # skip work whose rollout already gave up
+                return web.json_response({"session_id": sid, "base_url": self.base_url(sid), "task": task,
+                                          "reward_url": f"{self.url}/v1/sessions/{sid}/reward"})
 
     async def show_session(self, request: web.Request) -> web.Response:
         s = self._session(request.match_info["sid"])
