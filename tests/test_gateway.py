@@ -541,3 +541,14 @@ def test_remote_agents_pull_work_and_post_rewards() -> None:
             assert not gw.sessions
 
     asyncio.run(main())
+
+
+def test_closed_http_sessions_make_room_and_open_ones_get_429() -> None:
+    with Served(FakeClient(), GatewayConfig(max_open_sessions=2)) as srv:
+        url = srv.gw.url
+        assert _post(url + "/v1/sessions", {"id": "a"})[0] == 201
+        assert _post(url + "/v1/sessions", {"id": "b"})[0] == 201
+        assert _post(url + "/v1/sessions", {"id": "c"})[0] == 429
+        assert _post(url + "/v1/sessions/a/reward", {"reward": 0})[0] == 200
+        assert _post(url + "/v1/sessions", {"id": "c"})[0] == 201  # closed "a" was evicted
+        assert sorted(srv.gw.sessions) == ["b", "c"]

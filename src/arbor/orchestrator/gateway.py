@@ -220,6 +220,10 @@ class Gateway:
 
     def open(self, session_id: str | None = None, task_id: int | str = -1, group_id: int = -1) -> Session:
         if len(self.sessions) >= self.cfg.max_open_sessions:
+            # Sessions opened over HTTP have no in-process owner to finish them: closed ones make room.
+            for sid in [k for k, v in self.sessions.items() if v.external and v.closed and not v.pending]:
+                del self.sessions[sid], self._idle[sid], self._rewarded[sid]
+        if len(self.sessions) >= self.cfg.max_open_sessions:
             raise HTTPError(429, f"{len(self.sessions)} sessions are open (max_open_sessions)", kind="rate_limit_error")
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
@@ -337,6 +341,7 @@ class Gateway:
         if sid is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", sid):
             raise HTTPError(400, "id must be 1-128 characters of letters, digits, '.', '_' or '-'", "id")
         s = self.open(sid, _get(body, "task_id", (int, str), -1))
+        s.external = True
         return web.json_response({"id": s.id, "base_url": self.base_url(s.id)}, status=201)
 
     async def claim_work(self, request: web.Request) -> web.Response:

@@ -89,6 +89,8 @@ class Session:
     closed: bool = False
     reward: float | None = None
     components: dict[str, float] = dataclasses.field(default_factory=dict)
+    external: bool = False
+    """Opened over HTTP (POST /v1/sessions) rather than by an environment: served and recorded, not trained on."""
     pending: int = 0
     """Calls being generated; a session closed meanwhile still records them (the agent saw their answers)."""
 
