@@ -104,7 +104,7 @@ def test_truncating_context_branches_and_each_branch_shares_the_episode_reward()
     assert [r.prompt_ids for r in rollouts] == [agent.prompts[0], agent.prompts[3], agent.prompts[4]]
     assert rollouts[0].prompt_ids + rollouts[0].completion_ids == agent.prompts[2] + TOK.encode(CALL % "3+3") + [TOK.eos_token_id]
     # advantages count the episode once: with one other episode of reward 0, all 3 branches get +0.5
-    other = asyncio.run(run_episode(Scripted("no idea"), env, task, TOK, _settings(), episode_id=5))
+    other = asyncio.run(run_episode(Scripted("\\boxed{0}"), env, task, TOK, _settings(), episode_id=5))
     group = rollouts + other
     compute_advantages([group], AdvantageConfig())
     assert [r.advantage for r in group] == pytest.approx([0.5, 0.5, 0.5, -0.5])
@@ -223,12 +223,13 @@ def test_generate_group_dispatches_multi_turn_environments():
     task = env.dataset(0)[0]
     name = task["question"].split(" of ")[-1].split(" founded")[0].rstrip("?").removeprefix("In which year was ")
     search = f'<tool_call>{{"name": "search", "arguments": {{"query": "{name}"}}}}</tool_call>'
-    agent = Scripted(search, f"\\boxed{{{task['answer']}}}", search, "dunno")
+    agent = Scripted(search, f"\\boxed{{{task['answer']}}}", search, "dunno", "\\boxed{0}")
     spec = GroupSpec(task, [], seed=3, group_id=1)
     out = asyncio.run(generate_group(None, env, spec, 2, 128, 1.0, 1.0, {}, 5.0, generate=agent, tokenizer=TOK, seq_len=1024))
     assert sorted(r.reward for r in out) == [0.0, 1.0] and {r.group_id for r in out} == {1}
     assert len({r.episode_id for r in out}) == 2
     assert any(task["answer"] in TOK.decode(p) for p in agent.prompts)  # the search result reached the agent
+    assert any(TOK.decode(p).endswith(f"{env.nudge}\nassistant\n") for p in agent.prompts)  # "dunno" was nudged
 
 
 def test_process_penalty_gives_per_turn_rewards():
@@ -308,3 +309,21 @@ def test_invalid_tool_calls_are_answered_and_counted():
     contents = [m["content"] for m in result.messages]
     assert "unknown tool 'nope'" in contents[0] and "bad arguments" in contents[1] and "division by zero" in contents[2]
     assert contents[3] == "42" and state.invalid_calls == 3 and state.tool_calls == 4
+
+
+def test_tool_use_demonstrations_are_correct_episodes_and_sft_examples():
+    from arbor.config.sft import SFTConfig
+    from arbor.trainer.sft import load_examples
+
+    env = ToolUseEnv(num_tasks=6)
+    for task in env.dataset(0):
+        messages = env.demonstration(task)
+        final = messages[-1]["content"]
+        assert asyncio.run(env.score(task, final))["correct"] == 1.0
+        assert task["answer"] in "".join(m["content"] for m in messages if m["role"] == "tool") or task["kind"] == "calc"
+    cfg = SFTConfig(steps=1, seq_len=1024, environment=EnvironmentConfig(id="tool_use", args={"num_tasks": 6}))
+    examples = load_examples(cfg, TOK)
+    assert len(examples) == 6
+    ids, mask = examples[2]  # lookup_calc: two tool calls and the answer are the targets
+    targets = TOK.decode([t for t, m in zip(ids, mask) if m])
+    assert targets.count("<tool_call>") == 2 and targets.endswith("}") and "tool_response" not in targets

@@ -13,11 +13,16 @@ Reward: `correct` (1 when the final answer, `\\boxed{}` or the last number of th
 the reference exactly, see arbor.environments.math_problems) plus `tool_penalty` = -`invalid_penalty` per
 invalid tool call (malformed markup, unknown tool, bad arguments, a failing expression): the process penalty of
 a composite reward. With `process_penalty > 0` the penalty is also given per turn (reward-to-go advantages).
+
+A turn with neither a tool call nor a `\\boxed{}` answer gets the `nudge` user message and the episode goes on
+(until `max_turns`); `nudge = None` ends the episode there instead. The episode's answer is the last assistant
+turn's.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import random
@@ -27,8 +32,8 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any, Callable
 
-from arbor.environments.base import Task
-from arbor.environments.math_problems import fmt, is_correct
+from arbor.environments.base import StepResult, Task
+from arbor.environments.math_problems import fmt, is_correct, last_boxed
 from arbor.environments.multiturn import ToolEnv, ToolState
 
 MAX_DIGITS = 60
@@ -167,7 +172,8 @@ class ToolUseEnv(ToolEnv):
         max_turns: int = 4,
         invalid_penalty: float = 0.1,
         process_penalty: float = 0.0,
-        search_k: int = 2,
+        search_k: int = 1,
+        nudge: str | None = "Call a tool or give the final answer in \\boxed{}.",
         system_prompt: str | None = "Use the tools when needed. Put the final answer in \\boxed{}.",
     ) -> None:
         kinds = list(kinds or ["calc", "lookup", "lookup_calc"])
@@ -176,11 +182,11 @@ class ToolUseEnv(ToolEnv):
             raise ValueError(f"tool_use: unknown kinds {unknown}; choose from calc, lookup, lookup_calc")
         self.num_tasks, self.kinds, self.max_turns = num_tasks, kinds, max_turns
         self.invalid_penalty, self.process_penalty, self.search_k = invalid_penalty, process_penalty, search_k
-        self.system_prompt = system_prompt
+        self.system_prompt, self.nudge = system_prompt, nudge
         self.towns = make_corpus(num_towns, corpus_seed)
         self.index = BM25([passage(t) for t in self.towns])
 
-    def search(self, query: str, k: int = 2) -> str:
+    def search(self, query: str, k: int = 1) -> str:
         """Searches a local encyclopedia of towns.
 
         Args:
@@ -199,18 +205,21 @@ class ToolUseEnv(ToolEnv):
         for i in range(self.num_tasks):
             kind = self.kinds[i % len(self.kinds)]
             town = rng.choice(self.towns)
+            task: Task = {"id": i, "kind": kind, "town": town["name"]}
             if kind == "calc":
                 a, b, c = rng.randint(100, 9999), rng.randint(11, 99), rng.randint(1, 999)
-                question, answer = f"What is {a} * {b} - {c}?", a * b - c
+                task["expression"] = f"{a} * {b} - {c}"
+                question, answer = f"What is {task['expression']}?", a * b - c
             elif kind == "lookup":
-                attr = rng.choice(["population", "founded"])
+                attr = task["attribute"] = rng.choice(["population", "founded"])
                 question = (f"What is the population of {town['name']}?" if attr == "population"
                             else f"In which year was {town['name']} founded?")
                 answer = town[attr]
             else:
                 m = rng.randint(2, 9)
+                task["expression"] = f"{m} * {town['population']}"
                 question, answer = f"What is {m} times the population of {town['name']}?", m * town["population"]
-            tasks.append({"id": i, "kind": kind, "question": question, "answer": str(answer)})
+            tasks.append({**task, "question": question, "answer": str(answer)})
         return tasks
 
     def prompt(self, task: Task) -> list[dict[str, str]]:
@@ -219,6 +228,27 @@ class ToolUseEnv(ToolEnv):
 
     def reference(self, task: Task) -> str | None:
         return f"\\boxed{{{task['answer']}}}"
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """A correct episode (real tool results): what SFT warm-up imitates (arbor.trainer.sft)."""
+        calls = []
+        if task["kind"] != "calc":
+            calls.append(("search", {"query": task["town"]}, self.search(task["town"], self.search_k)))
+        if task["kind"] != "lookup":
+            calls.append(("calculator", {"expression": task["expression"]}, calculator(task["expression"])))
+        messages = self.prompt(task)
+        for name, args, result in calls:
+            call = json.dumps({"name": name, "arguments": args})
+            messages += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                         {"role": "tool", "content": result}]
+        return messages + [{"role": "assistant", "content": f"\\boxed{{{task['answer']}}}"}]
+
+    async def step(self, task: Task, state: ToolState, messages: list[dict[str, Any]]) -> StepResult:
+        result = await super().step(task, state, messages)
+        if result.done and self.nudge and last_boxed(messages[-1].get("content") or "") is None:
+            # neither a tool call nor an answer: say what is expected and go on (max_turns bounds it)
+            return StepResult([{"role": "user", "content": self.nudge}], done=False)
+        return result
 
     async def score_episode(self, task: Task, state: ToolState, messages: list[dict[str, Any]]) -> dict[str, float]:
         final = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), "")

@@ -340,7 +340,7 @@ class Orchestrator:
 
         rewards = np.array([r.reward for r in rollouts])
         stale = np.array([r.staleness(step) for r in rollouts])
-        comp_lens = np.array([len(r.completion_ids) for r in rollouts])
+        comp_lens = np.array([r.num_trained for r in rollouts])  # sampled tokens (multi-turn: all turns)
         figures: dict[str, Any] = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),

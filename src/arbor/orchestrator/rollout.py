@@ -63,7 +63,9 @@ class Rollout:
     def staleness(self, step: int) -> int:
         """Trainer steps between the oldest policy that sampled a token of this rollout and `step` (inserted
         tokens, version -1, do not count)."""
-        sampled = [v for v in self.policy_versions if v >= 0]
+        if self.completion_mask is None:
+            return step - min(self.policy_versions) if self.policy_versions else 0
+        sampled = [v for v, m in zip(self.policy_versions, self.completion_mask) if m]
         return step - min(sampled) if sampled else 0
 
 

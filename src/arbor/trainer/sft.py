@@ -3,7 +3,8 @@
 Examples come from a JSONL or parquet file (`{"prompt", "completion"}` rows, the prompt sent as one user
 message, or `{"messages": [...]}` chat rows in which EVERY assistant turn is a target and everything else, system
 and user turns and the template's markup, is masked out of the loss) or, by default, from the environment's
-reference answers. A chat row's targets are found by templating its prefixes: the tokens of assistant turn j are
+reference answers (a multi-turn environment with a `demonstration(task)` method gives whole correct episodes,
+trained like chat rows with its tool schemas in the template). A chat row's targets are found by templating its prefixes: the tokens of assistant turn j are
 those after `apply_chat_template(messages[:j], add_generation_prompt=True)` up to and including the end-of-turn
 token; a tokenizer whose template does not extend its prefixes that way is reported, not guessed at. Each step packs `batch_size` examples into rows of at most `seq_len` tokens (block-diagonal
 attention, as the RL trainer does) and minimises cross-entropy on the target tokens only, averaged over the
@@ -61,7 +62,14 @@ def _environment_examples(cfg: SFTConfig, tokenizer: "Tokenizer") -> list[Exampl
 
     env = load_environment(cfg.environment)
     out = []
+    demonstrate = getattr(env, "demonstration", None)
     for task in env.dataset(cfg.seed):
+        if callable(demonstrate):  # a multi-turn environment's full correct episode, tool results included
+            from arbor.environments.tools import tool_schema
+
+            tools = [tool_schema(fn) for fn in env.tools(task)] or None
+            out.append(chat_example(demonstrate(task), tokenizer, f"task {task.get('id')}", tools=tools))
+            continue
         reference = env.reference(task)
         if reference is None:
             continue
@@ -86,16 +94,19 @@ def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
 
 
-def chat_example(messages: list[dict[str, str]], tokenizer: "Tokenizer", where: str = "row") -> Example:
-    """A multi-turn chat masked to its assistant turns (see the module docstring)."""
+def chat_example(
+    messages: list[dict[str, str]], tokenizer: "Tokenizer", where: str = "row", tools: list[dict] | None = None
+) -> Example:
+    """A multi-turn chat masked to its assistant turns (see the module docstring); `tools` are the schemas the
+    template exposes."""
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError(f"{where}: a messages row needs at least one assistant message (the targets)")
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
     mask = [False] * len(full)
     for j, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        prefix = tokenizer.apply_chat_template(messages[:j], add_generation_prompt=True)
+        prefix = tokenizer.apply_chat_template(messages[:j], add_generation_prompt=True, tools=tools)
         target = tokenizer.encode(m["content"]) + [tokenizer.eos_token_id]
         end = len(prefix) + len(target)
         if full[: end] != prefix + target:

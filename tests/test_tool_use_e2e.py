@@ -1,0 +1,42 @@
+"""End-to-end `rl` on the multi-turn tool_use environment (CPU, tiny model, real processes and HTTP API)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from arbor.monitor.metrics import read_jsonl
+from arbor.transport.files import rank_file, read_step
+
+pytestmark = pytest.mark.slow
+
+
+def test_tool_use_runs_end_to_end_with_context_truncation(tmp_path):
+    """The example recipe, shrunk: episodes of up to 3 turns (the untrained model is nudged when it neither calls
+    a tool nor answers), the context trimmed to the last turn, so branches reach the trainer with masked
+    environment tokens."""
+    out = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "arbor.launch.rl", "@", "examples/tool_use/rl.toml", "--output-dir", str(out),
+        "--model.name", "qwen3-test", "--seq-len", "512", "--max-steps", "2", "--sft.steps", "0",
+        "--orchestrator.batch-size", "8", "--orchestrator.sampling.max-tokens", "16",
+        "--orchestrator.environment.max-turns", "3", "--orchestrator.environment.context.keep-turns", "1",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    last = rows[-1]
+    assert last["episode/turns_mean"] > 1 and last["episode/branches_mean"] > 1 and last["episode/context_edits"] > 0
+    assert last["env/failed"] == 0 and "reward/correct" in last and "reward/tool_penalty" in last
+    batch = read_step(rank_file(out, 1, 0))
+    for mb in batch.micro_batches:
+        assert bool((mb.loss_mask == (mb.policy_versions >= 0)).all())  # trained exactly on the sampled tokens
+        assert bool((mb.loss_weights[~mb.loss_mask] == 0).all())
+    loss_tokens = sum(int(mb.loss_mask.sum()) for mb in batch.micro_batches)
+    assert batch.loss_tokens_total == loss_tokens and loss_tokens <= 16 * 3 * 8  # at most max_tokens per turn
+    # inserted environment tokens (tool results, nudges, template glue) sit between turns, with no loss
+    inserted = [mb.loss_mask[1:] & ~mb.loss_mask[:-1] for mb in batch.micro_batches]
+    assert sum(int(x.sum()) for x in inserted) > sum(len(mb.seq_lens) for mb in batch.micro_batches)
