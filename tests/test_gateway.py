@@ -283,6 +283,8 @@ def test_errors_are_4xx_and_fuzzed_requests_never_break_the_server() -> None:
         assert _post(f"{srv.gw.url}/v1/sessions", {"id": "s2"}, key)[0] == 409
         reward = f"{srv.gw.url}/v1/sessions/s1/reward"
         assert _post(reward, {"reward": "high"}, key)[0] == 400
+        assert _post(reward, b'{"reward": NaN}', key)[0] == 400
+        assert _post(reward, b'{"reward": 1, "components": {"a": Infinity}}', key)[0] == 400
         assert _post(reward, {"reward": 1.0, "components": {"a": 1}}, key)[0] == 200
         assert _post(reward, {"reward": 1.0}, key)[0] == 409
         assert _post(chat, ok, key)[0] == 409

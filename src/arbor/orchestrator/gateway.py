@@ -33,6 +33,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -378,12 +379,12 @@ class Gateway:
         self._session(sid)
         body = await _body(request)
         value = _get(body, "reward", (int, float), None)
-        if value is None:
-            raise HTTPError(400, "reward (a number) is required", "reward")
+        if value is None or not math.isfinite(value):
+            raise HTTPError(400, "reward (a finite number) is required", "reward")
         comps = _get(body, "components", (dict,), {})
         if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                   for k, v in comps.items()):
-            raise HTTPError(400, "components must map names to numbers", "components")
+                   and math.isfinite(v) for k, v in comps.items()):
+            raise HTTPError(400, "components must map names to finite numbers", "components")
         s = self.close(sid, float(value), {k: float(v) for k, v in comps.items()})
         return web.json_response({"id": sid, "closed": True, "turns": len(s.turns)})
 
