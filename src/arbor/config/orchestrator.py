@@ -156,6 +156,34 @@ class PartialConfig(Config):
     recomputes it). These pauses do not count towards max_resumes."""
 
 
+class GatewayConfig(Config):
+    """`[orchestrator.gateway]`: the OpenAI-compatible server black-box agents call (see arbor.orchestrator.gateway)."""
+
+    enabled: bool = False
+    """Start the gateway in the orchestrator process (the black_box environment starts it regardless)."""
+    host: str = "127.0.0.1"
+    """Address to bind; anything but a loopback address requires `api_key`."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to bind; 0 picks a free one (logged, and written to `<output_dir>/gateway_url`)."""
+    api_key: str | None = None
+    """Bearer token every request must carry (`OPENAI_API_KEY` for the agent); required beyond loopback."""
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; bigger ones get 413."""
+    max_open_sessions: int = Field(4096, ge=1)
+    """Open sessions at once; opening another gets 429."""
+    override_sampling: bool = True
+    """Sample at the run's temperature/top_p and at most `sampling.max_tokens`, whatever the agent asks: the
+    trainer's importance ratios assume the run's sampling distribution."""
+    model_name: str = "arbor"
+    """The model id /v1/models lists and responses carry."""
+
+    @model_validator(mode="after")
+    def _key_beyond_loopback(self) -> "GatewayConfig":
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
+            raise ValueError(f"api_key is required when the gateway binds {self.host!r} (beyond loopback)")
+        return self
+
+
 class OrchestratorConfig(Config):
     """Samples tasks, generates rollouts through the inference API, scores them and writes training batches."""
 
@@ -207,6 +235,8 @@ class OrchestratorConfig(Config):
     """Difficulty pools for task sampling."""
     batching: BatchingConfig = BatchingConfig()
     """Packing into micro-batches."""
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible gateway for black-box agents."""
     wandb: WandbConfig | None = None
     """Log to Weights & Biases when present."""
     log_level: Literal["debug", "info", "warning"] = "info"

@@ -119,6 +119,7 @@ BUILTINS = {
     "tool_use": "arbor.environments.tool_use:ToolUseEnv",
     "code": "arbor.environments.code:CodeEnv",
     "verifiers": "arbor.environments.verifiers_adapter:load_verifiers_env",
+    "black_box": "arbor.environments.black_box:BlackBoxEnv",
 }
 
 

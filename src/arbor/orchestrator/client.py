@@ -34,6 +34,11 @@ log = logging.getLogger("arbor.orchestrator.client")
 class InferenceError(RuntimeError):
     """A request that failed for good (bad request, or retries exhausted)."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The server's 4xx status when it rejected the request itself; None for failures after retries."""
+
 
 @dataclasses.dataclass
 class Completion:
@@ -82,7 +87,7 @@ class InferenceClient:
                         return data
                     message = (data.get("error") or {}).get("message", data) if isinstance(data, dict) else data
                     if resp.status < 500:
-                        raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}")
+                        raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}", resp.status)
                     last = InferenceError(f"{base}{path} failed ({resp.status}): {message}")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = e
@@ -101,6 +106,7 @@ class InferenceClient:
         top_p: float,
         seed: int | None = None,
         request_id: str | None = None,
+        stop: list[str] | None = None,
     ) -> list[Completion]:
         body = {
             "model": self.model,
@@ -117,6 +123,8 @@ class InferenceClient:
             body["seed"] = seed
         if request_id is not None:
             body["request_id"] = request_id
+        if stop:
+            body["stop"] = stop
         data = await self._post("/v1/completions", body)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):

@@ -76,6 +76,7 @@ class Orchestrator:
         self.dropped_stale = 0
         self.skipped_long = 0
         self.groups_launched = 0
+        self.gateway = None
         self.curriculum = None
         self.buffer = None
         self.filtered: dict[str, int] = {"zero_advantage": 0, "difficulty": 0, "env_skipped": 0}
@@ -151,6 +152,7 @@ class Orchestrator:
                 weights.resume_generation = self._resume_after_update
             background = [asyncio.create_task(weights.run()), asyncio.create_task(self._poll_metrics(metrics))]
             try:
+                await self._start_gateway(client)
                 if start:
                     log.info("resuming at step %d", start)
                     await weights.ensure(start, cfg.weight_update_timeout)
@@ -160,6 +162,8 @@ class Orchestrator:
             finally:
                 for t in [*background, *(f.task for f in self._flights.values())]:
                     t.cancel()
+                if self.gateway is not None:
+                    await self.gateway.stop()
                 metrics.close()
                 if self.buffer is not None:
                     self.buffer.close()
@@ -309,10 +313,14 @@ class Orchestrator:
         cfg = self.cfg
         spec = self._next_spec(step, k)
         handle = self.partial.handle(spec.group_id)
-        coro = generate_group(handle, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                              cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
-                              generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
-                              seq_len=cfg.seq_len, stats=self.env_stats)
+        if hasattr(self.env, "run_group"):  # black-box agents: the environment drives them via the gateway
+            coro = self.env.run_group(self.gateway, spec, cfg.group_size, cfg.environment.reward_weights,
+                                      cfg.environment.timeout)
+        else:
+            coro = generate_group(handle, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
+                                  cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
+                                  generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
+                                  seq_len=cfg.seq_len, stats=self.env_stats)
         now = time.monotonic()
         flight = _Flight(self.queue.launch(), asyncio.create_task(coro), handle, now, now, weights.loaded_version)
         self._flights[spec.group_id] = flight
@@ -393,6 +401,19 @@ class Orchestrator:
                 self.partial_counts["moved"] += 1
             return time.monotonic()  # look at the queue again at once
         return min(due) if due else None
+
+    async def _start_gateway(self, client) -> None:
+        """The OpenAI-compatible gateway, when configured or when the environment drives black-box agents."""
+        cfg = self.cfg
+        if not (cfg.gateway.enabled or getattr(self.env, "needs_gateway", False)):
+            return
+        from arbor.orchestrator.gateway import Gateway
+
+        self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.temperature,
+                               top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens, seq_len=cfg.seq_len)
+        url = await self.gateway.start()
+        cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.output_dir / "gateway_url").write_text(url + "\n")
 
     def _resume_after_update(self, handles: list) -> None:
         """Resumes the groups paused for a weight update, except those the scheduler parked meanwhile."""
@@ -526,6 +547,7 @@ class Orchestrator:
             "dropped/stale": self.dropped_stale,
             "skipped/too_long": self.skipped_long,
             "score/failed": int(sum(r.score_failed for r in rollouts)),
+            **self._agent_figures(),
             "policy_version": weights.loaded_version if weights is not None else -1,
             "weights/updates": weights.updates if weights is not None else 0,
             "client/retries": client.retries if client is not None else 0,
@@ -538,6 +560,15 @@ class Orchestrator:
         for name in sorted({k for r in rollouts for k in r.components}):
             figures[f"reward/{name}"] = float(np.mean([r.components.get(name, 0.0) for r in rollouts]))
         return figures
+
+    def _agent_figures(self) -> dict[str, Any]:
+        if self.gateway is None:
+            return {}
+        out = {"gateway/calls": self.gateway.calls, "gateway/open_sessions": len(self.gateway.sessions)}
+        for name in ("failed", "retried"):
+            if hasattr(self.env, name):
+                out[f"agents/{name}"] = getattr(self.env, name)
+        return out
 
     async def _poll_metrics(self, metrics) -> None:
         while True:
@@ -558,7 +589,8 @@ class Orchestrator:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    for noisy in ("aiohttp", "httpx", "openai"):  # httpx/openai: in-process black-box agents log every request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @main_guard

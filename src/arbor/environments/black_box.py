@@ -1,0 +1,214 @@
+"""black_box: trains an unmodified agent program through the gateway, one gateway session per rollout.
+
+The tasks, the warm-up references and the scorer come from an inner environment (`tasks`, e.g. reverse_text).
+For each rollout of a group the environment opens a gateway session and runs the agent with
+`OPENAI_BASE_URL` / `OPENAI_API_KEY` pointing at it, giving it the task text (the last user message of the inner
+environment's prompt) on argv, stdin or in `ARBOR_TASK`. The agent is either a `command` (a subprocess per
+rollout: the true black box) or a `function` (`module:fn(task, base_url, api_key) -> str`, called in a thread:
+the same agent code without a process start per rollout, which is what makes the CPU example fast), or, with
+`remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see arbor.orchestrator.gateway)
+and must POST the session's reward themselves.
+
+The reward is the one the agent (or its harness) POSTs to `/v1/sessions/{id}/reward` when it does; otherwise
+the inner environment scores what the agent printed (its stdout, stripped; or the function's return value).
+An agent that exits non-zero, raises or outlives `timeout` is retried `retries` times with a fresh session;
+after that its rollout is dropped and counted (`failed`), and a group left with no sample is replaced by the
+orchestrator. Nothing here can hang the run: every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from arbor.environments.base import Task, load_environment, load_object, total_reward
+
+if TYPE_CHECKING:
+    from arbor.orchestrator.gateway import Gateway
+    from arbor.orchestrator.rollout import GroupSpec, Rollout
+
+log = logging.getLogger("arbor.environments.black_box")
+
+
+class AgentFailed(Exception):
+    pass
+
+
+class BlackBoxEnv:
+    name = "black_box"
+    needs_gateway = True
+
+    def __init__(
+        self,
+        command: list[str] | str | None = None,
+        function: str | None = None,
+        remote: bool = False,
+        tasks: str = "reverse_text",
+        task_args: dict[str, Any] | None = None,
+        task_input: Literal["argv", "stdin", "env"] = "argv",
+        timeout: float = 60.0,
+        retries: int = 1,
+        max_concurrent_agents: int = 64,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        from arbor.config.environment import EnvironmentConfig
+
+        if (command is not None) + (function is not None) + bool(remote) != 1:
+            raise ValueError("black_box: give exactly one of `command` (argv list or string), `function` or "
+                             "`remote = true`")
+        if task_input not in ("argv", "stdin", "env"):
+            raise ValueError(f"black_box: task_input must be argv, stdin or env, got {task_input!r}")
+        if timeout <= 0 or retries < 0 or max_concurrent_agents < 1:
+            raise ValueError("black_box: need timeout > 0, retries >= 0, max_concurrent_agents >= 1")
+        self.command = shlex.split(command) if isinstance(command, str) else command
+        if self.command is not None and self.command[:1] == ["python"]:
+            self.command = [sys.executable, *self.command[1:]]  # the orchestrator's interpreter and venv
+        self.function = _load_function(function) if function else None
+        self.inner = load_environment(EnvironmentConfig(id=tasks, args=task_args or {}))
+        self.remote, self.task_input, self.timeout, self.retries = bool(remote), task_input, timeout, retries
+        self.extra_env = dict(extra_env or {})
+        self._slots = asyncio.Semaphore(max_concurrent_agents)
+        # Function agents block in their HTTP calls: a pool as wide as the concurrency keeps them all in flight.
+        self._pool = ThreadPoolExecutor(max_concurrent_agents, thread_name_prefix="agent") if function else None
+        self.failed = 0
+        self.retried = 0
+
+    # -- the Environment protocol, delegated to the inner environment --
+
+    def dataset(self, seed: int) -> list[Task]:
+        return self.inner.dataset(seed)
+
+    def prompt(self, task: Task) -> list[dict[str, str]]:
+        return self.inner.prompt(task)
+
+    async def score(self, task: Task, completion: str) -> dict[str, float]:
+        return await self.inner.score(task, completion)
+
+    def reference(self, task: Task) -> str | None:
+        return self.inner.reference(task)
+
+    def task_text(self, task: Task) -> str:
+        users = [m["content"] for m in self.inner.prompt(task) if m["role"] == "user"]
+        return users[-1] if users else json.dumps(task)
+
+    # -- rollouts --
+
+    async def run_group(self, gateway: "Gateway", spec: "GroupSpec", group_size: int, weights: dict[str, float],
+                        score_timeout: float) -> list["Rollout"]:
+        groups = await asyncio.gather(*(self._rollout(gateway, spec, weights, score_timeout, k)
+                                        for k in range(group_size)))
+        return [r for g in groups for r in g]
+
+    async def _rollout(self, gateway: "Gateway", spec: "GroupSpec", weights: dict[str, float],
+                       score_timeout: float, episode: int) -> list["Rollout"]:
+        text = self.task_text(spec.task)
+        for attempt in range(self.retries + 1):
+            session = gateway.open(task_id=spec.task.get("id", -1), group_id=spec.group_id)
+            t0 = time.monotonic()
+            try:
+                if self.remote:
+                    answer = await self._remote_agent(gateway, session.id, text)
+                else:
+                    async with self._slots:
+                        answer = await self._run_agent(text, gateway.base_url(session.id),
+                                                       gateway.cfg.api_key or "none")
+            except AgentFailed as e:
+                await gateway.finish(session.id)
+                if attempt < self.retries:
+                    self.retried += 1
+                    log.warning("agent failed on task %s (%s); retry %d/%d", spec.task.get("id"), e, attempt + 1,
+                                self.retries)
+                    continue
+                self.failed += 1
+                log.warning("agent failed on task %s (%s); rollout dropped", spec.task.get("id"), e)
+                return []
+            session = await gateway.finish(session.id)
+            failed = False
+            if session.reward is None:  # no reward was posted: score the agent's answer
+                try:
+                    session.components = await asyncio.wait_for(self.inner.score(spec.task, answer), score_timeout)
+                    session.reward = total_reward(session.components, weights)
+                except Exception as e:  # noqa: BLE001 - a failing scorer scores 0 and is counted, as in rollout.py
+                    log.warning("scoring task %s failed: %r", spec.task.get("id"), e)
+                    session.reward, session.components, failed = 0.0, {}, True
+            rollouts = session.rollouts(episode)  # a branched session is one episode for advantages
+            for r in rollouts:
+                r.score_failed, r.latency = failed, time.monotonic() - t0
+            return rollouts
+        return []
+
+    async def _remote_agent(self, gateway: "Gateway", session_id: str, task: str) -> str:
+        """Pull mode: a remote agent claims the task (POST /v1/work) and must POST the reward in time."""
+        gateway.offer(session_id, task)
+        if not await gateway.wait_reward(session_id, self.timeout):
+            raise AgentFailed(f"no reward posted within {self.timeout:.0f}s")
+        return ""
+
+    async def _run_agent(self, task: str, base_url: str, api_key: str) -> str:
+        if self.function is not None:
+            try:
+                # A thread cannot be killed: the function's own HTTP timeout must end it; we stop waiting.
+                call = asyncio.get_running_loop().run_in_executor(self._pool, self.function, task, base_url, api_key)
+                return str(await asyncio.wait_for(call, self.timeout)).strip()
+            except asyncio.TimeoutError:
+                raise AgentFailed(f"timed out after {self.timeout:.0f}s") from None
+            except Exception as e:  # noqa: BLE001 - any agent error is a failed attempt, retried or counted
+                raise AgentFailed(repr(e)) from None
+        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        argv = list(self.command)
+        if self.task_input == "argv":
+            argv.append(task)
+        elif self.task_input == "env":
+            env["ARBOR_TASK"] = task
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        )
+        stdin = task.encode() if self.task_input == "stdin" else b""
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(stdin), self.timeout)
+        except asyncio.TimeoutError:
+            _kill(proc)
+            await proc.wait()
+            raise AgentFailed(f"timed out after {self.timeout:.0f}s") from None
+        except asyncio.CancelledError:
+            _kill(proc)
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise AgentFailed(f"exit code {proc.returncode}: {tail[0][:300]}")
+        return out.decode(errors="replace").strip()
+
+
+def _load_function(path: str) -> Any:
+    """`module:fn`, or `some/file.py:fn` (a script beside its rl.toml need not be an installed module)."""
+    file, sep, attr = path.rpartition(":")
+    if sep and file.endswith(".py"):
+        import importlib.util
+
+        if not Path(file).is_file():
+            raise ValueError(f"black_box: agent file {file!r} does not exist")
+        spec = importlib.util.spec_from_file_location(f"arbor_agent_{Path(file).stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, attr):
+            raise ValueError(f"black_box: {file!r} has no function {attr!r}")
+        return getattr(module, attr)
+    return load_object(path)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    """Kills the agent's whole process group (it may have started children)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
