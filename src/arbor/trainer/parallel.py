@@ -153,7 +153,11 @@ def parallelize(
 ) -> nn.Module:
     """Applies the model transforms in a fixed order and returns the model (changed in place).
 
-    Order, as torchtitan's llama3/qwen3 `parallelize`:
+    Order, as torchtitan's llama3/qwen3 `parallelize` (which also converts to float8 first):
+    0. the FP8 swap (`model.fp8 = "block"`) turns eligible nn.Linear layers into FP8Linear by changing their class
+       in place: it must come first because every later transform captures or wraps modules and parameters
+       (AC wraps the layer forward that calls them, FSDP2 registers hooks on the modules and swaps their
+       parameters for DTensors); the swap keeps parameter identity and names, so none of them notices;
     1. activation checkpointing wraps each decoder layer's forward; it must wrap the plain layer so that FSDP2's
        pre/post-forward hooks (all-gather, reshard) stay outside the recomputed region;
     2. expert parallel turns expert weights into ep-sharded DTensors and installs the all-to-all dispatcher: it
@@ -163,8 +167,11 @@ def parallelize(
        dp_replicate) and registers its hooks around the already-rewritten modules.
     With one rank nothing is sharded and the model stays a plain module.
     """
+    from arbor.models.fp8 import apply_fp8
+
     pc = config.parallel
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
+    apply_fp8(model, config.model)
     if pc.activation_checkpointing:
         apply_ac(model)
     ignored: set[nn.Parameter] = set()
