@@ -306,3 +306,107 @@ def test_gpu_gemm_matches_reference(backend):
         expect = fp8_linear_forward(x.bfloat16(), layer.weight, "reference")
     assert _rel(out.float(), expect.float()) < 1e-2 and _rel(out.float(), ref(x).float()) < 0.06
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+
+
+def test_config_and_vllm_checkpoint_dir(tmp_path, monkeypatch):
+    import tempfile
+
+    from pydantic import ValidationError
+
+    from arbor.config.inference import InferenceConfig
+    from arbor.config.rl import RLConfig
+    from arbor.inference.vllm_adapter import model_dir
+
+    with pytest.raises(ValidationError, match="fp8"):
+        ModelConfig(fp8="e5m2")
+    with pytest.raises(ValidationError, match="model.fp8 = 'block' needs weights.kind = 'filesystem'"):
+        InferenceConfig(backend="vllm", model={"fp8": "block"}, weights={"kind": "nccl", "nccl_inference_ranks": 1})
+    rl = RLConfig(model={"name": "qwen3-test", "fp8": "block"})
+    assert rl.trainer.model.fp8 == rl.inference.model.fp8 == rl.orchestrator.model.fp8 == "block"
+
+    # vLLM gets a DeepSeek-format FP8 checkpoint: presets and plain checkpoints are quantised once...
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    path, skip_tok = model_dir(InferenceConfig(backend="vllm", model={"name": "qwen3-test", "fp8": "block"}))
+    assert path.endswith("-fp8") and skip_tok
+    assert json.loads((tmp_path / "arbor-vllm" / path.rsplit("/", 1)[1] / "config.json").read_text())["quantization_config"]
+    assert load_file(path + "/model.safetensors")["model.layers.1.self_attn.o_proj.weight"].dtype == FP8
+    # ... a checkpoint already in that format is served as it is, and MoE models are refused.
+    assert model_dir(InferenceConfig(backend="vllm", model={"name": path, "fp8": "block"}))[0] == path
+    with pytest.raises(ValueError, match="dense models only"):
+        model_dir(InferenceConfig(backend="vllm", model={"name": "qwen3-moe-test", "fp8": "block"}))
+
+
+def test_published_fp8_step_loads_everywhere(tmp_path):
+    """The trainer's FP8 publish: DeepSeek-format shards + manifest, read back by the transport and `load_weights`."""
+    from arbor.models.hf import load_weights
+    from arbor.transport.weights import FilesystemTransport
+
+    model = build_model(FP8_CFG)
+    step = FilesystemTransport().publish(tmp_path, 1, model.state_dict(), model.args, fp8=True)
+    tensors = FilesystemTransport().load(step)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in tensors
+    other = build_model(ModelConfig(name="qwen3-test", init_seed=7))
+    load_weights(other, step)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(other.model.layers[0].self_attn.q_proj.weight, dequantize_blocks(*quantize_blocks(q), q.shape))
+
+
+@pytest.mark.gpu
+def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
+    """`inference --backend vllm` with model.fp8 = "block" on a Qwen3 whose projections are multiples of 128
+    (vLLM's block-FP8 layers need that): the served checkpoint and an update are DeepSeek-format FP8, and the
+    completion's logprobs match arbor's FP8 forward of the trainer's weights (vLLM computes in bf16)."""
+    pytest.importorskip("vllm")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from arbor.models.args import ModelArgs
+    from arbor.models.hf import save_checkpoint_dir
+    from arbor.models.qwen3 import Qwen3ForCausalLM
+    from arbor.trainer.step import shifted_logprobs
+    from arbor.transport.weights import FilesystemTransport
+
+    args = ModelArgs(vocab_size=264, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=128, rope_theta=10_000.0,
+                     max_position_embeddings=512)
+    base, new = Qwen3ForCausalLM(args), Qwen3ForCausalLM(args)
+    base.init_weights(0, std=0.05)
+    new.init_weights(1, std=0.05)
+    save_checkpoint_dir(base.state_dict(), args, tmp_path / "model")
+    published = FilesystemTransport().publish(tmp_path / "run", 1, new.state_dict(), args, fp8=True)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
+                             "--model.name", str(tmp_path / "model"), "--model.fp8", "block", "--seq-len", "128",
+                             "--ready-file", str(ready), "--vllm.enforce-eager", "true",
+                             "--vllm.gpu-memory-utilization", "0.3", "--vllm.dtype", "bfloat16"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "vLLM server did not start"
+            time.sleep(1)
+        url = ready.read_text().strip()
+
+        def post(path: str, body: dict) -> dict:
+            req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return json.loads(r.read())
+
+        assert post("/update_weights", {"path": str(published), "version": 1})["policy_version"] == 1
+        prompt = [5, 17, 99, 3, 42]
+        out = post("/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "seed": 3})
+        (c,) = out["choices"]
+        apply_fp8(new, FP8_CFG)
+        ids = torch.tensor(prompt + c["token_ids"])
+        with torch.no_grad():
+            ref, _ = shifted_logprobs(new(ids[None])[0], ids, temperature=1.0, with_entropy=False)
+        got = torch.tensor(c["logprobs"]["token_logprobs"])
+        assert (got - ref[len(prompt):]).abs().max().item() < 0.1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)

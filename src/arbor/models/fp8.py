@@ -157,12 +157,15 @@ def select_backend(device: torch.device) -> Backend:
 def _gemm_deep_gemm(a, sa, b, sb, wgrad: bool) -> torch.Tensor:
     fn, extra = _deep_gemm()
     M, N = a.shape[0], b.shape[0]
-    if wgrad:  # both operands 1x128 over tokens; fp32 output accumulated in place (DeepGEMM's (1,1,128) recipe)
+    if wgrad:
+        # Both operands 1x128 over tokens, fp32 output (the (1, 1, 128) recipe: DeepGEMM's sm90 "1d1d" kernel);
+        # compiled for fixed M, N so a new token count (K here) does not trigger a JIT compile.
         out = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-        fn((a, sa), (b, sb), out, c=out, recipe=(1, 1, BLOCK), **extra)
+        fn((a, sa), (b, sb), out, c=out, recipe=(1, 1, BLOCK), compiled_dims="mn", **extra)
         return out
+    # 1x128 x 128x128 (the "1d2d" kernel); DeepGEMM moves the scales into its TMA-aligned layout itself.
     out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
-    fn((a, sa), (b, sb), out, **extra)
+    fn((a, sa), (b, sb), out, recipe=(1, BLOCK, BLOCK), **extra)
     return out
 
 
@@ -229,9 +232,10 @@ class FP8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             # dW = dY^T X reduces over tokens: both quantised in 1x128 tiles along the token dimension.
-            gq_t, gs_t = quantize_tiles(g.t())
-            xq_t, xs_t = quantize_tiles(x2d.t())
-            grad_w = block_gemm(gq_t, gs_t, xq_t, xs_t, ctx.backend, wgrad=True)[:, :K].to(weight.dtype)
+            # Rows padded to 128 too, so the GPU kernels see aligned M and N (zero rows contribute nothing).
+            gq_t, gs_t = quantize_tiles(_pad_to(g.t(), 0, BLOCK))
+            xq_t, xs_t = quantize_tiles(_pad_to(x2d.t(), 0, BLOCK))
+            grad_w = block_gemm(gq_t, gs_t, xq_t, xs_t, ctx.backend, wgrad=True)[:N, :K].to(weight.dtype)
         return grad_x, grad_w, None, None
 
 
