@@ -535,7 +535,6 @@ def _fail(fut: concurrent.futures.Future, err: BaseException) -> None:
 def build_engine(cfg: Any) -> tuple[Engine, Any]:
     """The engine and tokenizer described by an `InferenceConfig` (not started)."""
     from arbor.models import build_model, build_tokenizer
-
     from arbor.models.fp8 import apply_fp8
 
     model = build_model(cfg.model)
