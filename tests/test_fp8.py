@@ -237,6 +237,28 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path):
     assert (lp_plain - lp).abs().max().item() > 100 * max(worst, 1e-7)
 
 
+def test_trainer_and_engine_builders_apply_fp8():
+    """`parallelize` swaps first (here with activation checkpointing on one rank: same gradients as the plain FP8
+    model) and the engine builder gives inference the same FP8 layers."""
+    from arbor.config.inference import InferenceConfig
+    from arbor.config.trainer import TrainerConfig
+    from arbor.inference.engine import build_engine
+    from arbor.trainer.parallel import ParallelDims, parallelize
+
+    cfg = TrainerConfig(model=FP8_CFG, parallel={"activation_checkpointing": True})
+    model = parallelize(build_model(FP8_CFG), ParallelDims(1, 1, 1, 1, 1), cfg, "cpu")
+    plain = build_model(FP8_CFG)
+    apply_fp8(plain, FP8_CFG)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    model(ids).square().mean().backward()
+    plain(ids).square().mean().backward()
+    assert isinstance(model.model.layers[1].mlp.up_proj, FP8Linear)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), name
+    engine, _ = build_engine(InferenceConfig(model={"name": "qwen3-test", "fp8": "block"}))
+    assert isinstance(engine.model.model.layers[0].self_attn.o_proj, FP8Linear)
+
+
 def _fsdp_worker(rank: int, world: int, out_path: str) -> None:
     from torch.distributed.tensor import DTensor
 

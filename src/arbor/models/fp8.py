@@ -15,7 +15,7 @@ weights); `dW = dY^T X` reduces over tokens, so both dY and X are quantised in 1
 128 tokens: DeepSeek-V3's "1x128 -> 128x1" conversion for the backward pass, DeepGEMM's (1, 1, 128) recipe).
 Master weights, gradients and optimizer state never leave their fp32/bf16 parameters: every forward quantises
 on the fly. Departures: the layer saves the high-precision input for backward (DeepSeek caches it in FP8 to save
-memory, at the cost of a second quantisation); scales are not rounded to powers of two (DeepSeek-V3 keeps fp32
+memory, at the cost of a second quantisation), and the FP8 weight with its scales for dgrad; scales are not rounded to powers of two (DeepSeek-V3 keeps fp32
 scales; only Blackwell's UE8M0 format would need that).
 
 Shapes not divisible by 128 are zero-padded to the next multiple (in K, N and, for the wgrad GEMM, tokens) and
@@ -210,23 +210,25 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, backend: Backend, out_dtype: torch.dtype):
-        ctx.save_for_backward(x, weight)
-        ctx.backend = backend
-        x2d = x.reshape(-1, x.shape[-1])
-        y = fp8_linear_forward(x2d, weight, backend)
-        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        N = weight.shape[0]
+        xq, xs = quantize_tiles(x.reshape(-1, x.shape[-1]))
+        wq, ws = quantize_blocks(weight)
+        # The FP8 weight (a quarter of an fp32 copy) is kept for dgrad rather than quantised again.
+        ctx.save_for_backward(x, wq, ws)
+        ctx.backend, ctx.weight_shape, ctx.weight_dtype = backend, weight.shape, weight.dtype
+        y = block_gemm(xq, xs, wq, ws, backend)[:, :N]
+        return y.to(out_dtype).reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        N, K = weight.shape
+        x, wq, ws = ctx.saved_tensors
+        N, K = ctx.weight_shape
         g = grad_out.reshape(-1, N)
         x2d = x.reshape(-1, K)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # dX = dY W: dY in 1x128 tiles along N; W's 128x128 blocks transposed with their scales.
             gq, gs = quantize_tiles(g)
-            wq, ws = quantize_blocks(weight)
             wq_t = wq.view(torch.uint8).t().contiguous().view(FP8)
             grad_x = block_gemm(gq, gs, wq_t, ws.t().contiguous(), ctx.backend)[:, :K]
             grad_x = grad_x.to(x.dtype).reshape(x.shape)
@@ -235,7 +237,7 @@ class FP8LinearFunction(torch.autograd.Function):
             # Rows padded to 128 too, so the GPU kernels see aligned M and N (zero rows contribute nothing).
             gq_t, gs_t = quantize_tiles(_pad_to(g.t(), 0, BLOCK))
             xq_t, xs_t = quantize_tiles(_pad_to(x2d.t(), 0, BLOCK))
-            grad_w = block_gemm(gq_t, gs_t, xq_t, xs_t, ctx.backend, wgrad=True)[:N, :K].to(weight.dtype)
+            grad_w = block_gemm(gq_t, gs_t, xq_t, xs_t, ctx.backend, wgrad=True)[:N, :K].to(ctx.weight_dtype)
         return grad_x, grad_w, None, None
 
 
