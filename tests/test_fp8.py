@@ -165,8 +165,8 @@ def test_tiny_model_trains_with_fp8_and_tracks_fp32(capsys):
     assert ref_end < 0.6 * ref[0], "the fp32 run must learn"
     assert abs(fp8[0] - ref[0]) < 0.01 * ref[0]
     # Both curves are still falling steeply at step 40, where a small phase shift is a few % of the loss
-    # (measured: fp32 1.360, fp8 1.304, -4.1%); 8% leaves room for thread-count-dependent rounding.
-    assert abs(fp8_end - ref_end) < 0.08 * ref_end
+    # (measured with one thread: fp32 1.360, fp8 1.390, +2.2%).
+    assert abs(fp8_end - ref_end) < 0.05 * ref_end
     assert max(abs(a - b) / b for a, b in zip(fp8, ref)) < 0.1, "the curves track at every step"
 
 
