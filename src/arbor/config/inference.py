@@ -125,6 +125,9 @@ class InferenceConfig(Config):
 
     @model_validator(mode="after")
     def _nccl_needs_vllm(self) -> "InferenceConfig":
+        if self.weights.kind == "nccl" and self.model.fp8 != "none":
+            raise ValueError("model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
+                             "published as a DeepSeek-format checkpoint)")
         if self.weights.kind == "nccl" and self.backend != "vllm":
             raise ValueError("weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)")
         workers = self.replicas * self.vllm.tensor_parallel_size * self.vllm.data_parallel_size

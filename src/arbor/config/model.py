@@ -22,5 +22,12 @@ class ModelConfig(Config):
     """MoE router replay (R3): the inference engine returns the experts it chose for every token and MoE layer,
     and the trainer routes each token to exactly those experts (gathering their router scores), so trainer
     and inference compute the same function. Ignored for dense models."""
+    fp8: Literal["none", "block"] = "none"
+    """FP8 linear layers in DeepSeek-V3's block-scaled format (e4m3; activations in 1x128 tiles, weights in
+    128x128 blocks with float32 scales; see arbor.models.fp8). "block" makes the trainer compute attention
+    projections and dense MLPs in FP8 (master weights and optimizer state stay in full precision), the local
+    engine run the same FP8 forward, and published weights use DeepSeek's FP8 checkpoint format (float8 `weight`
+    + `weight_scale_inv`), which vLLM serves with its block `fp8` quantisation, so both sides compute alike.
+    Embeddings, lm_head, norms, MoE routers and routed experts stay in `dtype`. Needs file weight transport."""
     init_seed: int = Field(0, ge=0)
     """Seed of the deterministic initialisation of a preset (ignored for checkpoints)."""

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.models.fp8 import dequantize_state
 from arbor.models.hf import copy_state_into, fuse_experts
 
 log = logging.getLogger("arbor.inference.engine")
@@ -389,8 +390,9 @@ class Engine:
         """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
-        # verified against the publish manifest; MoE experts fused; checked in full before any copy
-        copy_state_into(self.model, fuse_experts(self.weights.load(path)), path)
+        # verified against the publish manifest; FP8 weights (model.fp8 = "block") dequantised: the FP8 layers
+        # requantise them to the same values; MoE experts fused; checked in full before any copy
+        copy_state_into(self.model, fuse_experts(dequantize_state(self.weights.load(path))), path)
 
     def _recompute_caches(self) -> None:
         """Rebuilds the KV cache of running sequences with the current weights (prompt once per request)."""
@@ -591,8 +593,10 @@ def _fail(fut: concurrent.futures.Future, err: BaseException) -> None:
 def build_engine(cfg: Any) -> tuple[Engine, Any]:
     """The engine and tokenizer described by an `InferenceConfig` (not started)."""
     from arbor.models import build_model, build_tokenizer
+    from arbor.models.fp8 import apply_fp8
 
     model = build_model(cfg.model)
+    apply_fp8(model, cfg.model)  # the trainer's FP8 forward, so both sides compute alike
     tokenizer = build_tokenizer(cfg.model)
     from arbor.transport.weights import FilesystemTransport
 

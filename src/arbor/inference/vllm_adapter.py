@@ -400,23 +400,55 @@ class VLLMProxy:
 
 
 def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
-    """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized."""
+    """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized;
+    with `model.fp8 = "block"` the directory is a DeepSeek-format FP8 checkpoint (`fp8_model_dir`)."""
     from arbor.models import PRESETS
 
     name = cfg.model.name
     if name not in PRESETS:
         path = Path(name)
-        return name, path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    import torch  # noqa: F401  (the preset's weights are built here once and cached)
+        no_tok = path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        return (fp8_model_dir(cfg) if cfg.model.fp8 == "block" else name), no_tok
+    return fp8_model_dir(cfg) if cfg.model.fp8 == "block" else _materialize(cfg, fp8=False), True
 
-    from arbor.models import build_model, build_tokenizer
+
+def _materialize(cfg: InferenceConfig, fp8: bool) -> str:
+    """Writes the model `build_model` makes (a preset, or a checkpoint re-saved) as a HF directory, once."""
+    import hashlib
+
+    import torch  # noqa: F401  (the weights are built here once and cached)
+
+    from arbor.models import PRESETS, build_model, build_tokenizer
     from arbor.models.hf import save_checkpoint_dir
 
-    out = Path(tempfile.gettempdir()) / "arbor-vllm" / f"{name}-seed{cfg.model.init_seed}-{cfg.model.dtype}"
+    name = cfg.model.name
+    tag = name if name in PRESETS else hashlib.sha256(str(Path(name).resolve()).encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / "arbor-vllm" / f"{tag}-seed{cfg.model.init_seed}-{cfg.model.dtype}{'-fp8' if fp8 else ''}"
     if not (out / "config.json").exists():
         model = build_model(cfg.model)
-        save_checkpoint_dir(model.state_dict(), model.args, out, build_tokenizer(cfg.model))
-    return str(out), True
+        save_checkpoint_dir(model.state_dict(), model.args, out, build_tokenizer(cfg.model), fp8=fp8)
+    return str(out)
+
+
+def fp8_model_dir(cfg: InferenceConfig) -> str:
+    """The checkpoint in DeepSeek's FP8 format (float8 weights + `weight_scale_inv`, `quantization_config` with
+    `weight_block_size [128, 128]`), which vLLM serves with its block-FP8 linear method (DeepGEMM/CUTLASS on
+    Hopper) and which the trainer publishes after every step. A checkpoint already in that format is used as
+    is; any other is quantised once into a temporary directory. Routed MoE experts are not FP8 in arbor, but
+    vLLM's fp8 method would quantise its fused experts too, so MoE models are refused here."""
+    import json
+
+    from arbor.models import model_args
+
+    if model_args(cfg.model).is_moe:
+        raise ValueError(f"model.fp8 = 'block' with inference.backend = 'vllm' supports dense models only; "
+                         f"{cfg.model.name} is an MoE model (use the local engine or model.fp8 = 'none')")
+    path = Path(cfg.model.name)
+    if (path / "config.json").exists():
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        if quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]:
+            return str(path)
+    return _materialize(cfg, fp8=True)
 
 
 def run(cfg: InferenceConfig) -> int:

@@ -3,7 +3,8 @@
 vLLM mixes this class into each GPU worker; the proxy in `arbor.inference.vllm_adapter` calls its methods on
 every worker through vLLM's `collective_rpc`. `self.model_runner.model.load_weights` takes (HF name, tensor)
 pairs and handles vLLM's fused/sharded layouts (qkv, gate_up, tensor parallel slices), so the trainer's Hugging
-Face names work unchanged. Each load is bounded by the transport's timeout (`WeightTransferTimeout`), so a
+Face names work unchanged; block-FP8 checkpoints go through the runner's layerwise `reload_weights`, which
+redoes vLLM's post-load processing of quantised layers. Each load is bounded by the transport's timeout (`WeightTransferTimeout`), so a
 missing sender fails the RPC instead of hanging the engine.
 
 This module imports no vLLM symbol at import time (vLLM imports it, inside a worker).
@@ -33,7 +34,13 @@ class WeightUpdateExtension:
     def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
         """Loads a published step directory (checksummed shards); returns the tensors loaded."""
         state = read_verified(wait_stable(path, timeout), verify)
-        self.model_runner.model.load_weights(weights=list(state.items()))  # type: ignore[attr-defined]
+        if any(t.dtype == torch.float8_e4m3fn for t in state.values()):
+            # A block-FP8 checkpoint (model.fp8 = "block"): vLLM post-processes quantised layers after loading
+            # (scale layouts for DeepGEMM/CUTLASS), so a plain `load_weights` into them would be undone or go
+            # stale; its layerwise reload takes checkpoint-format tensors and redoes that processing.
+            self.model_runner.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        else:
+            self.model_runner.model.load_weights(weights=list(state.items()))  # type: ignore[attr-defined]
         _sync()
         return len(state)
 

@@ -1,4 +1,9 @@
-"""Hugging Face checkpoint directories: config.json + safetensors (single file or sharded with an index)."""
+"""Hugging Face checkpoint directories: config.json + safetensors (single file or sharded with an index).
+
+Checkpoints in DeepSeek's FP8 format (float8 `weight` + `weight_scale_inv` per 128x128 block, a
+`quantization_config` in config.json: DeepSeek-V3, Qwen3-*-FP8, and what arbor publishes with `model.fp8 =
+"block"`) load by dequantisation into the model's own dtype; `fp8=True` writes that format.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
+from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, quantize_state
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
+    """config.json's contents; with `fp8`, the block-FP8 `quantization_config` vLLM and transformers read."""
+    config = args.to_hf_config()
+    if fp8:
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    return config
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs, fp8: bool = False) -> dict[str, torch.Tensor]:
     """The state dict as a Hugging Face checkpoint stores it: tied heads are written once, tensors contiguous,
     fused MoE expert tensors split into per-expert `experts.{e}.{gate,up,down}_proj.weight` (the on-disk names
-    transformers and vLLM read)."""
+    transformers and vLLM read); `fp8` quantises the FP8 layers' weights (arbor.models.fp8.quantize_state)."""
     out = {}
     for k, v in state.items():
         v = v.detach()
@@ -33,7 +47,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
             out[k] = v.contiguous()
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
-    return out
+    return quantize_state(out) if fp8 else out
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
@@ -74,8 +88,9 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly)."""
-    copy_state_into(model, fuse_experts(read_safetensors_dir(path)), path)
+    """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly);
+    FP8 weights are dequantised with their `weight_scale_inv`."""
+    copy_state_into(model, fuse_experts(dequantize_state(read_safetensors_dir(path))), path)
 
 
 def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
@@ -97,11 +112,13 @@ def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
             own[name].copy_(tensor.to(own[name].dtype))
 
 
-def save_checkpoint_dir(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, tokenizer=None) -> None:
-    """Writes config.json, model.safetensors and the tokenizer into `path` (the caller makes it atomic)."""
+def save_checkpoint_dir(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, tokenizer=None,
+                        fp8: bool = False) -> None:
+    """Writes config.json, model.safetensors and the tokenizer into `path` (the caller makes it atomic);
+    `fp8` writes DeepSeek's FP8 checkpoint format."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2))
-    save_file(hf_state_dict(state, args), str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config(args, fp8), indent=2))
+    save_file(hf_state_dict(state, args, fp8), str(path / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(path)

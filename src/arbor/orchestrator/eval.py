@@ -92,7 +92,10 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
 
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
+        from arbor.models.fp8 import apply_fp8
+
         model = build_model(cfg.model)
+        apply_fp8(model, cfg.model)
         engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
         engine.start()
         try:

@@ -200,7 +200,8 @@ def publish(cfg: TrainerConfig, model: "nn.Module", version: int, tokenizer) -> 
     if dist.get_rank() == 0:
         dtype = getattr(torch, cfg.model.dtype)  # inference runs in model.dtype: publish that, not fp32 masters
         state = {k: v.to(dtype) for k, v in state.items()}
-        make_transport(cfg.weights, cfg.keep_broadcasts).publish(cfg.output_dir, version, state, model.args, tokenizer)
+        make_transport(cfg.weights, cfg.keep_broadcasts).publish(cfg.output_dir, version, state, model.args, tokenizer,
+                                                                      fp8=cfg.model.fp8 == "block")
 
 
 def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:

@@ -2,9 +2,10 @@
 
 Follows torchtitan's structure (ParallelDims -> build_meshes -> parallelize applying one transform per kind of
 parallelism) but builds its mesh on CPU with gloo as well as on CUDA with NCCL, which torchtitan's ParallelDims
-does not (and depends on torchtitan's own config classes). Named dimensions dp_replicate, dp_shard, cp and ep; the
-transforms and their order are documented in `parallelize`. Gradient clipping is our own because parameters
-live on different meshes (FSDP2 vs expert-parallel DTensors).
+does not (and depends on torchtitan's own config classes). Named dimensions dp_replicate, dp_shard, cp and ep;
+the transforms (FP8 swap -> AC -> EP -> CP -> FSDP2) and the reasons for that order are documented in
+`parallelize`. Gradient clipping is our own because parameters live on different meshes (FSDP2 vs
+expert-parallel DTensors).
 """
 
 from __future__ import annotations
@@ -153,7 +154,12 @@ def parallelize(
 ) -> nn.Module:
     """Applies the model transforms in a fixed order and returns the model (changed in place).
 
-    Order, as torchtitan's llama3/qwen3 `parallelize`:
+    Order: FP8 swap -> AC -> EP -> CP -> FSDP2, as torchtitan's llama3/qwen3 (whose float8 model converter
+    also runs before `parallelize`):
+    0. the FP8 swap (`model.fp8 = "block"`) turns eligible nn.Linear layers into FP8Linear by changing their class
+       in place: it must come first because every later transform captures or wraps modules and parameters
+       (AC wraps the layer forward that calls them, FSDP2 registers hooks on the modules and swaps their
+       parameters for DTensors); the swap keeps parameter identity and names, so none of them notices;
     1. activation checkpointing wraps each decoder layer's forward; it must wrap the plain layer so that FSDP2's
        pre/post-forward hooks (all-gather, reshard) stay outside the recomputed region;
     2. expert parallel turns expert weights into ep-sharded DTensors and installs the all-to-all dispatcher: it
@@ -163,8 +169,11 @@ def parallelize(
        dp_replicate) and registers its hooks around the already-rewritten modules.
     With one rank nothing is sharded and the model stays a plain module.
     """
+    from arbor.models.fp8 import apply_fp8
+
     pc = config.parallel
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
+    apply_fp8(model, config.model)
     if pc.activation_checkpointing:
         apply_ac(model)
     ignored: set[nn.Parameter] = set()

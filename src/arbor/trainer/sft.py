@@ -177,6 +177,9 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     tokenizer = build_tokenizer(cfg.model)
     examples = load_examples(cfg, tokenizer)
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
+    from arbor.models.fp8 import apply_fp8
+
+    apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     warmup = max(1, math.ceil(0.1 * cfg.steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import torch
 
 from arbor.models.args import ModelArgs
-from arbor.models.hf import hf_state_dict
+from arbor.models.hf import hf_config, hf_state_dict
 
 if TYPE_CHECKING:
     from arbor.config.transport import WeightTransportConfig
@@ -70,16 +70,17 @@ class WeightTransport(ABC):
         self.keep, self.timeout = keep, timeout
 
     def publish(self, output_dir: str | Path, step: int, state: dict[str, torch.Tensor], args: ModelArgs,
-                tokenizer: Any = None) -> Path:
-        """Writes `broadcasts/step_{step}/` atomically (STABLE last), sends the tensors, prunes old steps."""
+                tokenizer: Any = None, fp8: bool = False) -> Path:
+        """Writes `broadcasts/step_{step}/` atomically (STABLE last), sends the tensors, prunes old steps.
+        `fp8`: DeepSeek's FP8 checkpoint format (float8 weights + `weight_scale_inv`, `quantization_config`)."""
         final = broadcast_dir(output_dir, step)
         tmp = final.parent / f".step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config(args, fp8), indent=2))
         if tokenizer is not None:
             tokenizer.save(tmp)
-        tensors = hf_state_dict(state, args)
+        tensors = hf_state_dict(state, args, fp8)
         _deadline_call(lambda: self._write(tmp, tensors), self.timeout, f"writing weights to {tmp}")
         (tmp / STABLE).write_text(str(step))
         if final.exists():  # a resumed run republishes the step it resumed from
@@ -153,7 +154,7 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 _CHUNK = 32 * 2**20  # bytes hashed in one thread while the next are written/read in another
 
