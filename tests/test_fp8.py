@@ -191,7 +191,8 @@ def test_fp8_checkpoint_format_and_loading(tmp_path):
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
 
 
-def test_engine_fp8_logprobs_match_trainer(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3-test", "dsa-test"])
+def test_engine_fp8_logprobs_match_trainer(tmp_path, name):
     """Trainer (fp32 masters, FP8 forward over packed rows) vs the local engine (FP8 checkpoint as published,
     dequantised, same FP8 forward, token-by-token decoding with a KV cache): per-token activation tiles make the
     quantisation independent of how tokens are batched, so the two agree to fp32 rounding."""
@@ -202,13 +203,14 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path):
     from arbor.models.tokenizer import ByteTokenizer
     from arbor.trainer.step import packed_logprobs
 
+    cfg = ModelConfig(name=name, fp8="block")
     tok = ByteTokenizer()
-    trainer = build_model(FP8_CFG)
+    trainer = build_model(cfg)
     trainer.init_weights(0, std=0.3)
-    apply_fp8(trainer, FP8_CFG)
+    assert apply_fp8(trainer, cfg)
     save_checkpoint_dir(trainer.state_dict(), trainer.args, tmp_path / "step_1", fp8=True)
-    served = build_model(FP8_CFG)
-    apply_fp8(served, FP8_CFG)
+    served = build_model(cfg)
+    apply_fp8(served, cfg)
     prompts = [tok.encode(p) for p in ("hello fp8", "block scaled")]
     engine = Engine(served.eval(), tok, seq_len=64, max_batch_size=4, seed=0).start()
     try:
@@ -230,7 +232,7 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path):
         at += n
     assert worst < 1e-4, f"trainer/engine logprob mismatch {worst:.2e}"
     # Without FP8 on the engine side the mismatch is the FP8 error itself (far larger): the check has teeth.
-    plain = build_model(FP8_CFG)
+    plain = build_model(cfg)
     plain.load_state_dict(trainer.state_dict())
     with torch.no_grad():
         lp_plain, _ = packed_logprobs(plain, ids, position_ids_for(lens)[0], lens, 1.0, torch.device("cpu"), False)

@@ -263,11 +263,18 @@ class FP8Linear(nn.Linear):
 # ---------------------------------------------------------------------------------------------- model level
 
 _FP8_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|(mlp|mlp\.shared_expert)\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.("
+    r"self_attn\.((q|k|v|o)_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|indexer\.(wq_b|wk))"
+    r"|(mlp|mlp\.shared_experts?)\.(gate|up|down)_proj"
+    r")\.weight$"
 )
-"""The layers that run in FP8: attention projections and dense/shared-expert MLPs. As in DeepSeek-V3, the
-embedding, lm_head, norms and the MoE router (and shared-expert gate) stay in high precision; the routed experts
-(stacked `GroupedExperts` weights) also stay high precision here: their grouped GEMM is not block-quantised."""
+"""The layers that run in FP8: attention projections and dense/shared-expert MLPs (Qwen3; DeepSeek-V3.2 / GLM-5
+MLA and indexer projections). As in DeepSeek-V3, the embedding, lm_head, norms and the MoE router (and
+shared-expert gate) stay in high precision; the routed experts (stacked `GroupedExperts` weights) also stay high
+precision here: their grouped GEMM is not block-quantised. MLA's `kv_b_proj` stays high precision too: the
+absorbed sparse attention reads its weight directly (arbor.models.deepseek_v32), so an FP8 copy would make the
+engine's dequantised weight differ from the trainer's master; the indexer's `weights_proj` stays high precision
+as in DeepSeek-V3.2's checkpoints."""
 
 
 def is_fp8_weight(name: str) -> bool:
