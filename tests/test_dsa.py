@@ -139,6 +139,32 @@ def test_hf_checkpoint_round_trip(tmp_path: Path, name: str):
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_deepseek_fp8_checkpoint_with_mtp_layer_loads(tmp_path: Path):
+    """A checkpoint laid out like the published DeepSeek-V3.2 one: FP8 weights with `weight_scale_inv` and a
+    multi-token-prediction layer after the decoder layers (`num_nextn_predict_layers`): the MTP weights are
+    skipped, the FP8 ones dequantised, and the model computes what the dequantised weights give."""
+    from safetensors.torch import save_file
+
+    from arbor.models.fp8 import dequantize_state
+
+    model = build_model(ModelConfig(name="dsa-test"))
+    model.init_weights(5, std=0.2)
+    save_checkpoint_dir(model.state_dict(), model.args, tmp_path, fp8=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    L = cfg["num_hidden_layers"]
+    state = load_file(str(tmp_path / "model.safetensors"))
+    mtp = {f"model.layers.{L}.{k.split('.', 3)[3]}": v.clone() for k, v in state.items() if k.startswith("model.layers.0.")}
+    assert any(k.endswith("weight_scale_inv") for k in mtp)
+    save_file({**state, **mtp}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected"):
+        build_model(ModelConfig(name=str(tmp_path)))  # without the config field the extra layer is an error
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
+    loaded = build_model(ModelConfig(name=str(tmp_path)))
+    expected = dequantize_state(state)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, expected[name].to(p.dtype)), name
+
+
 def test_glm5_config_with_yarn_round_trip(tmp_path: Path):
     """A GLM-5-style config (GlmMoeDsaForCausalLM, per-layer mlp_layer_types, YaRN rope_scaling, plain q_proj):
     the fields map onto DSAArgs (indexer RoPE interleaved by default), the YaRN frequencies interpolate the low

@@ -81,6 +81,10 @@ class DSAArgs:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction (MTP) layers that DeepSeek-V3.2 / GLM-5 checkpoints store after the decoder layers
+    (`model.layers.{num_hidden_layers + i}`). arbor neither trains nor serves them: their weights are skipped on
+    load (arbor.models.hf.load_weights)."""
 
     is_dsa = True
 
@@ -126,7 +130,7 @@ class DSAArgs:
                "index_head_dim", "index_topk", "q_lora_rank", "rms_norm_eps", "tie_word_embeddings",
                "max_position_embeddings", "rope_interleave", "indexer_rope_interleave", "n_routed_experts", "num_experts_per_tok",
                "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group",
-               "topk_group", "norm_topk_prob", "routed_scaling_factor")
+               "topk_group", "norm_topk_prob", "routed_scaling_factor", "num_nextn_predict_layers")
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "DSAArgs":

@@ -90,7 +90,19 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly);
     FP8 weights are dequantised with their `weight_scale_inv`."""
-    copy_state_into(model, fuse_experts(dequantize_state(read_safetensors_dir(path))), path)
+    state = read_safetensors_dir(path)
+    if getattr(model.args, "num_nextn_predict_layers", 0):
+        state = drop_mtp_layers(state, model.args.num_hidden_layers)
+    copy_state_into(model, fuse_experts(dequantize_state(state)), path)
+
+
+def drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Without the multi-token-prediction layers stored after the decoder's `num_layers` (DeepSeek-V3.2, GLM-5)."""
+    def layer(name: str) -> int:
+        parts = name.split(".")
+        return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+    return {k: v for k, v in state.items() if layer(k) < num_layers}
 
 
 def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
