@@ -216,7 +216,8 @@ class Orchestrator:
             from arbor.orchestrator.eval import client_generator, evaluate
 
             t_eval = time.perf_counter()
-            figures.update(await evaluate(client_generator(client, cfg.eval), self.tokenizer, cfg.eval))
+            figures.update(await evaluate(client_generator(client, cfg.eval), self.tokenizer, cfg.eval,
+                                          seq_len=cfg.seq_len))
             figures["time/eval"] = time.perf_counter() - t_eval
         if self.buffer is not None:
             figures.update(self.buffer.counts())
