@@ -174,9 +174,10 @@ class ScriptedFleet:
     async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, request_id=None):
         self.calls.append((len(prompt_ids), max_tokens, request_id))
         if seed in self.slow and request_id not in self.aborted:
+            version = self.version  # its one token is sampled now, before the wait
             self.hold[request_id] = ev = asyncio.Event()
             await ev.wait()
-            return [Completion([70], [-0.5], [self.version], "F", "abort") for _ in range(n)]
+            return [Completion([70], [-0.5], [version], "F", "abort") for _ in range(n)]
         return [Completion([65, 66, 67][:max_tokens], [-0.1] * 3, [self.version] * 3, "abc", "length")
                 for _ in range(n)]
 
@@ -261,7 +262,66 @@ def test_windowed_fifo_head_advances_past_an_aborted_straggler() -> None:
     assert orch.partial_counts["moved"] == 1 and len(fleet.aborted) == 1, ids
     (late,) = [g for b in batches for g in b if g[0].group_id == 0]
     assert all(r.pieces == 2 and r.completion_ids == [70, 65, 66, 67] for r in late)
-    assert late[0].policy_versions == [0] * 4 and orch.dropped_stale == 0  # relaunched at once, same version
+    # its first token is from version 0, the continuation from whatever the fleet served when it ran; within bound
+    assert late[0].policy_versions[0] == 0 and orch.dropped_stale == 0
+
+
+@pytest.mark.parametrize("max_resumes", [1, 0])
+def test_straggler_retry_relaunches_its_task_as_a_new_group(max_resumes: int) -> None:
+    """straggler_action = "retry", strict FIFO: group 0 hangs at the head. Once it straggles it is cancelled (its
+    one generated token is thrown away) and its task is launched again as a new group at the tail, with a new
+    sampling seed: it is trained later, in one piece, with staleness counted from the retry. With max_resumes 0
+    the task is given up instead."""
+    orch = _orchestrator(scheduler={"mode": "async", "max_in_flight": 6}, max_off_policy_steps=1,
+                         partial={"enabled": True, "straggler_factor": 2.0, "straggler_action": "retry",
+                                  "max_resumes": max_resumes})
+    fleet = ScriptedFleet()
+    fleet.slow = {_seed(orch, 0, 0)}
+    orch._durations.extend([0.01] * 8)
+    weights = types.SimpleNamespace(loaded_version=0)
+    task_of: dict[int, Any] = {}
+    next_spec = orch._next_spec
+
+    def recording(step: int, k: int):
+        spec = next_spec(step, k)
+        task_of[spec.group_id] = spec.task
+        return spec
+
+    orch._next_spec = recording
+
+    async def go():
+        batches = []
+        for step in range(3):
+            weights.loaded_version = fleet.version = step
+            batches.append(await orch._collect_groups(step, fleet, weights))
+        await asyncio.sleep(0.01)  # let the cancelled group's callbacks run
+        return batches
+
+    batches = asyncio.run(go())
+    groups = [g for b in batches for g in b]
+    ids = [g[0].group_id for g in groups]
+    assert ids[:2] == [1, 2] and 0 not in ids and len(fleet.aborted) == 1, ids
+    assert all(r.pieces == 1 and r.completion_ids == [65, 66, 67] for g in groups for r in g)  # nothing resumed
+    retried = [g for g in groups if task_of[g[0].group_id] is task_of[0]]
+    if max_resumes:
+        assert orch.partial_counts["retried"] == 1 and orch.partial_counts["given_up"] == 0
+        (late,) = retried
+        assert late[0].group_id > 2 and all(r.policy_versions == [late[0].policy_versions[0]] * 3 for r in late)
+    else:
+        assert orch.partial_counts["given_up"] == 1 and orch.partial_counts["retried"] == 0 and not retried
+    assert orch.partial_counts["moved"] == 0 and orch.dropped_stale == 0 and 0 not in orch._flights
+
+
+@pytest.mark.parametrize("mode, launched", [("greedy", 6), ("windowed_fifo", 4)])
+def test_windowed_fifo_admission_keeps_the_window_slack(mode: str, launched: int) -> None:
+    """max_off_policy_steps 2, two groups per step, W = 1: a group can be overtaken into the next step, so
+    windowed FIFO launches only 2 - 1 steps ahead (4 groups: this step's and the next's) where greedy fills the
+    whole bound (6)."""
+    orch = _orchestrator(scheduler={"mode": mode, "max_in_flight": 20})
+    fleet = ScriptedFleet()
+    weights = types.SimpleNamespace(loaded_version=0)
+    assert len(asyncio.run(orch._collect_groups(0, fleet, weights))) == 2
+    assert orch.groups_launched == launched
 
 
 def test_vllm_proxy_abort_hangs_up_upstream_and_answers_partial_output() -> None:

@@ -71,8 +71,12 @@ def test_policies_from_config():
     assert [sync.lag(s) for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     assert SchedulePolicy.from_config(OrchestratorConfig(**base, async_lag=0)).mode == "sync"
     w = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo"}))
-    assert (w.continuous, w.window, w.max_in_flight, w.lag(5)) == (True, 2, 8, 3)
+    # W = 2 of 4 groups per step: a group can be overtaken into the next step, so one step of the bound is kept free
+    assert (w.continuous, w.window, w.max_in_flight, w.lag(5), w.slack) == (True, 2, 8, 2, 1)
+    wide = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo", "window": 9}))
+    assert (wide.slack, wide.lag(5)) == (3, 0)  # ceil(9 / 4) = 3 steps, never more than the bound itself
     g = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "greedy", "max_in_flight": 5}))
     assert (g.window, g.max_in_flight) == (None, 5)
-    assert SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "async"})).window == 1
+    a = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "async"}))
+    assert (a.window, a.slack, a.lag(5)) == (1, 0, 3)
     assert staleness_histogram([0, 1, 1, 2]) == {"staleness/hist_0": 1, "staleness/hist_1": 2, "staleness/hist_2": 1}

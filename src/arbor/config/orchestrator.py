@@ -128,7 +128,10 @@ class SchedulerConfig(Config):
     sync_interval: int = Field(1, ge=1)
     """sync: every this many steps generation waits for the newest weights (1 = fully on-policy)."""
     window: int | None = Field(None, ge=1)
-    """windowed_fifo: W, in groups, of the visible part [H, H+W) of the generation queue; default: half a step."""
+    """windowed_fifo: W, in groups, of the visible part [H, H+W) of the generation queue; default: half a step.
+    A group can be overtaken by up to W - 1 others, i.e. trained up to ceil(W / groups per step) steps later than
+    its launch planned, so windowed_fifo launches (and takes batches) only up to max_off_policy_steps minus that
+    slack ahead of the trainer (arbor.orchestrator.scheduler)."""
     max_in_flight: int | None = Field(None, ge=1)
     """Groups generating at once. Default: two steps' worth for the continuous modes (async, greedy,
     windowed_fifo), max_concurrent_groups (or one step) for the per-step ones (times `oversample`)."""
@@ -145,11 +148,21 @@ class PartialConfig(Config):
     versions (and its environment's state) and is resumed later (arbor.orchestrator.partial)."""
     straggler_factor: float = Field(4.0, gt=0)
     """Continuous modes with a window (async, windowed_fifo): while a step is collected, a group inside the
-    window [H, H+W) that has run longer than this many times the median duration of the last 32 finished groups
-    (no group before 8 have finished) is aborted, leaves its queue position (so the head advances) and is
-    relaunched at the tail with its tokens. benchmarks/scheduler_sim.py models exactly this rule."""
+    window [H, H+W) that has run longer than this many times the median duration of the last 1024 finished groups
+    (no group before 8 have finished) leaves its queue position (so the head advances) and goes to the tail as
+    straggler_action says. The check runs only when the loop is about to wait (nothing in the window is ready).
+    benchmarks/scheduler_sim.py models exactly this rule."""
+    straggler_action: Literal["resume", "retry"] = "resume"
+    """What happens to a window member found straggling (straggler_factor): "resume" aborts it and continues it at
+    the queue's tail with its tokens kept (partial rollout; its staleness still counts from its first token, so a
+    moved group often ends up too stale and is dropped); "retry" cancels it (its tokens are discarded) and
+    launches its task again, as a new group, at the tail: the task's difficulty stays in the batch mix and the
+    staleness counts from the retry, at the cost of the generation thrown away and of a bias against the slowest
+    samples of a task. benchmarks/scheduler_sim.py shows why windowed FIFO needs "retry" to beat greedy's mix."""
     max_resumes: int = Field(3, ge=0)
-    """A group moved or parked this many times is not aborted by the scheduler again: it finishes where it is."""
+    """A group moved or parked this many times is not aborted by the scheduler again: it finishes where it is.
+    With straggler_action = "retry", a task retried this many times is given up (cancelled, counted in
+    partial/given_up) when it straggles again, so no straggler can stall the window for its whole latency."""
     abort_on_weight_update: bool = False
     """Abort every running group before a weight update and resume it after: no token of the new policy is
     then computed on KV cache from older weights (needed with vLLM, which keeps in-flight KV; the local engine

@@ -20,9 +20,12 @@ through a resumable `GroupHandle`, arbor.orchestrator.partial): per-step modes l
 groups and, when the batch is full, cancel those still generating or, with partial rollouts, abort and park them
 (tokens kept, environment coroutine suspended) and resume them first at the next step (dropped instead when
 their oldest token is already too stale; a group parked max_resumes times keeps running). Continuous modes with
-a window move a window member running longer than straggler_factor x the median of recent group durations to
-the queue's tail (abort + immediate resume), so the head advances; benchmarks/scheduler_sim.py models that
-rule. `abort_on_weight_update` aborts running groups around each weight update and resumes them after.
+a window, when the loop is about to wait (nothing in the window ready), take a window member running longer
+than straggler_factor x the median of recent group durations out of its position (the head advances) and
+either continue it at the queue's tail (abort + immediate resume, `straggler_action = "resume"`) or cancel it
+and launch its task again as a new group at the tail (`"retry"`; a task retried max_resumes times is given up
+when it straggles again); benchmarks/scheduler_sim.py models that rule. windowed_fifo's admission keeps
+`policy.slack` steps of the staleness bound free (arbor.orchestrator.scheduler). `abort_on_weight_update` aborts running groups around each weight update and resumes them after.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from arbor.config.orchestrator import OrchestratorConfig
 
 log = logging.getLogger("arbor.orchestrator")
 
-STRAGGLER_MIN_FINISHED, STRAGGLER_RECENT = 8, 32
-"""The straggler rule's median is over the last STRAGGLER_RECENT finished groups, once MIN_FINISHED have."""
+STRAGGLER_MIN_FINISHED, STRAGGLER_RECENT = 8, 1024
+"""The straggler rule's median is over the last STRAGGLER_RECENT finished groups, once MIN_FINISHED have. A long
+memory on purpose: while the window waits, launches pause and the last groups to finish are the slow ones, so a
+median of only the last few dozen climbs exactly when the rule is needed (the window then stalls for longer)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,9 +97,11 @@ class Orchestrator:
         self._parked: list[_Flight] = []  # per-step modes: surplus groups aborted at batch fill, oldest first
         self._durations: collections.deque[float] = collections.deque(maxlen=STRAGGLER_RECENT)
         self.partial = None  # the PartialRollouts controller, made for the client in _collect_groups
-        self.partial_counts = {"cancelled": 0, "parked": 0, "resumed": 0, "moved": 0}
+        self.partial_counts = {"cancelled": 0, "parked": 0, "resumed": 0, "moved": 0, "retried": 0, "given_up": 0}
         self._last_aborted = 0
         self._relaunch: collections.deque[dict] = collections.deque()  # pending tasks of a resumed run
+        self._retry: collections.deque[tuple[dict, int]] = collections.deque()  # (task, retries) to launch again
+        self._retries: dict[int, int] = {}  # group id -> how many times its task was retried before it
         self.finished_groups = 0  # groups the generator has produced (for the production rate)
         self._last_write: float | None = None
         self._last_finished = 0
@@ -241,7 +248,8 @@ class Orchestrator:
                 # step comes (AReaL's rule): the outstanding groups fill the rest of this step's batch (after the
                 # len(kept) groups it already has), then the next steps, in order.
                 while q.in_flight < pol.max_in_flight and (
-                    step + (len(kept) + q.outstanding) // need - weights.loaded_version <= cfg.max_off_policy_steps
+                    step + (len(kept) + q.outstanding) // need - weights.loaded_version
+                    <= cfg.max_off_policy_steps - pol.slack
                 ):
                     self._launch(step, launched, weights)
                     launched += 1
@@ -260,6 +268,8 @@ class Orchestrator:
             if taken:  # some were dropped: launch replacements and look at the queue again before waiting
                 continue
             due = await self._move_stragglers(step) if cfg.partial.enabled and pol.continuous else None
+            if due is not None and due <= time.monotonic():  # stragglers moved: relaunch, look at the queue again
+                continue
             running = [f.task for f in self._flights.values() if not f.parked]
             if not running:
                 if self._parked:
@@ -365,43 +375,60 @@ class Orchestrator:
         self.partial_counts["parked"] += len(park)
 
     async def _move_stragglers(self, step: int) -> float | None:
-        """Continuous modes with a window: aborts groups in [H, H+W) running longer than straggler_factor x the
-        recent median group duration and relaunches them at the tail (too stale ones are dropped instead).
-        Returns when the next window member becomes a straggler (None: never, as things stand)."""
+        """Continuous modes with a window, called when the loop would wait: takes groups in [H, H+W) running
+        longer than straggler_factor x the recent median group duration out of their positions and continues
+        them at the tail (resume; too stale ones are dropped) or relaunches their tasks there (retry; given up
+        after max_resumes retries). Returns when the next window member becomes a straggler (None: never, as
+        things stand)."""
         cfg, q = self.cfg, self.queue
         if q.window is None or len(self._durations) < STRAGGLER_MIN_FINISHED:
             return None
         import statistics
 
+        retry = cfg.partial.straggler_action == "retry"
         limit = cfg.partial.straggler_factor * statistics.median(self._durations)
         now, due = time.monotonic(), []
         movers = []
-        for f in self._flights.values():
+        for key, f in self._flights.items():
             if f.parked or f.task.done() or not q.head <= f.pos < q.head + q.window:
                 continue
-            if f.handle.resumes >= cfg.partial.max_resumes:
+            if not retry and f.handle.resumes >= cfg.partial.max_resumes:
                 continue
             if now - f.since > limit:
-                movers.append(f)
+                movers.append((key, f))
             else:
                 due.append(f.since + limit)
-        if movers:
-            for f in movers:
-                q.discard(f.pos)
-                f.parked = True  # until relaunched below; a finish in between is handled by _finished
-            await self.partial.abort([f.handle for f in movers])
-            for f in movers:
-                if f.task.done():
-                    continue
-                if step - f.oldest > cfg.max_off_policy_steps:  # its tokens can never be trained
-                    self.dropped_stale += cfg.group_size
-                    f.task.cancel()
-                    continue
+        if not movers:
+            return min(due) if due else None
+        for _, f in movers:
+            q.discard(f.pos)
+            f.parked = True  # until relaunched below; a finish in between is handled by _finished
+        await self.partial.abort([f.handle for _, f in movers])
+        for key, f in movers:
+            if f.task.done():
+                continue
+            if retry:
+                self._retry_task(key, f)
+            elif step - f.oldest > cfg.max_off_policy_steps:  # its tokens can never be trained
+                self.dropped_stale += cfg.group_size
+                f.task.cancel()
+            else:
                 f.parked, f.pos, f.since = False, q.launch(), time.monotonic()
                 f.handle.resume()
                 self.partial_counts["moved"] += 1
-            return time.monotonic()  # look at the queue again at once
-        return min(due) if due else None
+        return time.monotonic()  # look at the queue again at once
+
+    def _retry_task(self, key: int, f: "_Flight") -> None:
+        """straggler_action = "retry": cancels the group (its tokens are discarded) and queues its task to be
+        launched again, first, by the admission loop (at the queue's tail, with a new sampling seed), unless it
+        has been retried max_resumes times already: then it is given up."""
+        task, retries = self._task_of_group.pop(key, None), self._retries.get(key, 0)
+        f.task.cancel()
+        if task is None or retries >= self.cfg.partial.max_resumes:
+            self.partial_counts["given_up"] += 1
+            return
+        self._retry.append((task, retries + 1))
+        self.partial_counts["retried"] += 1
 
     async def _start_gateway(self, client) -> None:
         """The OpenAI-compatible gateway, when configured or when the environment drives black-box agents."""
@@ -423,6 +450,7 @@ class Orchestrator:
 
     def _finished(self, key: int, flight: "_Flight", task: asyncio.Task) -> None:
         self._flights.pop(key, None)
+        self._retries.pop(key, None)
         if task.cancelled():
             self._task_of_group.pop(key, None)
         if self.partial is not None:
@@ -509,7 +537,10 @@ class Orchestrator:
 
         cfg = self.cfg
         while True:
-            if self._relaunch:
+            retries = 0
+            if self._retry:
+                task, retries = self._retry.popleft()
+            elif self._relaunch:
                 task = self._relaunch.popleft()
             else:
                 task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
@@ -518,6 +549,8 @@ class Orchestrator:
                 seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
                 self.groups_launched += 1
                 self._task_of_group[self.groups_launched - 1] = task
+                if retries:
+                    self._retries[self.groups_launched - 1] = retries
                 return GroupSpec(task, prompt_ids, seed, self.groups_launched - 1)
             self.skipped_long += 1
 
@@ -525,6 +558,7 @@ class Orchestrator:
         """Dataset indices of the tasks launched and not yet taken (for the saved state; see state.pending)."""
         index = {id(t): i for i, t in enumerate(self.tasks)}
         out = [index[id(t)] for t in self._task_of_group.values() if id(t) in index]
+        out += [index[id(t)] for t, _ in self._retry if id(t) in index]
         return out + [index[id(t)] for t in self._relaunch if id(t) in index]
 
     def _figures(self, step, rollouts, gen_seconds, waited, step_seconds, weights, client) -> dict[str, Any]:

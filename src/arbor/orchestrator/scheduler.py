@@ -14,7 +14,10 @@ one step's groups launched when the step starts, as the walking skeleton did):
 - `one_step_off`: lag 1, per-step (the default, = `async_lag` 1).
 - `async`: lag max_off_policy_steps, continuous, strict FIFO order.
 - `greedy`: lag max_off_policy_steps, continuous, first finished first out.
-- `windowed_fifo`: lag max_off_policy_steps, continuous, window W.
+- `windowed_fifo`: lag max_off_policy_steps - slack, continuous, window W, where slack = ceil(W / groups per
+  step) (at most max_off_policy_steps): a group overtaken by the whole window is trained that many steps later
+  than the admission rule planned, so the loop launches only up to max_off_policy_steps - slack steps ahead and
+  the window's waits never turn into stale drops (which would skew the batch mix toward easy, fast tasks).
 Every mode drops (and counts) a group with a token older than max_off_policy_steps when it is taken.
 Oversampling (per-step modes) and partial rollouts (aborting stragglers out of the window) are applied by the
 orchestrator's loop (arbor.orchestrator.main) on top of this queue: a moved group is `discard`ed at its old
@@ -115,6 +118,8 @@ class SchedulePolicy:
     fixed_lag: int
     per_step: int = 0
     """Per-step modes: groups launched for a step (ceil(oversample x groups per step))."""
+    slack: int = 0
+    """Continuous modes: steps of the staleness bound kept free by the admission rule (module docstring)."""
 
     @classmethod
     def from_config(cls, cfg: OrchestratorConfig) -> "SchedulePolicy":
@@ -127,12 +132,13 @@ class SchedulePolicy:
             window = None  # per-step: all of the step's groups are needed, order is irrelevant
         launched = math.ceil(s.oversample * groups)
         in_flight = s.max_in_flight or (2 * groups if continuous else cfg.max_concurrent_groups or launched)
+        slack = min(math.ceil(window / groups), cfg.max_off_policy_steps) if mode == "windowed_fifo" else 0
         if s.mode is None and cfg.async_lag > 1:
             lag = cfg.async_lag
         else:
-            lag = 1 if mode == "one_step_off" else cfg.max_off_policy_steps
+            lag = 1 if mode == "one_step_off" else cfg.max_off_policy_steps - slack
         return cls(mode, continuous, window, in_flight, s.sync_interval if mode == "sync" else 0, lag,
-                   groups if continuous else launched)
+                   groups if continuous else launched, slack)
 
     def lag(self, step: int) -> int:
         """Versions the policy serving `step`'s generation may trail `step` by."""
