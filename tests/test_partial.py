@@ -456,3 +456,13 @@ def test_resume_relaunches_tasks_that_were_in_flight(tmp_path: Path) -> None:
     first = [resumed.tasks.index(resumed._next_spec(1, k).task) for k in range(len(pending) + 1)]
     assert first[:-1] == pending
     assert resumed.tasks[first[-1]] == orch.sampler.next()  # then the dataset goes on from the saved position
+
+
+def test_partial_rollouts_are_refused_for_black_box_agents():
+    """Black-box agents drive their own generation through the gateway: parking them is refused at config time."""
+    import pydantic
+
+    from arbor.config.orchestrator import OrchestratorConfig
+
+    with pytest.raises(pydantic.ValidationError, match="partial.enabled cannot be used"):
+        OrchestratorConfig(partial={"enabled": True}, environment={"id": "black_box"})

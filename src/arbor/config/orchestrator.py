@@ -261,4 +261,8 @@ class OrchestratorConfig(Config):
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         if self.sampling.max_tokens >= self.seq_len:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below seq_len ({self.seq_len})")
+        if self.partial.enabled and self.environment.id == "black_box":
+            # A black-box agent calls the gateway itself: arbor cannot park and resume its requests mid-way.
+            raise ValueError("partial.enabled cannot be used with environment.id = 'black_box' (agents drive their "
+                             "own generation through the gateway); set partial.enabled = false")
         return self
