@@ -57,6 +57,7 @@ CHILD_SOURCE = (Path(__file__).parent / "_sandbox_child.py").read_text()
 SETUP_FAILED = 125
 UID_BASE = 1_000_000_000  # far above any real account; one uid per (orchestrator pid, slot)
 MAX_SLOTS = 64
+UNSHARE_RERAISE_FAILED = b"unshare: sigprocmask unblock failed"
 UNSHARE_FLAGS = ["--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--uts",
                  "--propagation", "private"]
 CGROUP_PREFIX = "arbor-sandbox-"
@@ -388,7 +389,12 @@ class Sandbox:
         (out, out_cut), (err, err_cut) = [r.result() if r in done else (b"", True) for r in readers]
         if proc.returncode == SETUP_FAILED and b"sandbox setup failed" in err:
             log.error("code sandbox: %s", err.decode(errors="replace").strip())
-        return SandboxResult(returncode=proc.returncode, stdout=out.decode(errors="replace"),
+        returncode = proc.returncode
+        if returncode == 1 and UNSHARE_RERAISE_FAILED in err:
+            # `unshare --fork` re-raises on itself the signal that killed the program; when that fails (seen once
+            # under heavy load, on a CPU-limit kill) unshare exits 1 with this message instead: still a kill.
+            returncode = -signal.SIGKILL
+        return SandboxResult(returncode=returncode, stdout=out.decode(errors="replace"),
                              stderr=err.decode(errors="replace"), timed_out=not ended,
                              seconds=time.monotonic() - start, truncated=out_cut or err_cut,
                              exceeded=watcher.result() if watcher in ended else None)
