@@ -5,7 +5,7 @@ stragglers). Both arms run `rl` on CPU with the same tiny model, data, seed and 
 the first batch written to the last trainer step, read from the run's logs of time per step, so process
 start-up is excluded). Published peers report 1.6x to 5x for agentic workloads.
 
-    uv run python benchmarks/async_vs_sync.py [--steps 8] [--async-mode windowed_fifo]
+    uv run python benchmarks/async_vs_sync.py [--steps 20] [--async-mode windowed_fifo]
 """
 
 from __future__ import annotations
@@ -48,15 +48,19 @@ def run(out: Path, steps: int, mode: str, env_args: str, extra: list[str]) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="enough for a few stragglers per arm: 8 steps is noisy")
     p.add_argument("--async-mode", default="windowed_fifo", choices=["async", "greedy", "windowed_fifo", "one_step_off"])
     p.add_argument("--env-args", default="{ min_len = 2, max_len = 6, num_tasks = 200, median_s = 0.15, "
                                          "sigma = 0.8, straggler_p = 0.03, straggler_x = 20.0 }")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(Path(tmp) / "sync", a.steps, "sync", a.env_args, [])
-        extra = ["--orchestrator.scheduler.window", "4", "--orchestrator.scheduler.max-in-flight", "12"] \
-            if a.async_mode == "windowed_fifo" else []
+        # windowed FIFO keeps ceil(W / groups per step) = 1 step of the staleness bound free for its window
+        # (arbor.orchestrator.scheduler), so its arm gets a bound of 3 to generate 2 steps ahead like `async`, and
+        # straggler retry (`[orchestrator.partial]`) so that a 20x straggler at the head does not hold the window.
+        extra = ["--orchestrator.scheduler.window", "4", "--orchestrator.scheduler.max-in-flight", "12",
+                 "--orchestrator.max-off-policy-steps", "3", "--orchestrator.partial.enabled", "true",
+                 "--orchestrator.partial.straggler-action", "retry"] if a.async_mode == "windowed_fifo" else []
         asyn = run(Path(tmp) / "async", a.steps, a.async_mode, a.env_args, extra)
     ratio = sync["loop_s"] / asyn["loop_s"]
     print(f"sync : {sync['loop_s']:.1f}s loop, {sync['wall_s']:.1f}s wall for {sync['steps']} steps")
