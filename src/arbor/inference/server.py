@@ -20,7 +20,6 @@ writes its base URL to `ready_file` (atomically) and logs "inference ready at UR
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -30,13 +29,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from arbor.transport.batch import encode_routes
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
+from arbor.inference.http import BadRequest, error_middleware, get_field, read_json_object
 from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
 
 if TYPE_CHECKING:
@@ -47,61 +47,7 @@ log = logging.getLogger("arbor.inference.server")
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
 
 
-class BadRequest(Exception):
-    """Invalid client input; becomes a 400 naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    """Turns every failure into a JSON error so clients see one shape and the server keeps serving."""
-    try:
-        return await handler(request)
-    except BadRequest as e:
-        return _error(400, e.message, e.param)
-    except InvalidRequest as e:
-        return _error(400, str(e), e.param)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return _error(e.status, f"{e.reason}: {request.method} {request.path}", None, kind)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.exception("request %s %s failed", request.method, request.path)
-        return _error(500, str(e) or type(e).__name__, None, "internal_error")
-
-
 # ---- request parsing ----
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"the JSON body must be an object, got {type(body).__name__}")
-    return body
-
-
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass: accept it only where bool is asked for.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        want = " or ".join(k.__name__ for k in kinds)
-        raise BadRequest(f"{name} must be {want}, got {type(value).__name__}", name)
-    return value
-
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
@@ -115,13 +61,13 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    temperature = float(get_field(body, "temperature", (int, float), 1.0))
     if temperature < 0:
         raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    top_p = float(get_field(body, "top_p", (int, float), 1.0))
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    n = _get(body, "n", (int,), 1)
+    n = get_field(body, "n", (int,), 1)
     if not 1 <= n <= max_batch_size:
         raise BadRequest(f"n must be in [1, {max_batch_size}] (the server's max_batch_size), got {n}", "n")
     if max_tokens < 1:
@@ -130,8 +76,8 @@ def _sampling(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batc
         raise BadRequest(STREAM_UNSUPPORTED, "stream")
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, stop=_stop(body),
-        seed=_get(body, "seed", (int,), None), top_logprobs=top_logprobs,
-        skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
+        seed=get_field(body, "seed", (int,), None), top_logprobs=top_logprobs,
+        skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
     )
 
 
@@ -174,7 +120,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _request_id(request: web.Request, body: dict[str, Any]) -> str | None:
     """The client-chosen request id: vLLM's body field `request_id`, else the `X-Request-Id` header."""
-    rid = _get(body, "request_id", (str,), None)
+    rid = get_field(body, "request_id", (str,), None)
     return rid if rid is not None else request.headers.get("X-Request-Id")
 
 
@@ -241,7 +187,7 @@ class InferenceServer:
         self.started = time.time()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+        app = web.Application(middlewares=[error_middleware(log, (InvalidRequest,))], client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -270,15 +216,15 @@ class InferenceServer:
                 f.cancel()
 
     async def completions(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_json_object(request)
         prompts = _prompts(body, self.tokenizer)
-        logprobs = _get(body, "logprobs", (int,), None)
+        logprobs = get_field(body, "logprobs", (int,), None)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-        params = _sampling(body, _get(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
-        return_ids = _get(body, "return_token_ids", (bool,), False)
-        as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
-        _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
+        params = _sampling(body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
+        return_ids = get_field(body, "return_token_ids", (bool,), False)
+        as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
+        get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         outputs = await self._generate(prompts, params, "prompt", _request_id(request, body))
         choices = []
         for pi, out in enumerate(outputs):
@@ -301,24 +247,24 @@ class InferenceServer:
         })
 
     async def chat_completions(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_json_object(request)
         messages = _messages(body)
-        want_logprobs = _get(body, "logprobs", (bool,), False)
-        top = _get(body, "top_logprobs", (int,), 0)
+        want_logprobs = get_field(body, "logprobs", (bool,), False)
+        top = get_field(body, "top_logprobs", (int,), 0)
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # a template that rejects these messages is the client's problem
             raise BadRequest(f"messages could not be rendered with the chat template: {e}", "messages") from None
-        max_tokens = _get(body, "max_completion_tokens", (int,), None)
-        max_tokens = _get(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
+        max_tokens = get_field(body, "max_completion_tokens", (int,), None)
+        max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
         if max_tokens is None:  # as vLLM: fill the rest of the context
             max_tokens = max(1, self.engine.seq_len - len(prompt))
         params = _sampling(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
-        return_ids = _get(body, "return_token_ids", (bool,), False)
-        as_ids = _get(body, "return_tokens_as_token_ids", (bool,), False)
-        _get(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
+        return_ids = get_field(body, "return_token_ids", (bool,), False)
+        as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
+        get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         (out,) = await self._generate([prompt], params, "messages", _request_id(request, body))
         choices = []
         for c in out.completions:
@@ -370,9 +316,9 @@ class InferenceServer:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        path = _get(body, "path", (str,), None)
-        version = _get(body, "version", (int,), None)
+        body = await read_json_object(request)
+        path = get_field(body, "path", (str,), None)
+        version = get_field(body, "version", (int,), None)
         if path is None:
             raise BadRequest("path (a checkpoint directory) is required", "path")
         if version is None or version < 0:
@@ -387,7 +333,7 @@ class InferenceServer:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})
 
     async def abort_requests(self, request: web.Request) -> web.Response:
-        ids = abort_ids(await _body(request))
+        ids = abort_ids(await read_json_object(request))
         return web.json_response({"aborted": await asyncio.wrap_future(self.engine.abort(ids))})
 
     async def resume(self, request: web.Request) -> web.Response:

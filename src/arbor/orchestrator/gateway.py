@@ -37,10 +37,11 @@ import math
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from arbor.inference.http import HTTPError, error_middleware, error_response, get_field, read_json_object
 from arbor.orchestrator.client import InferenceError
 from arbor.orchestrator.sessions import Render, Session, Turn, normalize_message
 
@@ -54,54 +55,7 @@ MAX_N = 16
 TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    try:
-        return await handler(request)
-    except HTTPError as e:
-        return _error(e.status, e.message, e.param, e.kind)
-    except web.HTTPException as e:  # 404 routes, 405 methods, 413 bodies from aiohttp itself
-        if e.status < 400:
-            raise
-        return _error(e.status, f"{e.reason}: {request.method} {request.path}")
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.exception("gateway request %s %s failed", request.method, request.path)
-        return _error(500, str(e) or type(e).__name__, None, "internal_error")
-
-
 # ---- request parsing ----
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HTTPError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, f"the JSON body must be an object, got {type(body).__name__}")
-    return body
-
-
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        want = " or ".join(k.__name__ for k in kinds)
-        raise HTTPError(400, f"{name} must be {want}, got {type(value).__name__}", name)
-    return value
-
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
@@ -157,7 +111,7 @@ def _tools(body: dict[str, Any]) -> list[dict] | None:
 
 
 def _seed(body: dict[str, Any]) -> int | None:
-    seed = _get(body, "seed", (int,), None)
+    seed = get_field(body, "seed", (int,), None)
     if seed is not None and not 0 <= seed < 2**63:
         raise HTTPError(400, f"seed must be in [0, 2**63), got {seed}", "seed")
     return seed
@@ -276,7 +230,7 @@ class Gateway:
     # -- lifecycle --
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, _errors], client_max_size=self.cfg.max_request_bytes)
+        app = web.Application(middlewares=[self._auth, error_middleware(log)], client_max_size=self.cfg.max_request_bytes)
         s = "/v1/sessions/{sid}"
         app.add_routes([
             web.get("/health", self.health),
@@ -319,10 +273,10 @@ class Gateway:
             given = request.headers.get("Authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
             if not hmac.compare_digest(token.encode(), key.encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", None, "authentication_error")
+                return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)", None, "authentication_error")
         # aiohttp reads lazily: refuse a declared oversize body before reading any of it.
         if request.content_length is not None and request.content_length > self.cfg.max_request_bytes:
-            return _error(413, f"request body of {request.content_length} bytes exceeds {self.cfg.max_request_bytes}")
+            return error_response(413, f"request body of {request.content_length} bytes exceeds {self.cfg.max_request_bytes}")
         return await handler(request)
 
     # -- handlers --
@@ -337,19 +291,19 @@ class Gateway:
             "max_model_len": self.seq_len}]})
 
     async def open_session(self, request: web.Request) -> web.Response:
-        body = await _body(request) if request.can_read_body else {}
-        sid = _get(body, "id", (str,), None)
+        body = await read_json_object(request) if request.can_read_body else {}
+        sid = get_field(body, "id", (str,), None)
         if sid is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", sid):
             raise HTTPError(400, "id must be 1-128 characters of letters, digits, '.', '_' or '-'", "id")
-        s = self.open(sid, _get(body, "task_id", (int, str), -1))
+        s = self.open(sid, get_field(body, "task_id", (int, str), -1))
         s.external = True
         return web.json_response({"id": s.id, "base_url": self.base_url(s.id)}, status=201)
 
     async def claim_work(self, request: web.Request) -> web.Response:
         """Pull mode: the next queued task and its session for a remote agent, waiting up to `wait` seconds;
         204 when there is none."""
-        body = await _body(request) if request.can_read_body else {}
-        wait = _get(body, "wait", (int, float), 0)
+        body = await read_json_object(request) if request.can_read_body else {}
+        wait = get_field(body, "wait", (int, float), 0)
         if not 0 <= wait <= 60:
             raise HTTPError(400, f"wait must be in [0, 60] seconds, got {wait}", "wait")
         deadline = asyncio.get_running_loop().time() + wait
@@ -377,11 +331,11 @@ class Gateway:
     async def reward(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
         self._session(sid)
-        body = await _body(request)
-        value = _get(body, "reward", (int, float), None)
+        body = await read_json_object(request)
+        value = get_field(body, "reward", (int, float), None)
         if value is None or not math.isfinite(value):
             raise HTTPError(400, "reward (a finite number) is required", "reward")
-        comps = _get(body, "components", (dict,), {})
+        comps = get_field(body, "components", (dict,), {})
         if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                    and math.isfinite(v) for k, v in comps.items()):
             raise HTTPError(400, "components must map names to finite numbers", "components")
@@ -400,11 +354,11 @@ class Gateway:
         return s
 
     def _sampling(self, body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
-        max_tokens = _get(body, "max_completion_tokens", (int,), None)
-        max_tokens = _get(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
-        temperature = _get(body, "temperature", (int, float), self.temperature)
-        top_p = _get(body, "top_p", (int, float), self.top_p)
-        n = _get(body, "n", (int,), 1)
+        max_tokens = get_field(body, "max_completion_tokens", (int,), None)
+        max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
+        temperature = get_field(body, "temperature", (int, float), self.temperature)
+        top_p = get_field(body, "top_p", (int, float), self.top_p)
+        n = get_field(body, "n", (int,), 1)
         if not 1 <= n <= MAX_N:
             raise HTTPError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
         if max_tokens is not None and max_tokens < 1:
@@ -437,10 +391,10 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         s = self._route_session(request)
-        body = await _body(request)
+        body = await read_json_object(request)
         messages, tools = _messages(body), _tools(body)
-        stream = _get(body, "stream", (bool,), False)
-        include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        stream = get_field(body, "stream", (bool,), False)
+        include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         try:
             prompt, parent = s.chat_prompt(messages, tools, self.render, self.tokenizer.eos_token_id)
         except Exception as e:  # a template that rejects these messages is the client's problem
@@ -483,7 +437,7 @@ class Gateway:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self._route_session(request)
-        body = await _body(request)
+        body = await read_json_object(request)
         raw = body.get("prompt")
         if isinstance(raw, str):
             prompt = self.tokenizer.encode(raw)
@@ -493,7 +447,7 @@ class Gateway:
             raise HTTPError(400, "prompt must be a string or a non-empty list of token ids (one prompt)", "prompt")
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt):
             raise HTTPError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
-        stream = _get(body, "stream", (bool,), False)
+        stream = get_field(body, "stream", (bool,), False)
         sampling = self._sampling(body, len(prompt))
         parent = s.completion_prompt(prompt)
         completions = await self._generate(s, prompt, sampling)
