@@ -382,12 +382,8 @@ def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
     (vLLM's block-FP8 layers need that): the served checkpoint and an update are DeepSeek-format FP8, and the
     completion's logprobs match arbor's FP8 forward of the trainer's weights (vLLM computes in bf16)."""
     pytest.importorskip("vllm")
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+
+    from vllm_server import post_json, vllm_server
 
     from arbor.models.args import ModelArgs
     from arbor.models.hf import save_checkpoint_dir
@@ -403,27 +399,10 @@ def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
     new.init_weights(1, std=0.05)
     save_checkpoint_dir(base.state_dict(), args, tmp_path / "model")
     published = FilesystemTransport().publish(tmp_path / "run", 1, new.state_dict(), args, fp8=True)
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
-                             "--model.name", str(tmp_path / "model"), "--model.fp8", "block", "--seq-len", "128",
-                             "--ready-file", str(ready), "--vllm.enforce-eager", "true",
-                             "--vllm.gpu-memory-utilization", "0.3", "--vllm.dtype", "bfloat16"], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 900
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "vLLM server did not start"
-            time.sleep(1)
-        url = ready.read_text().strip()
-
-        def post(path: str, body: dict) -> dict:
-            req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as r:
-                return json.loads(r.read())
-
-        assert post("/update_weights", {"path": str(published), "version": 1})["policy_version"] == 1
+    with vllm_server(tmp_path, tmp_path / "model", 128, "--model.fp8", "block", dtype="bfloat16") as url:
+        assert post_json(url, "/update_weights", {"path": str(published), "version": 1})["policy_version"] == 1
         prompt = [5, 17, 99, 3, 42]
-        out = post("/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "seed": 3})
+        out = post_json(url, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "seed": 3})
         (c,) = out["choices"]
         apply_fp8(new, FP8_CFG)
         ids = torch.tensor(prompt + c["token_ids"])
@@ -431,6 +410,3 @@ def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
             ref, _ = shifted_logprobs(new(ids[None])[0], ids, temperature=1.0, with_entropy=False)
         got = torch.tensor(c["logprobs"]["token_logprobs"])
         assert (got - ref[len(prompt):]).abs().max().item() < 0.1
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)

@@ -384,10 +384,7 @@ def test_real_vllm_abort_and_resume_equals_uninterrupted_greedy(tmp_path: Path) 
     """`inference --backend vllm`: a greedy request aborted through /abort_requests answers its partial tokens,
     and the GroupHandle's resumed completion equals the uninterrupted one token for token."""
     pytest.importorskip("vllm")
-    import os
-    import signal
-    import subprocess
-    import sys
+    from vllm_server import vllm_server
 
     from arbor.config.model import ModelConfig
     from arbor.models import build_model
@@ -395,17 +392,7 @@ def test_real_vllm_abort_and_resume_equals_uninterrupted_greedy(tmp_path: Path) 
     base = build_model(ModelConfig(name="qwen3-test"))
     base.init_weights(0, std=0.3)
     save_checkpoint_dir(base.state_dict(), base.args, tmp_path / "model")
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
-                             "--model.name", str(tmp_path / "model"), "--seq-len", "256", "--ready-file", str(ready),
-                             "--vllm.enforce-eager", "true", "--vllm.gpu-memory-utilization", "0.3",
-                             "--vllm.dtype", "float32"], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 900
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "vLLM server did not start"
-            time.sleep(1)
-        url = ready.read_text().strip()
+    with vllm_server(tmp_path, tmp_path / "model", 256) as url:
         prompt = [5, 17, 99, 3, 42]
 
         async def go() -> tuple[Completion, Completion]:
@@ -426,9 +413,6 @@ def test_real_vllm_abort_and_resume_equals_uninterrupted_greedy(tmp_path: Path) 
         whole, resumed = asyncio.run(go())
         assert whole.finish_reason == "length" and resumed.token_ids == whole.token_ids
         assert len(resumed.logprobs) == len(resumed.policy_versions) == 240
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
 
 
 def test_resume_relaunches_tasks_that_were_in_flight(tmp_path: Path) -> None:

@@ -246,12 +246,10 @@ def test_real_vllm_server_updates_weights_from_a_published_dir_and_matches_train
     """`inference --backend vllm` on a tiny Qwen3 saved locally: load v1 from a published directory, then the
     greedy completion's logprobs must match the trainer's full-forward logprobs of the same weights."""
     pytest.importorskip("vllm")
-    import os
-    import signal
-    import time
-    import urllib.request
 
     import torch
+
+    from vllm_server import post_json, vllm_server
 
     from arbor.config.model import ModelConfig
     from arbor.models import build_model
@@ -265,26 +263,10 @@ def test_real_vllm_server_updates_weights_from_a_published_dir_and_matches_train
     new = build_model(ModelConfig(name="qwen3-test"))
     new.init_weights(1, std=0.3)
     published = FilesystemTransport().publish(tmp_path / "run", 1, new.state_dict(), new.args)
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
-                             "--model.name", str(tmp_path / "model"), "--seq-len", "128", "--ready-file", str(ready),
-                             "--vllm.enforce-eager", "true", "--vllm.gpu-memory-utilization", "0.3",
-                             "--vllm.dtype", "float32"], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 900
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "vLLM server did not start"
-            time.sleep(1)
-        url = ready.read_text().strip()
-
-        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as r:
-                return json.loads(r.read())
-
-        assert post("/update_weights", {"path": str(published), "version": 1})["policy_version"] == 1
+    with vllm_server(tmp_path, tmp_path / "model", 128) as url:
+        assert post_json(url, "/update_weights", {"path": str(published), "version": 1})["policy_version"] == 1
         prompt = [5, 17, 99, 3, 42]
-        out = post("/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "seed": 3})
+        out = post_json(url, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "seed": 3})
         (c,) = out["choices"]
         assert c["policy_versions"] == [1] * len(c["token_ids"])
         ids = torch.tensor(prompt + c["token_ids"])
@@ -292,6 +274,3 @@ def test_real_vllm_server_updates_weights_from_a_published_dir_and_matches_train
             ref, _ = shifted_logprobs(new(ids[None])[0], ids, temperature=1.0, with_entropy=False)
         ref = ref[len(prompt):]
         torch.testing.assert_close(torch.tensor(c["logprobs"]["token_logprobs"]), ref.float(), atol=2e-3, rtol=0)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)

@@ -1,0 +1,40 @@
+"""A real vLLM-backed `inference` server for the GPU tests: started like `rl` starts one, stopped with its
+process group, and a plain JSON POST to talk to it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def vllm_server(tmp_path: Path, model_dir: Path, seq_len: int, *extra: str, dtype: str = "float32") -> Iterator[str]:
+    """Yields the base URL of `inference --backend vllm` serving `model_dir` (extra flags appended)."""
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
+                             "--model.name", str(model_dir), "--seq-len", str(seq_len), "--ready-file", str(ready),
+                             "--vllm.enforce-eager", "true", "--vllm.gpu-memory-utilization", "0.3",
+                             "--vllm.dtype", dtype, *extra], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "vLLM server did not start"
+            time.sleep(1)
+        yield ready.read_text().strip()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+def post_json(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
