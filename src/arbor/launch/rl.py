@@ -92,7 +92,7 @@ def write_configs(cfg: RLConfig) -> Path:
 def prepare_run_dir(cfg: RLConfig) -> int:
     """Returns the step the run starts at; clears what a previous attempt left past that step."""
     from arbor.monitor.metrics import all_metrics_paths, truncate_jsonl
-    from arbor.trainer.checkpoint import latest_checkpoint
+    from arbor.run_dir import latest_checkpoint
     from arbor.transport.weights import broadcast_dir, published_steps
 
     out = cfg.output_dir

@@ -112,7 +112,7 @@ class Orchestrator:
         from arbor.orchestrator.client import InferenceClient
         from arbor.orchestrator.state import OrchestratorState, TaskSampler, load_state
         from arbor.orchestrator.weights import WeightSync
-        from arbor.trainer.checkpoint import latest_checkpoint
+        from arbor.run_dir import latest_checkpoint
 
         cfg = self.cfg
         install(cfg.output_dir, "orchestrator")
@@ -180,7 +180,7 @@ class Orchestrator:
         from arbor.monitor.heartbeat import beat
         from arbor.orchestrator.batcher import build_step_batches
         from arbor.orchestrator.state import OrchestratorState, prune_states, save_state
-        from arbor.trainer.checkpoint import latest_checkpoint
+        from arbor.run_dir import latest_checkpoint
         from arbor.transport.files import write_step
 
         cfg = self.cfg

@@ -11,50 +11,15 @@ without paying for torch.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from arbor.run_dir import DONE, checkpoint_dir, completed_checkpoints, latest_checkpoint, trainer_steps  # noqa: F401  (re-exported)
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-DONE = "DONE"
-_STEP = re.compile(r"^step_(\d+)$")
-
-
-def checkpoints_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    """Where the trainer state after `step` optimizer steps lives."""
-    return checkpoints_root(output_dir) / f"step_{step}" / "trainer"
-
-
-def _trainer_steps(output_dir: str | Path) -> list[int]:
-    root = checkpoints_root(output_dir)
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and (p / "trainer").is_dir():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def completed_checkpoints(output_dir: str | Path) -> list[int]:
-    """Steps whose trainer checkpoint is complete (has `DONE`), oldest first."""
-    return [s for s in _trainer_steps(output_dir) if (checkpoint_dir(output_dir, s) / DONE).exists()]
-
-
-def latest_checkpoint(output_dir: str | Path) -> int | None:
-    """The newest step with a complete trainer checkpoint, or None."""
-    steps = completed_checkpoints(output_dir)
-    return steps[-1] if steps else None
-
 
 def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
     """Keeps the `keep` newest complete checkpoints; removes older trainer state (complete or not)."""
@@ -62,7 +27,7 @@ def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
     if len(done) <= keep:
         return
     oldest_kept = done[-keep]
-    for step in _trainer_steps(output_dir):
+    for step in trainer_steps(output_dir):
         if step < oldest_kept:
             shutil.rmtree(checkpoint_dir(output_dir, step), ignore_errors=True)
             step_dir = checkpoint_dir(output_dir, step).parent
