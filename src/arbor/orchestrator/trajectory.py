@@ -25,14 +25,15 @@ inserted ones (logprob 0, policy version -1). So a context edit is a new branch 
 the episode's reward; `n` > 1 choices and parallel calls from one point are sibling turns, one sample each; a
 retried call shares its parent's tokens with the first try.
 
-Departures from the prefix-tree merging of the Forge article (/work/shared/references, 000_*: all samples that
-share a prefix become one tree, computed once): the tree here is a *record*, one per episode or session, and it
-is emitted as flat samples (each chain whole, a shared turn repeated in every sample through it); the trainer
-builds its own tries from token ids across all the samples of a step (arbor.orchestrator.prefix_tree), so
-recording and merged training stay independent and unmerged training stays possible. Nodes are turns, matched
-on the template's exact tokens rather than on text or message equality; a context edit is never spliced onto
-the old branch (no sample ever holds tokens the model did not see), and an edited context is trained as an
-observation of its own, which is how the article brings context management into the RL loop.
+Departures from the Forge article (MiniMax; its "Prefix Tree Merging" and its gateway for black-box agents):
+there, samples that share a prefix are merged into one tree and the tree is what trains. Here the tree is a
+*record*, one per episode or session, emitted as flat samples (a turn shared by two chains is repeated in both);
+merging happens later, across all the samples of a step and from token ids alone (arbor.orchestrator.prefix_tree),
+so the record does not depend on the training layout and unmerged training stays possible. Nodes are matched on
+the template's exact tokens, not on text or message equality. Where the article accepts any context operation of
+an agent, one that does not extend the recorded tokens starts a new root here instead of being reconciled with
+the old branch, so no sample ever holds tokens the model did not see; the edited context is then trained as an
+observation of its own (the article's context management as part of the environment's dynamics).
 
 Public API:
 
@@ -138,7 +139,7 @@ class Trajectory:
         for t in self.turns:
             v = t.view
             if (v is not None and len(full) > len(v) and (best is None or len(v) >= len(best.view))
-                    and full[: len(v)] == v):
+                    and full[len(v) - 1] == v[-1] and full[: len(v)] == v):  # the last token first: cheap
                 best = t
         ids = full if best is None else self._splice(best, full)
         return Prompt(ids, self._longest_prefix(ids), full, list(messages), tools)
@@ -189,7 +190,7 @@ class Trajectory:
         for i, t in enumerate(self.turns):
             n, m = len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids)
             last = t.completion_ids[-1] if t.completion_ids else t.prompt_ids[-1]
-            if (len(ids) > m >= best_len and ids[m - 1] == last  # the last token first: a cheap rejection
+            if (len(ids) > m >= best_len and ids[m - 1] == last  # the last token first: cheap
                     and ids[:n] == t.prompt_ids and ids[n:m] == t.completion_ids):
                 best, best_len = i, m
         return best
