@@ -18,7 +18,7 @@ import pytest
 from arbor.config.orchestrator import GatewayConfig
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.client import Completion
-from arbor.orchestrator.gateway import Gateway, make_render, split_tool_calls
+from arbor.orchestrator.gateway import Gateway, split_tool_calls
 
 TOK = ByteTokenizer()
 AGENT = Path(__file__).resolve().parents[1] / "examples" / "black_box_agent" / "agent.py"
@@ -75,6 +75,12 @@ class Served:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def make_render(tokenizer: Any) -> Callable[[list[dict], list[dict] | None, bool], list[int]]:
+    """The chat template as the gateway applies it: (messages, tools, add_generation_prompt) -> token ids."""
+    return lambda messages, tools, generation: tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation, tools=tools)
 
 
 def _post(url: str, body: bytes | dict, headers: dict[str, str] | None = None, method: str = "POST"):

@@ -1,4 +1,5 @@
-"""Token-exact multi-turn trajectories against the byte template and a real HF chat template; branching."""
+"""Token-exact multi-turn trajectories against the byte template and a real HF chat template; branching; the
+tree of turns (choices, parallel calls, raw-token calls)."""
 
 from __future__ import annotations
 
@@ -164,6 +165,58 @@ def test_no_sample_before_a_completion_and_add_completion_needs_a_prompt():
     traj.prompt_ids([{"role": "user", "content": "a"}])
     traj.prompt_ids([{"role": "user", "content": "b"}])  # never sampled: replaced, not a branch of its own
     assert traj.samples() == [] and traj.num_branches == 1
+
+
+def test_choices_and_parallel_calls_are_siblings_each_its_own_sample():
+    tok = ByteTokenizer()
+    traj = Trajectory(tok)
+    messages = [{"role": "user", "content": "pick"}]
+    p = traj.chat_prompt(messages)
+    a = traj.record(p, _sampled(tok, "left"), {"role": "assistant", "content": "left"})  # n = 2: two choices
+    b = traj.record(p, _sampled(tok, "right"), {"role": "assistant", "content": "right"})
+    assert a.parent is None and b.parent is None and traj.num_branches == 2
+    # the agent goes on from the second choice, twice at once (parallel calls from one point)
+    nxt = messages + [{"role": "assistant", "content": "right"}, {"role": "user", "content": "why"}]
+    q1, q2 = traj.chat_prompt(nxt), traj.chat_prompt(nxt)
+    assert q1.ids == q2.ids and q1.parent == 1 and q1.ids[: len(b.ids)] == b.ids
+    traj.record(q1, _sampled(tok, "because"), {"role": "assistant", "content": "because"})
+    traj.record(q2, _sampled(tok, "dunno"), {"role": "assistant", "content": "dunno"})
+    first, second, third = traj.samples()
+    assert first.prompt_ids == second.prompt_ids == third.prompt_ids == p.ids
+    assert first.completion_ids == a.completion_ids
+    assert second.completion_ids[: len(b.completion_ids)] == b.completion_ids
+    assert sum(second.completion_mask) == len(b.completion_ids) + len(tok.encode("because")) + 1
+    assert traj.num_branches == 3
+
+
+def test_a_turn_cut_at_a_stop_string_extends_with_its_sampled_tokens():
+    """The engine's tokens hold the stop string, its text does not: the sampled tokens stay, the template's end of
+    turn is inserted, and the episode stays one sample."""
+    tok = ByteTokenizer()
+    traj = Trajectory(tok)
+    messages = [{"role": "user", "content": "count"}]
+    p1 = traj.prompt_ids(messages)
+    ids = tok.encode("1 2 STOP")
+    traj.add_completion(Completion(ids, [-0.1] * len(ids), [1] * len(ids), "1 2 ", "stop"))
+    messages += [{"role": "assistant", "content": "1 2 "}, {"role": "user", "content": "more"}]
+    p2 = traj.prompt_ids(messages)
+    assert p2[: len(p1) + len(ids)] == p1 + ids and p2[len(p1) + len(ids)] == tok.eos_token_id
+    traj.add_completion(_sampled(tok, "3"))
+    (s,) = traj.samples()
+    assert s.completion_mask[len(ids)] == 0 and traj.num_branches == 1
+
+
+def test_raw_token_prompts_attach_to_the_longest_turn_they_extend():
+    tok = ByteTokenizer()
+    traj = Trajectory(tok)
+    root = traj.record(traj.token_prompt([1, 2]), _sampled(tok, "a"))
+    child = traj.record(traj.token_prompt(root.ids + [5]), _sampled(tok, "b"))
+    assert child.parent == 0 and traj.token_prompt(child.ids + [6]).parent == 1
+    assert traj.token_prompt(root.ids).parent is None  # a turn's own tokens do not extend it: a sibling
+    with pytest.raises(ValueError, match="differ in length"):
+        traj.record(traj.token_prompt([3]), Completion([1, 2], [0.0], [0, 0], "x", "stop"))
+    (s,) = traj.samples()
+    assert s.completion_mask == [1, 1, 0, 1, 1] and s.policy_versions == [3, 3, -1, 3, 3]
 
 
 def test_tool_schema_from_type_hints_and_docstring():

@@ -1,11 +1,11 @@
 """The multi-turn rollout driver: one episode of a MultiTurnEnvironment, recorded token-exactly.
 
 An episode runs `setup(task)`, then turn after turn: the agent's view of the conversation is (optionally)
-trimmed by the context policy, turned into prompt ids by a `Trajectory` (extending the previous turn's tokens,
-or branching after an edit), completed by `generate` (one sample), and the assistant's text goes to
-`step(task, state, messages)`, whose messages are appended; until the environment says done, `max_turns`
-assistant turns have passed, or the next prompt leaves no room under `seq_len` (the token budget of one sample).
-`score_episode` then scores the full conversation.
+trimmed by the context policy, turned into prompt ids by a `Trajectory` (arbor.orchestrator.trajectory:
+extending the previous turn's tokens, or branching after an edit), completed by `generate` (one sample), and
+the assistant's text goes to `step(task, state, messages)`, whose messages are appended; until the environment
+says done, `max_turns` assistant turns have passed, or the next prompt leaves no room under `seq_len` (the token
+budget of one sample). `score_episode` then scores the full conversation.
 
 `generate` is passed in, with `InferenceClient.generate`'s signature (prompt_ids, n, max_tokens, temperature,
 top_p, seed) -> [Completion]: the driver never talks to the client itself, so a caller can wrap generation
@@ -34,7 +34,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from arbor.config.environment import EnvironmentConfig
-from arbor.environments.base import MultiTurnEnvironment, Task, total_reward
+from arbor.environments.base import MultiTurnEnvironment, Task, env_prompt_ids, total_reward
 from arbor.environments.context import ContextPolicy
 from arbor.environments.guard import EnvFailure, EnvStats, guarded
 from arbor.environments.tools import tool_schema
@@ -101,7 +101,6 @@ async def run_episode(
     max_turns = cfg.max_turns or env.max_turns
     context = ContextPolicy(cfg.context) if cfg.context.strategy != "none" else None
     traj: Trajectory | None = None
-    turn_rewards: list[tuple[int, int, float | None]] = []  # (branch, turn within branch, reward)
     full: list[dict[str, Any]] = []
     turns, finish, failure = 0, "max_turns", None
     try:
@@ -126,13 +125,13 @@ async def run_episode(
             (completion,) = await generate(
                 ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns)
             )
-            traj.add_completion(completion)
+            turn = traj.add_completion(completion)
             turns += 1
             reply = {"role": "assistant", "content": completion.text}
             full.append(reply)
             view.append(reply)
             result = await guarded(f"step of task {tid}", env.step, task, state, full, **policy)
-            turn_rewards.append((traj.num_branches - 1, traj.num_turns - 1, result.reward))
+            turn.reward = result.reward
             full += result.messages
             view += result.messages
             if result.done:
@@ -150,31 +149,15 @@ async def run_episode(
         return []
     if failure is not None:
         stats.failed += 1
-    samples = traj.samples() if traj is not None else []
-    stats.branches += len(samples)
     reward = total_reward(components, cfg.reward_weights) if failure is None else 0.0
-    latency = time.perf_counter() - t0
-    common = dict(reward=reward, score_failed=failure is not None, group_id=group_id, latency=latency,
+    common = dict(score_failed=failure is not None, group_id=group_id, latency=time.perf_counter() - t0,
                   episode_id=episode_id)
-    if not samples:  # failed before anything was generated: an empty rollout keeps the failure in the group
-        from arbor.environments.base import env_prompt_ids
-
-        return [Rollout(tid, env_prompt_ids(env, task, tokenizer), [], [], [], "", finish, components=components,
-                        completion_mask=[], **common)]
-    per_turn = any(r is not None for _, _, r in turn_rewards) and failure is None
-    out = []
-    for b, s in enumerate(samples):
-        rewards = None
-        if per_turn:
-            mine = {t: (r or 0.0) for br, t, r in turn_rewards if br == b}
-            rewards = [(end, mine.get(t, 0.0) + (reward if t == len(s.turns) - 1 else 0.0))
-                       for t, (_, end) in enumerate(s.turns)]
-        out.append(Rollout(
-            tid, s.prompt_ids, s.completion_ids, s.logprobs, s.policy_versions, s.text, s.finish_reason,
-            components=dict(components), routed_experts=s.routed_experts, turn_rewards=rewards,
-            completion_mask=s.completion_mask, **common,
-        ))
-    return out
+    rollouts = [] if traj is None else traj.rollouts(tid, reward, components, per_turn=failure is None, **common)
+    stats.branches += len(rollouts)
+    if not rollouts:  # failed before anything was generated: an empty rollout keeps the failure in the group
+        return [Rollout(tid, env_prompt_ids(env, task, tokenizer), [], [], [], "", finish, reward=reward,
+                        components=components, completion_mask=[], **common)]
+    return rollouts
 
 
 async def run_group_episodes(

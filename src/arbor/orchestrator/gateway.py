@@ -13,15 +13,16 @@ Pull mode (agents on other machines, the black_box environment with `remote = tr
 `{"wait": seconds}` claims the next task as `{"session_id", "base_url", "task", "reward_url"}` (204: none yet);
 the agent runs against `base_url` and POSTs its reward to `reward_url`.
 
-For every call the gateway renders the messages with the chat template itself (tools included), sends token ids
-to the inference fleet (`InferenceClient.generate`: logprobs, per-token policy versions, routed experts), records
-them in the session (arbor.orchestrator.sessions: token-exact extension, branching on edited histories) and
-answers with ordinary OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks
-(the Hermes/Qwen convention, arbor.environments.tools), usage. Streaming is generated whole, then sent as a role chunk, one content chunk,
-a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns token ids only
-for whole completions. Errors: malformed JSON or wrong types 400, bad or missing key 401, unknown session 404,
-closed session 409, body over `max_request_bytes` 413, too many sessions 429, backend failure 502; never a 500
-for client input. There is no global lock: each call awaits its own backend request.
+For every call the gateway renders the messages with the chat template itself (tools included; like AReaL's and
+slime's proxies), sends token ids to the inference fleet (`InferenceClient.generate`: logprobs, per-token policy
+versions, routed experts), records them in the session's trajectory (arbor.orchestrator.trajectory: token-exact
+extension; a history that does not extend a recorded turn branches, never spliced) and answers with ordinary
+OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks (the Hermes/Qwen
+convention, arbor.environments.tools), usage. Streaming is generated whole, then sent as a role chunk, one
+content chunk, a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns
+token ids only for whole completions. Errors: malformed JSON or wrong types 400, bad or missing key 401, unknown
+session 404, closed session 409, body over `max_request_bytes` 413, too many sessions 429, backend failure 502;
+never a 500 for client input. There is no global lock: each call awaits its own backend request.
 
 Departure from OpenAI: sampling follows the run (`override_sampling`), not the agent's temperature, because
 the trainer's importance ratios assume the run's distribution; `n` > 1 records each choice as its own turn.
@@ -30,6 +31,7 @@ the trainer's importance ratios assume the run's distribution; `n` > 1 records e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -43,11 +45,12 @@ from aiohttp import web
 
 from arbor.inference.http import HTTPError, error_middleware, error_response, get_field, read_json_object
 from arbor.orchestrator.client import InferenceError
-from arbor.orchestrator.sessions import Render, Session, Turn, normalize_message
+from arbor.orchestrator.trajectory import Trajectory, Turn
 
 if TYPE_CHECKING:
     from arbor.config.orchestrator import GatewayConfig
     from arbor.orchestrator.client import InferenceClient
+    from arbor.orchestrator.rollout import Rollout
 
 log = logging.getLogger("arbor.orchestrator.gateway")
 
@@ -61,34 +64,37 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise HTTPError(400, f"messages[{i}].content parts must be text parts", "messages")
-            content = "".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        calls = m.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str) for c in calls)):
-            raise HTTPError(400, f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}",
-                            "messages")
-        clean = {"role": m["role"], "content": content or ""}
-        if calls:
-            clean["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
-                for c in calls]
-        for key in ("name", "tool_call_id"):
-            if isinstance(m.get(key), str):
-                clean[key] = m[key]
-        out.append(clean)
-    return out
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """A chat message in the form the template renders: the same for a request's messages and for the reply the
+    gateway gave, so that a reply echoed back renders as the recorded one (arbor.orchestrator.trajectory)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise HTTPError(400, f"messages[{i}].content parts must be text parts", "messages")
+        content = "".join(p["text"] for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+    calls = m.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls)):
+        raise HTTPError(400, f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}",
+                        "messages")
+    clean = {"role": m["role"], "content": content or ""}
+    if calls:
+        clean["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+            "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
+            for c in calls]
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            clean[key] = m[key]
+    return clean
 
 
 def _arguments(args: Any) -> Any:
@@ -128,17 +134,7 @@ def _stop(body: dict[str, Any]) -> list[str] | None:
     return stop
 
 
-# ---- rendering and parsing ----
-
-def make_render(tokenizer: Any) -> Render:
-    """The chat template with tools (arbor.models.tokenizer: a Hugging Face template takes them natively, the
-    byte tokenizer folds them into its system message)."""
-
-    def render(messages: list[dict[str, Any]], tools: list[dict] | None, generation: bool) -> list[int]:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tools=tools)
-
-    return render
-
+# ---- parsing ----
 
 def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.environments.tools) and the text
@@ -153,6 +149,34 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return TOOL_CALL.sub("", text).strip(), out
 
 
+# ---- sessions ----
+
+@dataclasses.dataclass
+class Session:
+    """One agent run: the tree of its model calls (arbor.orchestrator.trajectory), its reward, its state."""
+
+    id: str
+    trajectory: Trajectory
+    task_id: int | str = -1
+    group_id: int = -1
+    closed: bool = False
+    reward: float | None = None
+    components: dict[str, float] = dataclasses.field(default_factory=dict)
+    external: bool = False
+    """Opened over HTTP (POST /v1/sessions) rather than by an environment: served and recorded, not trained on."""
+    pending: int = 0
+    """Calls being generated; a session closed meanwhile still records them (the agent saw their answers)."""
+
+    @property
+    def turns(self) -> list[Turn]:
+        return self.trajectory.turns
+
+    def rollouts(self, episode_id: int = -1) -> list["Rollout"]:
+        """One sample per chain of calls with the session's reward; `episode_id`: its index in its group."""
+        return self.trajectory.rollouts(self.task_id, self.reward or 0.0, self.components, group_id=self.group_id,
+                                        episode_id=episode_id)
+
+
 # ---- the server ----
 
 class Gateway:
@@ -161,7 +185,6 @@ class Gateway:
     def __init__(self, client: "InferenceClient", tokenizer: Any, cfg: "GatewayConfig", *, temperature: float,
                  top_p: float, max_tokens: int, seq_len: int) -> None:
         self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
-        self.render = make_render(tokenizer)
         self.temperature, self.top_p, self.max_tokens, self.seq_len = temperature, top_p, max_tokens, seq_len
         self.sessions: dict[str, Session] = {}
         self._idle: dict[str, asyncio.Event] = {}
@@ -183,7 +206,7 @@ class Gateway:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise HTTPError(409, f"session {sid!r} exists", "id")
-        s = self.sessions[sid] = Session(sid, task_id, group_id)
+        s = self.sessions[sid] = Session(sid, Trajectory(self.tokenizer), task_id, group_id)
         self._idle[sid] = asyncio.Event()
         self._idle[sid].set()
         self._rewarded[sid] = asyncio.Event()
@@ -326,7 +349,7 @@ class Gateway:
     async def show_session(self, request: web.Request) -> web.Response:
         s = self._session(request.match_info["sid"])
         return web.json_response({"id": s.id, "closed": s.closed, "turns": len(s.turns), "reward": s.reward,
-                                  "samples": len(s.rollouts())})
+                                  "samples": s.trajectory.num_branches})
 
     async def reward(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
@@ -396,12 +419,11 @@ class Gateway:
         stream = get_field(body, "stream", (bool,), False)
         include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         try:
-            prompt, parent = s.chat_prompt(messages, tools, self.render, self.tokenizer.eos_token_id)
+            prompt = s.trajectory.chat_prompt(messages, tools)
         except Exception as e:  # a template that rejects these messages is the client's problem
             raise HTTPError(400, f"messages could not be rendered with the chat template: {e}", "messages") from None
-        sampling = self._sampling(body, len(prompt))
-        completions = await self._generate(s, prompt, sampling)
-        norm = [normalize_message(m) for m in messages]
+        sampling = self._sampling(body, len(prompt.ids))
+        completions = await self._generate(s, prompt.ids, sampling)
         choices = []
         for i, c in enumerate(completions):
             content, calls = split_tool_calls(c.text)
@@ -410,10 +432,9 @@ class Gateway:
                 message["tool_calls"] = calls
             finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
-            s.turns.append(Turn(norm, normalize_message(message), prompt, c.token_ids, c.logprobs,
-                                c.policy_versions, c.finish_reason, c.text, parent, c.routed_experts, tools))
+            s.trajectory.record(prompt, c, _message(message, 0))
         self.calls += 1
-        usage = _usage(prompt, completions)
+        usage = _usage(prompt.ids, completions)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not stream:
             return web.json_response({"id": rid, "object": "chat.completion", "created": created,
@@ -449,13 +470,12 @@ class Gateway:
             raise HTTPError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
         stream = get_field(body, "stream", (bool,), False)
         sampling = self._sampling(body, len(prompt))
-        parent = s.completion_prompt(prompt)
+        recorded = s.trajectory.token_prompt(prompt)
         completions = await self._generate(s, prompt, sampling)
         choices = []
         for i, c in enumerate(completions):
             choices.append({"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None})
-            s.turns.append(Turn(None, None, prompt, c.token_ids, c.logprobs, c.policy_versions, c.finish_reason,
-                                c.text, parent, c.routed_experts))
+            s.trajectory.record(recorded, c)
         self.calls += 1
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.cfg.model_name}

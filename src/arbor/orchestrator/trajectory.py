@@ -1,43 +1,55 @@
-"""Token-exact multi-turn records: the prompt of every turn extends the previous prompt plus the sampled tokens.
+"""Token-exact multi-turn records: one tree of model calls per episode or agent session, turned into samples.
 
-Re-tokenising a conversation's text at every turn drifts from what the model sampled (BPE merges across a turn
+Re-tokenising a conversation at every turn drifts from what the model sampled (BPE merges across a turn
 boundary, templates that rewrite past turns, decode/encode round trips), and then the trainer's logprobs are of
-tokens the policy never produced. A `Trajectory` never re-tokenises history. It keeps the current *branch*: the
-token ids the model has seen (first prompt + every later token), and the text those tokens stand for (the
-template's rendering of the first prompt, then the decoded sampled tokens and the inserted deltas). For the next
-turn's messages it renders the whole conversation with the chat template; when the branch's text is a prefix of
-that rendering, only the remaining suffix (the end of the assistant turn when generation stopped early, tool
-results, a user turn, the next generation prompt: "template glue") is tokenised and appended.
+tokens the policy never produced. A `Trajectory` never re-tokenises what was sampled. Every call is a `Turn`
+(its prompt ids, the completion ids, logprobs, policy versions and routed experts the engine returned) in a tree
+keyed by exact token prefixes: a turn's parent is the longest earlier turn whose tokens (prompt + completion)
+its prompt begins with. Both kinds of caller use it: the episode driver of arbor's own multi-turn environments
+(arbor.orchestrator.episode, with context management from arbor.environments.context) and the gateway that
+serves black-box agents (arbor.orchestrator.gateway, arbor.environments.black_box).
 
-When the new rendering does not extend the branch (a context manager or the agent truncated or edited history,
-the template rewrote a past turn, the tools changed), the trajectory *branches*: the current branch is closed as
-one sample and a new one starts from the fresh rendering of the new messages. An episode therefore yields one
-sample per branch; each is trained as a separate sequence (see arbor.orchestrator.episode for rewards).
+A chat call's prompt: the chat template renders the call's messages (`full`). Each turn also keeps its *view*,
+the template's tokens of its own messages followed by the reply it gave. When `full` begins with a turn's view
+(the caller kept that history and echoed that reply; the longest such view wins), the prompt is that turn's
+exact tokens, then the template's tokens after the reply (the end-of-turn glue, tool results, user turns, the
+next generation prompt). The model's sampled tokens stand in for the template's tokens of the reply, which may
+differ (per-character sampling, a tool call the agent echoed back as structured `tool_calls`); a turn cut by
+length or a stop string gets the template's end-of-turn token inserted. When no view matches (the history was
+truncated, summarised or edited, the template rewrote a past turn, the tools changed), the prompt is `full`
+itself: a new root. A raw-token call (/v1/completions) is simply attached to the longest turn it extends.
+
+Samples: one per leaf (a turn no later turn extends), the chain root -> leaf as one sequence: the root's prompt
+is the sample's prompt, the rest its completion, with `completion_mask` 1 on sampled tokens (trained) and 0 on
+inserted ones (logprob 0, policy version -1). So a context edit is a new branch trained as its own sample with
+the episode's reward; `n` > 1 choices and parallel calls from one point are sibling turns, one sample each; a
+retried call shares its parent's tokens with the first try.
+
+Departures from the Forge article (MiniMax; its "Prefix Tree Merging" and its gateway for black-box agents):
+there, samples that share a prefix are merged into one tree and the tree is what trains. Here the tree is a
+*record*, one per episode or session, emitted as flat samples (a turn shared by two chains is repeated in both);
+merging happens later, across all the samples of a step and from token ids alone (arbor.orchestrator.prefix_tree),
+so the record does not depend on the training layout and unmerged training stays possible. Nodes are matched on
+the template's exact tokens, not on text or message equality. Where the article accepts any context operation of
+an agent, one that does not extend the recorded tokens starts a new root here instead of being reconciled with
+the old branch, so no sample ever holds tokens the model did not see; the edited context is then trained as an
+observation of its own (the article's context management as part of the environment's dynamics).
 
 Public API:
 
-    traj = Trajectory(tokenizer, tools=None)     # tools: JSON schemas (arbor.environments.tools.tool_schema)
-    ids = traj.prompt_ids(messages, tools=None)  # the token ids to send for the next turn (tools: override)
-    traj.add_completion(completion)              # an arbor.orchestrator.client.Completion sampled from `ids`
-    traj.samples() -> list[Sample]               # the closed branches plus the open one (if it sampled anything)
-    traj.num_branches, traj.num_turns            # branches so far; sampled turns of the open branch
-    traj.num_tokens                              # tokens of the open branch, including a pending delta
+    traj = Trajectory(tokenizer, tools=None)       # tools: JSON schemas (arbor.environments.tools.tool_schema)
+    p = traj.chat_prompt(messages, tools=None)     # a Prompt: .ids to send, .parent in the tree
+    p = traj.token_prompt(ids)                     # a raw-token call
+    turn = traj.record(p, completion, reply=None)  # one engine Completion sampled from p.ids; reply: the
+                                                   # assistant message the caller will echo (chat calls)
+    traj.prompt_ids(messages) / traj.add_completion(completion)   # the same for one caller turn after turn,
+                                                   # the reply being {"role": "assistant", "content": text}
+    traj.samples() -> list[Sample]; traj.rollouts(task_id, reward, components, ...) -> list[Rollout]
+    traj.turns, traj.num_branches
 
-A `Sample` holds `prompt_ids` (the branch's first prompt), `completion_ids` (everything after it),
-`completion_mask` (1 = sampled by the policy and trained; 0 = inserted by the environment or the template),
-`logprobs` (0.0 on mask-0 tokens), `policy_versions` (-1 on mask-0 tokens), `routed_experts` (the last
-completion's array, which covers the whole branch since its prompt is the branch so far; None if absent),
-`turns` ((start, end) offsets into completion_ids of each sampled turn: the per-turn boundaries that
-`Rollout.turn_rewards` uses), `finish_reason` (of the last turn), and `text` (the completion part as text).
-
-Contract for callers: append the assistant's turn as `{"role": "assistant", "content": completion.text}` (the
-engine's text, the tool-call markup included). Appending a re-serialised structured `tool_calls` form instead
-is allowed but usually renders differently from the sampled text and then branches every turn. A template
-that drops past reasoning (Qwen3's `<think>` stripping before the last user turn) branches at such turns; that
-is exact, only less mergeable. Likewise a completion whose text was cut at a stop string (the tokens hold the
-stop string, the text does not) branches at the next turn, and a tokenizer whose decode does not reproduce its
-template's text (some SentencePiece prefix-space rules) branches every turn: exact, never merged. Byte-level
-BPE tokenizers (Qwen, Llama 3) and the byte tokenizer round-trip.
+Caller contract for episodes: append the assistant's turn as `{"role": "assistant", "content": completion.text}`.
+Anything else that renders differently branches (exact, only less mergeable). A template that drops past
+reasoning (Qwen3's `<think>` stripping before the last user turn) branches at such turns, for the same reason.
 """
 
 from __future__ import annotations
@@ -46,119 +58,213 @@ import dataclasses
 from typing import Any
 
 from arbor.models.tokenizer import Tokenizer
+from arbor.orchestrator.rollout import Rollout
+
+
+@dataclasses.dataclass
+class Prompt:
+    """The ids to send for one call and where its turn will hang in the tree."""
+
+    ids: list[int]
+    parent: int | None
+    template: list[int] | None = None
+    """The chat template's tokens of `messages` with the generation prompt (None: a raw-token call)."""
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict] | None = None
+
+
+@dataclasses.dataclass
+class Turn:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: str
+    text: str
+    parent: int | None
+    """Index of the turn whose exact tokens this turn's prompt begins with, None for a root."""
+    routed_experts: Any = None
+    """The engine's routes for prompt + completion: they cover the whole chain up to this turn."""
+    view: list[int] | None = None
+    """The template's tokens of this turn's messages and its reply (None: not extendable by a chat call)."""
+    reply_at: int = 0
+    """Where the reply starts in `view`."""
+    reward: float | None = None
+    """The environment's own reward for this turn (StepResult.reward), if any."""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
 
 
 @dataclasses.dataclass
 class Sample:
+    """One chain root -> leaf as a training sequence."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_mask: list[int]
     logprobs: list[float]
     policy_versions: list[int]
     turns: list[tuple[int, int]]
+    """(start, end) offsets into completion_ids of each sampled turn."""
     finish_reason: str
     text: str
+    """The completion as text (sampled and inserted tokens, special tokens included)."""
     routed_experts: Any = None
+    """The leaf's routes: its prompt is the whole chain, so they cover every token."""
+    rewards: list[float | None] = dataclasses.field(default_factory=list)
+    """Each turn's own reward, None where the environment gave none."""
 
     @property
     def turn_ends(self) -> list[int]:
         return [end for _, end in self.turns]
 
 
-@dataclasses.dataclass
-class _Branch:
-    prompt: list[int]
-    text: str
-    completion: list[int] = dataclasses.field(default_factory=list)
-    mask: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    turns: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    completion_text: str = ""
-    pending: list[int] = dataclasses.field(default_factory=list)
-    pending_text: str = ""
-    finish_reason: str = ""
-    routes: Any = None
-
-    def sample(self) -> Sample:
-        return Sample(
-            list(self.prompt), list(self.completion), list(self.mask), list(self.logprobs), list(self.versions),
-            list(self.turns), self.finish_reason, self.completion_text, self.routes,
-        )
-
-
 class Trajectory:
     def __init__(self, tokenizer: Tokenizer, tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
-        self._closed: list[_Branch] = []
-        self._branch: _Branch | None = None
+        self.turns: list[Turn] = []
+        self._pending: Prompt | None = None
 
-    @property
-    def num_branches(self) -> int:
-        return len(self._closed) + (self._branch is not None)
+    # -- the tree --
 
-    @property
-    def num_turns(self) -> int:
-        """Sampled turns of the open branch."""
-        return 0 if self._branch is None else len(self._branch.turns)
-
-    @property
-    def num_tokens(self) -> int:
-        b = self._branch
-        return 0 if b is None else len(b.prompt) + len(b.completion) + len(b.pending)
-
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the conversation `messages` ending in the generation prompt: the open branch extended
-        by the new suffix when possible, else a new branch."""
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> Prompt:
+        """The prompt of a chat call: the turn whose view `messages` extend, continued token-exactly, or the
+        template's rendering of `messages` as a new root (see the module docstring)."""
         tools = tools if tools is not None else self.tools
-        rendered = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
-        b = self._branch
-        if b is not None and b.turns and rendered.startswith(b.text):
-            b.pending_text = rendered[len(b.text):]
-            b.pending = self.tokenizer.encode_rendered(b.pending_text)
-            return b.prompt + b.completion + b.pending
-        if b is not None and b.turns:  # history was rewritten: close the branch as a sample of its own
-            self._closed.append(b)
-        # A branch that never sampled (prompt_ids called twice in a row) is simply replaced.
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        self._branch = _Branch(ids, rendered)
-        return list(self._branch.prompt)
+        full = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        best: Turn | None = None
+        for t in self.turns:
+            v = t.view
+            if (v is not None and len(full) > len(v) and (best is None or len(v) >= len(best.view))
+                    and full[len(v) - 1] == v[-1] and full[: len(v)] == v):  # the last token first: cheap
+                best = t
+        ids = full if best is None else self._splice(best, full)
+        return Prompt(ids, self._longest_prefix(ids), full, list(messages), tools)
 
-    def add_completion(self, completion: Any) -> None:
-        """Records the tokens sampled from the last `prompt_ids` (mask 1, their logprobs and versions)."""
-        b = self._branch
-        if b is None:
-            raise RuntimeError("add_completion before prompt_ids: there is no prompt to complete")
+    def token_prompt(self, ids: list[int]) -> Prompt:
+        """A raw-token call: its ids as given, under the longest turn they extend."""
+        return Prompt(list(ids), self._longest_prefix(ids))
+
+    def record(self, prompt: Prompt, completion: Any, reply: dict[str, Any] | None = None) -> Turn:
+        """Adds the turn of one engine completion sampled from `prompt.ids`. `reply` is the assistant message
+        the caller will append to its history (a chat call); it makes the turn extendable by later chat calls."""
         ids = list(completion.token_ids)
         if not (len(ids) == len(completion.logprobs) == len(completion.policy_versions)):
             raise ValueError("completion token_ids, logprobs and policy_versions differ in length")
-        n = len(b.pending)
-        b.completion += b.pending
-        b.mask += [0] * n
-        b.logprobs += [0.0] * n
-        b.versions += [-1] * n
-        b.text += b.pending_text
-        b.completion_text += b.pending_text
-        b.pending, b.pending_text = [], ""
-        start = len(b.completion)
-        b.completion += ids
-        b.mask += [1] * len(ids)
-        b.logprobs += [float(x) for x in completion.logprobs]
-        b.versions += [int(v) for v in completion.policy_versions]
-        b.turns.append((start, len(b.completion)))
-        sampled_text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        b.text += sampled_text
-        b.completion_text += sampled_text
-        b.finish_reason = completion.finish_reason
         routes = getattr(completion, "routed_experts", None)
-        if routes is not None and routes.shape[0] != len(b.prompt) + len(b.completion):
+        if routes is not None and routes.shape[0] != len(prompt.ids) + len(ids):
             raise ValueError(
-                f"routed_experts covers {routes.shape[0]} tokens, the branch has {len(b.prompt) + len(b.completion)}"
+                f"routed_experts covers {routes.shape[0]} tokens, the turn has {len(prompt.ids) + len(ids)}"
             )
-        b.routes = routes
+        view, reply_at = None, 0
+        if prompt.template is not None and reply is not None:
+            rendered = self.tokenizer.apply_chat_template(
+                prompt.messages + [reply], add_generation_prompt=False, tools=prompt.tools
+            )
+            if rendered[: len(prompt.template)] == prompt.template:  # else the reply cannot be located: a leaf
+                view, reply_at = rendered, len(prompt.template)
+        turn = Turn(
+            list(prompt.ids), ids, [float(x) for x in completion.logprobs],
+            [int(v) for v in completion.policy_versions], completion.finish_reason, completion.text, prompt.parent,
+            routes, view, reply_at,
+        )
+        self.turns.append(turn)
+        return turn
+
+    def _splice(self, t: Turn, full: list[int]) -> list[int]:
+        """t's exact tokens, then the template's tokens after t's reply (which full begins with)."""
+        eos = self.tokenizer.eos_token_id
+        reply = t.view[t.reply_at:]
+        end = len(reply) - 1 - reply[::-1].index(eos) if eos in reply else len(reply)
+        ids = t.prompt_ids + t.completion_ids
+        if not t.completion_ids or t.completion_ids[-1] != eos:
+            ids += reply[end:end + 1]  # cut by length or a stop string: close the turn as the template does
+        return ids + reply[end + 1:] + full[len(t.view):]
+
+    def _longest_prefix(self, ids: list[int]) -> int | None:
+        """The latest of the longest turns whose exact tokens `ids` properly extends."""
+        best, best_len = None, -1
+        for i, t in enumerate(self.turns):
+            n, m = len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids)
+            last = t.completion_ids[-1] if t.completion_ids else t.prompt_ids[-1]
+            if (len(ids) > m >= best_len and ids[m - 1] == last  # the last token first: cheap
+                    and ids[:n] == t.prompt_ids and ids[n:m] == t.completion_ids):
+                best, best_len = i, m
+        return best
+
+    # -- one caller, turn after turn (the episode driver) --
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        """The token ids to send for the next turn; a second call before `add_completion` replaces the first."""
+        self._pending = self.chat_prompt(messages, tools)
+        return list(self._pending.ids)
+
+    def add_completion(self, completion: Any) -> Turn:
+        """Records the completion sampled from the last `prompt_ids`; the caller appends its text as the reply."""
+        if self._pending is None:
+            raise RuntimeError("add_completion before prompt_ids: there is no prompt to complete")
+        prompt, self._pending = self._pending, None
+        return self.record(prompt, completion, {"role": "assistant", "content": completion.text})
+
+    @property
+    def num_branches(self) -> int:
+        """Samples so far, counting the one a pending prompt opens (a new root, or a fork off an inner turn)."""
+        leaves = self._leaves()
+        p = self._pending
+        return len(leaves) + (p is not None and (p.parent is None or p.parent not in leaves))
+
+    # -- samples --
+
+    def _leaves(self) -> list[int]:
+        parents = {t.parent for t in self.turns if t.parent is not None}
+        return [i for i in range(len(self.turns)) if i not in parents]
 
     def samples(self) -> list[Sample]:
-        """One sample per branch that sampled at least one turn, oldest first (the record is left as it is)."""
-        branches = self._closed + ([self._branch] if self._branch is not None and self._branch.turns else [])
-        return [b.sample() for b in branches]
+        """One sample per leaf, in the order the leaves were recorded (the record is left as it is)."""
+        return [self._sample(i) for i in self._leaves()]
+
+    def _sample(self, leaf: int) -> Sample:
+        chain = [self.turns[leaf]]
+        while chain[-1].parent is not None:
+            chain.append(self.turns[chain[-1].parent])
+        chain.reverse()
+        root = chain[0]
+        s = Sample(list(root.prompt_ids), [], [], [], [], [], chain[-1].finish_reason, "", chain[-1].routed_experts)
+        for t in chain:
+            injected = t.prompt_ids[len(root.prompt_ids) + len(s.completion_ids):]
+            s.completion_ids += injected
+            s.completion_mask += [0] * len(injected)
+            s.logprobs += [0.0] * len(injected)
+            s.policy_versions += [-1] * len(injected)  # inserted tokens: no policy sampled them
+            start = len(s.completion_ids)
+            s.completion_ids += t.completion_ids
+            s.completion_mask += [1] * len(t.completion_ids)
+            s.logprobs += t.logprobs
+            s.policy_versions += t.policy_versions
+            s.turns.append((start, len(s.completion_ids)))
+            s.rewards.append(t.reward)
+        s.text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=False)
+        return s
+
+    def rollouts(self, task_id: int | str, reward: float, components: dict[str, float], *, per_turn: bool = False,
+                 **fields: Any) -> list[Rollout]:
+        """One Rollout per sample, each with the episode's reward and components (`fields`: group_id, episode_id,
+        latency, score_failed...). With `per_turn` and any turn rewarded by the environment, each carries
+        `turn_rewards`: its turns' own rewards, plus the episode's reward on its last turn."""
+        per_turn = per_turn and any(t.reward is not None for t in self.turns)
+        out = []
+        for s in self.samples():
+            rewards = None
+            if per_turn:
+                last = len(s.turns) - 1
+                rewards = [(end, (r or 0.0) + (reward if k == last else 0.0))
+                           for k, ((_, end), r) in enumerate(zip(s.turns, s.rewards))]
+            out.append(Rollout(
+                task_id, s.prompt_ids, s.completion_ids, s.logprobs, s.policy_versions, s.text, s.finish_reason,
+                reward=reward, components=dict(components), routed_experts=s.routed_experts, turn_rewards=rewards,
+                completion_mask=s.completion_mask, **fields,
+            ))
+        return out
