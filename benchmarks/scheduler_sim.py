@@ -70,7 +70,7 @@ import numpy as np
 from arbor.orchestrator.scheduler import RolloutQueue
 
 DIFFICULTIES = ("easy", "normal", "hard")
-MIN_FINISHED, RECENT = 8, 1024  # the orchestrator's straggler rule: arbor.orchestrator.main.STRAGGLER_*
+MIN_FINISHED, RECENT = 8, 1024  # the orchestrator's straggler rule: arbor.orchestrator.parking.STRAGGLER_*
 
 
 def sample_task(rng: random.Random, mix: list[float], a: argparse.Namespace) -> tuple[int, float]:
