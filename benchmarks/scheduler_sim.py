@@ -21,7 +21,7 @@ the total-variation distance between the difficulty mix of everything trained an
 Target: windowed FIFO keeps >= 80% of greedy's throughput with <= 1/3 of greedy's mix shift.
 
 The straggler rule is on for the modes with a head that can block (async = strict FIFO, windowed FIFO), and is
-the orchestrator's exact rule (arbor.orchestrator.main, `[orchestrator.partial]`): when the loop collecting a
+the orchestrator's exact rule (arbor.orchestrator.parking, `[orchestrator.partial]`): when the loop collecting a
 step is about to wait (nothing in the window is ready), a rollout inside the window [H, H+W) that has run longer
 than `straggler_factor` times the median duration of the last 1024 finished rollouts (none before 8 have
 finished) leaves its position, so the head advances. With `straggler_action = "retry"` (the default here) it is
