@@ -213,7 +213,7 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
                 continue
             durations.append(t - running.pop(pos)[2])
             q.finish(pos, (d, v))
-        while t >= gate() and len(train_done) < a.steps:  # the loop collecting a step (arbor's _collect_groups)
+        while t >= gate() and len(train_done) < a.steps:  # the loop collecting a step (arbor's StepAssembler.collect)
             taken = q.take(a.batch - len(batch))
             for _, (d, v) in taken:
                 if len(train_done) - v > a.max_off_policy:  # too stale for the step being filled: wasted
