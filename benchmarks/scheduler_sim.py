@@ -21,7 +21,7 @@ the total-variation distance between the difficulty mix of everything trained an
 Target: windowed FIFO keeps >= 80% of greedy's throughput with <= 1/3 of greedy's mix shift.
 
 The straggler rule is on for the modes with a head that can block (async = strict FIFO, windowed FIFO), and is
-the orchestrator's exact rule (arbor.orchestrator.main, `[orchestrator.partial]`): when the loop collecting a
+the orchestrator's exact rule (arbor.orchestrator.parking, `[orchestrator.partial]`): when the loop collecting a
 step is about to wait (nothing in the window is ready), a rollout inside the window [H, H+W) that has run longer
 than `straggler_factor` times the median duration of the last 1024 finished rollouts (none before 8 have
 finished) leaves its position, so the head advances. With `straggler_action = "retry"` (the default here) it is
@@ -70,7 +70,7 @@ import numpy as np
 from arbor.orchestrator.scheduler import RolloutQueue
 
 DIFFICULTIES = ("easy", "normal", "hard")
-MIN_FINISHED, RECENT = 8, 1024  # the orchestrator's straggler rule: arbor.orchestrator.main.STRAGGLER_*
+MIN_FINISHED, RECENT = 8, 1024  # the orchestrator's straggler rule: arbor.orchestrator.parking.STRAGGLER_*
 
 
 def sample_task(rng: random.Random, mix: list[float], a: argparse.Namespace) -> tuple[int, float]:
@@ -213,7 +213,7 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
                 continue
             durations.append(t - running.pop(pos)[2])
             q.finish(pos, (d, v))
-        while t >= gate() and len(train_done) < a.steps:  # the loop collecting a step (arbor's _collect_groups)
+        while t >= gate() and len(train_done) < a.steps:  # the loop collecting a step (arbor's StepAssembler.collect)
             taken = q.take(a.batch - len(batch))
             for _, (d, v) in taken:
                 if len(train_done) - v > a.max_off_policy:  # too stale for the step being filled: wasted

@@ -196,7 +196,7 @@ def _orchestrator(**over: Any):
     cfg = OrchestratorConfig.model_validate({"model": {"name": "qwen3-test"}, "batch_size": 4, "group_size": 2,
                                              "sampling": {"max_tokens": 8}, **over})
     orch = Orchestrator(cfg)
-    orch.sampler = TaskSampler(orch.tasks, 0, 0, 0)
+    orch.source.sampler = TaskSampler(orch.source.tasks, 0, 0, 0)
     return orch
 
 
@@ -214,19 +214,19 @@ def test_oversampling_cancels_or_parks_the_surplus(partial: bool) -> None:
     weights = types.SimpleNamespace(loaded_version=0)
 
     async def go():
-        first = await orch._collect_groups(0, fleet, weights)
-        figures0 = orch._partial_figures(first)
+        first = await orch.assembler.collect(0, fleet, weights)
+        figures0 = orch.figures.partial(first)
         await asyncio.sleep(0.05)
         fleet.slow = {_seed(orch, 1, 0), _seed(orch, 1, 1)}  # step 1's new groups straggle: the resumed win
-        second = await orch._collect_groups(1, fleet, weights)
-        return first, figures0, second, orch._partial_figures(second)
+        second = await orch.assembler.collect(1, fleet, weights)
+        return first, figures0, second, orch.figures.partial(second)
 
     first, f0, second, f1 = asyncio.run(go())
     assert len(first) == len(second) == 2 and all(len(r.completion_ids) == 3 for g in first for r in g)
     if not partial:
         assert f0["partial/cancelled"] == 2 and f0["partial/parked"] == 0
         assert not any(r.pieces > 1 for g in second for r in g)
-        assert not orch._flights  # nothing left running after a cancel
+        assert not orch.pool.flights  # nothing left running after a cancel
         assert f1["partial/cancelled"] == 2
     else:  # parked at step 0, resumed first at step 1: one token from the first piece, the rest from the second
         assert f0["partial/parked"] == 2 and f0["partial/aborted"] == 2 and f0["partial/cancelled"] == 0
@@ -245,7 +245,7 @@ def test_windowed_fifo_head_advances_past_an_aborted_straggler() -> None:
                          partial={"enabled": True, "straggler_factor": 2.0})
     fleet = ScriptedFleet()
     fleet.slow = {_seed(orch, 0, 0)}
-    orch._durations.extend([0.01] * 8)  # the rule is armed: a straggler is a group running over 0.02 s
+    orch.pool.parking.durations.extend([0.01] * 8)  # the rule is armed: a straggler is a group running over 0.02s
     weights = types.SimpleNamespace(loaded_version=0)
 
     async def go():
@@ -253,17 +253,17 @@ def test_windowed_fifo_head_advances_past_an_aborted_straggler() -> None:
         batches = []
         for step in range(3):
             weights.loaded_version = fleet.version = step  # the trainer keeps up: version = step
-            batches.append(await orch._collect_groups(step, fleet, weights))
+            batches.append(await orch.assembler.collect(step, fleet, weights))
         return batches, time.monotonic() - t0
 
     batches, seconds = asyncio.run(go())
     ids = [[g[0].group_id for g in b] for b in batches]
     assert ids[0] == [1, 2] and seconds < 10, ids  # the head moved past group 0 instead of waiting for it
-    assert orch.partial_counts["moved"] == 1 and len(fleet.aborted) == 1, ids
+    assert orch.counts.partial["moved"] == 1 and len(fleet.aborted) == 1, ids
     (late,) = [g for b in batches for g in b if g[0].group_id == 0]
     assert all(r.pieces == 2 and r.completion_ids == [70, 65, 66, 67] for r in late)
     # its first token is from version 0, the continuation from whatever the fleet served when it ran; within bound
-    assert late[0].policy_versions[0] == 0 and orch.dropped_stale == 0
+    assert late[0].policy_versions[0] == 0 and orch.counts.dropped_stale == 0
 
 
 @pytest.mark.parametrize("max_resumes", [1, 0])
@@ -277,23 +277,23 @@ def test_straggler_retry_relaunches_its_task_as_a_new_group(max_resumes: int) ->
                                   "max_resumes": max_resumes})
     fleet = ScriptedFleet()
     fleet.slow = {_seed(orch, 0, 0)}
-    orch._durations.extend([0.01] * 8)
+    orch.pool.parking.durations.extend([0.01] * 8)
     weights = types.SimpleNamespace(loaded_version=0)
     task_of: dict[int, Any] = {}
-    next_spec = orch._next_spec
+    next_spec = orch.source.next_spec
 
     def recording(step: int, k: int):
         spec = next_spec(step, k)
         task_of[spec.group_id] = spec.task
         return spec
 
-    orch._next_spec = recording
+    orch.source.next_spec = recording
 
     async def go():
         batches = []
         for step in range(3):
             weights.loaded_version = fleet.version = step
-            batches.append(await orch._collect_groups(step, fleet, weights))
+            batches.append(await orch.assembler.collect(step, fleet, weights))
         await asyncio.sleep(0.01)  # let the cancelled group's callbacks run
         return batches
 
@@ -304,12 +304,12 @@ def test_straggler_retry_relaunches_its_task_as_a_new_group(max_resumes: int) ->
     assert all(r.pieces == 1 and r.completion_ids == [65, 66, 67] for g in groups for r in g)  # nothing resumed
     retried = [g for g in groups if task_of[g[0].group_id] is task_of[0]]
     if max_resumes:
-        assert orch.partial_counts["retried"] == 1 and orch.partial_counts["given_up"] == 0
+        assert orch.counts.partial["retried"] == 1 and orch.counts.partial["given_up"] == 0
         (late,) = retried
         assert late[0].group_id > 2 and all(r.policy_versions == [late[0].policy_versions[0]] * 3 for r in late)
     else:
-        assert orch.partial_counts["given_up"] == 1 and orch.partial_counts["retried"] == 0 and not retried
-    assert orch.partial_counts["moved"] == 0 and orch.dropped_stale == 0 and 0 not in orch._flights
+        assert orch.counts.partial["given_up"] == 1 and orch.counts.partial["retried"] == 0 and not retried
+    assert orch.counts.partial["moved"] == 0 and orch.counts.dropped_stale == 0 and 0 not in orch.pool.flights
 
 
 @pytest.mark.parametrize("mode, launched", [("greedy", 6), ("windowed_fifo", 4)])
@@ -320,8 +320,8 @@ def test_windowed_fifo_admission_keeps_the_window_slack(mode: str, launched: int
     orch = _orchestrator(scheduler={"mode": mode, "max_in_flight": 20})
     fleet = ScriptedFleet()
     weights = types.SimpleNamespace(loaded_version=0)
-    assert len(asyncio.run(orch._collect_groups(0, fleet, weights))) == 2
-    assert orch.groups_launched == launched
+    assert len(asyncio.run(orch.assembler.collect(0, fleet, weights))) == 2
+    assert orch.source.groups_launched == launched
 
 
 def test_vllm_proxy_abort_hangs_up_upstream_and_answers_partial_output() -> None:
@@ -425,21 +425,22 @@ def test_resume_relaunches_tasks_that_were_in_flight(tmp_path: Path) -> None:
     fleet.slow = {_seed(orch, 0, k) for k in (2, 4)}  # two groups never finish before the "crash"
     weights = types.SimpleNamespace(loaded_version=0)
     async def step0() -> list[int]:
-        await orch._collect_groups(0, fleet, weights)
-        return orch._pending_tasks()  # as _step saves it, while the groups still run
+        await orch.assembler.collect(0, fleet, weights)
+        return orch.source.pending()  # as _step saves it, while the groups still run
 
     pending = asyncio.run(step0())
-    assert len(pending) == orch.groups_launched - 2 and len(pending) >= 2
-    save_state(tmp_path, OrchestratorState(1, orch.sampler.epoch, orch.sampler.position, None, pending))
+    assert len(pending) == orch.source.groups_launched - 2 and len(pending) >= 2
+    sampler = orch.source.sampler
+    save_state(tmp_path, OrchestratorState(1, sampler.epoch, sampler.position, None, pending))
     state = load_state(tmp_path, 1)
     resumed = _orchestrator(scheduler={"mode": "windowed_fifo", "max_in_flight": 5})
     from arbor.orchestrator.state import TaskSampler
 
-    resumed.sampler = TaskSampler(resumed.tasks, 0, state.epoch, state.position)
-    resumed._relaunch.extend(resumed.tasks[i] for i in state.pending)
-    first = [resumed.tasks.index(resumed._next_spec(1, k).task) for k in range(len(pending) + 1)]
+    resumed.source.sampler = TaskSampler(resumed.source.tasks, 0, state.epoch, state.position)
+    resumed.source.relaunch.extend(resumed.source.tasks[i] for i in state.pending)
+    first = [resumed.source.tasks.index(resumed.source.next_spec(1, k).task) for k in range(len(pending) + 1)]
     assert first[:-1] == pending
-    assert resumed.tasks[first[-1]] == orch.sampler.next()  # then the dataset goes on from the saved position
+    assert resumed.source.tasks[first[-1]] == sampler.next()  # then the dataset goes on from the saved position
 
 
 def test_partial_rollouts_are_refused_for_black_box_agents():

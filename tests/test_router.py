@@ -289,7 +289,7 @@ def test_orchestrator_drops_groups_whose_in_flight_tokens_are_too_old() -> None:
     cfg = OrchestratorConfig.model_validate({"model": {"name": "qwen3-test"}, "batch_size": 4, "group_size": 2,
                                              "max_off_policy_steps": 2, "max_concurrent_groups": 1})
     orch = Orchestrator(cfg)
-    orch.sampler = TaskSampler(orch.tasks, 0, 0, 0)
+    orch.source.sampler = TaskSampler(orch.source.tasks, 0, 0, 0)
     versions = iter([[2, 2, 5], [3, 4, 5], [3, 3, 3], [5, 5, 5]])  # group 1 straddles 2 -> 5: too old
 
     class Client:
@@ -298,9 +298,9 @@ def test_orchestrator_drops_groups_whose_in_flight_tokens_are_too_old() -> None:
             return [Completion([65, 66, 67], [-0.1] * 3, v, "abc", "length") for _ in range(n)]
 
     fleet = types.SimpleNamespace(loaded_version=5)  # the weight sync: the fleet serves version 5
-    groups = asyncio.run(orch._collect_groups(5, Client(), fleet))
+    groups = asyncio.run(orch.assembler.collect(5, Client(), fleet))
     assert [g[0].policy_versions for g in groups] == [[3, 4, 5], [3, 3, 3]]
-    assert orch.dropped_stale == 2
+    assert orch.counts.dropped_stale == 2
 
 
 def test_client_sends_the_cache_salt_and_admin_calls_to_admin_urls() -> None:

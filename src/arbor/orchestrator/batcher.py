@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from arbor.models.attention import position_ids_for
+from arbor.orchestrator.prefix_tree import merged_rank_rows
 from arbor.orchestrator.rollout import Rollout
 from arbor.transport.batch import MicroBatch, StepBatch
 
@@ -118,8 +119,6 @@ def build_step_batches(
     samples = [sample_arrays(r, w) for r, w in zip(rollouts, loss_weights(rollouts, normalization))]
     lengths = [len(s["input_ids"]) for s in samples]
     if prefix_merge:
-        from arbor.orchestrator.prefix_tree import merged_rank_rows
-
         per_rank = merged_rank_rows(samples, ranks, micro_batch_tokens)
     else:
         per_rank = [

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 import zlib
 from typing import Callable
 
@@ -129,8 +130,6 @@ class PartialRollouts:
 
     def __init__(self, client: InferenceClient, decode: Callable[[list[int]], str] | None = None,
                  run_id: str | None = None) -> None:
-        import uuid
-
         self.client, self.decode = client, decode
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.handles: dict[int | str, GroupHandle] = {}

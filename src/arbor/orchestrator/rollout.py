@@ -106,7 +106,7 @@ async def generate_group(
     generate = generate or client.generate
     env_cfg = env_cfg or EnvironmentConfig(reward_weights=reward_weights, timeout=score_timeout, retries=0)
     if is_multi_turn(env):
-        from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes
+        from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes  # episode imports Rollout
 
         if tokenizer is None or seq_len is None:
             raise ValueError("a multi-turn environment needs generate_group(..., tokenizer=, seq_len=)")

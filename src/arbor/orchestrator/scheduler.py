@@ -20,8 +20,8 @@ one step's groups launched when the step starts, as the walking skeleton did):
   the window's waits never turn into stale drops (which would skew the batch mix toward easy, fast tasks).
 Every mode drops (and counts) a group with a token older than max_off_policy_steps when it is taken.
 Oversampling (per-step modes) and partial rollouts (aborting stragglers out of the window) are applied by the
-orchestrator's loop (arbor.orchestrator.main) on top of this queue: a moved group is `discard`ed at its old
-position and `launch`ed again at the tail.
+generation pool (arbor.orchestrator.generation, arbor.orchestrator.parking) on top of this queue: a moved group
+is `discard`ed at its old position and `launch`ed again at the tail.
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""The step assembler: a step's groups, from the generation pool (and the experience buffer) to the batch.
+
+`collect` admits groups as the mode allows (arbor.orchestrator.generation), takes finished ones from the queue
+and keeps `batch_size / group_size` of them; a dropped group is replaced by a newly launched one, so a batch is
+always full. Each taken group, in order: an empty one (every rollout skipped after environment failures) is
+dropped as `env_skipped`; one with a token older than `max_off_policy_steps` is dropped as stale (counted in
+rollouts); otherwise its advantages are computed (group-relative), its solve rate goes to the curriculum, and
+the filters (zero advantage, solve-rate band) may drop it. More than 50 x need groups in a row filtered at a
+step with nothing kept fails the run with the reason (a filter or an environment that can never pass).
+
+With the experience buffer (`[orchestrator.buffer]`) the step's new groups are written to it and the batch is
+claimed from it (which may include groups left from before a restart). Train-only (`buffer.train_only`)
+generates nothing: every batch is claimed from the buffer. A resumed run first returns to the buffer the
+claims of steps its crash lost (or all claims, with `buffer.reuse`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from arbor.config.orchestrator import OrchestratorConfig
+from arbor.orchestrator.advantages import compute_advantages
+from arbor.orchestrator.buffer import ExperienceBuffer
+from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.counts import Counts
+from arbor.orchestrator.filters import filter_reason, solve_rate
+from arbor.orchestrator.generation import GenerationPool
+from arbor.orchestrator.rollout import Rollout
+from arbor.orchestrator.scheduler import SchedulePolicy
+from arbor.orchestrator.tasks import TaskSource
+from arbor.orchestrator.weights import WeightSync
+
+log = logging.getLogger("arbor.orchestrator")
+
+Group = list[Rollout]
+
+
+def open_buffer(cfg: OrchestratorConfig, start: int) -> ExperienceBuffer | None:
+    """The experience buffer when configured, with the claims a resume at `start` must redo released."""
+    if not (cfg.buffer.enabled or cfg.buffer.train_only):
+        return None
+    buffer = ExperienceBuffer(cfg.buffer.path or cfg.output_dir / "buffer.sqlite")
+    if cfg.buffer.reuse:
+        buffer.release(0)
+    elif start:
+        released = buffer.release(start)  # claims whose training the crash lost
+        log.info("buffer: %d rollouts claimed for steps >= %d returned to the buffer", released, start)
+    return buffer
+
+
+class StepAssembler:
+    """A step's kept groups (see the module docstring)."""
+
+    def __init__(self, cfg: OrchestratorConfig, policy: SchedulePolicy, pool: GenerationPool, source: TaskSource,
+                 counts: Counts) -> None:
+        self.cfg, self.policy, self.pool, self.source, self.counts = cfg, policy, pool, source, counts
+        self.need = cfg.batch_size // cfg.group_size
+        self._filtered_here = 0  # groups dropped by filters or environment skips in this step's collection
+
+    async def collect(self, step: int, client: InferenceClient, weights: WeightSync) -> list[Group]:
+        """Takes a step's groups from the generation queue (launching as the mode allows), replacing those
+        dropped; applies oversampling and partial rollouts (arbor.orchestrator.parking)."""
+        need, pool = self.need, self.pool
+        pool.use(client)
+        kept: list[Group] = []
+        launched = 0
+        self._filtered_here = 0
+        while len(kept) < need:
+            launched += pool.admit(step, len(kept), need, weights.loaded_version, launched)
+            taken = pool.take(need - len(kept))
+            for group in taken:
+                if self._keep(step, group, len(kept)):
+                    kept.append(group)
+            if len(kept) >= need:
+                break
+            if taken:  # some were dropped: launch replacements and look at the queue again before waiting
+                continue
+            await pool.wait(step, len(kept), need, weights.loaded_version)
+        await pool.end_step()
+        return kept
+
+    def _keep(self, step: int, group: Group, kept: int) -> bool:
+        """Staleness bound, advantages, curriculum record and filters for one taken group."""
+        cfg = self.cfg
+        if not group:  # every rollout skipped after environment failures (counted in env/skipped)
+            self.counts.filtered["env_skipped"] += 1
+            if self._too_many_dropped(kept):
+                raise RuntimeError(
+                    f"the environment failed every rollout of {self._filtered_here} groups in a row at step {step}"
+                )
+            return False
+        task = self.source.taken(group[0].group_id)
+        if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
+            self.counts.dropped_stale += len(group)
+            return False
+        compute_advantages([group], cfg.advantage)  # per group: advantages are group-relative
+        self.source.record(task, solve_rate(group, cfg.filters.solve_threshold))
+        reason = filter_reason(group, cfg.filters)
+        if reason is None:
+            return True
+        self.counts.filtered[reason] += len(group)
+        if self._too_many_dropped(kept):
+            raise RuntimeError(
+                f"orchestrator.filters dropped {self._filtered_here} groups in a row at step {step} "
+                f"(last reason: {reason}): loosen drop_zero_advantage / min_solve_rate / max_solve_rate"
+            )
+        return False
+
+    def _too_many_dropped(self, kept: int) -> bool:
+        """Counts one more filtered group; True when the step has dropped so many with nothing kept that it
+        would spin forever."""
+        self._filtered_here += 1
+        return self._filtered_here > 50 * self.need and not kept
+
+    def through_buffer(self, step: int, groups: list[Group], buffer: ExperienceBuffer) -> list[Group]:
+        """Writes the step's new groups to the buffer, then claims the step's batch from it (which may include
+        groups left from before a restart, or, train-only, only those)."""
+        for g in groups:
+            buffer.put_group(g, uuid.uuid4().hex)
+        claimed = buffer.claim(self.need, step, self.cfg.buffer.order)
+        if not claimed:
+            raise RuntimeError(f"buffer {buffer.path} has no ready, unclaimed group left for step {step}")
+        if len(claimed) < self.need:
+            log.warning("step %d: the buffer had only %d of %d groups", step, len(claimed), self.need)
+        for k, g in enumerate(claimed):  # ids restart with each orchestrator run: make them unique in the batch
+            for r in g:
+                r.group_id = k
+        return claimed

@@ -1,0 +1,165 @@
+"""The generation pool: groups of rollouts generating on the inference fleet, in the scheduler's queue.
+
+Each launched group is an asyncio task (`generate_group` through a resumable `GroupHandle`, or a black-box
+agent environment's `run_group` through the gateway) with a position in the `RolloutQueue`; `take` hands out
+finished groups under the queue's window rule (windowed FIFO: only positions in [H, H + W) are visible, the head
+advances as the group at H is consumed; arbor.orchestrator.scheduler).
+
+Admission (`admit`): per-step modes (sync, one_step_off) launch exactly the step's groups (ceil(oversample x
+need), replacements for dropped ones, parked ones resumed first), at most max_in_flight at once. Continuous
+modes (async, greedy, windowed_fifo) keep up to max_in_flight groups generating across step boundaries, but
+launch only groups the staleness bound will still admit when their step comes (AReaL's rule): the outstanding
+groups fill the rest of this step's batch, then the next steps, in order; windowed_fifo keeps `policy.slack`
+steps of the bound free, so the window's waits never turn into stale drops.
+
+When nothing visible is ready (`wait`), stragglers are moved (arbor.orchestrator.parking) and the pool waits for
+the next group to finish; with nothing running and nothing parked the scheduler has stalled, which is an
+error. After a per-step batch fills (`end_step`), the surplus is cancelled or parked. With
+`abort_on_weight_update`, running groups are aborted around each weight update and resumed after it, except
+those the scheduler parked meanwhile (`resume_after_update`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from arbor.config.orchestrator import OrchestratorConfig
+from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.counts import Counts
+from arbor.orchestrator.episode import EpisodeStats
+from arbor.orchestrator.gateway import Gateway
+from arbor.orchestrator.parking import Flight, Parking
+from arbor.orchestrator.partial import GroupHandle, PartialRollouts
+from arbor.orchestrator.rollout import Rollout, generate_group
+from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
+from arbor.orchestrator.tasks import TaskSource
+
+
+class GenerationPool:
+    """Groups generating in the queue (see the module docstring)."""
+
+    def __init__(self, cfg: OrchestratorConfig, policy: SchedulePolicy, env: Any, tokenizer: Any,
+                 source: TaskSource, counts: Counts, env_stats: EpisodeStats) -> None:
+        self.cfg, self.policy, self.env, self.tokenizer = cfg, policy, env, tokenizer
+        self.source, self.counts, self.env_stats = source, counts, env_stats
+        self.queue: RolloutQueue[asyncio.Task] = RolloutQueue(policy.window)
+        self.flights: dict[int, Flight] = {}
+        """Group id -> its generation, while it runs or is parked."""
+        self.parking = Parking(cfg, self.queue, source, counts)
+        self.partial: PartialRollouts | None = None
+        """The partial-rollout controller for the current client (`use`)."""
+        self.gateway: Gateway | None = None
+        """The OpenAI-compatible gateway black-box agents call (`start_gateway`)."""
+
+    def use(self, client: InferenceClient) -> None:
+        """Generates on `client` from now on."""
+        if self.partial is None or self.partial.client is not client:
+            self.partial = PartialRollouts(client, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def start_gateway(self, client: InferenceClient) -> None:
+        """Starts the gateway when configured or when the environment drives black-box agents, and writes its
+        URL to `<output_dir>/gateway_url`."""
+        cfg = self.cfg
+        if not (cfg.gateway.enabled or getattr(self.env, "needs_gateway", False)):
+            return
+        self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.temperature,
+                               top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens, seq_len=cfg.seq_len)
+        url = await self.gateway.start()
+        cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.output_dir / "gateway_url").write_text(url + "\n")
+
+    async def stop(self) -> None:
+        """Cancels every group still generating or parked, and stops the gateway."""
+        for f in self.flights.values():
+            f.task.cancel()
+        if self.gateway is not None:
+            await self.gateway.stop()
+
+    def admit(self, step: int, kept: int, need: int, version: int, launched: int) -> int:
+        """Launches what the mode allows now, for a step that has `kept` of its `need` groups, the fleet serving
+        `version`; `launched` counts the step's launches so far. Returns how many it launched."""
+        cfg, pol, q = self.cfg, self.policy, self.queue
+        n = 0
+        if pol.continuous:
+            while q.in_flight < pol.max_in_flight and (
+                step + (kept + q.outstanding) // need - version <= cfg.max_off_policy_steps - pol.slack
+            ):
+                self._launch(step, launched + n, version)
+                n += 1
+        else:
+            while kept + q.in_flight + q.ready < pol.per_step and q.in_flight < pol.max_in_flight:
+                if not self.parking.unpark(step):
+                    self._launch(step, launched + n, version)
+                    n += 1
+        return n
+
+    def take(self, limit: int) -> list[list[Rollout]]:
+        """Up to `limit` finished groups the window lets out, in queue order."""
+        # a failed generation fails the run, as the client already retried
+        return [task.result() for _, task in self.queue.take(limit)]
+
+    async def wait(self, step: int, kept: int, need: int, version: int) -> None:
+        """Nothing ready: moves stragglers (then returns at once), or waits until a group finishes or the next
+        straggler is due."""
+        cfg, q = self.cfg, self.queue
+        due = None
+        if cfg.partial.enabled and self.policy.continuous:
+            due = await self.parking.move_stragglers(step, self.flights, self.partial)
+        if due is not None and due <= time.monotonic():
+            return
+        running = [f.task for f in self.flights.values() if not f.parked]
+        if not running:
+            if self.parking.parked:
+                return
+            raise RuntimeError(
+                f"scheduler stalled at step {step}: nothing running, {kept}/{need} groups kept, queue head "
+                f"{q.head}, next {q.next_position}, in flight {q.in_flight}, waiting {q.waiting}, policy "
+                f"version {version}"
+            )
+        timeout = None if due is None else max(due - time.monotonic(), 0.0)
+        await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+
+    async def end_step(self) -> None:
+        """A batch is full: per-step modes cancel or park the groups still generating."""
+        if not self.policy.continuous:
+            await self.parking.surplus(self.flights.values(), self.partial)
+
+    def resume_after_update(self, handles: list[GroupHandle]) -> None:
+        """Resumes the groups paused for a weight update, except those the scheduler parked meanwhile."""
+        live = [h for h in handles if (f := self.flights.get(h.key)) is not None and not f.parked]
+        self.partial.resume(live, scheduled=False)
+
+    def _launch(self, step: int, k: int, version: int) -> None:
+        cfg = self.cfg
+        spec = self.source.next_spec(step, k)
+        handle = self.partial.handle(spec.group_id)
+        if hasattr(self.env, "run_group"):  # black-box agents: the environment drives them via the gateway
+            coro = self.env.run_group(self.gateway, spec, cfg.group_size, cfg.environment.reward_weights,
+                                      cfg.environment.timeout)
+        else:
+            coro = generate_group(handle, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
+                                  cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
+                                  generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
+                                  seq_len=cfg.seq_len, stats=self.env_stats)
+        now = time.monotonic()
+        flight = Flight(self.queue.launch(), asyncio.create_task(coro), handle, now, now, version)
+        self.flights[spec.group_id] = flight
+        flight.task.add_done_callback(lambda t, f=flight, key=spec.group_id: self._finished(key, f, t))
+
+    def _finished(self, key: int, flight: Flight, task: asyncio.Task) -> None:
+        self.flights.pop(key, None)
+        cancelled = task.cancelled()
+        self.source.closed(key, cancelled)
+        if self.partial is not None:
+            self.partial.forget(key)
+        self.parking.finished(flight, None if cancelled else time.monotonic() - flight.started)
+        if cancelled:
+            if not flight.parked:
+                self.queue.discard(flight.pos)
+            return
+        if flight.parked:  # it finished while parked (it was not generating): back in the queue, done
+            flight.pos, flight.parked = self.queue.launch(), False
+        self.counts.finished_groups += 1
+        self.queue.finish(flight.pos, task)

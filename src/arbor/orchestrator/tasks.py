@@ -1,0 +1,104 @@
+"""The task source: which task each newly launched group of rollouts generates for.
+
+A launch takes, in this order: a task queued for another try (a straggler cancelled under
+`straggler_action = "retry"`), a task a resumed run must relaunch (the saved state's `pending`: launched but in
+no batch when the state was saved, so a crash skips no task), then a fresh task from the curriculum or the
+seeded `TaskSampler` (the dataset position is saved as launched). A task whose prompt plus `max_tokens` cannot
+fit in `seq_len` is skipped and counted. Each launch gets a group id (launch order) and a sampling seed derived
+from (seed, step, k), k counting the step's launches.
+
+The source remembers the task of every group until the group is taken into a batch, cancelled or retried;
+`pending` lists those tasks (then the queued retries, then the relaunches not made yet) as dataset indices for
+the saved state.
+"""
+
+from __future__ import annotations
+
+import collections
+import zlib
+from typing import Any
+
+from arbor.config.orchestrator import OrchestratorConfig
+from arbor.environments import Task, env_prompt_ids
+from arbor.orchestrator.filters import CurriculumSampler
+from arbor.orchestrator.rollout import GroupSpec
+from arbor.orchestrator.state import OrchestratorState, TaskSampler
+
+
+class TaskSource:
+    """Tasks for new groups (see the module docstring), resumed from `state`."""
+
+    def __init__(self, cfg: OrchestratorConfig, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
+        self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
+        self.tasks: list[Task] = env.dataset(cfg.seed)
+        self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
+        self.curriculum: CurriculumSampler | None = (
+            CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum) if cfg.curriculum.enabled
+            else None
+        )
+        self.relaunch: collections.deque[Task] = collections.deque(self.tasks[i] for i in state.pending)
+        self.retry: collections.deque[tuple[Task, int]] = collections.deque()  # (task, retries so far)
+        self.groups_launched = 0
+        self.skipped_long = 0
+        """Tasks skipped because their prompt plus max_tokens exceeds seq_len."""
+        self._task_of_group: dict[int, Task] = {}
+        self._retries: dict[int, int] = {}  # group id -> how many times its task was retried before it
+
+    def next_spec(self, step: int, k: int) -> GroupSpec:
+        """The next group to launch: the step's k-th launch."""
+        cfg = self.cfg
+        while True:
+            retries = 0
+            if self.retry:
+                task, retries = self.retry.popleft()
+            elif self.relaunch:
+                task = self.relaunch.popleft()
+            else:
+                task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
+            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer)
+            if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
+                break
+            self.skipped_long += 1
+        seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
+        group_id = self.groups_launched
+        self.groups_launched += 1
+        self._task_of_group[group_id] = task
+        if retries:
+            self._retries[group_id] = retries
+        return GroupSpec(task, prompt_ids, seed, group_id)
+
+    def taken(self, group_id: int) -> Task | None:
+        """A group of this task left the queue for a batch (kept or dropped): it is no longer pending."""
+        return self._task_of_group.pop(group_id, None)
+
+    def closed(self, group_id: int, cancelled: bool) -> None:
+        """A group's generation ended; a cancelled one's task is no longer pending (unless queued to retry)."""
+        self._retries.pop(group_id, None)
+        if cancelled:
+            self._task_of_group.pop(group_id, None)
+
+    def retry_group(self, group_id: int) -> bool:
+        """Queues the task of a cancelled straggler to be launched again, first; False when it has been retried
+        max_resumes times already (or is unknown): it is given up."""
+        task, retries = self._task_of_group.pop(group_id, None), self._retries.get(group_id, 0)
+        if task is None or retries >= self.cfg.partial.max_resumes:
+            return False
+        self.retry.append((task, retries + 1))
+        return True
+
+    def record(self, task: Task | None, rate: float) -> None:
+        """A group's solve rate, for the curriculum."""
+        if self.curriculum is not None and task is not None:
+            self.curriculum.record(task, rate)
+
+    def pending(self) -> list[int]:
+        """Dataset indices of the tasks launched and not yet taken (for the saved state; see state.pending)."""
+        index = {id(t): i for i, t in enumerate(self.tasks)}
+        out = [index[id(t)] for t in self._task_of_group.values() if id(t) in index]
+        out += [index[id(t)] for t, _ in self.retry if id(t) in index]
+        return out + [index[id(t)] for t in self.relaunch if id(t) in index]
+
+    def state(self, step: int) -> OrchestratorState:
+        """What a run resuming at `step` starts from."""
+        curriculum = self.curriculum.state() if self.curriculum is not None else None
+        return OrchestratorState(step, self.sampler.epoch, self.sampler.position, curriculum, self.pending())
