@@ -13,7 +13,7 @@ from arbor.config.base import Config
 from arbor.config.loader import ConfigError, load_config, render_help
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.config.rl import RLConfig
-from arbor.config.toml_writer import dumps
+from tomli_w import dumps
 
 
 def _write(path, text):
