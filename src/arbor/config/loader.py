@@ -42,7 +42,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, env: Mapping[str, s
         model_config = SettingsConfigDict(validate_default=False)
 
         @classmethod
-        def settings_customise_sources(cls, settings_cls: type[BaseSettings], **_: Any) -> tuple[Any, ...]:
+        def settings_customise_sources(root, settings_cls: type[BaseSettings], **_: Any) -> tuple[Any, ...]:
             layers = (InitSettingsSource(settings_cls, flags), InitSettingsSource(settings_cls, variables))
             return *layers, TomlLayers(settings_cls, files)  # highest precedence first
 
