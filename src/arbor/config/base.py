@@ -16,10 +16,6 @@ class ConfigDeprecationWarning(DeprecationWarning):
     """A renamed or retired config key was used; the message names the key to use instead."""
 
 
-# Python hides DeprecationWarning outside __main__, but a user's old config key should be pointed out.
-warnings.filterwarnings("default", category=ConfigDeprecationWarning)
-
-
 def warn_deprecated(message: str) -> None:
     """Tells the user that a key of their config is deprecated: one line, not a location in arbor's source."""
     warnings.warn_explicit(message, ConfigDeprecationWarning, filename="arbor.config", lineno=0)

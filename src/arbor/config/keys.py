@@ -79,7 +79,7 @@ def render_help(cls: type[BaseModel], prog: str) -> str:
                 table(sub, [*prefix, name])
                 continue
             lines.append(f"  {spell([*prefix, name], True)}  (default: {info.get_default(call_default_factory=True)!r})")
-            lines.extend([f"      {doc}"] if doc else [])
+            lines.extend(f"      {line}" for line in doc.splitlines())
 
     table(cls, [])
     return "\n".join(lines)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from arbor.config.base import Config, ConfigError
+from arbor.config.base import Config, ConfigDeprecationWarning, ConfigError
 from arbor.config.keys import ENV_PREFIX, coerce, members, render_help, resolve, spell, sub_model
 
 __all__ = ["ConfigError", "load_config", "main_guard", "render_help"]
@@ -138,6 +139,8 @@ def main_guard(fn):
     """Runs a process's main so that a ConfigError prints one line and exits 2, before anything heavy starts."""
 
     def wrapped(argv: list[str] | None = None) -> int:
+        if not sys.warnoptions:  # Python hides DeprecationWarnings outside __main__; a user's old key should show
+            warnings.filterwarnings("default", category=ConfigDeprecationWarning)
         try:
             return fn(argv) or 0
         except ConfigError as e:

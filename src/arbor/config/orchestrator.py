@@ -279,10 +279,10 @@ class OrchestratorConfig(Config):
         new = f"scheduler.mode = {mode!r}" + (f" and scheduler.lag = {lag}" if mode == "async" else "")
         warn_deprecated(f"orchestrator.async_lag is deprecated; use orchestrator.{new}")
         scheduler = data.get("scheduler") or {}
-        scheduler = scheduler.model_dump(exclude_unset=True) if isinstance(scheduler, Config) else dict(scheduler)
-        if "mode" not in scheduler:
-            scheduler.update({"mode": mode, "lag": lag} if mode == "async" else {"mode": mode})
-        data["scheduler"] = scheduler
+        if isinstance(scheduler, Config):
+            scheduler = scheduler.model_dump(exclude_unset=True)
+        if isinstance(scheduler, dict) and "mode" not in scheduler:
+            data["scheduler"] = {**scheduler, "mode": mode, **({"lag": lag} if mode == "async" else {})}
         return data
 
     @model_validator(mode="after")
