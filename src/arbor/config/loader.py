@@ -51,6 +51,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, env: Mapping[str, s
         settings = Settings()
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    # Callers get `cls` itself (equality, pickling), not this call's subclass; the values are already validated.
     return cls.model_construct(settings.model_fields_set, **dict(settings))
 
 
