@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +14,8 @@ from arbor.config.base import Config
 from arbor.config.loader import ConfigError, load_config, render_help
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.config.rl import RLConfig
-from arbor.config.toml_writer import dumps
+from arbor.config.trainer import TrainerConfig
+from tomli_w import dumps
 
 
 def _write(path, text):
@@ -26,7 +28,7 @@ def test_precedence_defaults_files_env_cli(tmp_path):
     b = _write(tmp_path / "b.toml", "[orchestrator]\nbatch_size = 32\n")
     cfg = load_config(RLConfig, ["@", a, f"@{b}"], env={})
     assert (cfg.max_steps, cfg.orchestrator.batch_size, cfg.orchestrator.group_size) == (3, 32, 4)
-    assert cfg.orchestrator.async_lag == 1  # default untouched
+    assert cfg.orchestrator.scheduler.mode == "one_step_off"  # default untouched
     env = {"ARBOR_ORCHESTRATOR__BATCH_SIZE": "64", "ARBOR_MAX_STEPS": "5", "UNRELATED": "x"}
     cfg = load_config(RLConfig, ["@", a, "@", b], env=env)
     assert (cfg.max_steps, cfg.orchestrator.batch_size) == (5, 64)
@@ -64,6 +66,59 @@ def test_bad_input_gives_one_line_naming_the_field(argv, env, pattern):
         load_config(RLConfig, argv, env=env)
     assert "\n" not in str(e.value)
     assert pytest.importorskip("re").search(pattern, str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "toml, argv, env, pattern",
+    [
+        ("orchestrator = 3\n", [], {}, r"x\.toml: orchestrator is a table, not a value$"),
+        ("[max_steps]\na = 1\n", [], {}, r"x\.toml: 'max_steps\.a': max_steps is a value, not a table$"),
+        ("max_steps = = 3\n", [], {}, r"x\.toml: invalid TOML: "),
+        (b"\xff\xfe", [], {}, r"x\.toml: invalid TOML: "),
+        ("[orchestrator.sampling]\nfoo = 1\n", [], {}, r"x\.toml: unknown option 'orchestrator\.sampling\.foo'$"),
+        ('max_steps = "many"\n', [], {}, r"^max_steps: Input should be a valid integer[^;]*'many'\)$"),  # said once
+        (None, ["@"], {}, r"'@' must be followed by a TOML file"),
+        (None, ["@", ""], {}, r"'@' must be followed by a TOML file"),
+        (None, ["--model", "qwen3-test"], {}, r"^--model is a table, not a value$"),
+        (None, ["--max-steps.foo", "3"], {}, r"--max-steps is a value, not a table$"),
+        (None, ["--resume", "maybe"], {}, r"^resume: Input should be a valid boolean"),
+        (None, [], {"ARBOR_ORCHESTRATOR": "3"}, r"^environment variable ARBOR_ORCHESTRATOR: orchestrator is a table"),
+        (None, [], {"ARBOR_MAX_STEPS__X": "3"}, r"^environment variable ARBOR_MAX_STEPS__X: .*max_steps is a value"),
+    ],
+)
+def test_malformed_configs_fail_in_one_line_naming_their_source(tmp_path, toml, argv, env, pattern):
+    if toml is not None:
+        (tmp_path / "x.toml").write_bytes(toml if isinstance(toml, bytes) else toml.encode())
+        argv = ["@", str(tmp_path / "x.toml"), *argv]
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, argv, env=env)
+    assert "\n" not in str(e.value)
+    assert re.search(pattern, str(e.value)), str(e.value)
+
+
+def test_renamed_and_retired_keys_keep_working(tmp_path):
+    old = _write(tmp_path / "old.toml", '[trainer.scheduler]\nname = "cosine"\n[orchestrator]\nasync_lag = 0\n')
+    with pytest.warns(DeprecationWarning) as record:
+        cfg = load_config(RLConfig, ["@", old, "--trainer.scheduler.warmup-steps", "3"],
+                          env={"ARBOR_TRAINER__SCHEDULER__MIN_LR_RATIO": "0.1"})
+    messages = {str(w.message) for w in record}
+    assert "trainer.scheduler is deprecated; use trainer.lr_schedule" in messages
+    assert any(m.startswith("orchestrator.async_lag is deprecated; use orchestrator.scheduler.mode = 'sync'") for m in messages)
+    assert (cfg.trainer.lr_schedule.name, cfg.trainer.lr_schedule.warmup_steps, cfg.trainer.lr_schedule.min_lr_ratio) == ("cosine", 3, 0.1)
+    assert cfg.orchestrator.scheduler.mode == "sync"
+    written = cfg.to_toml_dict()  # what `rl` hands its processes: the new names only
+    assert "lr_schedule" in written["trainer"] and "scheduler" not in written["trainer"]
+    assert "async_lag" not in written["orchestrator"]
+    with pytest.warns(DeprecationWarning):
+        assert load_config(TrainerConfig, ["--scheduler.name", "linear"], env={}).lr_schedule.name == "linear"
+        lagged = load_config(RLConfig, ["--orchestrator.async-lag", "3"], env={}).orchestrator.scheduler
+        assert (lagged.mode, lagged.lag) == ("async", 3)  # k > 1 meant async with lag k, and still does
+        pinned = load_config(RLConfig, ["--orchestrator.scheduler.mode", "greedy"], env={"ARBOR_ORCHESTRATOR__ASYNC_LAG": "0"})
+        assert pinned.orchestrator.scheduler.mode == "greedy"  # an explicit mode wins over async_lag, as before
+    with pytest.raises(ConfigError, match=r"orchestrator\.scheduler: lag applies to the continuous modes"):
+        load_config(RLConfig, ["--orchestrator.scheduler.lag", "2"], env={})
+    text = render_help(TrainerConfig, "trainer")
+    assert "[lr_schedule]" in text and "--lr-schedule.warmup-steps" in text
 
 
 def test_unknown_key_in_file_names_the_file(tmp_path):

@@ -324,7 +324,7 @@ def test_rl_run_on_dsa_with_context_parallel_trainer_stays_on_policy(tmp_path: P
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), *args, "--max-steps", "3",
-         "--orchestrator.async-lag", "0", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2"],
+         "--orchestrator.scheduler.mode", "sync", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2"],
         capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]

@@ -16,7 +16,7 @@ def test_moe_run_with_expert_parallel_and_router_replay_matches_inference(tmp_pa
     out = tmp_path / "run"
     rc, stdout, stderr = _finish(_rl(
         out, "--model.name", "qwen3-moe-test", "--model.router-replay", "true", "--max-steps", "3",
-        "--orchestrator.async-lag", "0", "--trainer.parallel.nproc", "2", "--trainer.parallel.ep", "2",
+        "--orchestrator.scheduler.mode", "sync", "--trainer.parallel.nproc", "2", "--trainer.parallel.ep", "2",
     ))
     assert rc == 0, stderr + stdout
     rows = read_jsonl(out / "metrics.jsonl")

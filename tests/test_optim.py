@@ -10,20 +10,20 @@ import pytest
 import torch
 
 from arbor.config.model import ModelConfig
-from arbor.config.trainer import OptimConfig, ParallelConfig, SchedulerConfig, TrainerConfig
+from arbor.config.trainer import LRScheduleConfig, OptimConfig, ParallelConfig, TrainerConfig
 from arbor.models import build_model
 from arbor.trainer.optim import build_optimizer, lr_factor, set_lr
 from arbor.trainer.parallel import ParallelDims, apply_ac
 
 
 def test_schedules_warm_up_then_decay():
-    const = SchedulerConfig(name="constant", warmup_steps=4)
+    const = LRScheduleConfig(name="constant", warmup_steps=4)
     assert [lr_factor(s, 20, const) for s in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
-    lin = SchedulerConfig(name="linear", warmup_steps=0, min_lr_ratio=0.1)
+    lin = LRScheduleConfig(name="linear", warmup_steps=0, min_lr_ratio=0.1)
     assert lr_factor(0, 10, lin) == pytest.approx(1.0)
     assert lr_factor(5, 10, lin) == pytest.approx(0.55)
     assert lr_factor(10, 10, lin) == pytest.approx(0.1)
-    cos = SchedulerConfig(name="cosine", warmup_steps=2)
+    cos = LRScheduleConfig(name="cosine", warmup_steps=2)
     assert lr_factor(2, 12, cos) == pytest.approx(1.0)
     assert lr_factor(7, 12, cos) == pytest.approx(0.5)
     assert lr_factor(12, 12, cos) == pytest.approx(0.0, abs=1e-12)
@@ -46,7 +46,7 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest():
     # One step changes every parameter that has a gradient and the schedule drives both optimizers.
     before = copy.deepcopy(model.state_dict())
     model(torch.randint(0, 256, (1, 12))).logsumexp(-1).mean().backward()
-    set_lr(opt, 0, 10, SchedulerConfig(name="constant", warmup_steps=1))
+    set_lr(opt, 0, 10, LRScheduleConfig(name="constant", warmup_steps=1))
     assert all(g["lr"] == pytest.approx(g["base_lr"] * 0.5) for g in opt.param_groups)
     opt.step()
     changed = [n for n, t in model.state_dict().items() if not torch.equal(t, before[n])]
@@ -73,8 +73,8 @@ def test_parallel_dims_validation():
         ParallelDims.from_config(ParallelConfig(ep=3), world_size=4)
     with pytest.raises(ValueError, match="must equal the world size"):
         ParallelDims.from_config(ParallelConfig(dp_shard=3), world_size=4)
-    assert TrainerConfig().scheduler.name == "constant" and TrainerConfig().optim.name == "adamw"
-    assert math.isclose(lr_factor(0, 5, SchedulerConfig()), 1.0)
+    assert TrainerConfig().lr_schedule.name == "constant" and TrainerConfig().optim.name == "adamw"
+    assert math.isclose(lr_factor(0, 5, LRScheduleConfig()), 1.0)
 
 
 def test_trainer_with_muon_and_cosine_resumes_exactly(tmp_path):
@@ -89,7 +89,7 @@ def test_trainer_with_muon_and_cosine_resumes_exactly(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     write_rollouts({1: full}, steps=3)
     shutil.copytree(full / "rollouts", resumed / "rollouts")
-    extra = ("--optim.name", "muon", "--scheduler.name", "cosine", "--scheduler.warmup-steps", "1",
+    extra = ("--optim.name", "muon", "--lr-schedule.name", "cosine", "--lr-schedule.warmup-steps", "1",
              "--ckpt.interval", "1", "--ckpt.keep", "5")
     assert trainer_main(trainer_args(full, 3, *extra)) == 0
     lrs = [r["lr"] for r in read_metrics(full)]

@@ -46,7 +46,7 @@ def test_sync_run_with_warmup_and_two_trainer_ranks_stays_on_policy(tmp_path):
     """SFT warm-up, then synchronous RL with the trainer under torchrun (2 ranks, FSDP2 over gloo)."""
     out = tmp_path / "run"
     rc, stdout, stderr = _finish(_rl(
-        out, "--max-steps", "3", "--orchestrator.async-lag", "0", "--sft.steps", "5", "--sft.batch-size", "8",
+        out, "--max-steps", "3", "--orchestrator.scheduler.mode", "sync", "--sft.steps", "5", "--sft.batch-size", "8",
         "--trainer.parallel.nproc", "2",
     ))
     assert rc == 0, stderr + stdout

@@ -69,7 +69,12 @@ def test_policies_from_config():
     assert (default.mode, default.continuous, default.lag(7)) == ("one_step_off", False, 1)
     sync = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "sync", "sync_interval": 3}))
     assert [sync.lag(s) for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-    assert SchedulePolicy.from_config(OrchestratorConfig(**base, async_lag=0)).mode == "sync"
+    with pytest.warns(DeprecationWarning, match="async_lag is deprecated"):  # the retired key keeps its meaning
+        assert SchedulePolicy.from_config(OrchestratorConfig(**base, async_lag=0)).mode == "sync"
+        lagged = SchedulePolicy.from_config(OrchestratorConfig(**base, async_lag=2))
+    assert (lagged.mode, lagged.continuous, lagged.window, lagged.lag(5)) == ("async", True, 1, 2)
+    explicit = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo", "lag": 1}))
+    assert (explicit.slack, explicit.lag(5)) == (1, 1)  # an explicit lag is taken as given
     w = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo"}))
     # W = 2 of 4 groups per step: a group can be overtaken into the next step, so one step of the bound is kept free
     assert (w.continuous, w.window, w.max_in_flight, w.lag(5), w.slack) == (True, 2, 8, 2, 1)

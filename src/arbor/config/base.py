@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded as one line for the user."""
+
+
+class ConfigDeprecationWarning(DeprecationWarning):
+    """A renamed or retired config key was used; the message names the key to use instead."""
+
+
+def warn_deprecated(message: str) -> None:
+    """Tells the user that a key of their config is deprecated: one line, not a location in arbor's source."""
+    warnings.warn_explicit(message, ConfigDeprecationWarning, filename="arbor.config", lineno=0)
 
 
 class Config(BaseModel):
@@ -14,6 +28,9 @@ class Config(BaseModel):
 
     deprecated_aliases: ClassVar[dict[str, str]] = {}
     """Renamed keys of this table, old name -> new name; the loader accepts the old name with a warning."""
+    retired_keys: ClassVar[frozenset[str]] = frozenset()
+    """Keys that are no longer fields, which a `mode="before"` validator of this table translates into the keys
+    that replace them (warning as it does); the loader lets them through."""
 
     def to_toml_dict(self) -> dict[str, Any]:
         """The fields as TOML can hold them (paths as strings, None values dropped)."""
@@ -23,4 +40,6 @@ class Config(BaseModel):
 def _drop_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
     return value

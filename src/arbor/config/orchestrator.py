@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, warn_deprecated
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
@@ -119,12 +119,18 @@ class BufferConfig(Config):
     """Release every earlier claim at start, so the buffer's whole content is trainable again (another epoch)."""
 
 
-class SchedulerConfig(Config):
-    mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] | None = None
-    """How generation and training overlap and which finished groups a batch may take (see
-    arbor.orchestrator.scheduler): "sync", "one_step_off", "async" (strict FIFO, bounded by
-    max_off_policy_steps), "greedy" (first finished first out), "windowed_fifo" (Forge). Default: from async_lag
-    (0 = sync, 1 = one_step_off, more = that lag)."""
+class RolloutScheduleConfig(Config):
+    """`[orchestrator.scheduler]`: how generation overlaps training (see arbor.orchestrator.scheduler)."""
+
+    mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] = "one_step_off"
+    """The async mode: how generation overlaps training and which finished groups a batch may take. "sync"
+    (on-policy: a step's generation waits for the weights of every step before it; see sync_interval),
+    "one_step_off" (generation runs one step ahead of training), or a continuous mode, which launches groups ahead
+    across step boundaries: "async" (strict FIFO), "greedy" (first finished first out), "windowed_fifo" (Forge).
+    Replaces `orchestrator.async_lag` (0 = "sync", 1 = "one_step_off", k > 1 = "async" with `lag = k`)."""
+    lag: int | None = Field(None, ge=0)
+    """Continuous modes: policy versions a step's generation may trail the step by (weights version >= step - lag
+    before its groups are launched or taken). Default: max_off_policy_steps (windowed_fifo: less its slack)."""
     sync_interval: int = Field(1, ge=1)
     """sync: every this many steps generation waits for the newest weights (1 = fully on-policy)."""
     window: int | None = Field(None, ge=1)
@@ -140,6 +146,12 @@ class SchedulerConfig(Config):
     full, the surplus still generating is cancelled (counted as partial/cancelled) or, with
     `[orchestrator.partial]` enabled, aborted and parked with its tokens and resumed first at the next step
     (slime's design). Surplus groups that already finished are kept for the next step."""
+
+    @model_validator(mode="after")
+    def _lag_is_continuous(self) -> "RolloutScheduleConfig":
+        if self.lag is not None and self.mode in ("sync", "one_step_off"):
+            raise ValueError(f"lag applies to the continuous modes (async, greedy, windowed_fifo), not to {self.mode!r}")
+        return self
 
 
 class PartialConfig(Config):
@@ -216,8 +228,6 @@ class OrchestratorConfig(Config):
     """Rollouts per training step (a multiple of group_size)."""
     group_size: int = Field(8, ge=1)
     """Rollouts per task; advantages are relative to the group."""
-    async_lag: int = Field(1, ge=0)
-    """How many steps generation may run ahead of training: 0 = synchronous on-policy, 1 = one-step overlap."""
     max_off_policy_steps: int = Field(2, ge=0)
     """Drop (and count) rollouts with a token sampled more than this many policy versions before the step."""
     max_concurrent_groups: int | None = Field(None, ge=1)
@@ -234,8 +244,8 @@ class OrchestratorConfig(Config):
     """The environment."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimation."""
-    scheduler: SchedulerConfig = SchedulerConfig()
-    """Scheduling of generation against training."""
+    scheduler: RolloutScheduleConfig = RolloutScheduleConfig()
+    """Scheduling of generation against training: the async mode."""
     partial: PartialConfig = PartialConfig()
     """Partial rollouts (abort, park, resume with tokens kept)."""
     buffer: BufferConfig = BufferConfig()
@@ -254,6 +264,26 @@ class OrchestratorConfig(Config):
     """Log to Weights & Biases when present."""
     log_level: Literal["debug", "info", "warning"] = "info"
     """Log verbosity."""
+
+    retired_keys = frozenset({"async_lag"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_lag(cls, data: Any) -> Any:
+        """The retired `async_lag` as the scheduler mode it meant (an explicit `scheduler.mode` wins, as before)."""
+        if not isinstance(data, dict) or "async_lag" not in data:
+            return data
+        data = dict(data)
+        lag = data.pop("async_lag")
+        mode = {0: "sync", 1: "one_step_off"}.get(lag, "async") if isinstance(lag, int) else "async"
+        new = f"scheduler.mode = {mode!r}" + (f" and scheduler.lag = {lag}" if mode == "async" else "")
+        warn_deprecated(f"orchestrator.async_lag is deprecated; use orchestrator.{new}")
+        scheduler = data.get("scheduler") or {}
+        if isinstance(scheduler, Config):
+            scheduler = scheduler.model_dump(exclude_unset=True)
+        if isinstance(scheduler, dict) and "mode" not in scheduler:
+            data["scheduler"] = {**scheduler, "mode": mode, **({"lag": lag} if mode == "async" else {})}
+        return data
 
     @model_validator(mode="after")
     def _batch_is_whole_groups(self) -> "OrchestratorConfig":

@@ -32,7 +32,9 @@ class OptimConfig(Config):
     """Gradient clipping by global norm."""
 
 
-class SchedulerConfig(Config):
+class LRScheduleConfig(Config):
+    """`[trainer.lr_schedule]` (formerly `[trainer.scheduler]`): the learning rate over the steps."""
+
     name: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up: constant, linear decay or cosine decay to min_lr_ratio x lr at
     max_steps."""
@@ -137,7 +139,7 @@ class TrainerConfig(Config):
     """Continue from the latest checkpoint in output_dir."""
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
-    scheduler: SchedulerConfig = SchedulerConfig()
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
     """Learning-rate schedule."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
@@ -153,6 +155,8 @@ class TrainerConfig(Config):
     """Seconds to wait for a step's rollouts before failing."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads per rank; default: torch's choice."""
+
+    deprecated_aliases = {"scheduler": "lr_schedule"}
 
     @model_validator(mode="after")
     def _cp_style_fits_model(self) -> "TrainerConfig":

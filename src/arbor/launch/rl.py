@@ -28,7 +28,7 @@ from pathlib import Path
 
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import RLConfig
-from arbor.config.toml_writer import dumps
+from tomli_w import dumps
 from arbor.launch.console import Console
 from arbor.launch.process import Supervisor, tail
 from arbor.launch.watchdog import Watchdog

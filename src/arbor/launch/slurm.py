@@ -22,7 +22,7 @@ from string import Template
 
 from arbor.config.loader import ConfigError
 from arbor.config.rl import SECTIONS, SHARED, RLConfig
-from arbor.config.toml_writer import dumps
+from tomli_w import dumps
 
 PROJECT = Path(__file__).resolve().parents[3]
 

@@ -11,13 +11,14 @@ strict FIFO; W = None is greedy (first finished, first out). Scripted completion
 continuous producer (groups launched ahead, up to `max_in_flight`, across step boundaries) or per-step (exactly
 one step's groups launched when the step starts, as the walking skeleton did):
 - `sync`: lag = step mod sync_interval (every sync_interval-th step waits for fully on-policy weights), per-step.
-- `one_step_off`: lag 1, per-step (the default, = `async_lag` 1).
-- `async`: lag max_off_policy_steps, continuous, strict FIFO order.
-- `greedy`: lag max_off_policy_steps, continuous, first finished first out.
-- `windowed_fifo`: lag max_off_policy_steps - slack, continuous, window W, where slack = ceil(W / groups per
-  step) (at most max_off_policy_steps): a group overtaken by the whole window is trained that many steps later
-  than the admission rule planned, so the loop launches only up to max_off_policy_steps - slack steps ahead and
-  the window's waits never turn into stale drops (which would skew the batch mix toward easy, fast tasks).
+- `one_step_off`: lag 1, per-step (the default).
+- `async`: lag `scheduler.lag` (default max_off_policy_steps), continuous, strict FIFO order.
+- `greedy`: the same lag, continuous, first finished first out.
+- `windowed_fifo`: lag `scheduler.lag` (default max_off_policy_steps - slack), continuous, window W, where
+  slack = ceil(W / groups per step) (at most max_off_policy_steps): a group overtaken by the whole window is
+  trained that many steps later than the admission rule planned, so the loop launches only up to
+  max_off_policy_steps - slack steps ahead and the window's waits never turn into stale drops (which would skew
+  the batch mix toward easy, fast tasks).
 Every mode drops (and counts) a group with a token older than max_off_policy_steps when it is taken.
 Oversampling (per-step modes) and partial rollouts (aborting stragglers out of the window) are applied by the
 generation pool (arbor.orchestrator.generation, arbor.orchestrator.parking) on top of this queue: a moved group
@@ -125,7 +126,7 @@ class SchedulePolicy:
     def from_config(cls, cfg: OrchestratorConfig) -> "SchedulePolicy":
         s = cfg.scheduler
         groups = cfg.batch_size // cfg.group_size
-        mode = s.mode or {0: "sync", 1: "one_step_off"}.get(cfg.async_lag, "async")
+        mode = s.mode
         continuous = mode in ("async", "greedy", "windowed_fifo")
         window = {"async": 1, "greedy": None, "windowed_fifo": s.window or max(1, groups // 2)}.get(mode)
         if not continuous:
@@ -133,10 +134,10 @@ class SchedulePolicy:
         launched = math.ceil(s.oversample * groups)
         in_flight = s.max_in_flight or (2 * groups if continuous else cfg.max_concurrent_groups or launched)
         slack = min(math.ceil(window / groups), cfg.max_off_policy_steps) if mode == "windowed_fifo" else 0
-        if s.mode is None and cfg.async_lag > 1:
-            lag = cfg.async_lag
+        if mode == "one_step_off":
+            lag = 1
         else:
-            lag = 1 if mode == "one_step_off" else cfg.max_off_policy_steps - slack
+            lag = s.lag if s.lag is not None else cfg.max_off_policy_steps - slack
         return cls(mode, continuous, window, in_flight, s.sync_interval if mode == "sync" else 0, lag,
                    groups if continuous else launched, slack)
 

@@ -3,7 +3,7 @@
 A background task watches `broadcasts/` and, as soon as the trainer publishes a newer version, tells every
 server to load it (servers swap weights between decode steps, so in-flight requests continue and their later
 tokens carry the new version). `ensure(v)` blocks a step until the fleet serves version >= v: that is the
-async-lag bound (`ensure(step - async_lag)`). With `pause_generation`/`resume_generation` set (partial rollouts,
+scheduler's lag bound (`ensure(step - lag)`, arbor.orchestrator.scheduler). With `pause_generation`/`resume_generation` set (partial rollouts,
 `abort_on_weight_update`), running generations are aborted before each update and resumed after it.
 """
 

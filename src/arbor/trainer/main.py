@@ -133,7 +133,7 @@ def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
         if batch.step != step:
             raise ValueError(f"rollouts/step_{step}/rank_{data_rank} holds step {batch.step}")
         t1 = time.perf_counter()
-        set_lr(optimizer, step, cfg.max_steps, cfg.scheduler)
+        set_lr(optimizer, step, cfg.max_steps, cfg.lr_schedule)
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
             forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,

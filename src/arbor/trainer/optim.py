@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from arbor.config.trainer import OptimConfig, SchedulerConfig
+    from arbor.config.trainer import LRScheduleConfig, OptimConfig
 
 
 class Optimizers:
@@ -68,7 +68,7 @@ def build_optimizer(model: nn.Module, cfg: "OptimConfig") -> Optimizers:
     return Optimizers(opts)
 
 
-def lr_factor(step: int, max_steps: int, cfg: "SchedulerConfig") -> float:
+def lr_factor(step: int, max_steps: int, cfg: "LRScheduleConfig") -> float:
     """Multiplier of the base learning rate for optimizer step `step` (0-based)."""
     if step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
@@ -82,7 +82,7 @@ def lr_factor(step: int, max_steps: int, cfg: "SchedulerConfig") -> float:
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: Optimizers, step: int, max_steps: int, cfg: "SchedulerConfig") -> float:
+def set_lr(optimizer: Optimizers, step: int, max_steps: int, cfg: "LRScheduleConfig") -> float:
     """Applies the schedule for `step`; returns the first group's learning rate."""
     f = lr_factor(step, max_steps, cfg)
     for g in optimizer.param_groups:
