@@ -36,8 +36,9 @@ from aiohttp import web
 from arbor.transport.batch import encode_routes
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
-from arbor.inference.http import BadRequest, error_middleware, get_field, read_json_object
+from arbor.monitor.heartbeat import beat, install
 from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.transport.http import BadRequest, error_middleware, get_field, read_json_object, start_site, write_ready_file
 
 if TYPE_CHECKING:
     from arbor.inference.engine import Engine, RequestOutput
@@ -342,33 +343,6 @@ class InferenceServer:
 
 # ---- running ----
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Binds `app`; returns the runner and the base URL (with the real port when `port` is 0)."""
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts its engine request.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise OSError(e.errno, f"cannot bind {host}:{port}: {e.strerror}") from None
-    bound = runner.addresses[0][1]
-    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    if ":" in shown:
-        shown = f"[{shown}]"
-    return runner, f"http://{shown}:{bound}"
-
-
-def write_ready_file(path: str | Path, url: str) -> None:
-    """Writes the URL under a temporary name and renames it, so readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(url + "\n")
-    tmp.replace(path)
-
-
 class BackgroundServer:
     """Serves an engine from an event loop in a daemon thread (tests, notebooks); `url` once constructed."""
 
@@ -422,8 +396,6 @@ async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> None:
 
 
 async def _heartbeats(cfg: InferenceConfig, engine: "Engine") -> None:
-    from arbor.monitor.heartbeat import beat, install
-
     install(cfg.output_dir, "inference", "serving")
     while True:  # the event loop beats, so a blocked loop shows as a stale heartbeat
         s = engine.stats()

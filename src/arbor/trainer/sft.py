@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.sft import SFTConfig
+from arbor.run_dir import process_metrics_path, sft_model_dir
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +86,7 @@ def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {path} does not exist")
     if path.suffix == ".parquet":
-        try:  # installed with arbor's dependencies (transitively), but not declared by arbor itself
+        try:  # optional (not an arbor dependency): only parquet data needs it
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError(f"reading {path} needs pyarrow: `uv pip install pyarrow`") from None
@@ -185,7 +186,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     dtype = getattr(torch, cfg.model.dtype)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    metrics = Path(cfg.output_dir) / "metrics" / "sft.jsonl"
+    metrics = process_metrics_path(cfg.output_dir, "sft")
     window: list[float] = []
     start = time.perf_counter()
     for step, batch in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
@@ -221,8 +222,8 @@ def save(cfg: SFTConfig, model: "torch.nn.Module", tokenizer: "Tokenizer") -> Pa
 
     from arbor.models.hf import save_checkpoint_dir
 
-    final = Path(cfg.output_dir) / "sft"
-    tmp = final.parent / ".sft.tmp"
+    final = sft_model_dir(cfg.output_dir)
+    tmp = final.parent / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     dtype = getattr(torch, cfg.model.dtype)
     state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
