@@ -86,10 +86,10 @@ def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {path} does not exist")
     if path.suffix == ".parquet":
-        try:  # optional (not an arbor dependency): only parquet data needs it
+        try:  # optional: the `parquet` extra, needed for parquet data only
             import pyarrow.parquet as pq
         except ImportError:
-            raise ValueError(f"reading {path} needs pyarrow: `uv pip install pyarrow`") from None
+            raise ValueError(f"reading {path} needs pyarrow: install arbor with the `parquet` extra") from None
 
         return [(f"{path}:row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
     return [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
