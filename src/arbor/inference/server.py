@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
-array with its dtype and shape, see arbor.transport.batch.encode_routes), GET /health, GET /v1/models, GET /metrics
+array with its dtype and shape, see arbor.transport.routes.encode_routes), GET /health, GET /v1/models, GET /metrics
 (Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume, and
 POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts): a generation request may carry a
 client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from arbor.transport.batch import encode_routes
+from arbor.transport.routes import encode_routes
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.monitor.heartbeat import beat, install
 from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
 from arbor.transport.http import BadRequest, error_middleware, get_field, read_json_object, start_site, write_ready_file
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
     from arbor.inference.engine import Engine, RequestOutput
 
 log = logging.getLogger("arbor.inference.server")
@@ -409,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.backend == "vllm":
-        from arbor.inference import vllm_adapter
+        from arbor.inference import vllm_adapter  # the vLLM backend (the `gpu` extra), loaded only when chosen
 
         vllm_adapter.require_vllm()
         return vllm_adapter.run(cfg)
+    # The local engine loads torch: only once the config is known to be valid.
     import torch
 
     from arbor.inference.engine import build_engine

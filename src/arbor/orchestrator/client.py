@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from arbor.transport.batch import decode_routes
+from arbor.transport.routes import decode_routes
 from arbor.transport.router import parse_router_metrics
 
 log = logging.getLogger("arbor.orchestrator.client")
