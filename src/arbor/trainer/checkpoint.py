@@ -14,14 +14,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from arbor.run_dir import DONE, checkpoint_dir, prune_checkpoints
 
+# torch.distributed.checkpoint imports DTensor and sympy, seconds of start-up: the functions below load it at the
+# first checkpoint, so that the trainer is waiting for its first rollouts (and heartbeating) long before.
+
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # at the first checkpoint, see above
+
     optimizers = getattr(optimizer, "optimizers", optimizer)  # arbor.trainer.optim.Optimizers holds several
     model_sd, optim_sd = get_state_dict(model, optimizers)
     return {"model": model_sd, "optim": optim_sd, "trainer": {"step": torch.tensor(step, dtype=torch.int64)}}
@@ -31,6 +34,8 @@ def save_checkpoint(
     output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, keep: int
 ) -> Path:
     """Collective: every rank calls it. Writes model + optimizer state for `step`, then `DONE`, then prunes."""
+    import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
+
     path = checkpoint_dir(output_dir, step)
     rank = dist.get_rank()
     if rank == 0 and path.exists():  # left over by a run killed mid-save: never mix old and new shards
@@ -48,6 +53,9 @@ def load_checkpoint(
     output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed)."""
+    import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     path = checkpoint_dir(output_dir, step)
     if not (path / DONE).exists():
         raise FileNotFoundError(f"trainer checkpoint {path} is incomplete (no {DONE} marker)")

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from arbor.config.loader import ConfigError
 from arbor.config.trainer import TrainerConfig
 from arbor.models import build_model, build_tokenizer
-from arbor.monitor.heartbeat import beat, install
+from arbor.monitor.heartbeat import beat
 from arbor.run_dir import latest_checkpoint, trainer_metrics_path
 from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
@@ -93,7 +92,7 @@ def build_training(cfg: TrainerConfig, device: torch.device) -> tuple[nn.Module,
 
 def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     rank = dist.get_rank()
-    install(cfg.output_dir, f"trainer_rank{rank}", "building the model")
+    beat("building the model")  # the entry point installed this rank's heartbeat
     model, optimizer, dims = build_training(cfg, device)
     data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
     reference = build_reference(cfg, device, dims)
@@ -168,6 +167,10 @@ def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.M
 
 def publish(cfg: TrainerConfig, model: nn.Module, version: int, tokenizer) -> None:
     """Collective: gathers the full state dict onto rank 0's CPU, which writes `broadcasts/step_{version}/`."""
+    # torch.distributed.checkpoint imports DTensor and sympy (seconds): loaded at the first publish, after the
+    # trainer has started waiting for rollouts (see arbor.trainer.checkpoint).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         dtype = getattr(torch, cfg.model.dtype)  # inference runs in model.dtype: publish that, not fp32 masters

@@ -7,15 +7,20 @@ bad config fails in milliseconds, before torch loads.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from arbor.config.loader import load_config, main_guard
 from arbor.config.trainer import TrainerConfig
+from arbor.monitor.heartbeat import install
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(TrainerConfig, argv, prog="trainer")
+    # Heartbeat and stack dumps from here on: loading torch and its distributed modules takes seconds, and a
+    # start-up that hangs must show in the watchdog's diagnosis too. torchrun sets RANK before the group forms.
+    install(cfg.output_dir, f"trainer_rank{os.environ.get('RANK', '0')}", "loading torch")
     from arbor.trainer.loop import run  # torch loads here, once the config is known to be valid
 
     return run(cfg)

@@ -18,8 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from arbor.config.trainer import ParallelConfig, TrainerConfig
@@ -223,6 +221,8 @@ def apply_fsdp(
     all-gather/compute dtype with fp32 gradient reduction. `ignored` parameters (ep-sharded experts) are left
     as they are.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor and sympy: see clip_grad_norm
+
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     ignored = ignored or None
     layers = list(model.model.layers)
@@ -237,6 +237,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     dp_shard x cp, experts over ep), which `torch.nn.utils.clip_grad_norm_` rejects. Each parameter's squared
     norm is its local shard's, summed over the mesh dimensions it is sharded on; replicated dimensions count once.
     Expert gradients are first averaged over their replicas (see arbor.trainer.expert_parallel)."""
+    # torch.distributed.tensor imports sympy (seconds): loaded after start-up, when the trainer is already
+    # waiting for (and heartbeating about) its first rollouts.
+    from torch.distributed.tensor import DTensor, Shard
+
     replicas = getattr(model, "_arbor_expert_replicas", None)
     if replicas is not None:
         sync_expert_grads(model, replicas.get_group())
