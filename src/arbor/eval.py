@@ -19,7 +19,7 @@ from arbor.config.loader import load_config, main_guard
 from arbor.inference.sampling import SamplingParams
 from arbor.run_dir import eval_path
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # an annotation only: the orchestrator's modules load torch, which `main` defers
     from arbor.orchestrator.eval import Generate
 
 
