@@ -297,3 +297,14 @@ class DSAArgs:
         n_moe = len(self.moe_layers)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (q + kv + idx + 2 * h) + n_moe * moe + (L - n_moe) * 3 * h * self.intermediate_size + emb + h
+
+
+def check_cp_style(style: str, dsa: bool) -> None:
+    """Raises ValueError unless context-parallel style `style` (`trainer.parallel.cp_style`) can split the
+    attention of the model (`dsa`: DeepSeek sparse attention). Beside the model arguments, without torch, so that
+    the config validation and the trainer share it."""
+    if dsa and style not in ("dsa", "auto"):
+        raise ValueError(f"trainer.parallel.cp_style = {style!r} cannot split DeepSeek sparse attention over the "
+                         "context; use 'dsa' (or 'auto')")
+    if not dsa and style == "dsa":
+        raise ValueError("trainer.parallel.cp_style = 'dsa' needs a DeepSeek sparse attention model; use 'ulysses' or 'ring'")
