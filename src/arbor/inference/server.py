@@ -21,24 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from arbor.transport.routes import encode_routes
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
-from arbor.monitor.heartbeat import beat, install
 from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.monitor.heartbeat import beat, install
 from arbor.transport.http import BadRequest, error_middleware, get_field, read_json_object, start_site, write_ready_file
+from arbor.transport.routes import encode_routes
 
 if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
     from arbor.inference.engine import Engine, RequestOutput
