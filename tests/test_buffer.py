@@ -43,7 +43,7 @@ def test_late_rewards_orders_and_release(tmp_path):
 @pytest.mark.slow
 def test_killed_orchestrator_resumes_with_no_rollout_lost_or_trained_twice(tmp_path):
     from arbor.monitor.metrics import read_jsonl
-    from arbor.trainer.checkpoint import latest_checkpoint
+    from arbor.run_dir import latest_checkpoint
     from test_rl_e2e import _finish, _rl, _wait_for
 
     out = tmp_path / "run"

@@ -24,7 +24,7 @@ from arbor.models.dsa import dense_mla, index_scores, select_topk, sparse_mla
 from arbor.models.hf import save_checkpoint_dir
 from arbor.trainer.main import main as trainer_main
 from arbor.trainer.step import packed_logprobs
-from arbor.transport.weights import broadcast_dir
+from arbor.run_dir import broadcast_dir
 from test_parallel import _spawn, assert_close
 from test_trainer import read_metrics, write_rollouts
 from test_trainer_dist import assert_same_weights, run_torchrun

@@ -10,7 +10,8 @@ import pytest
 from arbor.config.eval import EvalSettings
 from arbor.config.model import ModelConfig
 from arbor.models import build_tokenizer
-from arbor.orchestrator.eval import evaluate, main as eval_main
+from arbor.eval import main as eval_main
+from arbor.orchestrator.eval import evaluate
 
 
 def test_avg_and_pass_at_k_by_hand():

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from arbor.inference.router import parse_router_metrics
+from arbor.transport.router import parse_router_metrics
 from arbor.monitor.metrics import read_jsonl
 from test_rl_e2e import _finish, _rl, _wait_for
 

@@ -80,9 +80,8 @@ def test_parallel_dims_validation():
 def test_trainer_with_muon_and_cosine_resumes_exactly(tmp_path):
     import shutil
 
-    from arbor.trainer.checkpoint import checkpoint_dir
+    from arbor.run_dir import broadcast_dir, checkpoint_dir
     from arbor.trainer.main import main as trainer_main
-    from arbor.transport.weights import broadcast_dir
     from test_trainer import read_metrics, trainer_args, write_rollouts
     from test_trainer_dist import assert_same_weights
 

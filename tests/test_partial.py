@@ -118,7 +118,7 @@ def test_server_abort_and_resumed_generation_equals_uninterrupted(tmp_path: Path
 def test_router_fans_abort_out_to_every_backend() -> None:
     from arbor.config.inference import RouterConfig
     from arbor.inference.router import Router
-    from arbor.inference.server import start_site
+    from arbor.transport.http import start_site
     from test_router import FakeBackend, _post
 
     async def go() -> None:
@@ -328,7 +328,7 @@ def test_vllm_proxy_abort_hangs_up_upstream_and_answers_partial_output() -> None
     import aiohttp
 
     from arbor.config.inference import InferenceConfig
-    from arbor.inference.server import start_site
+    from arbor.transport.http import start_site
     from arbor.inference.vllm_adapter import VLLMProxy
     from test_vllm_adapter import FakeVLLM
 

@@ -20,8 +20,8 @@ from arbor.orchestrator.rollout import Rollout
 from arbor.trainer.loss import LossContext, ppo_clip
 from arbor.trainer.main import main as trainer_main
 from arbor.trainer.step import micro_batch_logprobs
-from arbor.transport.files import read_step, rank_file, write_step
-from arbor.transport.weights import broadcast_dir
+from arbor.run_dir import broadcast_dir, rollout_rank_file as rank_file
+from arbor.transport.files import read_step, write_step
 
 CPU = torch.device("cpu")
 TOL = 1e-5

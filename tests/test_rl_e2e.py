@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from arbor.monitor.metrics import read_jsonl
-from arbor.trainer.checkpoint import latest_checkpoint
+from arbor.run_dir import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

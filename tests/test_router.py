@@ -12,8 +12,9 @@ import pytest
 from aiohttp import web
 
 from arbor.config.inference import RouterConfig
-from arbor.inference.router import Router, parse_router_metrics, rendezvous, session_key, vllm_router_argv
-from arbor.inference.server import start_site
+from arbor.inference.router import Router, rendezvous, session_key
+from arbor.transport.http import start_site
+from arbor.transport.router import parse_router_metrics, vllm_router_argv
 
 
 class FakeBackend:
@@ -215,7 +216,7 @@ def test_vllm_router_command_line() -> None:
 
 
 def test_vllm_router_is_used_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import arbor.inference.router as router_mod
+    import arbor.transport.router as router_mod
     from arbor.config.loader import ConfigError
 
     monkeypatch.setattr(router_mod.shutil, "which", lambda name: None)

@@ -18,7 +18,8 @@ from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
 from arbor.trainer.step import micro_batch_logprobs
-from arbor.transport.batch import StepBatch, decode_routes, encode_routes
+from arbor.transport.batch import StepBatch
+from arbor.transport.routes import decode_routes, encode_routes
 
 
 def _generate(model, prompts, n=3, max_tokens=12):

@@ -8,7 +8,8 @@ import pytest
 
 from arbor.config.model import ModelConfig
 from arbor.models import build_tokenizer
-from arbor.trainer.sft import _file_examples, chat_example, pack
+from arbor.trainer.sft import _file_examples, chat_example
+from arbor.trainer.sft_train import pack
 
 TOK = build_tokenizer(ModelConfig(name="qwen3-test"))
 CHAT = [

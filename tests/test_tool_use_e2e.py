@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from arbor.monitor.metrics import read_jsonl
-from arbor.transport.files import rank_file, read_step
+from arbor.run_dir import rollout_rank_file as rank_file
+from arbor.transport.files import read_step
 
 pytestmark = pytest.mark.slow
 

@@ -17,13 +17,12 @@ from arbor.config.trainer import LossConfig
 from arbor.models import build_model
 from arbor.models.attention import position_ids_for
 from arbor.models.hf import load_weights, read_safetensors_dir
-from arbor.trainer.checkpoint import DONE, checkpoint_dir, latest_checkpoint, prune_checkpoints
+from arbor.run_dir import DONE, STABLE, broadcast_dir, checkpoint_dir, latest_checkpoint, prune_checkpoints
 from arbor.trainer.loss import LossFn, LossOutput, is_mask, ppo_clip, resolve_loss
 from arbor.trainer.main import main as trainer_main
 from arbor.trainer.step import packed_logprobs
 from arbor.transport.batch import MicroBatch, StepBatch
 from arbor.transport.files import write_step
-from arbor.transport.weights import STABLE, broadcast_dir
 
 TEST_MODEL = ModelConfig(name="qwen3-test")
 ROW_LEN = 24

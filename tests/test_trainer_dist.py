@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from arbor.models.hf import read_safetensors_dir
-from arbor.trainer.checkpoint import checkpoint_dir, latest_checkpoint
+from arbor.run_dir import STABLE, broadcast_dir, checkpoint_dir, latest_checkpoint
 from arbor.trainer.main import main as trainer_main
-from arbor.transport.weights import STABLE, broadcast_dir
 from test_trainer import read_metrics, trainer_args, write_rollouts
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from arbor.trainer.checkpoint import checkpoint_dir
+from arbor.run_dir import broadcast_dir, checkpoint_dir
 from arbor.trainer.main import main as trainer_main
-from arbor.transport.weights import broadcast_dir
 from test_trainer import read_metrics, write_rollouts
 from test_trainer_dist import assert_same_weights, run_torchrun
 

@@ -10,8 +10,9 @@ import torch
 
 from arbor.models.attention import position_ids_for
 from arbor.transport.batch import MicroBatch, StepBatch
-from arbor.transport.files import rank_file, read_step, wait_for_step, write_step
-from arbor.transport.weights import STABLE, latest_published, publish_weights, published_steps
+from arbor.run_dir import STABLE, latest_published, published_steps, rollout_rank_file as rank_file
+from arbor.transport.files import read_step, wait_for_step, write_step
+from arbor.transport.weights import publish_weights
 
 
 def _batch(step: int, n_tokens: int, fill: int) -> StepBatch:

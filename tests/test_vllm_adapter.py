@@ -15,7 +15,7 @@ from aiohttp import web
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.inference import vllm_adapter
-from arbor.inference.server import start_site
+from arbor.transport.http import start_site
 from arbor.inference.vllm_adapter import VLLMProxy, render_extra, render_request, rpc_request, serve_argv
 
 

@@ -13,10 +13,10 @@ from arbor.config.model import ModelConfig
 from arbor.config.transport import WeightTransportConfig
 from arbor.models import build_model
 from arbor.models.hf import load_weights
+from arbor.run_dir import STABLE, broadcast_dir, published_steps
 from arbor.transport.weights import (
-    INDEX, MANIFEST, NCCL_SPEC, STABLE, FilesystemTransport, NCCLTransport, WeightTransferError,
-    WeightTransferTimeout, _deadline_call, broadcast_dir, make_transport, published_steps, read_nccl_spec,
-    read_verified, wait_stable,
+    INDEX, MANIFEST, NCCL_SPEC, FilesystemTransport, NCCLTransport, WeightTransferError, WeightTransferTimeout,
+    _deadline_call, make_transport, read_nccl_spec, read_verified, wait_stable,
 )
 
 

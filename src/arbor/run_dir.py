@@ -1,46 +1,262 @@
 """The run directory: the one module that knows the layout of `<output_dir>`.
 
-Trainer, orchestrator, inference and launcher find checkpoints, published weights, rollouts, metrics and
-heartbeats through this module, never by importing each other. Light on purpose (no torch): the launcher and the
-orchestrator import it before anything heavy.
+    checkpoints/step_N/trainer/        trainer state after N optimizer steps (`DONE` written last)
+    checkpoints/step_N/orchestrator.json   the orchestrator's resumable state for step N
+    broadcasts/step_N/                 published policy weights (`STABLE` written last)
+    rollouts/step_N/rank_R.safetensors the batch of step N for trainer rank R
+    metrics.jsonl, metrics/<process>.jsonl, eval.jsonl, timings.jsonl
+    heartbeats/<process>, logs/ (process logs), logs/stacks/<process>.txt
+    configs/<process>.toml, gateway_url, sft/ (the warm-up model)
+
+Trainer, orchestrator, inference and launcher find every file through this module, never by importing each
+other or spelling a path themselves. It also holds the atomic writes (temporary name, fsync, rename: a reader
+never sees half a file), the step listings (complete checkpoints, published weights, rollout steps) and their
+retention. Light on purpose (standard library only): the launcher and the orchestrator import it before
+anything heavy.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
+from typing import Callable
 
 DONE = "DONE"
+"""Written last into a trainer checkpoint directory: the checkpoint is complete."""
+STABLE = "STABLE"
+"""Written last into a published weights directory (before its rename into place): the weights are complete."""
+ORCHESTRATOR_STATE = "orchestrator.json"
 _STEP = re.compile(r"^step_(\d+)$")
 
+PathLike = str | Path
 
-def checkpoints_root(output_dir: str | Path) -> Path:
+
+# ---- atomic writes ----
+
+def write_atomic(path: Path, write: Callable[[Path], object], fsync: bool = True) -> None:
+    """Calls `write(tmp_path)` then renames the temporary file onto `path` (after an fsync unless `fsync` is off:
+    for files a crash may lose, such as heartbeats, written several times a second).
+
+    A rename within one directory is atomic on POSIX filesystems (and on NFS/Lustre for a single client), so a
+    reader that sees `path` sees a whole file. The temporary name starts with a dot and ends in `.tmp`, so no
+    glob for the final names ever matches it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        if fsync:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str, fsync: bool = True) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text), fsync)
+
+
+# ---- paths ----
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def checkpoints_root(output_dir: PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+def checkpoint_step_dir(output_dir: PathLike, step: int) -> Path:
+    """`checkpoints/step_N/`: the trainer's and the orchestrator's state for resuming at step N."""
+    return checkpoints_root(output_dir) / step_name(step)
+
+
+def checkpoint_dir(output_dir: PathLike, step: int) -> Path:
     """Where the trainer state after `step` optimizer steps lives."""
-    return checkpoints_root(output_dir) / f"step_{step}" / "trainer"
+    return checkpoint_step_dir(output_dir, step) / "trainer"
 
 
-def trainer_steps(output_dir: str | Path) -> list[int]:
-    root = checkpoints_root(output_dir)
+def orchestrator_state_path(output_dir: PathLike, step: int) -> Path:
+    return checkpoint_step_dir(output_dir, step) / ORCHESTRATOR_STATE
+
+
+def broadcasts_root(output_dir: PathLike) -> Path:
+    return Path(output_dir) / "broadcasts"
+
+
+def broadcast_dir(output_dir: PathLike, step: int) -> Path:
+    """The policy weights published after `step` optimizer steps (complete once it holds `STABLE`)."""
+    return broadcasts_root(output_dir) / step_name(step)
+
+
+def broadcast_staging_dir(output_dir: PathLike, step: int) -> Path:
+    """Where a publish writes before renaming into `broadcast_dir` (hidden from `published_steps`)."""
+    return broadcasts_root(output_dir) / f".{step_name(step)}.tmp"
+
+
+def rollouts_root(output_dir: PathLike) -> Path:
+    return Path(output_dir) / "rollouts"
+
+
+def rollout_step_dir(output_dir: PathLike, step: int) -> Path:
+    return rollouts_root(output_dir) / step_name(step)
+
+
+def rollout_rank_file(output_dir: PathLike, step: int, rank: int) -> Path:
+    """The batch of `step` for trainer rank `rank`."""
+    return rollout_step_dir(output_dir, step) / f"rank_{rank}.safetensors"
+
+
+def metrics_path(output_dir: PathLike) -> Path:
+    """Whole steps, the orchestrator's figures merged with the trainer's (see arbor.monitor.metrics)."""
+    return Path(output_dir) / "metrics.jsonl"
+
+
+def process_metrics_path(output_dir: PathLike, process: str) -> Path:
+    """One process's own per-step figures: `metrics/<process>.jsonl` (trainer, orchestrator, sft)."""
+    return Path(output_dir) / "metrics" / f"{process}.jsonl"
+
+
+def trainer_metrics_path(output_dir: PathLike) -> Path:
+    return process_metrics_path(output_dir, "trainer")
+
+
+def orchestrator_metrics_path(output_dir: PathLike) -> Path:
+    return process_metrics_path(output_dir, "orchestrator")
+
+
+def all_metrics_paths(output_dir: PathLike) -> list[Path]:
+    """The per-step files a resume truncates to the steps before its checkpoint."""
+    return [metrics_path(output_dir), trainer_metrics_path(output_dir), orchestrator_metrics_path(output_dir)]
+
+
+def eval_path(output_dir: PathLike) -> Path:
+    return Path(output_dir) / "eval.jsonl"
+
+
+def timings_path(output_dir: PathLike) -> Path:
+    """Each launch's per-process wall-clock seconds (`rl` appends, arbor-report reads)."""
+    return Path(output_dir) / "timings.jsonl"
+
+
+def heartbeats_dir(output_dir: PathLike) -> Path:
+    return Path(output_dir) / "heartbeats"
+
+
+def logs_dir(output_dir: PathLike) -> Path:
+    return Path(output_dir) / "logs"
+
+
+def stacks_dir(output_dir: PathLike) -> Path:
+    return logs_dir(output_dir) / "stacks"
+
+
+def configs_dir(output_dir: PathLike) -> Path:
+    return Path(output_dir) / "configs"
+
+
+def sft_model_dir(output_dir: PathLike) -> Path:
+    """The warm-up (SFT) model that RL starts from when `[sft] steps` is set."""
+    return Path(output_dir) / "sft"
+
+
+def gateway_url_path(output_dir: PathLike) -> Path:
+    """The agents' gateway writes its base URL here once bound (its port may be chosen at start)."""
+    return Path(output_dir) / "gateway_url"
+
+
+# ---- step listings ----
+
+def _steps(root: Path, complete: Callable[[Path], bool]) -> list[int]:
+    """The N of every `root/step_N` that `complete` accepts, ascending."""
     if not root.is_dir():
         return []
     steps = []
     for p in root.iterdir():
         m = _STEP.match(p.name)
-        if m and (p / "trainer").is_dir():
+        if m and complete(p):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
 
-def completed_checkpoints(output_dir: str | Path) -> list[int]:
+def trainer_steps(output_dir: PathLike) -> list[int]:
+    """Steps with a trainer checkpoint directory, complete or not."""
+    return _steps(checkpoints_root(output_dir), lambda p: (p / "trainer").is_dir())
+
+
+def completed_checkpoints(output_dir: PathLike) -> list[int]:
     """Steps whose trainer checkpoint is complete (has `DONE`), oldest first."""
-    return [s for s in trainer_steps(output_dir) if (checkpoint_dir(output_dir, s) / DONE).exists()]
+    return _steps(checkpoints_root(output_dir), lambda p: (p / "trainer" / DONE).exists())
 
 
-def latest_checkpoint(output_dir: str | Path) -> int | None:
+def latest_checkpoint(output_dir: PathLike) -> int | None:
     """The newest step with a complete trainer checkpoint, or None."""
     steps = completed_checkpoints(output_dir)
     return steps[-1] if steps else None
+
+
+def published_steps(output_dir: PathLike) -> list[int]:
+    """Steps whose published weights are complete (have `STABLE`), oldest first."""
+    return _steps(broadcasts_root(output_dir), lambda p: (p / STABLE).exists())
+
+
+def latest_published(output_dir: PathLike) -> int | None:
+    steps = published_steps(output_dir)
+    return steps[-1] if steps else None
+
+
+def rollout_steps(output_dir: PathLike) -> list[int]:
+    """Steps with a rollouts directory (whole or being written)."""
+    return _steps(rollouts_root(output_dir), Path.is_dir)
+
+
+# ---- retention ----
+
+def _remove_step_dir_if_empty(output_dir: PathLike, step: int) -> None:
+    d = checkpoint_step_dir(output_dir, step)
+    if d.is_dir() and not any(d.iterdir()):
+        d.rmdir()
+
+
+def prune_checkpoints(output_dir: PathLike, keep: int) -> None:
+    """Keeps the `keep` newest complete trainer checkpoints; removes older trainer state (complete or not).
+
+    The orchestrator's state beside it is pruned on its own schedule (`prune_orchestrator_states`), so a step
+    directory goes only once both are gone."""
+    done = completed_checkpoints(output_dir)
+    if len(done) <= keep:
+        return
+    oldest_kept = done[-keep]
+    for step in trainer_steps(output_dir):
+        if step < oldest_kept:
+            shutil.rmtree(checkpoint_dir(output_dir, step), ignore_errors=True)
+            _remove_step_dir_if_empty(output_dir, step)
+
+
+def prune_orchestrator_states(output_dir: PathLike, below_step: int) -> None:
+    """Removes orchestrator states older than the oldest step a resume could still start from."""
+    for step in _steps(checkpoints_root(output_dir), lambda p: (p / ORCHESTRATOR_STATE).exists()):
+        if step < below_step:
+            orchestrator_state_path(output_dir, step).unlink()
+            _remove_step_dir_if_empty(output_dir, step)
+
+
+def prune_published(output_dir: PathLike, keep: int) -> None:
+    """Keeps the `keep` newest published weight directories (`keep` <= 0: all of them)."""
+    for step in published_steps(output_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(broadcast_dir(output_dir, step), ignore_errors=True)
+
+
+def clear_after(output_dir: PathLike, start: int, keep_published_start: bool) -> None:
+    """Removes what an earlier attempt left past `start`, where a run (re)starts: rollouts of steps >= `start`,
+    published weights of steps > `start` (and `start`'s own unless `keep_published_start`), and heartbeats,
+    whose pids may now belong to someone else and must never be signalled."""
+    for step in rollout_steps(output_dir):
+        if step >= start:
+            shutil.rmtree(rollout_step_dir(output_dir, step))
+    for step in published_steps(output_dir):
+        if step > start or not keep_published_start:
+            shutil.rmtree(broadcast_dir(output_dir, step))
+    shutil.rmtree(heartbeats_dir(output_dir), ignore_errors=True)

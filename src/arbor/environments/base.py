@@ -28,6 +28,7 @@ import importlib
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from arbor.config.environment import EnvironmentConfig
+from arbor.environments.tools import tool_schema
 
 Task = dict[str, Any]
 """One dataset row. Built-ins keep the chat prompt under "prompt" and a reference answer under "answer"."""
@@ -107,8 +108,6 @@ def env_prompt_ids(env: Any, task: Task, tokenizer: Any) -> list[int]:
     """The first prompt's token ids, with the task's tool schemas for a multi-turn environment."""
     tools = None
     if is_multi_turn(env):
-        from arbor.environments.tools import tool_schema
-
         tools = [tool_schema(fn) for fn in env.tools(task)] or None
     return tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True, tools=tools)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from arbor.config.environment import ContextConfig
+from arbor.environments.base import load_object
 
 SUMMARY_HEADER = "Summary of earlier turns:\n"
 Summariser = Callable[[list[dict[str, Any]]], str]
@@ -45,8 +46,6 @@ def turn_starts(messages: list[dict[str, Any]], head: int) -> list[int]:
 
 class ContextPolicy:
     def __init__(self, cfg: ContextConfig, summariser: Summariser | None = None) -> None:
-        from arbor.environments.base import load_object
-
         self.cfg = cfg
         self.summariser = summariser or (load_object(cfg.summariser) if cfg.strategy == "summarise" else None)
         self.edits = 0

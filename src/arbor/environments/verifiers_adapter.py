@@ -42,7 +42,7 @@ INSTALL_HINT = "the verifiers adapter needs the optional extra: uv sync --extra 
 
 
 def _vf() -> Any:
-    try:
+    try:  # optional: the `verifiers` extra
         import verifiers.v1 as vf
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from None

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.models.fp8 import dequantize_state
+from arbor.models import build_model, build_tokenizer
+from arbor.models.fp8 import apply_fp8, dequantize_state
 from arbor.models.hf import copy_state_into, fuse_experts
+from arbor.transport.weights import FilesystemTransport
 
 log = logging.getLogger("arbor.inference.engine")
 
@@ -153,8 +155,6 @@ class Engine:
         version: int = 0,
         weights: Any = None,
     ) -> None:
-        from arbor.transport.weights import FilesystemTransport
-
         # Loads published directories: checksums verified, bounded by the transport's timeout.
         self.weights = weights if weights is not None else FilesystemTransport()
         self.model = model.eval()
@@ -592,14 +592,9 @@ def _fail(fut: concurrent.futures.Future, err: BaseException) -> None:
 
 def build_engine(cfg: Any) -> tuple[Engine, Any]:
     """The engine and tokenizer described by an `InferenceConfig` (not started)."""
-    from arbor.models import build_model, build_tokenizer
-    from arbor.models.fp8 import apply_fp8
-
     model = build_model(cfg.model)
     apply_fp8(model, cfg.model)  # the trainer's FP8 forward, so both sides compute alike
     tokenizer = build_tokenizer(cfg.model)
-    from arbor.transport.weights import FilesystemTransport
-
     w = cfg.weights
     engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
                     weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,

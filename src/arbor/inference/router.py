@@ -18,7 +18,7 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
 It adds little latency: one pooled aiohttp ClientSession, bodies forwarded as bytes, responses streamed through
 chunk by chunk, and JSON parsed only for consistent_hash requests without a session header.
 
-`vllm-router` (when installed and `implementation` allows): `vllm_router_argv` renders its command line. It does
+`vllm-router` (when installed and `implementation` allows; see arbor.transport.router) is exec'd instead. It does
 not implement arbor's admin routes, so `rl` then points the orchestrator's admin calls at the backends directly;
 least_outstanding maps to its load-aware `power_of_two` policy (the closest it offers).
 """
@@ -31,7 +31,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -42,38 +41,14 @@ from aiohttp import web
 
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
+from arbor.transport.http import start_site, write_ready_file
+from arbor.transport.router import METRIC_PREFIX, use_vllm_router, vllm_router_argv
 
 log = logging.getLogger("arbor.inference.router")
 
 RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
 ADMIN = ("/update_weights", "/pause", "/resume", "/abort_requests")
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
-VLLM_ROUTER_POLICY = {"round_robin": "round_robin", "least_outstanding": "power_of_two", "consistent_hash": "consistent_hash"}
-
-
-def vllm_router_argv(cfg: RouterConfig, backends: list[str], port: int, exe: str = "vllm-router") -> list[str]:
-    """The `vllm-router` command line for these backends (its flags follow the sglang-router lineage)."""
-    return [
-        exe, "--host", cfg.host, "--port", str(port), "--worker-urls", *backends,
-        "--policy", VLLM_ROUTER_POLICY[cfg.policy],
-        "--health-check-interval-secs", str(max(1, round(cfg.health_interval))),
-        "--health-check-timeout-secs", str(max(1, round(cfg.health_timeout))),
-        "--health-failure-threshold", str(cfg.eject_after),
-        "--retry-max-retries", str(cfg.max_retries),
-        "--request-timeout-secs", str(max(1, round(cfg.request_timeout))),
-    ]
-
-
-def use_vllm_router(cfg: RouterConfig) -> str | None:
-    """The vllm-router executable to use, or None for the built-in router."""
-    if cfg.implementation == "builtin":
-        return None
-    exe = shutil.which("vllm-router")
-    if exe is None and cfg.implementation == "vllm-router":
-        raise ConfigError("inference.router.implementation = 'vllm-router' but no vllm-router is on PATH")
-    return exe
-
-
 def session_key(headers: Any, body: bytes) -> str | None:
     """The session id of a request: the X-Session-Id header, else the JSON body's session_id or user."""
     key = headers.get("X-Session-Id")
@@ -344,31 +319,16 @@ class Router:
         lines = []
         for name, value in self.stats().items():
             if not name.startswith("outstanding_"):
-                lines.append(f"arbor_router_{name} {value}")
+                lines.append(f"{METRIC_PREFIX}{name} {value}")
         for b in self.backends:
-            lines.append(f'arbor_router_outstanding{{backend="{b.url}"}} {b.outstanding}')
-            lines.append(f'arbor_router_backend_healthy{{backend="{b.url}"}} {int(b.healthy)}')
-            lines.append(f'arbor_router_backend_requests{{backend="{b.url}"}} {b.requests}')
-            lines.append(f'arbor_router_backend_errors{{backend="{b.url}"}} {b.errors}')
+            lines.append(f'{METRIC_PREFIX}outstanding{{backend="{b.url}"}} {b.outstanding}')
+            lines.append(f'{METRIC_PREFIX}backend_healthy{{backend="{b.url}"}} {int(b.healthy)}')
+            lines.append(f'{METRIC_PREFIX}backend_requests{{backend="{b.url}"}} {b.requests}')
+            lines.append(f'{METRIC_PREFIX}backend_errors{{backend="{b.url}"}} {b.errors}')
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-def parse_router_metrics(text: str) -> dict[str, float]:
-    """The fleet-wide `arbor_router_*` counters of a /metrics page (empty when it is not a router's)."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("arbor_router_") and "{" not in line:
-            name, _, value = line.partition(" ")
-            try:
-                out[name[len("arbor_router_"):]] = float(value)
-            except ValueError:
-                continue
-    return out
-
-
 async def serve(cfg: RouterConfig) -> None:
-    from arbor.inference.server import start_site, write_ready_file
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

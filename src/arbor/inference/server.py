@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
-array with its dtype and shape, see arbor.transport.batch.encode_routes), GET /health, GET /v1/models, GET /metrics
+array with its dtype and shape, see arbor.transport.routes.encode_routes), GET /health, GET /v1/models, GET /metrics
 (Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume, and
 POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts): a generation request may carry a
 client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
@@ -21,25 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from arbor.transport.batch import encode_routes
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
-from arbor.inference.http import BadRequest, error_middleware, get_field, read_json_object
 from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.monitor.heartbeat import beat, install
+from arbor.transport.http import BadRequest, error_middleware, get_field, read_json_object, start_site, write_ready_file
+from arbor.transport.routes import encode_routes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
     from arbor.inference.engine import Engine, RequestOutput
 
 log = logging.getLogger("arbor.inference.server")
@@ -342,33 +340,6 @@ class InferenceServer:
 
 # ---- running ----
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Binds `app`; returns the runner and the base URL (with the real port when `port` is 0)."""
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts its engine request.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise OSError(e.errno, f"cannot bind {host}:{port}: {e.strerror}") from None
-    bound = runner.addresses[0][1]
-    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    if ":" in shown:
-        shown = f"[{shown}]"
-    return runner, f"http://{shown}:{bound}"
-
-
-def write_ready_file(path: str | Path, url: str) -> None:
-    """Writes the URL under a temporary name and renames it, so readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(url + "\n")
-    tmp.replace(path)
-
-
 class BackgroundServer:
     """Serves an engine from an event loop in a daemon thread (tests, notebooks); `url` once constructed."""
 
@@ -422,8 +393,6 @@ async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> None:
 
 
 async def _heartbeats(cfg: InferenceConfig, engine: "Engine") -> None:
-    from arbor.monitor.heartbeat import beat, install
-
     install(cfg.output_dir, "inference", "serving")
     while True:  # the event loop beats, so a blocked loop shows as a stale heartbeat
         s = engine.stats()
@@ -437,10 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.backend == "vllm":
-        from arbor.inference import vllm_adapter
+        from arbor.inference import vllm_adapter  # the vLLM backend (the `gpu` extra), loaded only when chosen
 
         vllm_adapter.require_vllm()
         return vllm_adapter.run(cfg)
+    # The local engine loads torch: only once the config is known to be valid.
     import torch
 
     from arbor.inference.engine import build_engine

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from arbor.monitor.metrics import metrics_path, read_jsonl
+from arbor.monitor.metrics import read_jsonl
+from arbor.run_dir import metrics_path
 
 COLUMNS = (
     ("reward/mean", "reward", "{:.3f}"),

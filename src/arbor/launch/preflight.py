@@ -23,6 +23,9 @@ from typing import Any, Iterator
 from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
+from arbor.environments.base import BUILTINS
+from arbor.models.args import ModelArgs
+from arbor.models.presets import PRESETS
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Config values that name a backend -> the module it needs (a key named `backend` or ending in `_backend`).
@@ -40,6 +43,7 @@ def run_checks(cfg: RLConfig) -> None:
     check_environment(cfg.orchestrator.environment.id)
     check_plugins(cfg)
     check_dataset(cfg)
+    check_extras(cfg)
     check_backends(cfg)
     check_gpus(cfg)
     check_port(cfg)
@@ -57,9 +61,6 @@ def estimate_run_bytes(cfg: RLConfig) -> int:
 
 
 def model_params(model: ModelConfig) -> int:
-    from arbor.models.args import ModelArgs
-    from arbor.models.presets import PRESETS
-
     args = PRESETS.get(model.name) or ModelArgs.from_dir(model.name)
     return args.num_params()
 
@@ -93,8 +94,6 @@ def check_port(cfg: RLConfig) -> None:
 
 
 def check_model_files(model: ModelConfig) -> None:
-    from arbor.models.presets import PRESETS
-
     if model.name in PRESETS:
         return
     path = Path(model.name)
@@ -109,8 +108,6 @@ def check_model_files(model: ModelConfig) -> None:
 
 
 def check_environment(env_id: str) -> None:
-    from arbor.environments.base import BUILTINS
-
     path = BUILTINS.get(env_id, env_id)
     module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
     if not module:
@@ -135,10 +132,22 @@ def check_plugins(cfg: RLConfig) -> None:
             raise PreflightError(f"{field} {value!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
 
 
+def check_extras(cfg: RLConfig) -> None:
+    """Optional features need their extra installed."""
+    if cfg.wandb is not None and not _importable("wandb"):
+        raise PreflightError("[wandb] is set but wandb is not installed (the `wandb` extra: uv sync --extra wandb)")
+
+
 def check_dataset(cfg: RLConfig) -> None:
     if not cfg.sft.steps or not cfg.sft.data:
         return
     path = Path(cfg.sft.data)
+    if path.suffix == ".parquet":
+        if not path.is_file():
+            raise PreflightError(f"sft.data {path} does not exist")
+        if not _importable("pyarrow"):
+            raise PreflightError(f"sft.data {path}: parquet data needs pyarrow (the `parquet` extra: uv sync --extra parquet)")
+        return
     try:
         with open(path) as f:
             first = f.readline()

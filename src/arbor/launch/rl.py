@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -26,12 +25,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tomli_w import dumps
+
+from arbor import run_dir
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import RLConfig
-from tomli_w import dumps
 from arbor.launch.console import Console
+from arbor.launch.preflight import run_checks
 from arbor.launch.process import Supervisor, tail
+from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
+from arbor.monitor.metrics import truncate_jsonl
+from arbor.transport.router import use_vllm_router, vllm_router_argv
 
 
 class ChildFailed(RuntimeError):
@@ -62,8 +67,6 @@ def resolve(cfg: RLConfig) -> RLConfig:
     if inf.replicas == 1:
         cfg.orchestrator.client.base_urls = [f"http://{host}:{inf.port}"]
     else:
-        from arbor.inference.router import use_vllm_router  # aiohttp: only imported when there is a router
-
         ports = [inf.port] + [free_port() for _ in range(inf.replicas - 1)]
         inf.router.backends = [f"http://{host}:{p}" for p in ports]
         if inf.router.port == 0:
@@ -73,14 +76,14 @@ def resolve(cfg: RLConfig) -> RLConfig:
         # vllm-router has no admin routes: weight updates then go to every backend directly.
         cfg.orchestrator.client.admin_urls = inf.router.backends if use_vllm_router(inf.router) else []
     if cfg.sft.steps:
-        warm = cfg.model.model_copy(update={"name": str(cfg.output_dir / "sft"), "tokenizer": None})
+        warm = cfg.model.model_copy(update={"name": str(run_dir.sft_model_dir(cfg.output_dir)), "tokenizer": None})
         for section in (cfg.trainer, cfg.orchestrator, cfg.inference):
             section.model = warm
     return cfg
 
 
 def write_configs(cfg: RLConfig) -> Path:
-    out = cfg.output_dir / "configs"
+    out = run_dir.configs_dir(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl.toml").write_text(dumps(cfg.to_toml_dict()))
     for name in ("trainer", "orchestrator", "inference", "sft"):
@@ -91,25 +94,14 @@ def write_configs(cfg: RLConfig) -> Path:
 
 def prepare_run_dir(cfg: RLConfig) -> int:
     """Returns the step the run starts at; clears what a previous attempt left past that step."""
-    from arbor.monitor.metrics import all_metrics_paths, truncate_jsonl
-    from arbor.run_dir import latest_checkpoint
-    from arbor.transport.weights import broadcast_dir, published_steps
-
     out = cfg.output_dir
-    start = latest_checkpoint(out) if cfg.resume else None
-    if not cfg.resume and latest_checkpoint(out) is not None:
+    latest = run_dir.latest_checkpoint(out)
+    if not cfg.resume and latest is not None:
         raise ConfigError(f"output_dir {out} holds checkpoints of an earlier run: pass --resume, or choose another --output-dir")
-    start = start or 0
-    for d in (out / "rollouts").glob("step_*"):
-        if int(d.name.split("_")[1]) >= start:
-            shutil.rmtree(d)
-    for step in published_steps(out):
-        if step > start or not cfg.resume:
-            shutil.rmtree(broadcast_dir(out, step))
-    for path in all_metrics_paths(out):
+    start = (latest if cfg.resume else None) or 0
+    run_dir.clear_after(out, start, keep_published_start=cfg.resume)
+    for path in run_dir.all_metrics_paths(out):
         truncate_jsonl(path, start)
-    # Heartbeats of an earlier attempt name pids that may now belong to someone else: never signal those.
-    shutil.rmtree(out / "heartbeats", ignore_errors=True)
     return start
 
 
@@ -176,8 +168,6 @@ class Fleet:
 
 
 def router_argv(cfg: RLConfig, conf: Path) -> list[str]:
-    from arbor.inference.router import use_vllm_router, vllm_router_argv
-
     exe = use_vllm_router(cfg.inference.router)
     if exe is not None:
         return vllm_router_argv(cfg.inference.router, cfg.inference.router.backends, cfg.inference.router.port, exe)
@@ -218,18 +208,18 @@ def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, .
 def record_timings(output_dir: Path, sup: Supervisor) -> None:
     """Appends each process's wall-clock seconds of this launch to `timings.jsonl` (arbor-report's cost figure)."""
     row = {name: round(c.ended - c.started, 3) for name, c in sup.children.items() if c.ended is not None}
-    with open(output_dir / "timings.jsonl", "a") as f:
+    with open(run_dir.timings_path(output_dir), "a") as f:
         f.write(json.dumps({"time": time.time(), "seconds": row}) + "\n")
 
 
 def run(cfg: RLConfig) -> int:
     start = prepare_run_dir(cfg)
-    conf = cfg.output_dir / "configs"
-    sup = Supervisor(cfg.output_dir / "logs", child_env())
+    conf = run_dir.configs_dir(cfg.output_dir)
+    sup = Supervisor(run_dir.logs_dir(cfg.output_dir), child_env())
     console = Console(cfg.output_dir, cfg.max_steps, start)
-    console.say(f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {cfg.output_dir / 'logs'})")
+    console.say(f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})")
     try:
-        if cfg.sft.steps and not (cfg.output_dir / "sft" / "config.json").exists():
+        if cfg.sft.steps and not (run_dir.sft_model_dir(cfg.output_dir) / "config.json").exists():
             console.say(f"SFT warm-up: {cfg.sft.steps} steps")
             sup.start("sft", [sys.executable, "-m", "arbor.trainer.sft", "@", str(conf / "sft.toml")])
             finished: set[str] = set()
@@ -255,11 +245,11 @@ def run(cfg: RLConfig) -> int:
                 dumps = watchdog.dump_stacks()
                 raise Stalled(
                     f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); stacks of {len(dumps)} "
-                    f"processes in {cfg.output_dir / 'logs' / 'stacks'}; last heartbeats:\n{watchdog.diagnosis()}"
+                    f"processes in {run_dir.stacks_dir(cfg.output_dir)}; last heartbeats:\n{watchdog.diagnosis()}"
                 )
             time.sleep(0.2)
         console.poll()
-        console.say(f"done: {cfg.output_dir / 'metrics.jsonl'}")
+        console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
         return 0
     except ChildFailed as e:
         console.say(f"rl: error: {e}", err=True)
@@ -279,18 +269,14 @@ def run(cfg: RLConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(RLConfig, argv, prog="rl")
     if cfg.slurm is not None:
-        from arbor.launch.slurm import submit
-
         write_configs(resolve(cfg.model_copy(deep=True)))
         return submit(cfg, cfg.dry_run)
     if not cfg.dry_run:
-        from arbor.launch.preflight import run_checks
-
         run_checks(cfg)  # before resolve(): an explicitly set port is still marked as set
     cfg = resolve(cfg)
     write_configs(cfg)
     if cfg.dry_run:
-        print(f"resolved configs written to {cfg.output_dir / 'configs'}")
+        print(f"resolved configs written to {run_dir.configs_dir(cfg.output_dir)}")
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

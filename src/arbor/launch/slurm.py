@@ -20,9 +20,11 @@ import sys
 from pathlib import Path
 from string import Template
 
+from tomli_w import dumps
+
 from arbor.config.loader import ConfigError
 from arbor.config.rl import SECTIONS, SHARED, RLConfig
-from tomli_w import dumps
+from arbor.run_dir import configs_dir, logs_dir, metrics_path
 
 PROJECT = Path(__file__).resolve().parents[3]
 
@@ -74,7 +76,7 @@ def render(cfg: RLConfig, project: Path = PROJECT, python: str = sys.executable)
         python = "python"
     q = shlex.quote
     values = dict(
-        job_name=q(s.job_name), time=s.time, log_file=str(out / "logs" / "slurm-%j.out"),
+        job_name=q(s.job_name), time=s.time, log_file=str(logs_dir(out) / "slurm-%j.out"),
         sbatch_lines="\n".join(x for x in lines if x), script=q(str(out / "rl.sbatch")),
         setup="\n".join(s.setup), project=q(str(project)), output_dir=q(str(out)), python=q(python) if python != "python" else python,
         srun_opts=srun_opts,
@@ -85,7 +87,7 @@ def render(cfg: RLConfig, project: Path = PROJECT, python: str = sys.executable)
             f'trap \'mkdir -p {q(str(out))} && cp -a "$run_dir/." {q(str(out))}/\' EXIT  # node-local run, copied back'
         )
         values.update(
-            local_dir=local, job_config=q(str(out / "configs" / "slurm_job.toml")),
+            local_dir=local, job_config=q(str(configs_dir(out) / "slurm_job.toml")),
             launch=f"srun --ntasks=1 {srun_opts}" if s.container_image else "exec",
         )
         return _Template((template_dir() / "single_node.sbatch").read_text()).substitute(values)
@@ -103,9 +105,9 @@ def render(cfg: RLConfig, project: Path = PROJECT, python: str = sys.executable)
 def submit(cfg: RLConfig, dry_run: bool) -> int:
     """Writes `<output_dir>/rl.sbatch` (and the job config); unless `dry_run`, submits it and prints the job id."""
     out = cfg.output_dir.resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)  # sbatch cannot create the --output directory
-    (out / "configs").mkdir(parents=True, exist_ok=True)
-    (out / "configs" / "slurm_job.toml").write_text(dumps(job_config(cfg)))
+    logs_dir(out).mkdir(parents=True, exist_ok=True)  # sbatch cannot create the --output directory
+    configs_dir(out).mkdir(parents=True, exist_ok=True)
+    (configs_dir(out) / "slurm_job.toml").write_text(dumps(job_config(cfg)))
     script = out / "rl.sbatch"
     script.write_text(render(cfg))
     script.chmod(0o755)
@@ -120,5 +122,5 @@ def submit(cfg: RLConfig, dry_run: bool) -> int:
         raise ConfigError(f"sbatch failed: {res.stderr.strip() or res.stdout.strip()}")
     job_id = res.stdout.strip().split(";")[0]
     print(f"submitted SLURM job {job_id}: {script}")
-    print(f"logs: {out / 'logs' / f'slurm-{job_id}.out'} (scheduler), {out / 'logs'}/*.log (processes); metrics: {out / 'metrics.jsonl'}")
+    print(f"logs: {logs_dir(out) / f'slurm-{job_id}.out'} (scheduler), {logs_dir(out)}/*.log (processes); metrics: {metrics_path(out)}")
     return 0

@@ -16,7 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from arbor.monitor.heartbeat import read_heartbeats, stacks_dir
+from arbor.monitor.heartbeat import read_heartbeats
+from arbor.run_dir import stacks_dir
 
 
 class Watchdog:

@@ -10,24 +10,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from arbor.config.model import ModelConfig
 from arbor.models.args import ModelArgs
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-if TYPE_CHECKING:
-    from arbor.config.model import ModelConfig
+if TYPE_CHECKING:  # an annotation only: importing the model class would load torch
     from arbor.models.qwen3 import Qwen3ForCausalLM
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def model_args(cfg: "ModelConfig") -> ModelArgs:
+def model_args(cfg: ModelConfig) -> ModelArgs:
     if cfg.name in PRESETS:
         return PRESETS[cfg.name]
     return ModelArgs.from_dir(cfg.name)
 
 
-def build_tokenizer(cfg: "ModelConfig") -> Tokenizer:
+def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     if cfg.tokenizer is not None:
         return load_tokenizer(cfg.tokenizer)
     if cfg.name in PRESETS:
@@ -35,8 +35,9 @@ def build_tokenizer(cfg: "ModelConfig") -> Tokenizer:
     return load_tokenizer(cfg.name)
 
 
-def build_model(cfg: "ModelConfig", device: str = "cpu", load: bool = True) -> "Qwen3ForCausalLM":
+def build_model(cfg: ModelConfig, device: str = "cpu", load: bool = True) -> "Qwen3ForCausalLM":
     """The dense or MoE (a Qwen3ForCausalLM subclass) or DeepSeek sparse attention (DeepseekV32ForCausalLM) model on `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
+    # Building loads torch; the package itself stays without it for the launcher and config checks (presets, args).
     import torch
 
     from arbor.models.deepseek_v32 import DeepseekV32ForCausalLM

@@ -17,6 +17,7 @@ FlexAttention block mask from the same predicate (`tree_mask_mod`), so masked-ou
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def packed_causal_mask(seq_lens: torch.Tensor | list[int], total_len: int | None = None) -> torch.Tensor:
@@ -76,8 +77,6 @@ def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, bl
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
     """Attention `[B, H, T, D]` under `mask`: None (plain causal), a boolean tensor (SDPA) or a FlexAttention
     `BlockMask` (flex_attention, compiled where Triton is available, eager otherwise)."""
-    import torch.nn.functional as F
-
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):

@@ -27,162 +27,16 @@ updated (no auxiliary-loss-free balancing in training), and there is no auxiliar
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arbor.models.args import DSAArgs
 from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
-from arbor.models.qwen3 import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from arbor.models.qwen3 import MLP, RMSNorm, RotaryEmbedding, apply_rope, embed, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
-
-DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
-
-
-@dataclasses.dataclass
-class DSAArgs:
-    """Architecture of a DeepSeek-V3.2 decoder (Hugging Face field names). `n_routed_experts = 0`: dense MLPs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    q_lora_rank: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000.0
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    rope_interleave: bool = True
-    """MLA's RoPE on consecutive pairs (DeepSeek's layout); False: on halves."""
-    indexer_rope_interleave: bool = False
-    """The indexer's RoPE layout: halves for DeepSeek-V3.2 (the reference's 2025-11 fix), pairs for GLM-5."""
-    rope_scaling: dict[str, Any] | None = None
-    """None (plain RoPE) or YaRN as in DeepSeek's config: {"rope_type": "yarn", "factor", "original_max_position_embeddings",
-    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}."""
-    architecture: str = "DeepseekV32ForCausalLM"
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 0
-    n_shared_experts: int = 0
-    first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    num_nextn_predict_layers: int = 0
-    """Multi-token-prediction (MTP) layers that DeepSeek-V3.2 / GLM-5 checkpoints store after the decoder layers
-    (`model.layers.{num_hidden_layers + i}`). arbor neither trains nor serves them: their weights are skipped on
-    load (arbor.models.hf.load_weights)."""
-
-    is_dsa = True
-
-    def __post_init__(self) -> None:
-        if self.index_head_dim < self.qk_rope_head_dim:
-            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim})")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "yarn":
-            raise ValueError(f"unsupported rope scaling {self.rope_scaling!r}; the DSA model implements default RoPE and YaRN")
-        if self.index_topk < 1:
-            raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
-        if self.is_moe and (self.n_routed_experts % self.n_group or self.topk_group > self.n_group):
-            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts}) "
-                             f"and be >= topk_group ({self.topk_group})")
-
-    # -- the interface the rest of arbor reads (same names as ModelArgs) --------------------------------------
-    @property
-    def num_experts(self) -> int:
-        return self.n_routed_experts
-
-    @property
-    def is_moe(self) -> bool:
-        return self.n_routed_experts > 0
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.is_moe and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def cache_width(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
-
-    _FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-               "index_head_dim", "index_topk", "q_lora_rank", "rms_norm_eps", "tie_word_embeddings",
-               "max_position_embeddings", "rope_interleave", "indexer_rope_interleave", "n_routed_experts", "num_experts_per_tok",
-               "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group",
-               "topk_group", "norm_topk_prob", "routed_scaling_factor", "num_nextn_predict_layers")
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "DSAArgs":
-        arch = (cfg.get("architectures") or ["DeepseekV32ForCausalLM"])[0]
-        if arch not in DSA_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r} for a DSA model; arbor loads {sorted(DSA_ARCHITECTURES)}")
-        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", "yarn", None):
-            raise ValueError(f"unsupported rope scaling {kind!r}; arbor's DSA model implements default RoPE and YaRN")
-        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError("arbor's DSA MoE implements scoring_func = 'sigmoid' with topk_method = 'noaux_tc'")
-        kwargs = {f: cfg[f] for f in cls._FIELDS if cfg.get(f) is not None}
-        kwargs["rope_theta"] = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
-        if kind == "yarn":
-            kwargs["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": "yarn"}
-        kwargs.setdefault("indexer_rope_interleave", arch == "GlmMoeDsaForCausalLM")  # GLM-5's default
-        if cfg.get("mlp_layer_types"):  # GLM-5 lists dense/sparse per layer; arbor supports a dense prefix
-            types = list(cfg["mlp_layer_types"])
-            k = types.index("sparse") if "sparse" in types else len(types)
-            if any(t != "sparse" for t in types[k:]):
-                raise ValueError(f"mlp_layer_types {types}: arbor supports dense layers followed by sparse ones only")
-            kwargs["first_k_dense_replace"] = k
-        return cls(architecture=arch, **kwargs)
-
-    def to_hf_config(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"architectures": [self.architecture], "model_type": DSA_ARCHITECTURES[self.architecture]}
-        out.update({f: getattr(self, f) for f in self._FIELDS})
-        rope = dict(self.rope_scaling or {"rope_type": "default"}) | {"rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            out["rope_scaling"] = dict(self.rope_scaling) | {"type": "yarn"}
-        out.update(
-            num_key_value_heads=self.num_attention_heads, rope_theta=self.rope_theta,
-            rope_parameters=rope, hidden_act="silu",
-            attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", torch_dtype="float32",
-        )
-        return out
-
-    def num_params(self) -> int:
-        h, H, L = self.hidden_size, self.num_attention_heads, self.num_hidden_layers
-        qin = self.q_lora_rank or h
-        q = (h * self.q_lora_rank + self.q_lora_rank if self.q_lora_rank else 0) + qin * H * self.qk_head_dim
-        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-        kv += self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * h
-        idx = qin * self.index_n_heads * self.index_head_dim + h * self.index_head_dim + 2 * self.index_head_dim
-        idx += h * self.index_n_heads
-        moe = 3 * h * self.moe_intermediate_size * (self.n_routed_experts + self.n_shared_experts)
-        moe += self.n_routed_experts * (h + 1)
-        n_moe = len(self.moe_layers)
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * (q + kv + idx + 2 * h) + n_moe * moe + (L - n_moe) * 3 * h * self.intermediate_size + emb + h
-
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
@@ -454,10 +308,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(position_ids)
+        x, rope, position_ids = embed(self.model, input_ids, position_ids)
         chosen = []
         for layer in self.model.layers:
             replay = routed_experts[:, :, len(chosen)] if routed_experts is not None and layer.is_moe else None
@@ -465,10 +316,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             if idx is not None:
                 chosen.append(idx)
         self.last_routed_experts = torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
-        x = self.model.norm(x)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return self.lm_head(x)
+        return lm_logits(self, x, logits_to_keep)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic initialisation from `seed`: norms 1 (LayerNorm biases and router biases 0), the rest

@@ -121,7 +121,7 @@ def _deep_gemm():
     """DeepGEMM's `fp8_gemm_nt`: the standalone package (see scripts/install_deep_kernels.sh), else vLLM's copy.
 
     Returns (function, extra kwargs keeping our fp32 scales as they are) or None."""
-    try:
+    try:  # optional GPU kernels (scripts/install_deep_kernels.sh); the fallbacks below cover their absence
         import deep_gemm
 
         return deep_gemm.fp8_gemm_nt, {"disable_ue8m0_cast": True}

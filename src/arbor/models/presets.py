@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from arbor.models.args import ModelArgs
-from arbor.models.deepseek_v32 import DSAArgs
+from arbor.models.args import DSAArgs, ModelArgs
 
 BYTE_VOCAB = 264  # 259 byte-tokenizer ids padded to a multiple of 8
 

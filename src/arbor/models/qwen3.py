@@ -124,6 +124,25 @@ class Qwen3Backbone(nn.Module):
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta)
 
 
+def embed(backbone: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The forward prologue of every arbor decoder: (token embeddings, RoPE cos/sin, position ids), positions
+    defaulting to 0..T-1 in each row. `backbone` has `embed_tokens` and `rotary_emb`."""
+    B, T = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+    return backbone.embed_tokens(input_ids), backbone.rotary_emb(position_ids), position_ids
+
+
+def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """The forward epilogue: final norm and language-model head, on the last `logits_to_keep` positions only
+    when it is > 0 (prefill). `model` has `model.norm` and `lm_head`."""
+    x = model.model.norm(x)
+    if logits_to_keep:
+        x = x[:, -logits_to_keep:]
+    return model.lm_head(x)
+
+
 class Qwen3ForCausalLM(nn.Module):
     """Decoder with a language-model head; `forward` returns logits `[B, T, vocab]` (fp32 upcast left to callers)."""
 
@@ -151,17 +170,10 @@ class Qwen3ForCausalLM(nn.Module):
         """`attn_mask` `[B, 1, T, T]` (True = attend) or a FlexAttention `BlockMask` (arbor.models.attention)
         overrides plain causal attention; with `kv_cache` the mask comes from the cache. `logits_to_keep > 0`
         computes logits for the last positions only (prefill)."""
-        B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(position_ids)
+        x, rope, position_ids = embed(self.model, input_ids, position_ids)
         for layer in self.model.layers:
             x = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots)
-        x = self.model.norm(x)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return self.lm_head(x)
+        return lm_logits(self, x, logits_to_keep)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic initialisation from `seed` (same weights in every process that calls it)."""

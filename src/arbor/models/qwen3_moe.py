@@ -20,12 +20,14 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 
 from arbor.models.args import ModelArgs
 from arbor.models.attention import KVCache
-from arbor.models.qwen3 import MLP, Attention, Qwen3Backbone, Qwen3ForCausalLM, RMSNorm
+from arbor.models.qwen3 import MLP, Attention, Qwen3Backbone, Qwen3ForCausalLM, RMSNorm, embed, lm_logits
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -200,10 +202,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 f"routed_experts has shape {tuple(routed_experts.shape)}, expected "
                 f"{(B, T, n_moe, self.args.num_experts_per_tok)} (tokens, MoE layers, top_k)"
             )
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(position_ids)
+        x, rope, position_ids = embed(self.model, input_ids, position_ids)
         all_logits, all_idx = [], []
         for layer in self.model.layers:
             replay = None
@@ -217,10 +216,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.aux_loss = None
         if self.training and all_logits:
             self.aux_loss = load_balancing_loss(all_logits, all_idx, self.args, self.aux_valid, self.aux_group)
-        x = self.model.norm(x)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return self.lm_head(x)
+        return lm_logits(self, x, logits_to_keep)
 
 
 def load_balancing_loss(
@@ -246,9 +242,6 @@ def load_balancing_loss(
     psum = (probs * w[:, None]).sum(0)
     n = w.sum()
     if group is not None:
-        import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce
-
         stats = torch.cat([counts, n[None]]).detach()
         dist.all_reduce(stats, group=group)
         counts, n = stats[:E], stats[E]

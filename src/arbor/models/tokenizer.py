@@ -154,7 +154,7 @@ class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (tokenizer.json / tokenizer_config.json)."""
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # seconds to import: only Hugging Face tokenizers pay for it
 
         self.path = str(path)
         self.name = self.path

@@ -5,7 +5,8 @@ threads, into `<output_dir>/logs/stacks/<name>.txt`) and writes `<output_dir>/he
 `{"name", "pid", "time", "doing"}`. `beat(doing)` rewrites that file (atomically, at most a few times a second)
 whenever the process starts waiting on or doing something new: "waiting for rollouts step 5", "generating step 7".
 The launcher's watchdog (`arbor.launch.watchdog`) reads the files to name the waiter and signals the pids to
-dump their stacks. Standard library only: the launcher imports this module without torch.
+dump their stacks. Paths come from arbor.run_dir. Standard library only: the launcher imports this module
+without torch.
 """
 
 from __future__ import annotations
@@ -18,15 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arbor.run_dir import heartbeats_dir, stacks_dir, write_text_atomic
+
 _state: dict[str, Any] = {}
-
-
-def heartbeat_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "heartbeats"
-
-
-def stacks_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "logs" / "stacks"
 
 
 def install(output_dir: str | Path, name: str, doing: str = "starting") -> None:
@@ -37,7 +32,7 @@ def install(output_dir: str | Path, name: str, doing: str = "starting") -> None:
     dump_file = open(stacks / f"{name}.txt", "a")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True, chain=False)
-    _state.update(dir=heartbeat_dir(output_dir), name=name, dump_file=dump_file, doing=None, written=0.0)
+    _state.update(dir=heartbeats_dir(output_dir), name=name, dump_file=dump_file, doing=None, written=0.0)
     _state["dir"].mkdir(parents=True, exist_ok=True)
     beat(doing)
 
@@ -51,16 +46,13 @@ def beat(doing: str, min_interval: float = 0.5) -> None:
         return
     _state["doing"], _state["written"] = doing, now
     record = {"name": _state["name"], "pid": os.getpid(), "time": now, "doing": doing}
-    path = _state["dir"] / _state["name"]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_text_atomic(_state["dir"] / _state["name"], json.dumps(record), fsync=False)
 
 
 def read_heartbeats(output_dir: str | Path) -> list[dict[str, Any]]:
     """Every process's last heartbeat, sorted by name; unreadable files are skipped (a write in flight)."""
     out = []
-    d = heartbeat_dir(output_dir)
+    d = heartbeats_dir(output_dir)
     if not d.is_dir():
         return out
     for path in sorted(d.iterdir()):

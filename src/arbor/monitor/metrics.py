@@ -16,23 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from arbor.run_dir import metrics_path, orchestrator_metrics_path, trainer_metrics_path
+
 log = logging.getLogger("arbor.monitor")
-
-
-def metrics_path(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "metrics.jsonl"
-
-
-def trainer_metrics_path(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "metrics" / "trainer.jsonl"
-
-
-def orchestrator_metrics_path(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "metrics" / "orchestrator.jsonl"
-
-
-def all_metrics_paths(output_dir: str | Path) -> list[Path]:
-    return [metrics_path(output_dir), trainer_metrics_path(output_dir), orchestrator_metrics_path(output_dir)]
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -122,7 +108,11 @@ def init_wandb(cfg, output_dir: str | Path, run_config: dict[str, Any]):
     """Starts a W&B run (offline when no API key is configured), or returns None when `cfg` is None."""
     if cfg is None:
         return None
-    import wandb
+    try:  # optional: the `wandb` extra, needed only when a [wandb] table is given
+        import wandb
+    except ImportError:
+        raise RuntimeError("[wandb] logging needs the wandb package: install arbor with the `wandb` extra "
+                           "(`uv sync --extra wandb` or `pip install 'arbor[wandb]'`)") from None
 
     offline = cfg.offline if cfg.offline is not None else not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb())
     return wandb.init(

@@ -22,7 +22,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from arbor.monitor.metrics import read_jsonl
+from arbor.run_dir import configs_dir, metrics_path, timings_path
 
 PLOTS = {
     "reward": (("reward/mean", "mean"), ("reward/max", "max")),
@@ -34,9 +37,9 @@ PLOTS = {
 
 
 def load_rows(out: Path) -> list[dict[str, Any]]:
-    rows = read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(metrics_path(out))
     if not rows:
-        raise SystemExit(f"arbor-report: error: {out / 'metrics.jsonl'} is missing or empty")
+        raise SystemExit(f"arbor-report: error: {metrics_path(out)} is missing or empty")
     for r in rows:
         if r.get("time/step"):
             r["wait_ratio"] = r.get("time/wait", 0.0) / r["time/step"]
@@ -44,14 +47,10 @@ def load_rows(out: Path) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a cluster node
-    import matplotlib.pyplot as plt
-
     paths = []
     for name, series in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        fig = Figure(figsize=(6.4, 3.6), dpi=100)  # no pyplot: no GUI backend, none needed on a cluster node
+        ax = fig.subplots()
         drawn = False
         for key, label in series:
             pts = [(r["step"] + 1, r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
@@ -75,14 +74,13 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path)
-        plt.close(fig)
         paths.append(path)
     return paths
 
 
 def pool_hours(out: Path, rows: list[dict[str, Any]]) -> tuple[float, float, bool]:
     """(inference hours, trainer hours, measured): from timings.jsonl, else the sum of time/step."""
-    timings = read_jsonl(out / "timings.jsonl")
+    timings = read_jsonl(timings_path(out))
     if timings:
         inf = sum(t["seconds"].get("inference", 0.0) for t in timings)
         tr = sum(t["seconds"].get("trainer", 0.0) + t["seconds"].get("sft", 0.0) for t in timings)
@@ -92,7 +90,7 @@ def pool_hours(out: Path, rows: list[dict[str, Any]]) -> tuple[float, float, boo
 
 
 def run_config(out: Path) -> dict[str, Any]:
-    path = out / "configs" / "rl.toml"
+    path = configs_dir(out) / "rl.toml"
     return tomllib.loads(path.read_text()) if path.exists() else {}
 
 

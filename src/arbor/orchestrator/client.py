@@ -26,7 +26,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from arbor.transport.batch import decode_routes
+from arbor.transport.routes import decode_routes
+from arbor.transport.router import parse_router_metrics
 
 log = logging.getLogger("arbor.orchestrator.client")
 
@@ -156,8 +157,6 @@ class InferenceClient:
 
     async def router_stats(self) -> dict[str, float]:
         """The router's fleet counters (retries, ejections, re-admissions) when `base_urls` is one router."""
-        from arbor.inference.router import parse_router_metrics
-
         assert self._session is not None
         if len(self.base_urls) != 1:
             return {}

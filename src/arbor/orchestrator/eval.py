@@ -1,25 +1,22 @@
-"""The `eval` entry point and the evaluation core that `rl` also runs periodically (`[orchestrator.eval]`).
+"""The evaluation core: the `eval` console script (arbor.eval) runs it once, `rl` periodically (`[orchestrator.eval]`).
 
 For each eval environment, the first `num_tasks` tasks of `dataset(seed)` are sampled `k` times; each sample is
 scored by the environment (reward components summed with its `reward_weights`). Reported per environment:
 `avg@k` (mean reward over all samples), `pass@k` (fraction of tasks with at least one sample whose reward
 reaches `solve_threshold`), `pass@1` (the unbiased single-sample solve rate c/n averaged over tasks), plus the
 mean completion length. Generation goes through the same token-ids-in API as training: a running server (the
-`InferenceClient`) or, standalone, arbor's local engine in this process.
+`InferenceClient`) or, standalone, arbor's local engine in the `eval` process (any `Generate` will do).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
-import time
 import zlib
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from arbor.config.eval import EvalConfig, EvalSettings
-from arbor.config.loader import load_config, main_guard
+from arbor.config.eval import EvalSettings
+from arbor.environments import env_prompt_ids, is_multi_turn, load_environment, total_reward
+from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes
 
 Generate = Callable[..., Awaitable[list[Any]]]
 """`InferenceClient.generate`'s signature: (prompt ids, n, max_tokens, temperature, top_p, seed) -> n completions
@@ -31,8 +28,6 @@ async def evaluate(generate: Generate, tokenizer: Any, cfg: EvalSettings, max_pr
     """avg@k / pass@k / pass@1 per environment, as `eval/<env id>/<figure>`. A multi-turn environment plays `k`
     whole episodes per task (tools run, context managed, as in training; `seq_len` bounds a branch) and each
     episode counts once with its reward; an episode its environment failed for good counts as reward 0."""
-    from arbor.environments import env_prompt_ids, is_multi_turn, load_environment, total_reward
-
     out: dict[str, float] = {}
     for env_cfg in cfg.environments:
         env = load_environment(env_cfg)
@@ -66,8 +61,6 @@ async def evaluate(generate: Generate, tokenizer: Any, cfg: EvalSettings, max_pr
 async def _episodes(generate: Generate, env, env_cfg, task: dict, tokenizer: Any, cfg: EvalSettings, seq_len: int,
                     seed: int, i: int) -> tuple[list[float], list[int]]:
     """`k` episodes of one multi-turn task: per episode its reward (shared by its branches) and its text length."""
-    from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes
-
     settings = EpisodeSettings(cfg.max_tokens, cfg.temperature, cfg.top_p, seq_len, env_cfg)
     rollouts = await run_group_episodes(generate, env, task, tokenizer, settings, cfg.k, seed, i)
     episodes: dict[int, list] = {}
@@ -82,69 +75,3 @@ async def _episodes(generate: Generate, env, env_cfg, task: dict, tokenizer: Any
 def client_generator(client, cfg: EvalSettings) -> Generate:
     """The fleet's `generate` (the settings come with each call)."""
     return client.generate
-
-
-def engine_generator(engine, cfg: EvalSettings) -> Generate:
-    from arbor.inference.sampling import SamplingParams
-
-    async def generate(prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float,
-                       seed: int | None = None) -> list[Any]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed)
-        engine.check(prompt, params)
-        out = await asyncio.wrap_future(engine.submit(prompt, params))
-        return sorted(out.completions, key=lambda c: c.index)
-
-    return generate
-
-
-async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
-    from arbor.models import build_tokenizer
-
-    tokenizer = build_tokenizer(cfg.model)
-    t0 = time.perf_counter()
-    if cfg.base_url:
-        from arbor.orchestrator.client import InferenceClient
-
-        async with InferenceClient([cfg.base_url], 600.0, 3) as client:
-            figures = await evaluate(client_generator(client, cfg), tokenizer, cfg, seq_len=cfg.seq_len)
-    else:
-        import torch
-
-        from arbor.inference.engine import Engine
-        from arbor.models import build_model
-
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        from arbor.models.fp8 import apply_fp8
-
-        model = build_model(cfg.model)
-        apply_fp8(model, cfg.model)
-        engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
-        engine.start()
-        try:
-            figures = await evaluate(engine_generator(engine, cfg), tokenizer, cfg, cfg.seq_len - cfg.max_tokens,
-                                     seq_len=cfg.seq_len)
-        finally:
-            engine.stop()
-    record = {"model": cfg.model.name, "k": cfg.k, "num_tasks": cfg.num_tasks, **figures,
-              "time/eval": time.perf_counter() - t0}
-    path = Path(cfg.output_dir) / "eval.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    return record
-
-
-@main_guard
-def main(argv: list[str] | None = None) -> int:
-    cfg = load_config(EvalConfig, argv, prog="eval")  # before torch: a bad config fails in milliseconds
-    record = asyncio.run(run_eval(cfg))
-    for key, value in record.items():
-        if key.startswith("eval/"):
-            print(f"{key}: {value:.4f}", file=sys.stderr)
-    print(json.dumps(record))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from arbor.inference.http import HTTPError, error_middleware, error_response, get_field, read_json_object
+from arbor.transport.http import HTTPError, error_middleware, error_response, get_field, read_json_object, start_site
 from arbor.orchestrator.client import InferenceError
 from arbor.orchestrator.trajectory import Trajectory, Turn
 
@@ -271,8 +271,6 @@ class Gateway:
         return app
 
     async def start(self) -> str:
-        from arbor.inference.server import start_site
-
         self._runner, self.url = await start_site(self.app(), self.cfg.host, self.cfg.port)
         log.info("gateway ready at %s (agents: OPENAI_BASE_URL=%s)", self.url, self.base_url("<session>"))
         return self.url

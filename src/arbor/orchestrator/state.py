@@ -1,9 +1,9 @@
 """The orchestrator's resumable state: which step comes next and where in the dataset it is.
 
 State for step N (the dataset position right after batch N-1 was collected) is written to
-`checkpoints/step_N/orchestrator.json` before batch N-1 is written, so it sits beside the trainer checkpoint
-taken after N optimizer steps and always exists when that checkpoint does (the trainer cannot take step N-1
-before its batch exists). A resume from trainer checkpoint N restores exactly the dataset position that
+`checkpoints/step_N/orchestrator.json` (`arbor.run_dir.orchestrator_state_path`) before batch N-1 is written,
+so it sits beside the trainer checkpoint taken after N optimizer steps and always exists when that checkpoint
+does (the trainer cannot take step N-1 before its batch exists). A resume from trainer checkpoint N restores exactly the dataset position that
 produced batch N the first time, plus the tasks that were launched but not yet trained (`pending`, relaunched
 first), so no task is skipped or repeated.
 """
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
+
+# prune_states: the orchestrator's name for the retention of its states, which the run directory owns.
+from arbor.run_dir import orchestrator_state_path, prune_orchestrator_states as prune_states, write_text_atomic  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -54,37 +56,12 @@ class TaskSampler:
         return task
 
 
-def state_path(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step_{step}" / "orchestrator.json"
-
-
 def save_state(output_dir: str | Path, state: OrchestratorState) -> None:
-    path = state_path(output_dir, state.step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(state)))
-    os.replace(tmp, path)
+    write_text_atomic(orchestrator_state_path(output_dir, state.step), json.dumps(dataclasses.asdict(state)))
 
 
 def load_state(output_dir: str | Path, step: int) -> OrchestratorState:
-    path = state_path(output_dir, step)
+    path = orchestrator_state_path(output_dir, step)
     if not path.exists():
         raise FileNotFoundError(f"cannot resume at step {step}: {path} is missing")
     return OrchestratorState(**json.loads(path.read_text()))
-
-
-def prune_states(output_dir: str | Path, below_step: int) -> None:
-    """Removes orchestrator states older than the oldest step a resume could still start from."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return
-    for d in root.glob("step_*"):
-        try:
-            n = int(d.name.split("_", 1)[1])
-        except ValueError:
-            continue
-        f = d / "orchestrator.json"
-        if n < below_step and f.exists():
-            f.unlink()
-            if not any(d.iterdir()):
-                d.rmdir()

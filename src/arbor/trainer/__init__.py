@@ -1,5 +1,6 @@
-"""The trainer process: the RL loop (`main`), policy losses (`loss`), FSDP2 parallelism (`parallel`), the per-step
-compute shared by the loop and the benchmark (`step`), DCP checkpoints (`checkpoint`) and the SFT warm-up (`sft`).
+"""The trainer process: the entry point (`main`) and the RL loop (`loop`), policy losses (`loss`), FSDP2
+parallelism (`parallel`), the per-step compute shared by the loop and the benchmark (`step`), DCP checkpoints
+(`checkpoint`) and the SFT warm-up (`sft`).
 
-Nothing heavy is imported here, so `from arbor.trainer.checkpoint import latest_checkpoint` stays cheap.
+Nothing is imported here: the `trainer` entry point parses its config before torch loads.
 """

@@ -3,41 +3,27 @@
 N is the number of optimizer steps done. Every rank writes its shards; rank 0 writes `DONE` last, so a directory
 with `DONE` is complete, and DCP reshards on load (a checkpoint saved by 2 ranks loads into 1). The orchestrator
 keeps its own state beside ours (`checkpoints/step_N/orchestrator.json`), so pruning removes only the `trainer/`
-subdirectory and the step directory only once it is empty.
-
-This module imports torch inside its functions: the launcher and the orchestrator import `latest_checkpoint`
-without paying for torch.
+subdirectory and the step directory only once it is empty. The layout, the listing (`latest_checkpoint`) and the
+pruning are arbor.run_dir's, which the launcher and the orchestrator read without torch.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from arbor.run_dir import DONE, checkpoint_dir, completed_checkpoints, latest_checkpoint, trainer_steps  # noqa: F401  (re-exported)
+import torch
+import torch.distributed as dist
+from torch import nn
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
+from arbor.run_dir import DONE, checkpoint_dir, prune_checkpoints
 
-def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
-    """Keeps the `keep` newest complete checkpoints; removes older trainer state (complete or not)."""
-    done = completed_checkpoints(output_dir)
-    if len(done) <= keep:
-        return
-    oldest_kept = done[-keep]
-    for step in trainer_steps(output_dir):
-        if step < oldest_kept:
-            shutil.rmtree(checkpoint_dir(output_dir, step), ignore_errors=True)
-            step_dir = checkpoint_dir(output_dir, step).parent
-            if step_dir.is_dir() and not any(step_dir.iterdir()):
-                step_dir.rmdir()
+# torch.distributed.checkpoint imports DTensor and sympy, seconds of start-up: the functions below load it at the
+# first checkpoint, so that the trainer is waiting for its first rollouts (and heartbeating) long before.
 
 
-def _state(model: "nn.Module", optimizer: "torch.optim.Optimizer", step: int) -> dict:
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # at the first checkpoint, see above
 
     optimizers = getattr(optimizer, "optimizers", optimizer)  # arbor.trainer.optim.Optimizers holds several
     model_sd, optim_sd = get_state_dict(model, optimizers)
@@ -45,11 +31,10 @@ def _state(model: "nn.Module", optimizer: "torch.optim.Optimizer", step: int) ->
 
 
 def save_checkpoint(
-    output_dir: str | Path, step: int, model: "nn.Module", optimizer: "torch.optim.Optimizer", keep: int
+    output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, keep: int
 ) -> Path:
     """Collective: every rank calls it. Writes model + optimizer state for `step`, then `DONE`, then prunes."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
 
     path = checkpoint_dir(output_dir, step)
     rank = dist.get_rank()
@@ -65,10 +50,10 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    output_dir: str | Path, step: int, model: "nn.Module", optimizer: "torch.optim.Optimizer"
+    output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = checkpoint_dir(output_dir, step)

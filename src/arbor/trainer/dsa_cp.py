@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from arbor.models.args import check_cp_style
 from arbor.trainer.context_parallel import ContextParallel, gather_tokens
 
 if TYPE_CHECKING:
@@ -68,11 +69,3 @@ def resolve_cp_style(style: str, model: nn.Module) -> str:
     if style == "auto":
         return "dsa" if dsa else "ulysses"
     return style
-
-
-def check_cp_style(style: str, dsa: bool) -> None:
-    if dsa and style not in ("dsa", "auto"):
-        raise ValueError(f"trainer.parallel.cp_style = {style!r} cannot split DeepSeek sparse attention over the "
-                         "context; use 'dsa' (or 'auto')")
-    if not dsa and style == "dsa":
-        raise ValueError("trainer.parallel.cp_style = 'dsa' needs a DeepSeek sparse attention model; use 'ulysses' or 'ring'")

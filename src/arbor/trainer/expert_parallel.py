@@ -80,10 +80,11 @@ class DeepEPDispatcher:
     """DeepEP v2 (NVLink/RDMA kernels) through torchtitan's wrapper; CUDA only."""
 
     def __init__(self, group, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int) -> None:
-        try:
+        try:  # optional: torchtitan is in the `gpu` extra, DeepEP (deep_ep) is installed on its own
             from torchtitan.distributed.deepep import deepep
         except ImportError as e:
-            raise ImportError(f"trainer.parallel.ep_backend = 'deepep' needs DeepEP v2 (deep_ep): {e}") from None
+            raise ImportError("trainer.parallel.ep_backend = 'deepep' needs torchtitan (the `gpu` extra) and DeepEP v2 "
+                              f"(deep_ep): {e}") from None
         self._deepep = deepep
         self.group, self.num_experts = group, num_experts
         self.ep = dist.get_world_size(group)

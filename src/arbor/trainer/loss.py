@@ -35,6 +35,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from arbor.config.trainer import LossConfig
+from arbor.environments.base import load_object
 
 
 @dataclasses.dataclass
@@ -284,8 +285,6 @@ def resolve_loss(name: str) -> LossFn:
         return LOSSES[name]
     if ":" not in name and "." not in name:
         raise ValueError(f"unknown loss {name!r}: use one of {sorted(LOSSES)} or a dotted path 'module:function'")
-    from arbor.environments.base import load_object
-
     fn = load_object(name)
     if not callable(fn):
         raise TypeError(f"loss {name!r} is not callable")

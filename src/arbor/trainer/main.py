@@ -1,220 +1,29 @@
-"""The `trainer` process: waits for each step's rollouts, trains on them, publishes the new weights, checkpoints.
+"""The `trainer` entry point: parses the config, then runs the trainer loop (arbor.trainer.loop).
 
 Run alone as `trainer @ cfg.toml` (a world of one rank) or under torchrun for FSDP2 over several ranks:
-`torchrun --standalone --nproc-per-node 2 -m arbor.trainer.main @ cfg.toml`. Step N consumes
-`rollouts/step_N/rank_R.safetensors` and publishes `broadcasts/step_{N+1}/` (version N+1 = weights after N+1
-optimizer steps). A fresh run publishes nothing before its first step, since inference builds the same initial
-weights; a resumed run republishes the version it resumed at, which the orchestrator waits for.
-
-Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl`: `step` (the rollout step
-trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
-trainer) per loss token, before the update), `entropy`, `grad_norm`, `lr`, `tokens/s` (non-padding tokens over
-the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
-trainer starved of rollouts), `time/compute`, `time/publish`,
-`time/checkpoint` (of the previous checkpoint), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
-figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
-`build_reference` builds from the initial weights).
+`torchrun --standalone --nproc-per-node 2 -m arbor.trainer.main @ cfg.toml`. Kept apart from the loop so that a
+bad config fails in milliseconds, before torch loads.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from arbor.config.loader import ConfigError, load_config, main_guard
+from arbor.config.loader import load_config, main_guard
 from arbor.config.trainer import TrainerConfig
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
+from arbor.monitor.heartbeat import install
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_config(TrainerConfig, argv, prog="trainer")  # before torch: a bad config fails in milliseconds
+    cfg = load_config(TrainerConfig, argv, prog="trainer")
+    # Heartbeat and stack dumps from here on: loading torch and its distributed modules takes seconds, and a
+    # start-up that hangs must show in the watchdog's diagnosis too. torchrun sets RANK before the group forms.
+    install(cfg.output_dir, f"trainer_rank{os.environ.get('RANK', '0')}", "loading torch")
+    from arbor.trainer.loop import run  # torch loads here, once the config is known to be valid
+
     return run(cfg)
-
-
-def run(cfg: TrainerConfig) -> int:
-    """Trains until `cfg.max_steps`; returns 0. Sets up and tears down the process group itself."""
-    import torch
-    import torch.distributed as dist
-
-    from arbor.trainer.loss import build_loss
-    from arbor.trainer.parallel import init_distributed
-
-    try:
-        loss_fn = build_loss(cfg.loss)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"loss.name: {e}") from None
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(cfg.seed)
-    device, _ = init_distributed(cfg.parallel.backend)
-    try:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        if local_world != cfg.parallel.nproc:
-            raise ConfigError(
-                f"parallel.nproc is {cfg.parallel.nproc} but {local_world} rank(s) run on this node: start with "
-                f"`torchrun --nproc-per-node {cfg.parallel.nproc} -m arbor.trainer.main ...` or set --parallel.nproc"
-            )
-        train(cfg, device, loss_fn)
-    except BaseException:
-        # Tearing the group down while peers may sit in a collective can deadlock (torchtitan #1342); torchrun
-        # kills the peers instead. Alone there is no peer, and an in-process caller may start again.
-        if dist.get_world_size() == 1:
-            dist.destroy_process_group()
-        raise
-    # Leave together: a gloo rank tearing down while a peer still finishes its last checkpoint write can abort
-    # the peer ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
-def build_training(cfg: TrainerConfig, device: "torch.device") -> tuple["nn.Module", "torch.optim.Optimizer", Any]:
-    """The parallelised fp32 model and its optimizer (AdamW or Muon + AdamW), plus the ParallelDims in use."""
-    from arbor.models import build_model
-    from arbor.trainer.optim import build_optimizer
-    from arbor.trainer.parallel import ParallelDims, parallelize
-
-    # Master weights are always fp32; a lower model.dtype is the compute dtype (see parallel.py).
-    model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
-    try:
-        dims = ParallelDims.from_config(cfg.parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if not dims.fsdp_enabled:
-        model.to(device)  # before EP: its DTensors live on the mesh's device
-    try:
-        model = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
-    except ValueError as e:  # e.g. ep on a dense model, experts or heads not divisible: a config error
-        raise ConfigError(str(e)) from None
-    return model, build_optimizer(model, cfg.optim), dims
-
-
-def train(cfg: TrainerConfig, device: "torch.device", loss_fn) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from arbor.models import build_tokenizer
-    from arbor.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from arbor.trainer.optim import set_lr
-    from arbor.trainer.parallel import forward_context
-    from arbor.trainer.step import train_step
-    from arbor.monitor.heartbeat import beat, install
-    from arbor.transport.files import wait_for_step
-
-    rank = dist.get_rank()
-    install(cfg.output_dir, f"trainer_rank{rank}", "building the model")
-    model, optimizer, dims = build_training(cfg, device)
-    data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
-    reference = build_reference(cfg, device, dims)
-    tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
-    start = 0
-    if cfg.resume:
-        found = [latest_checkpoint(cfg.output_dir) if rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)  # every rank must load the same step
-        if found[0] is not None:
-            start = found[0]
-            load_checkpoint(cfg.output_dir, start, model, optimizer)
-            publish(cfg, model, start, tokenizer)
-            log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
-    last_checkpoint_seconds = 0.0  # reported with the step after the checkpoint
-    for step in range(start, cfg.max_steps):
-        t0 = time.perf_counter()
-        beat(f"waiting for rollouts step {step}")
-        batch = wait_for_step(cfg.output_dir, step, data_rank, cfg.rollout_timeout)
-        beat(f"training step {step}")
-        if batch.step != step:
-            raise ValueError(f"rollouts/step_{step}/rank_{data_rank} holds step {batch.step}")
-        t1 = time.perf_counter()
-        set_lr(optimizer, step, cfg.max_steps, cfg.lr_schedule)
-        figures = train_step(
-            model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
-            forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        beat(f"publishing weights version {step + 1}")
-        publish(cfg, model, step + 1, tokenizer)
-        t3 = time.perf_counter()
-        # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
-        # and its figures must already be on disk (metrics.jsonl may miss no step).
-        if rank == 0:
-            record = {
-                "step": step,
-                "weights_version": step + 1,
-                **{k: figures[k] for k in ("loss", "mismatch_kl", "entropy", "grad_norm")},
-                "lr": optimizer.param_groups[0]["lr"],
-                "tokens/s": figures["num_tokens"] / max(t2 - t1, 1e-9),
-                "time/step": t3 - t0,
-                "time/wait": t1 - t0,
-                "time/wait_ratio": (t1 - t0) / max(t3 - t0, 1e-9),  # throughput matching: trainer starved?
-                "time/compute": t2 - t1,
-                "time/publish": t3 - t2,
-                "time/checkpoint": last_checkpoint_seconds,
-                **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
-            }
-            write_metrics(cfg.output_dir, record)
-            log(rank, f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
-                      f"{record['tokens/s']:.0f} tok/s")
-        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps:
-            save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
-            last_checkpoint_seconds = time.perf_counter() - t3
-
-
-def build_reference(cfg: TrainerConfig, device: "torch.device", dims: Any) -> "nn.Module | None":
-    """The KL penalty's reference: the initial weights (built as `build_training` builds the policy, before any
-    checkpoint is loaded), frozen and sharded like the policy (under FSDP2 its forward is a collective too).
-    None when `loss.kl_coef` is 0."""
-    import torch
-
-    from arbor.models import build_model
-    from arbor.trainer.parallel import parallelize
-
-    if cfg.loss.kl_coef <= 0:
-        return None
-    with torch.random.fork_rng():  # the same initial weights as the policy's, without moving the global RNG
-        torch.manual_seed(cfg.seed)
-        ref = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
-    ref.requires_grad_(False).eval()
-    ref = parallelize(ref, dims, cfg, device.type)
-    return ref if dims.fsdp_enabled else ref.to(device)
-
-
-def publish(cfg: TrainerConfig, model: "nn.Module", version: int, tokenizer) -> None:
-    """Collective: gathers the full state dict onto rank 0's CPU, which writes `broadcasts/step_{version}/`."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from arbor.transport.weights import make_transport
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        dtype = getattr(torch, cfg.model.dtype)  # inference runs in model.dtype: publish that, not fp32 masters
-        state = {k: v.to(dtype) for k, v in state.items()}
-        make_transport(cfg.weights, cfg.keep_broadcasts).publish(cfg.output_dir, version, state, model.args, tokenizer,
-                                                                      fp8=cfg.model.fp8 == "block")
-
-
-def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:
-    path = Path(output_dir) / "metrics" / "trainer.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-
-
-def log(rank: int, message: str) -> None:
-    if rank == 0:
-        print(f"[trainer] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

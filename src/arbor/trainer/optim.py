@@ -10,13 +10,10 @@ optimizer step, so a resumed run needs no scheduler state.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from arbor.config.trainer import LRScheduleConfig, OptimConfig
+from arbor.config.trainer import LRScheduleConfig, OptimConfig
 
 
 class Optimizers:
@@ -44,7 +41,7 @@ def _muon_eligible(name: str, p: nn.Parameter) -> bool:
     return p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name and not name.endswith("mlp.gate.weight")
 
 
-def build_optimizer(model: nn.Module, cfg: "OptimConfig") -> Optimizers:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> Optimizers:
     adamw_kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
         return Optimizers([torch.optim.AdamW(model.parameters(), **adamw_kw)])
@@ -68,7 +65,7 @@ def build_optimizer(model: nn.Module, cfg: "OptimConfig") -> Optimizers:
     return Optimizers(opts)
 
 
-def lr_factor(step: int, max_steps: int, cfg: "LRScheduleConfig") -> float:
+def lr_factor(step: int, max_steps: int, cfg: LRScheduleConfig) -> float:
     """Multiplier of the base learning rate for optimizer step `step` (0-based)."""
     if step < cfg.warmup_steps:
         return (step + 1) / (cfg.warmup_steps + 1)
@@ -82,7 +79,7 @@ def lr_factor(step: int, max_steps: int, cfg: "LRScheduleConfig") -> float:
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: Optimizers, step: int, max_steps: int, cfg: "LRScheduleConfig") -> float:
+def set_lr(optimizer: Optimizers, step: int, max_steps: int, cfg: LRScheduleConfig) -> float:
     """Applies the schedule for `step`; returns the first group's learning rate."""
     f = lr_factor(step, max_steps, cfg)
     for g in optimizer.param_groups:

@@ -13,16 +13,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
-    from arbor.config.trainer import ParallelConfig, TrainerConfig
+from arbor.config.trainer import ParallelConfig, TrainerConfig
+from arbor.models.fp8 import apply_fp8
+from arbor.trainer.context_parallel import apply_cp
+from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
+from arbor.trainer.expert_parallel import apply_ep, expert_params, sync_expert_grads
 
 
 def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
@@ -76,7 +78,7 @@ class ParallelDims:
             raise ValueError(f"trainer.parallel.ep ({self.ep}) must divide dp_shard x cp ({self.dp_shard * self.cp})")
 
     @classmethod
-    def from_config(cls, parallel: "ParallelConfig", world_size: int | None = None) -> "ParallelDims":
+    def from_config(cls, parallel: ParallelConfig, world_size: int | None = None) -> "ParallelDims":
         """`dp_shard = -1` (the default) takes the ranks left over by dp_replicate and cp."""
         ws = dist.get_world_size() if world_size is None else world_size
         rest = parallel.dp_replicate * parallel.cp
@@ -141,16 +143,16 @@ class ParallelDims:
 
 @dataclasses.dataclass
 class Meshes:
-    fsdp: "DeviceMesh"
+    fsdp: DeviceMesh
     """FSDP2 (1-D over dp_shard x cp, or 2-D HSDP with dp_replicate)."""
-    cp: "DeviceMesh"
-    ep: "DeviceMesh"
+    cp: DeviceMesh
+    ep: DeviceMesh
     expert_replicas: "DeviceMesh | None"
     """Ranks holding the same expert shard (their expert gradients are averaged); None when ep is the world."""
 
 
 def parallelize(
-    model: nn.Module, parallel_dims: ParallelDims, config: "TrainerConfig", device_type: str = "cpu"
+    model: nn.Module, parallel_dims: ParallelDims, config: TrainerConfig, device_type: str = "cpu"
 ) -> nn.Module:
     """Applies the model transforms in a fixed order and returns the model (changed in place).
 
@@ -169,8 +171,6 @@ def parallelize(
        dp_replicate) and registers its hooks around the already-rewritten modules.
     With one rank nothing is sharded and the model stays a plain module.
     """
-    from arbor.models.fp8 import apply_fp8
-
     pc = config.parallel
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
     apply_fp8(model, config.model)
@@ -178,17 +178,12 @@ def parallelize(
         apply_ac(model)
     ignored: set[nn.Parameter] = set()
     if parallel_dims.ep_enabled:
-        from arbor.trainer.expert_parallel import apply_ep, expert_params
-
         if not getattr(model.args, "is_moe", False):
             raise ValueError(f"trainer.parallel.ep = {parallel_dims.ep} needs an MoE model; {config.model.name} is dense")
         apply_ep(model, meshes.ep, pc.ep_backend, pc.ep_max_tokens_per_rank)
         ignored = set(expert_params(model))
         model._arbor_expert_replicas = meshes.expert_replicas
     if parallel_dims.cp_enabled:
-        from arbor.trainer.context_parallel import apply_cp
-        from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
-
         style = resolve_cp_style(pc.cp_style, model)
         if style == "dsa":
             apply_dsa_cp(model, meshes.cp)
@@ -203,8 +198,6 @@ def apply_ac(model: nn.Module) -> None:
     """Full activation checkpointing per decoder layer: only the layer inputs are kept, everything inside is
     recomputed in backward. torchtitan's `apply_ac` wraps layers in `CheckpointWrapper`, which renames
     parameters (`_checkpoint_wrapped_module.`); replacing `forward` keeps Hugging Face names for publishing."""
-    from torch.utils.checkpoint import checkpoint
-
     for layer in model.model.layers:
         inner = layer.forward
 
@@ -214,12 +207,12 @@ def apply_ac(model: nn.Module) -> None:
         layer.forward = forward
 
 
-def compute_dtype(config: "TrainerConfig") -> torch.dtype:
+def compute_dtype(config: TrainerConfig) -> torch.dtype:
     return getattr(torch, config.model.dtype)
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: "DeviceMesh", param_dtype: torch.dtype, ignored: set[nn.Parameter] | None = None
+    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, ignored: set[nn.Parameter] | None = None
 ) -> None:
     """FSDP2: one group per decoder layer, then the root (embeddings, final norm, head).
 
@@ -228,7 +221,7 @@ def apply_fsdp(
     all-gather/compute dtype with fp32 gradient reduction. `ignored` parameters (ep-sharded experts) are left
     as they are.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor and sympy: see clip_grad_norm
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     ignored = ignored or None
@@ -244,18 +237,18 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     dp_shard x cp, experts over ep), which `torch.nn.utils.clip_grad_norm_` rejects. Each parameter's squared
     norm is its local shard's, summed over the mesh dimensions it is sharded on; replicated dimensions count once.
     Expert gradients are first averaged over their replicas (see arbor.trainer.expert_parallel)."""
+    # torch.distributed.tensor imports sympy (seconds): loaded after start-up, when the trainer is already
+    # waiting for (and heartbeating about) its first rollouts.
     from torch.distributed.tensor import DTensor, Shard
 
     replicas = getattr(model, "_arbor_expert_replicas", None)
     if replicas is not None:
-        from arbor.trainer.expert_parallel import sync_expert_grads
-
         sync_expert_grads(model, replicas.get_group())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
     sums: dict[tuple, torch.Tensor] = {}  # (mesh id, sharded mesh dims) -> local sum of squares
-    meshes: dict[tuple, "DeviceMesh"] = {}
+    meshes: dict[tuple, DeviceMesh] = {}
     plain: list[torch.Tensor] = []
     for g in grads:
         if isinstance(g, DTensor):
@@ -280,7 +273,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def forward_context(
-    parallel_dims: ParallelDims, config: "TrainerConfig", device_type: str
+    parallel_dims: ParallelDims, config: TrainerConfig, device_type: str
 ) -> contextlib.AbstractContextManager:
     """Lower-precision compute for an unsharded model (FSDP2's MixedPrecisionPolicy covers the sharded case)."""
     dtype = compute_dtype(config)

@@ -22,7 +22,9 @@ from torch import nn
 
 from arbor.config.trainer import LossConfig
 from arbor.models.attention import row_attention_mask, subtree_end_for
+from arbor.trainer.context_parallel import packed_logprobs_cp
 from arbor.trainer.loss import LossContext, LossFn
+from arbor.trainer.parallel import clip_grad_norm
 from arbor.transport.batch import MicroBatch, StepBatch
 
 
@@ -59,8 +61,6 @@ def packed_logprobs(
     `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models). Under context
     parallelism the row is split over the cp ranks (arbor.trainer.context_parallel) with the same result."""
     if getattr(model, "_arbor_cp", None) is not None:
-        from arbor.trainer.context_parallel import packed_logprobs_cp
-
         return packed_logprobs_cp(model, input_ids, position_ids, seq_lens, temperature, device, with_entropy,
                                   routed_experts)
     input_ids = input_ids.to(device, non_blocking=True)
@@ -211,8 +211,6 @@ def train_step(
     0 counts the figures. An MoE model's load-balancing loss (`model.aux_loss`, per micro-batch) is added with
     weight 1/micro-batches per rank.
     """
-    from arbor.trainer.parallel import clip_grad_norm
-
     normaliser = max(batch.loss_tokens_total, 1)
     cp_ctx = getattr(model, "_arbor_cp", None)
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    import numpy as np
+from arbor.models.attention import subtree_end_for
 
 NODE_FIELDS = ("input_ids", "position_ids")
 """Per row token (per trie node in a merged row)."""
@@ -115,8 +114,6 @@ class MicroBatch:
 
     def row_subtree_end(self) -> torch.Tensor:
         """The row's tree-mask encoding `[T]` (derived from `seq_lens` for a plain row)."""
-        from arbor.models.attention import subtree_end_for
-
         return self.subtree_end if self.subtree_end is not None else subtree_end_for(self.seq_lens, self.num_tokens)
 
     def predictor_nodes(self) -> torch.Tensor:
@@ -182,33 +179,3 @@ class StepBatch:
             temperature=header["temperature"],
             metadata=header.get("metadata", {}),
         )
-
-
-def encode_routes(routes: "np.ndarray") -> dict[str, Any]:
-    """Router-replay payload for JSON: `{"dtype", "shape", "data": base64 of the raw bytes}` (no per-element work)."""
-    import base64
-
-    return {"dtype": str(routes.dtype), "shape": list(routes.shape), "data": base64.b64encode(routes.tobytes()).decode()}
-
-
-def decode_routes(payload: dict[str, Any] | list) -> "np.ndarray":
-    """Inverse of `encode_routes`; raises ValueError naming the field on a malformed payload.
-
-    A plain nested list `[tokens][layers][top_k]` (how a vLLM server returns routed experts) is accepted too."""
-    import base64
-
-    import numpy as np
-
-    if isinstance(payload, list):
-        arr = np.asarray(payload)
-        if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"routed_experts: expected a [tokens, layers, top_k] integer array, got shape {arr.shape}")
-        return arr.astype(np.int16 if arr.max(initial=0) > 255 else np.uint8)
-    try:
-        dtype = np.dtype(payload["dtype"])
-        if dtype not in (np.uint8, np.int16):
-            raise ValueError(f"dtype {dtype} is not uint8 or int16")
-        arr = np.frombuffer(base64.b64decode(payload["data"]), dtype=dtype)
-        return arr.reshape([int(n) for n in payload["shape"]])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"routed_experts payload is malformed: {e}") from None

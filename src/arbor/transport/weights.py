@@ -2,7 +2,8 @@
 
 Every version N (the weights after N optimizer steps; 0 is the initial model) gets a step directory
 `broadcasts/step_N/`, written under a temporary name and renamed into place with `STABLE` written last, so a
-directory with `STABLE` is always complete, and the newest `keep` are retained so disks do not fill. The
+directory with `STABLE` is always complete, and the newest `keep` are retained so disks do not fill (the layout,
+the listing and the retention are arbor.run_dir's). The
 orchestrator watches these directories and tells the fleet to load one (`/update_weights {path, version}`);
 what the directory holds depends on the implementation:
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 import threading
 import time
@@ -33,21 +33,19 @@ import zlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from arbor.config.transport import WeightTransportConfig
 from arbor.models.args import ModelArgs
 from arbor.models.hf import hf_config, hf_state_dict
+# broadcast_dir, latest_published: the orchestrator's weight sync reads them from here too.
+from arbor.run_dir import STABLE, broadcast_dir, broadcast_staging_dir, latest_published, prune_published  # noqa: F401
 
-if TYPE_CHECKING:
-    from arbor.config.transport import WeightTransportConfig
-
-STABLE = "STABLE"
 MANIFEST = "manifest.json"
 NCCL_SPEC = "transport.json"
 INDEX = "model.safetensors.index.json"
-_STEP = re.compile(r"^step_(\d+)$")
 T = TypeVar("T")
 
 
@@ -57,10 +55,6 @@ class WeightTransferError(RuntimeError):
 
 class WeightTransferTimeout(WeightTransferError, TimeoutError):
     """A publish or load that did not finish within the configured timeout."""
-
-
-def broadcast_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / "broadcasts" / f"step_{step}"
 
 
 class WeightTransport(ABC):
@@ -74,7 +68,7 @@ class WeightTransport(ABC):
         """Writes `broadcasts/step_{step}/` atomically (STABLE last), sends the tensors, prunes old steps.
         `fp8`: DeepSeek's FP8 checkpoint format (float8 weights + `weight_scale_inv`, `quantization_config`)."""
         final = broadcast_dir(output_dir, step)
-        tmp = final.parent / f".step_{step}.tmp"
+        tmp = broadcast_staging_dir(output_dir, step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(hf_config(args, fp8), indent=2))
@@ -87,7 +81,7 @@ class WeightTransport(ABC):
             shutil.rmtree(final)
         tmp.rename(final)
         self._send(final, tensors)
-        prune(output_dir, self.keep)
+        prune_published(output_dir, self.keep)
         return final
 
     @abstractmethod
@@ -330,7 +324,7 @@ def read_nccl_spec(path: str | Path) -> list[tuple[str, torch.dtype, list[int]]]
 
 def init_nccl_group(host: str, port: int, rank: int, world_size: int, device: Any, timeout: float) -> Any:
     """A vLLM PyNccl communicator over a StatelessProcessGroup (no torch.distributed world needed)."""
-    try:
+    try:  # vLLM is the optional `gpu` extra, needed on this path only
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
     except ImportError as e:
@@ -394,37 +388,13 @@ class NCCLTransport(WeightTransport):
         )
 
 
-def make_transport(cfg: "WeightTransportConfig", keep: int = 3) -> WeightTransport:
+def make_transport(cfg: WeightTransportConfig, keep: int = 3) -> WeightTransport:
     if cfg.kind == "nccl":
         return NCCLTransport(cfg.nccl_host, cfg.nccl_port, cfg.nccl_inference_ranks, keep, cfg.timeout)
     return FilesystemTransport(keep, cfg.timeout, cfg.max_shard_gb, cfg.verify_checksums, checksum=cfg.checksum)
 
 
-# ---- the step directories ----
-
 def publish_weights(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], args: ModelArgs,
                     tokenizer: Any = None, keep: int = 3) -> Path:
     """Filesystem publish with default settings (tests, tools)."""
     return FilesystemTransport(keep).publish(output_dir, step, state, args, tokenizer)
-
-
-def published_steps(output_dir: str | Path) -> list[int]:
-    root = Path(output_dir) / "broadcasts"
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and (p / STABLE).exists():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def latest_published(output_dir: str | Path) -> int | None:
-    steps = published_steps(output_dir)
-    return steps[-1] if steps else None
-
-
-def prune(output_dir: str | Path, keep: int) -> None:
-    for step in published_steps(output_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(broadcast_dir(output_dir, step), ignore_errors=True)

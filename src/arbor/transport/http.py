@@ -1,8 +1,9 @@
-"""HTTP plumbing shared by arbor's OpenAI-compatible servers (the inference server and the agents' gateway).
+"""HTTP plumbing shared by arbor's servers (the inference server, the router and the agents' gateway).
 
 One error shape, `{"error": {"message", "type", "param"}}` as OpenAI and vLLM answer; a middleware that turns
 every failure into it (client input a 4xx naming the field, anything else a logged 500) so a server never dies
-on a request; and strict parsing of JSON bodies and typed fields.
+on a request; strict parsing of JSON bodies and typed fields; binding an app (`start_site`) and announcing its URL in a ready
+file (`write_ready_file`). Shared here so that no server package imports another for it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+
+from arbor.run_dir import write_text_atomic
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,3 +88,26 @@ def get_field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default:
         want = " or ".join(k.__name__ for k in kinds)
         raise BadRequest(f"{name} must be {want}, got {type(value).__name__}", name)
     return value
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Binds `app`; returns the runner and the base URL (with the real port when `port` is 0)."""
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its engine request.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(e.errno, f"cannot bind {host}:{port}: {e.strerror}") from None
+    bound = runner.addresses[0][1]
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return runner, f"http://{shown}:{bound}"
+
+
+def write_ready_file(path: str | Path, url: str) -> None:
+    """Writes the URL atomically, so a launcher polling for the file never reads a partial one."""
+    write_text_atomic(Path(path), url + "\n")

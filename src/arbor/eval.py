@@ -1,0 +1,87 @@
+"""The `eval` console script: evaluates a model on the `[eval]` environments and appends a line to `eval.jsonl`.
+
+Generation goes to a running server through the orchestrator's `InferenceClient` (`base_url`), or, standalone,
+to arbor's local engine started in this process. Composing the two sides is why this entry point lives outside
+the orchestrator and inference packages, which never import each other; the evaluation itself
+(`arbor.orchestrator.eval.evaluate`, also run periodically by `rl`) is the orchestrator's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from arbor.config.eval import EvalConfig, EvalSettings
+from arbor.config.loader import load_config, main_guard
+from arbor.inference.sampling import SamplingParams
+from arbor.run_dir import eval_path
+
+if TYPE_CHECKING:  # an annotation only: the orchestrator's modules load torch, which `main` defers
+    from arbor.orchestrator.eval import Generate
+
+
+def engine_generator(engine: Any, cfg: EvalSettings) -> Generate:
+    """The local engine's `generate`, with the signature of `InferenceClient.generate`."""
+
+    async def generate(prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float,
+                       seed: int | None = None) -> list[Any]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed)
+        engine.check(prompt, params)
+        out = await asyncio.wrap_future(engine.submit(prompt, params))
+        return sorted(out.completions, key=lambda c: c.index)
+
+    return generate
+
+
+async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    # Loaded once `main` has parsed the config: these bring torch, and a bad config must fail before it.
+    import torch
+
+    from arbor.inference.engine import Engine
+    from arbor.models import build_model, build_tokenizer
+    from arbor.models.fp8 import apply_fp8
+    from arbor.orchestrator.client import InferenceClient
+    from arbor.orchestrator.eval import client_generator, evaluate
+
+    tokenizer = build_tokenizer(cfg.model)
+    t0 = time.perf_counter()
+    if cfg.base_url:
+        async with InferenceClient([cfg.base_url], 600.0, 3) as client:
+            figures = await evaluate(client_generator(client, cfg), tokenizer, cfg, seq_len=cfg.seq_len)
+    else:  # arbor's engine in this process, stopped when done
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        model = build_model(cfg.model)
+        apply_fp8(model, cfg.model)
+        engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+        engine.start()
+        try:
+            figures = await evaluate(engine_generator(engine, cfg), tokenizer, cfg, cfg.seq_len - cfg.max_tokens,
+                                     seq_len=cfg.seq_len)
+        finally:
+            engine.stop()
+    record = {"model": cfg.model.name, "k": cfg.k, "num_tasks": cfg.num_tasks, **figures,
+              "time/eval": time.perf_counter() - t0}
+    path = eval_path(cfg.output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(EvalConfig, argv, prog="eval")  # before torch: a bad config fails in milliseconds
+    record = asyncio.run(run_eval(cfg))
+    for key, value in record.items():
+        if key.startswith("eval/"):
+            print(f"{key}: {value:.4f}", file=sys.stderr)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

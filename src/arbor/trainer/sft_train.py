@@ -1,0 +1,107 @@
+"""SFT training (the `sft` entry point, arbor.trainer.sft, parses the config and prepares the data): packs
+examples into block-diagonal rows, minimises cross-entropy on their target tokens, and writes the fine-tuned model
+to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arbor.config.sft import SFTConfig
+from arbor.models import build_model, build_tokenizer
+from arbor.models.attention import position_ids_for
+from arbor.models.fp8 import apply_fp8
+from arbor.models.hf import save_checkpoint_dir
+from arbor.models.tokenizer import Tokenizer
+from arbor.run_dir import process_metrics_path, sft_model_dir
+from arbor.trainer.sft import Example, batches, load_examples
+from arbor.trainer.step import packed_logprobs
+
+
+def pack(batch: list[Example], row_len: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """Packs examples in order into rows of at most `row_len` tokens: (input_ids, loss_mask, seq_lens) per row.
+    Token t of a target is in the loss (predicted from everything before it); other tokens are not."""
+    rows: list[tuple[list[int], list[bool], list[int]]] = []
+    for example_ids, example_mask in batch:
+        n = len(example_ids)
+        if not rows or len(rows[-1][0]) + n > row_len:
+            rows.append(([], [], []))
+        ids, mask, lens = rows[-1]
+        ids += example_ids
+        mask += example_mask
+        lens.append(n)
+    return [(torch.tensor(ids), torch.tensor(mask), lens) for ids, mask, lens in rows]
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any]:
+    """Fine-tunes for `cfg.steps` steps, writes `<output_dir>/sft/`, returns the final figures."""
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    tokenizer = build_tokenizer(cfg.model)
+    examples = load_examples(cfg, tokenizer)
+    model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
+    apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    warmup = max(1, math.ceil(0.1 * cfg.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    dtype = getattr(torch, cfg.model.dtype)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    metrics = process_metrics_path(cfg.output_dir, "sft")
+    window: list[float] = []
+    start = time.perf_counter()
+    for step, batch in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
+        rows = pack(batch, cfg.seq_len)
+        targets = sum(int(mask.sum()) for _, mask, _ in rows)
+        total = torch.zeros((), device=device)
+        for ids, mask, lens in rows:
+            with autocast:
+                logprobs, _ = packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, device, False)
+            nll = -(logprobs * mask.to(device)).sum() / targets
+            nll.backward()
+            total += nll.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.append(float(total))
+        if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
+            record = {"step": step + 1, "sft/loss": sum(window) / len(window), "sft/lr": optimizer.param_groups[0]["lr"],
+                      "sft/time": time.perf_counter() - start}
+            _append(metrics, record)
+            print(f"[sft] step {step + 1}/{cfg.steps}: loss {record['sft/loss']:.4f}", file=sys.stderr, flush=True)
+            final_loss, window = record["sft/loss"], []
+    out = save(cfg, model, tokenizer)
+    final = {"sft/loss": final_loss, "sft/steps": cfg.steps, "sft/examples": len(examples), "sft/dir": str(out)}
+    _append(metrics, final)
+    return final
+
+
+def save(cfg: SFTConfig, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
+    """Writes `<output_dir>/sft/` atomically: a temporary directory renamed over any previous result."""
+    final = sft_model_dir(cfg.output_dir)
+    tmp = final.parent / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dtype = getattr(torch, cfg.model.dtype)
+    state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+    save_checkpoint_dir(state, model.args, tmp, tokenizer)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
