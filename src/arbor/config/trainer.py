@@ -10,6 +10,8 @@ from pydantic import Field, model_validator
 from arbor.config.base import Config
 from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
+from arbor.models.args import check_cp_style
+from arbor.models.presets import PRESETS
 
 
 class OptimConfig(Config):
@@ -162,11 +164,7 @@ class TrainerConfig(Config):
     def _cp_style_fits_model(self) -> "TrainerConfig":
         if self.parallel.cp == 1:
             return self
-        from arbor.models.presets import PRESETS
-
         args = PRESETS.get(self.model.name)  # a checkpoint directory is checked when the trainer builds it
         if args is not None:
-            from arbor.trainer.dsa_cp import check_cp_style
-
             check_cp_style(self.parallel.cp_style, getattr(args, "is_dsa", False))
         return self

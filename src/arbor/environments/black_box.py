@@ -19,6 +19,7 @@ orchestrator. Nothing here can hang the run: every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from arbor.config.environment import EnvironmentConfig
 from arbor.environments.base import Task, load_environment, load_object, total_reward
 
 if TYPE_CHECKING:
@@ -60,8 +62,6 @@ class BlackBoxEnv:
         max_concurrent_agents: int = 64,
         extra_env: dict[str, str] | None = None,
     ) -> None:
-        from arbor.config.environment import EnvironmentConfig
-
         if (command is not None) + (function is not None) + bool(remote) != 1:
             raise ValueError("black_box: give exactly one of `command` (argv list or string), `function` or "
                              "`remote = true`")
@@ -193,8 +193,6 @@ def _load_function(path: str) -> Any:
     """`module:fn`, or `some/file.py:fn` (a script beside its rl.toml need not be an installed module)."""
     file, sep, attr = path.rpartition(":")
     if sep and file.endswith(".py"):
-        import importlib.util
-
         if not Path(file).is_file():
             raise ValueError(f"black_box: agent file {file!r} does not exist")
         spec = importlib.util.spec_from_file_location(f"arbor_agent_{Path(file).stem}", file)

@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from arbor.transport.http import HTTPError, error_middleware, error_response, get_field, read_json_object, start_site
+from arbor.environments.tools import parse_tool_calls
 from arbor.orchestrator.client import InferenceError
 from arbor.orchestrator.trajectory import Trajectory, Turn
+from arbor.transport.http import HTTPError, error_middleware, error_response, get_field, read_json_object, start_site
 
 if TYPE_CHECKING:
     from arbor.config.orchestrator import GatewayConfig
@@ -139,8 +140,6 @@ def _stop(body: dict[str, Any]) -> list[str] | None:
 def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.environments.tools) and the text
     outside them; with any malformed block the whole text stays content, so the agent sees what was sampled."""
-    from arbor.environments.tools import parse_tool_calls
-
     calls, errors = parse_tool_calls(text)
     if not calls or errors:
         return text, []

@@ -35,6 +35,7 @@ from arbor.orchestrator.partial import GroupHandle, PartialRollouts
 from arbor.orchestrator.rollout import Rollout, generate_group
 from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 from arbor.orchestrator.tasks import TaskSource
+from arbor.run_dir import gateway_url_path, write_text_atomic
 
 
 class GenerationPool:
@@ -67,8 +68,7 @@ class GenerationPool:
         self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.temperature,
                                top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens, seq_len=cfg.seq_len)
         url = await self.gateway.start()
-        cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.output_dir / "gateway_url").write_text(url + "\n")
+        write_text_atomic(gateway_url_path(cfg.output_dir), url + "\n")  # agents poll for it: never half-written
 
     async def stop(self) -> None:
         """Cancels every group still generating or parked, and stops the gateway."""
