@@ -7,11 +7,10 @@ from pathlib import Path
 
 from orch_fakes import FakeEnv, FakeTokenizer, group, make_cfg
 
-from arbor.orchestrator.state import OrchestratorState, load_state, state_path
+from arbor.orchestrator.state import OrchestratorState, load_state
 from arbor.orchestrator.step_writer import StepWriter
 from arbor.orchestrator.tasks import TaskSource
-from arbor.run_dir import DONE, checkpoint_dir
-from arbor.transport.files import rank_file
+from arbor.run_dir import DONE, checkpoint_dir, orchestrator_state_path, rollout_rank_file
 
 
 def test_the_state_a_resume_starts_from_is_saved_and_older_states_pruned(tmp_path: Path) -> None:
@@ -27,7 +26,7 @@ def test_the_state_a_resume_starts_from_is_saved_and_older_states_pruned(tmp_pat
     state = load_state(tmp_path, 4)
     assert state == source.state(4) and state.position == 3
     assert state.pending == [source.tasks.index(s.task) for s in specs[1:]]
-    assert not state_path(tmp_path, 1).exists()
+    assert not orchestrator_state_path(tmp_path, 1).exists()
 
 
 def test_the_batch_is_packed_per_trainer_rank_and_written(tmp_path: Path) -> None:
@@ -35,4 +34,4 @@ def test_the_batch_is_packed_per_trainer_rank_and_written(tmp_path: Path) -> Non
     rollouts = [r for k in range(2) for r in group(k, [1, 0])]
     batches = StepWriter(cfg, 0).write(5, rollouts)
     assert [b.step for b in batches] == [5, 5] and batches[0].num_samples_total == 4  # samples over all ranks
-    assert all(rank_file(tmp_path, 5, rank).exists() for rank in range(2))
+    assert all(rollout_rank_file(tmp_path, 5, rank).exists() for rank in range(2))

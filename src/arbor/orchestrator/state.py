@@ -16,8 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-# prune_states: the orchestrator's name for the retention of its states, which the run directory owns.
-from arbor.run_dir import orchestrator_state_path, prune_orchestrator_states as prune_states, write_text_atomic  # noqa: F401
+from arbor.run_dir import orchestrator_state_path, write_text_atomic
 
 
 @dataclasses.dataclass

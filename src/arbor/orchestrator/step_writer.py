@@ -12,9 +12,9 @@ from __future__ import annotations
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
-from arbor.orchestrator.state import prune_states, save_state
+from arbor.orchestrator.state import save_state
 from arbor.orchestrator.tasks import TaskSource
-from arbor.run_dir import latest_checkpoint
+from arbor.run_dir import latest_checkpoint, prune_orchestrator_states
 from arbor.transport.batch import StepBatch
 from arbor.transport.files import write_step
 
@@ -28,7 +28,7 @@ class StepWriter:
     def save_state(self, step: int, source: TaskSource) -> None:
         """The state a run resuming at step + 1 starts from; call it before `write(step, ...)`."""
         save_state(self.cfg.output_dir, source.state(step + 1))
-        prune_states(self.cfg.output_dir, latest_checkpoint(self.cfg.output_dir) or 0)
+        prune_orchestrator_states(self.cfg.output_dir, latest_checkpoint(self.cfg.output_dir) or 0)
 
     def write(self, step: int, rollouts: list[Rollout]) -> list[StepBatch]:
         """Packs the step's rollouts per trainer rank and writes them; returns the batches."""
