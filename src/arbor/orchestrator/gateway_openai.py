@@ -1,0 +1,206 @@
+"""OpenAI wire format for the gateway: requests parsed into what the chat template and the backend take, and
+completions turned back into OpenAI JSON (plain and as stream chunks).
+
+Pure translation, no I/O: the gateway's routes (arbor.orchestrator.gateway_routes) call it. Malformed input is a
+400 `HTTPError` naming the field. A reply's message is normalised the same way as a request's messages
+(`template_message`), so that a reply an agent echoes back renders as the recorded one (token-exact extension in
+arbor.orchestrator.trajectory). Tool calls travel as `<tool_call>{json}</tool_call>` blocks in the text (the
+Hermes/Qwen convention, arbor.environments.tools) and as OpenAI `tool_calls` on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any
+
+from arbor.environments.tools import parse_tool_calls
+from arbor.orchestrator.client import Completion
+from arbor.transport.http import HTTPError, get_field
+
+MAX_N = 16
+TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+# ---- requests ----
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    return [template_message(m, i) for i, m in enumerate(messages)]
+
+
+def template_message(m: Any, i: int) -> dict[str, Any]:
+    """A chat message in the form the template renders: the same for a request's messages and for the reply the
+    gateway gave, so that a reply echoed back renders as the recorded one (arbor.orchestrator.trajectory)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise HTTPError(400, f"messages[{i}].content parts must be text parts", "messages")
+        content = "".join(p["text"] for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+    calls = m.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls)):
+        raise HTTPError(400, f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}",
+                        "messages")
+    clean = {"role": m["role"], "content": content or ""}
+    if calls:
+        clean["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+            "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
+            for c in calls]
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            clean[key] = m[key]
+    return clean
+
+
+def _arguments(args: Any) -> Any:
+    # Templates want the arguments as a mapping; clients send the JSON string OpenAI returned.
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args if args is not None else {}
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise HTTPError(400, "tools must be a list of objects", "tools")
+    return tools or None
+
+
+def parse_token_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The legacy completions `prompt`: one string (encoded here) or one list of token ids in the vocabulary."""
+    raw = body.get("prompt")
+    if isinstance(raw, str):
+        prompt = tokenizer.encode(raw)
+    elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        prompt = list(raw)
+    else:
+        raise HTTPError(400, "prompt must be a string or a non-empty list of token ids (one prompt)", "prompt")
+    if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+        raise HTTPError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+    return prompt
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = get_field(body, "seed", (int,), None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise HTTPError(400, f"seed must be in [0, 2**63), got {seed}", "seed")
+    return seed
+
+
+def _stop(body: dict[str, Any]) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise HTTPError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    return stop
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSampling:
+    """The run's sampling, and how a request's own settings are reconciled with it (`override`: the run's win,
+    because the trainer's importance ratios assume the run's distribution)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seq_len: int
+    override: bool
+
+    def parse(self, body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
+        """The backend's sampling arguments (`InferenceClient.generate`) for a request with `prompt_len` tokens."""
+        max_tokens = get_field(body, "max_completion_tokens", (int,), None)
+        max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
+        temperature = get_field(body, "temperature", (int, float), self.temperature)
+        top_p = get_field(body, "top_p", (int, float), self.top_p)
+        n = get_field(body, "n", (int,), 1)
+        if not 1 <= n <= MAX_N:
+            raise HTTPError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
+        if max_tokens is not None and max_tokens < 1:
+            raise HTTPError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if not 0 <= temperature or not 0 < top_p <= 1:
+            raise HTTPError(400, "temperature must be >= 0 and top_p in (0, 1]", "temperature")
+        if self.override:
+            temperature, top_p = self.temperature, self.top_p
+            max_tokens = min(max_tokens or self.max_tokens, self.max_tokens)
+        room = self.seq_len - prompt_len
+        if room < 1:
+            raise HTTPError(400, f"the prompt has {prompt_len} tokens; the run's seq_len is {self.seq_len}",
+                            "messages", "context_length_exceeded")
+        return {"n": n, "max_tokens": min(max_tokens or room, room), "temperature": float(temperature),
+                "top_p": float(top_p), "seed": _seed(body), "stop": _stop(body)}
+
+
+# ---- responses ----
+
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.environments.tools) and the text
+    outside them; with any malformed block the whole text stays content, so the agent sees what was sampled."""
+    calls, errors = parse_tool_calls(text)
+    if not calls or errors:
+        return text, []
+    out = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+    return TOOL_CALL.sub("", text).strip(), out
+
+
+def chat_choices(completions: list[Completion]) -> list[dict[str, Any]]:
+    """The `choices` of a chat.completion: one assistant message per completion, tool calls split out."""
+    choices = []
+    for i, c in enumerate(completions):
+        content, calls = split_tool_calls(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
+    return choices
+
+
+def chat_chunks(head: dict[str, Any], choices: list[dict[str, Any]],
+                usage: dict[str, int] | None) -> list[dict[str, Any]]:
+    """Whole chat choices as chat.completion.chunk events: per choice a role chunk, one content (and tool calls)
+    chunk, a finish chunk; then a usage chunk when `usage` is given. `head`: id, object, created, model."""
+    chunks = []
+    for ch in choices:
+        m = ch["message"]
+        chunks.append({**head, "choices": [{"index": ch["index"], "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]})
+        delta: dict[str, Any] = {"content": m["content"]} if m["content"] else {}
+        if m.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(m["tool_calls"])]
+        if delta:
+            chunks.append({**head, "choices": [{"index": ch["index"], "delta": delta, "finish_reason": None}]})
+        chunks.append({**head, "choices": [{"index": ch["index"], "delta": {}, "finish_reason": ch["finish_reason"]}]})
+    if usage is not None:
+        chunks.append({**head, "choices": [], "usage": usage})
+    return chunks
+
+
+def completion_choices(completions: list[Completion]) -> list[dict[str, Any]]:
+    """The `choices` of a legacy text_completion."""
+    return [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+            for i, c in enumerate(completions)]
+
+
+def token_usage(prompt: list[int], completions: list[Completion]) -> dict[str, int]:
+    done = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}

@@ -1,0 +1,195 @@
+"""The gateway's aiohttp handlers: session management (`SessionRoutes`) and the OpenAI API (`OpenAIRoutes`).
+
+Session management opens sessions over HTTP, hands queued work to remote agents (pull mode), shows a session and
+takes its reward. The OpenAI routes find the call's session (path `/v1/sessions/{id}/v1/...` or the
+`X-Session-Id` header), render and sample through arbor.orchestrator.gateway_openai and the inference client,
+record every choice in the session's trajectory and answer in OpenAI JSON or as server-sent events. The server
+that mounts them, with auth and size limits, is arbor.orchestrator.gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable
+
+from aiohttp import web
+
+from arbor.orchestrator.client import Completion, InferenceError
+from arbor.orchestrator.gateway_openai import (
+    RunSampling,
+    chat_chunks,
+    chat_choices,
+    completion_choices,
+    parse_messages,
+    parse_token_prompt,
+    parse_tools,
+    template_message,
+    token_usage,
+)
+from arbor.orchestrator.gateway_sessions import Session, SessionStore
+from arbor.transport.http import HTTPError, get_field, read_json_object
+
+if TYPE_CHECKING:
+    from arbor.orchestrator.client import InferenceClient
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def session_url(root: str, session_id: str) -> str:
+    """The URL prefix of a session's routes on the gateway at `root`."""
+    return f"{root}/v1/sessions/{session_id}"
+
+
+def _session_id(request: web.Request) -> str | None:
+    return request.match_info.get("sid") or request.headers.get("X-Session-Id")
+
+
+async def _optional_body(request: web.Request) -> dict[str, Any]:
+    return await read_json_object(request) if request.can_read_body else {}
+
+
+class SessionRoutes:
+    """POST /v1/sessions, POST /v1/work, GET /v1/sessions/{id}, POST /v1/sessions/{id}/reward."""
+
+    def __init__(self, store: SessionStore, root: Callable[[], str]) -> None:
+        self.store = store
+        # The gateway's URL is known only once it is bound: asked for when a reply names a URL.
+        self.root = root
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        body = await _optional_body(request)
+        sid = get_field(body, "id", (str,), None)
+        if sid is not None and not SESSION_ID.fullmatch(sid):
+            raise HTTPError(400, "id must be 1-128 characters of letters, digits, '.', '_' or '-'", "id")
+        s = self.store.open(sid, get_field(body, "task_id", (int, str), -1))
+        s.external = True
+        return web.json_response({"id": s.id, "base_url": session_url(self.root(), s.id) + "/v1"}, status=201)
+
+    async def claim_work(self, request: web.Request) -> web.Response:
+        """Pull mode: the next queued task and its session for a remote agent, waiting up to `wait` seconds;
+        204 when there is none."""
+        body = await _optional_body(request)
+        wait = get_field(body, "wait", (int, float), 0)
+        if not 0 <= wait <= 60:
+            raise HTTPError(400, f"wait must be in [0, 60] seconds, got {wait}", "wait")
+        claimed = await self.store.claim(wait)
+        if claimed is None:
+            return web.Response(status=204)
+        sid, task = claimed
+        prefix = session_url(self.root(), sid)
+        return web.json_response({"session_id": sid, "base_url": prefix + "/v1", "task": task,
+                                  "reward_url": prefix + "/reward"})
+
+    async def show_session(self, request: web.Request) -> web.Response:
+        s = self.store.get(request.match_info["sid"])
+        return web.json_response({"id": s.id, "closed": s.closed, "turns": len(s.turns), "reward": s.reward,
+                                  "samples": s.trajectory.num_branches})
+
+    async def reward(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        self.store.get(sid)
+        body = await read_json_object(request)
+        value = get_field(body, "reward", (int, float), None)
+        if value is None or not math.isfinite(value):
+            raise HTTPError(400, "reward (a finite number) is required", "reward")
+        comps = get_field(body, "components", (dict,), {})
+        if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) for k, v in comps.items()):
+            raise HTTPError(400, "components must map names to finite numbers", "components")
+        s = self.store.close(sid, float(value), {k: float(v) for k, v in comps.items()})
+        return web.json_response({"id": sid, "closed": True, "turns": len(s.turns)})
+
+
+class OpenAIRoutes:
+    """POST /v1/chat/completions, POST /v1/completions, GET /v1/models, each recording into its session."""
+
+    def __init__(self, client: "InferenceClient", tokenizer: Any, store: SessionStore, sampling: RunSampling,
+                 model_name: str) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.store = store
+        self.sampling = sampling
+        self.model_name = model_name
+        self.calls = 0  # answered calls, for the gateway's health and metrics
+
+    async def models(self, request: web.Request) -> web.Response:
+        sid = _session_id(request)
+        if sid is not None:  # optional here, but an unknown one is still a 404
+            self.store.get(sid)
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "arbor",
+            "max_model_len": self.sampling.seq_len}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        s = self._session(request)
+        body = await read_json_object(request)
+        messages, tools = parse_messages(body), parse_tools(body)
+        stream = get_field(body, "stream", (bool,), False)
+        include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        try:
+            prompt = s.trajectory.chat_prompt(messages, tools)
+        except Exception as e:  # a template that rejects these messages is the client's problem
+            raise HTTPError(400, f"messages could not be rendered with the chat template: {e}", "messages") from None
+        completions = await self._generate(s, prompt.ids, self.sampling.parse(body, len(prompt.ids)))
+        choices = chat_choices(completions)
+        for choice, c in zip(choices, completions):
+            s.trajectory.record(prompt, c, template_message(choice["message"], 0))
+        self.calls += 1
+        usage = token_usage(prompt.ids, completions)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name}
+        if not stream:
+            return web.json_response({**head, "choices": choices, "usage": usage})
+        chunks = chat_chunks({**head, "object": "chat.completion.chunk"}, choices, usage if include_usage else None)
+        return await _sse(request, chunks)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        s = self._session(request)
+        body = await read_json_object(request)
+        prompt = parse_token_prompt(body, self.tokenizer)
+        stream = get_field(body, "stream", (bool,), False)
+        sampling = self.sampling.parse(body, len(prompt))
+        recorded = s.trajectory.token_prompt(prompt)
+        completions = await self._generate(s, prompt, sampling)
+        for c in completions:
+            s.trajectory.record(recorded, c)
+        self.calls += 1
+        choices = completion_choices(completions)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        if not stream:
+            return web.json_response({**head, "choices": choices, "usage": token_usage(prompt, completions)})
+        return await _sse(request, [{**head, "choices": [ch]} for ch in choices])
+
+    def _session(self, request: web.Request) -> Session:
+        """The open session a generation call is made in."""
+        sid = _session_id(request)
+        if sid is None:
+            raise HTTPError(400, "no session: call {gateway}/v1/sessions/{id}/v1/... or send X-Session-Id")
+        s = self.store.get(sid)
+        if s.closed:
+            raise HTTPError(409, f"session {sid!r} is closed", kind="conflict_error")
+        return s
+
+    async def _generate(self, s: Session, prompt: list[int], sampling: dict[str, Any]) -> list[Completion]:
+        with self.store.generating(s):
+            try:
+                return await self.client.generate(prompt, **sampling)
+            except InferenceError as e:  # the backend refusing this request is the agent's error, else the fleet's
+                if e.status is not None and 400 <= e.status < 500:
+                    raise HTTPError(400, f"the inference backend rejected the request: {e}") from None
+                raise HTTPError(502, f"inference backend: {e}", None, "api_error") from None
+
+
+async def _sse(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for c in chunks:
+        await resp.write(f"data: {json.dumps(c)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
