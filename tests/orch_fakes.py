@@ -60,6 +60,14 @@ class FakeEnv:
         return None
 
 
+async def settle(rounds: int = 500) -> None:
+    """Lets every runnable coroutine run to its next real wait (a held fleet request, an event): many rounds of
+    the event loop, however slow the machine. A wall-clock sleep is not enough: under CPU load it can end while
+    a chain of ready callbacks is still halfway through."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
 class Fleet:
     """Answers "abc" (3 tokens, policy `version`) at once; a request whose seed is in `slow` gets one token and
     waits until it is aborted (then answers that token, finish_reason "abort")."""

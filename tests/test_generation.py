@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from orch_fakes import Fleet, make_pool, seed_of
+from orch_fakes import Fleet, make_pool, seed_of, settle
 
 
 def test_per_step_admission_launches_the_oversampled_step_and_takes_in_queue_order() -> None:
@@ -16,7 +16,7 @@ def test_per_step_admission_launches_the_oversampled_step_and_takes_in_queue_ord
     async def go():
         pool.use(fleet)
         launched = pool.admit(0, 0, 2, 0, 0)
-        await asyncio.sleep(0.01)
+        await settle()
         taken = pool.take(2)
         return launched, taken, pool.admit(0, 2, 2, 0, launched)
 
@@ -88,13 +88,13 @@ def test_end_step_cancels_or_parks_the_surplus_and_the_next_step_resumes_it_firs
     async def go():
         pool.use(fleet)
         pool.admit(0, 0, 2, 0, 0)
-        await asyncio.sleep(0.01)
+        await settle()
         first = pool.take(2)
         await pool.end_step()
-        await asyncio.sleep(0.01)
+        await settle()
         parked = len(pool.parking.parked)
         launched = pool.admit(1, 0, 2, 0, 0)
-        await asyncio.sleep(0.01)
+        await settle()
         return first, parked, launched, pool.take(4)
 
     first, parked, launched, second = asyncio.run(go())
@@ -120,7 +120,7 @@ def test_a_cancelled_group_gives_up_its_position_and_its_task() -> None:
         pool.use(fleet)
         pool.admit(0, 0, 2, 0, 0)
         pool.flights[0].task.cancel()
-        await asyncio.sleep(0.01)
+        await settle()
 
     asyncio.run(go())
     assert pool.queue.head == 1 and pool.queue.in_flight == 0 and not pool.flights and pool.source.pending() == []
@@ -134,7 +134,7 @@ def test_resume_after_a_weight_update_leaves_parked_groups_parked() -> None:
     async def go():
         pool.use(fleet)
         pool.admit(0, 0, 2, 0, 0)
-        await asyncio.sleep(0.01)
+        await settle()
         handles = await pool.partial.abort_all()
         pool.flights[0].parked = True  # the scheduler parked group 0 during the update
         pool.resume_after_update(handles)

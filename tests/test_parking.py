@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from orch_fakes import Fleet, make_pool, seed_of
+from orch_fakes import Fleet, make_pool, seed_of, settle
 
 from arbor.orchestrator.generation import GenerationPool
 
@@ -27,9 +27,10 @@ def _straggling(action: str = "resume", max_resumes: int = 3, mode: str = "async
 async def _launch_and_move(pool: GenerationPool, fleet: Fleet, step: int = 0) -> float | None:
     pool.use(fleet)
     pool.admit(0, 0, 2, 0, 0)
-    await asyncio.sleep(0.05)
+    await settle()
+    await asyncio.sleep(0.05)  # past the straggler limit (4 x the 0.01 s median)
     due = await pool.parking.move_stragglers(step, pool.flights, pool.partial)
-    await asyncio.sleep(0.01)
+    await settle()
     return due
 
 
@@ -56,9 +57,10 @@ def test_a_straggler_is_retried_as_a_new_group_or_given_up(max_resumes: int) -> 
         pool.use(fleet)
         pool.admit(0, 0, 2, 0, 0)
         task = pool.source.pending()[0]
-        await asyncio.sleep(0.05)
+        await settle()
+        await asyncio.sleep(0.05)  # past the straggler limit (4 x the 0.01 s median)
         await pool.parking.move_stragglers(0, pool.flights, pool.partial)
-        await asyncio.sleep(0.01)
+        await settle()
         return pool.take(4)
 
     taken = asyncio.run(go())
@@ -112,12 +114,12 @@ def test_the_surplus_is_parked_unless_resumed_max_resumes_times_and_too_stale_pa
     async def go():
         pool.use(fleet)
         pool.admit(0, 0, 2, 0, 0)
-        await asyncio.sleep(0.01)
+        await settle()
         pool.take(2)
         await pool.end_step()
         running = sorted(k for k, f in pool.flights.items() if not f.parked)
         resumed = pool.parking.unpark(5)  # max_off_policy_steps 2: their version-0 token is too old at step 5
-        await asyncio.sleep(0.01)
+        await settle()
         await pool.stop()
         return running, resumed
 

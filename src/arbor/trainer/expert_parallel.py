@@ -83,8 +83,8 @@ class DeepEPDispatcher:
         try:  # optional: torchtitan is in the `gpu` extra, DeepEP (deep_ep) is installed on its own
             from torchtitan.distributed.deepep import deepep
         except ImportError as e:
-            raise ImportError("trainer.parallel.ep_backend = 'deepep' needs torchtitan (the `gpu` extra) and DeepEP v2 "
-                              f"(deep_ep): {e}") from None
+            raise ImportError("trainer.parallel.ep_backend = 'deepep' needs DeepEP v2 (deep_ep) and torchtitan (the "
+                              f"`gpu` extra): {e}") from None
         self._deepep = deepep
         self.group, self.num_experts = group, num_experts
         self.ep = dist.get_world_size(group)
