@@ -4,9 +4,10 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
 - policies: round_robin; least_outstanding (fewest requests in flight, ties by rotation); consistent_hash on a
   session id (header `X-Session-Id`, else the body's `session_id` or `user`) via rendezvous hashing, so every
   turn of a session lands on the backend holding its prefix cache and a lost backend moves only its sessions.
-- health: every backend's /health is polled; `eject_after` consecutive failures (or one refused connection on
-  the request path) eject it; the first success re-admits it, after replaying the last weight update and pause
-  state the fleet received, so a restarted replica never serves stale weights.
+- health (in `arbor.inference.fleet`, with the backends' state and the picking policies): every backend's
+  /health is polled; `eject_after` consecutive failures (or one refused connection on the request path) eject
+  it; the first success re-admits it, after replaying the last weight update and pause state the fleet
+  received, so a restarted replica never serves stale weights.
 - failover: a completion/chat completion (idempotent for RL: the orchestrator keeps whatever comes back) or any
   GET that fails on one backend with a connection error or a 5xx is retried on another, up to `max_retries`.
 - admin fan-out: POST /update_weights, /pause, /resume, /abort_requests go to every backend and answer
@@ -26,14 +27,11 @@ least_outstanding maps to its load-aware `power_of_two` policy (the closest it o
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
 import json
 import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -41,6 +39,7 @@ from aiohttp import web
 
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
+from arbor.inference.fleet import Backend, Fleet, post_json, rendezvous
 from arbor.transport.http import start_site, write_ready_file
 from arbor.transport.router import METRIC_PREFIX, use_vllm_router, vllm_router_argv
 
@@ -49,6 +48,10 @@ log = logging.getLogger("arbor.inference.router")
 RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
 ADMIN = ("/update_weights", "/pause", "/resume", "/abort_requests")
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+
+__all__ = ["Backend", "Router", "main", "rendezvous", "serve", "session_key"]
+
+
 def session_key(headers: Any, body: bytes) -> str | None:
     """The session id of a request: the X-Session-Id header, else the JSON body's session_id or user."""
     key = headers.get("X-Session-Id")
@@ -65,44 +68,33 @@ def session_key(headers: Any, body: bytes) -> str | None:
     return None
 
 
-def rendezvous(key: str, urls: list[str]) -> str:
-    """Highest-random-weight hashing: stable per key, and removing a backend moves only the keys it held."""
-    return max(urls, key=lambda u: hashlib.blake2b(f"{u}|{key}".encode(), digest_size=8).digest())
-
-
-@dataclass
-class Backend:
-    url: str
-    healthy: bool = True
-    outstanding: int = 0
-    fails: int = 0
-    requests: int = 0
-    errors: int = 0
-    policy_version: int = 0
-    health: dict[str, Any] = field(default_factory=dict)
-
-
 class Router:
+    """The aiohttp app in front of the fleet: request forwarding with failover, admin fan-out, health, metrics."""
+
     def __init__(self, backends: list[str], cfg: RouterConfig) -> None:
         if not backends:
             raise ConfigError("router.backends is empty: give at least one backend URL")
         self.cfg = cfg
-        self.backends = [Backend(u.rstrip("/")) for u in backends]
-        self._rr = itertools.count()
-        self.retries = self.ejections = self.readmissions = self.requests = 0
+        self.fleet = Fleet(backends, cfg)
+        self.backends = self.fleet.backends
+        self.retries = self.requests = 0
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
-        self.last_update: dict[str, Any] | None = None  # replayed on re-admission
-        self.paused = False
 
-    # ---- lifecycle ----
+    @property
+    def ejections(self) -> int:
+        return self.fleet.ejections
+
+    @property
+    def readmissions(self) -> int:
+        return self.fleet.readmissions
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
             connector=conn, timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout), auto_decompress=False
         )
-        self._health_task = asyncio.create_task(self._health_loop())
+        self._health_task = asyncio.create_task(self.fleet.health_loop(self._session))
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -129,37 +121,6 @@ class Router:
         app.on_cleanup.append(on_cleanup)
         return app
 
-    # ---- picking ----
-
-    def pick(self, key: str | None, exclude: set[str]) -> Backend | None:
-        live = [b for b in self.backends if b.healthy and b.url not in exclude]
-        if not live:
-            return None
-        policy = self.cfg.policy
-        if policy == "consistent_hash" and key is not None:
-            # Hash over the whole fleet's healthy members, not minus `exclude`, so a retry goes to the backend
-            # the session would move to if its own backend were ejected.
-            url = rendezvous(key, [b.url for b in live])
-            return next(b for b in live if b.url == url)
-        start = next(self._rr)
-        if policy == "least_outstanding":
-            n = len(live)
-            return min((live[(start + i) % n] for i in range(n)), key=lambda b: b.outstanding)
-        return live[start % len(live)]
-
-    def _failed(self, b: Backend, refused: bool) -> None:
-        b.errors += 1
-        b.fails += 1
-        if b.healthy and (refused or b.fails >= self.cfg.eject_after):
-            self._eject(b, "connection refused" if refused else f"{b.fails} failures")
-
-    def _eject(self, b: Backend, why: str) -> None:
-        b.healthy = False
-        self.ejections += 1
-        log.warning("ejected %s (%s)", b.url, why)
-
-    # ---- proxying ----
-
     async def forward(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
         body = await request.read()
@@ -171,7 +132,7 @@ class Router:
         tried: set[str] = set()
         last = "no backend in rotation"
         for attempt in range((self.cfg.max_retries if retryable else 0) + 1):
-            b = self.pick(key, tried)
+            b = self.fleet.pick(key, tried)
             if b is None:
                 break
             if attempt:
@@ -183,7 +144,7 @@ class Router:
                 async with self._session.request(request.method, b.url + path, data=body, headers=headers) as resp:
                     if resp.status >= 500 and retryable:
                         last = f"{b.url} answered {resp.status}: {(await resp.read())[:200]!r}"
-                        self._failed(b, refused=False)
+                        self.fleet.failed(b, refused=False)
                         continue
                     b.fails = 0
                     out = web.StreamResponse(status=resp.status, headers={
@@ -197,7 +158,7 @@ class Router:
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 last = f"{b.url}: {type(e).__name__}: {e}"
-                self._failed(b, refused=isinstance(e, aiohttp.ClientConnectorError))
+                self.fleet.failed(b, refused=isinstance(e, aiohttp.ClientConnectorError))
                 if not retryable:
                     break
             finally:
@@ -208,29 +169,16 @@ class Router:
             status=503,
         )
 
-    # ---- admin fan-out ----
-
-    async def _post(self, b: Backend, path: str, body: bytes) -> tuple[int, Any]:
-        assert self._session is not None
-        try:
-            async with self._session.post(b.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
-                text = await r.read()
-                try:
-                    return r.status, json.loads(text)
-                except ValueError:
-                    return r.status, text.decode(errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return 0, f"{type(e).__name__}: {e}"
-
     async def admin(self, request: web.Request) -> web.Response:
         """Sends the call to every backend; ejected ones too (best effort: they get it again on re-admission)."""
+        assert self._session is not None
         body = await request.read()
-        results = await asyncio.gather(*(self._post(b, request.path, body) for b in self.backends))
+        results = await asyncio.gather(*(post_json(self._session, b, request.path, body) for b in self.backends))
         report = {b.url: {"status": s, "in_rotation": b.healthy, "body": d} for b, (s, d) in zip(self.backends, results)}
         live = [(b, s, d) for b, (s, d) in zip(self.backends, results) if b.healthy]
         for b, (s, d) in zip(self.backends, results):
             if s == 0 and b.healthy:
-                self._failed(b, refused=True)
+                self.fleet.failed(b, refused=True)
             if s == 200 and isinstance(d, dict) and isinstance(d.get("policy_version"), int):
                 b.policy_version = d["policy_version"]
         ok = [s for _, s, _ in live if 200 <= s < 300]
@@ -242,7 +190,7 @@ class Router:
         else:
             status = 502 if ok or any(s for _, s, _ in live) else 503
         if status == 200:
-            self._remember(request.path, body)
+            self.fleet.remember(request.path, body)
         message = None if status == 200 else f"{request.path} failed on some backends: " + json.dumps(report)[:2000]
         versions = [d.get("policy_version") for _, s, d in live if s == 200 and isinstance(d, dict)]
         out: dict[str, Any] = {"results": report}
@@ -251,54 +199,6 @@ class Router:
         if message:
             out["error"] = {"message": message, "type": "fanout_error", "param": None}
         return web.json_response(out, status=status)
-
-    def _remember(self, path: str, body: bytes) -> None:
-        if path == "/update_weights":
-            self.last_update = json.loads(body)
-        elif path in ("/pause", "/resume"):
-            self.paused = path == "/pause"
-
-    async def _catch_up(self, b: Backend) -> bool:
-        """Brings a recovering backend to the fleet's state (weights, pause) before it serves again."""
-        if self.last_update is not None and b.policy_version != self.last_update.get("version"):
-            status, data = await self._post(b, "/update_weights", json.dumps(self.last_update).encode())
-            if status != 200:
-                log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
-                return False
-            b.policy_version = int(self.last_update.get("version", b.policy_version))
-        if self.paused:
-            status, _ = await self._post(b, "/pause", b"{}")
-            if status != 200:
-                return False
-        return True
-
-    # ---- health ----
-
-    async def _check(self, b: Backend) -> None:
-        assert self._session is not None
-        try:
-            async with self._session.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout)) as r:
-                ok = r.status == 200
-                data = await r.json(content_type=None) if ok else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            ok, data = False, {}
-        if not ok:
-            self._failed(b, refused=False)
-            return
-        b.health = data if isinstance(data, dict) else {}
-        b.policy_version = int(b.health.get("policy_version", 0))
-        if not b.healthy:
-            if not await self._catch_up(b):
-                return
-            b.healthy = True
-            self.readmissions += 1
-            log.warning("re-admitted %s", b.url)
-        b.fails = 0
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._check(b) for b in self.backends))
-            await asyncio.sleep(self.cfg.health_interval)
 
     async def health(self, request: web.Request) -> web.Response:
         live = [b for b in self.backends if b.healthy]

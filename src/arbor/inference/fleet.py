@@ -1,0 +1,137 @@
+"""The router's view of its backends: which are in rotation, which one serves a request, and their health.
+
+Every backend's /health is polled; `eject_after` consecutive failures (or one refused connection on the request
+path) eject it; the first success re-admits it, after replaying the last weight update and pause state the fleet
+received (`remember`), so a restarted replica never serves stale weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from arbor.config.inference import RouterConfig
+
+log = logging.getLogger("arbor.inference.router")
+
+
+def rendezvous(key: str, urls: list[str]) -> str:
+    """Highest-random-weight hashing: stable per key, and removing a backend moves only the keys it held."""
+    return max(urls, key=lambda u: hashlib.blake2b(f"{u}|{key}".encode(), digest_size=8).digest())
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    fails: int = 0
+    requests: int = 0
+    errors: int = 0
+    policy_version: int = 0
+    health: dict[str, Any] = field(default_factory=dict)
+
+
+class Fleet:
+    """The backends behind one router, with their ejection/re-admission counters and the fleet state
+    (last weight update, pause) a recovering backend is brought up to."""
+
+    def __init__(self, urls: list[str], cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.backends = [Backend(u.rstrip("/")) for u in urls]
+        self.ejections = self.readmissions = 0
+        self.last_update: dict[str, Any] | None = None  # replayed on re-admission
+        self.paused = False
+        self._rr = itertools.count()
+
+    def pick(self, key: str | None, exclude: set[str]) -> Backend | None:
+        live = [b for b in self.backends if b.healthy and b.url not in exclude]
+        if not live:
+            return None
+        policy = self.cfg.policy
+        if policy == "consistent_hash" and key is not None:
+            # Hash over the whole fleet's healthy members, not minus `exclude`, so a retry goes to the backend
+            # the session would move to if its own backend were ejected.
+            url = rendezvous(key, [b.url for b in live])
+            return next(b for b in live if b.url == url)
+        start = next(self._rr)
+        if policy == "least_outstanding":
+            n = len(live)
+            return min((live[(start + i) % n] for i in range(n)), key=lambda b: b.outstanding)
+        return live[start % len(live)]
+
+    def failed(self, b: Backend, refused: bool) -> None:
+        """Counts a failure; ejects the backend on a refused connection or `eject_after` failures in a row."""
+        b.errors += 1
+        b.fails += 1
+        if b.healthy and (refused or b.fails >= self.cfg.eject_after):
+            b.healthy = False
+            self.ejections += 1
+            log.warning("ejected %s (%s)", b.url, "connection refused" if refused else f"{b.fails} failures")
+
+    def remember(self, path: str, body: bytes) -> None:
+        """Records an admin call every backend accepted, to replay it on re-admission."""
+        if path == "/update_weights":
+            self.last_update = json.loads(body)
+        elif path in ("/pause", "/resume"):
+            self.paused = path == "/pause"
+
+    async def health_loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.gather(*(self._check(session, b) for b in self.backends))
+            await asyncio.sleep(self.cfg.health_interval)
+
+    async def _check(self, session: aiohttp.ClientSession, b: Backend) -> None:
+        try:
+            async with session.get(b.url + "/health",
+                                   timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout)) as r:
+                ok = r.status == 200
+                data = await r.json(content_type=None) if ok else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            ok, data = False, {}
+        if not ok:
+            self.failed(b, refused=False)
+            return
+        b.health = data if isinstance(data, dict) else {}
+        b.policy_version = int(b.health.get("policy_version", 0))
+        if not b.healthy:
+            if not await self._catch_up(session, b):
+                return
+            b.healthy = True
+            self.readmissions += 1
+            log.warning("re-admitted %s", b.url)
+        b.fails = 0
+
+    async def _catch_up(self, session: aiohttp.ClientSession, b: Backend) -> bool:
+        """Brings a recovering backend to the fleet's state (weights, pause) before it serves again."""
+        if self.last_update is not None and b.policy_version != self.last_update.get("version"):
+            status, data = await post_json(session, b, "/update_weights", json.dumps(self.last_update).encode())
+            if status != 200:
+                log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
+                return False
+            b.policy_version = int(self.last_update.get("version", b.policy_version))
+        if self.paused:
+            status, _ = await post_json(session, b, "/pause", b"{}")
+            if status != 200:
+                return False
+        return True
+
+
+async def post_json(session: aiohttp.ClientSession, b: Backend, path: str, body: bytes) -> tuple[int, Any]:
+    """POSTs a JSON body to one backend: (status, parsed JSON or text), or (0, the error) if it is unreachable."""
+    try:
+        async with session.post(b.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+            text = await r.read()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text.decode(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return 0, f"{type(e).__name__}: {e}"

@@ -1,0 +1,99 @@
+"""The local engine's model side: the model and its slot KV cache, the forwards that fill it (prefill, batched
+decode, recomputation after a weight update), MoE router-replay route recording, and weight loading.
+
+Only the engine thread calls it. Routes (MoE models) are recorded per sequence by cache position, so a prefix
+computed in several forwards (prefill, decode steps, recomputation) ends up with one row per token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from arbor.inference.requests import Seq
+from arbor.models.fp8 import dequantize_state
+from arbor.models.hf import copy_state_into, fuse_experts
+
+
+class ModelRunner:
+    """Runs `model` over `max_batch_size` cache slots of `seq_len` positions; `weights` loads published
+    directories (a `FilesystemTransport`: checksums verified, bounded by its timeout)."""
+
+    def __init__(self, model: torch.nn.Module, *, seq_len: int, max_batch_size: int, weights: Any) -> None:
+        self.model = model
+        self.weights = weights
+        self.kv = model.make_kv_cache(max_batch_size, seq_len)
+        self.device: torch.device = next(model.parameters()).device
+        args = model.args
+        self._route_shape: tuple[int, int, int] | None = (
+            (seq_len, len(args.moe_layers), args.num_experts_per_tok) if getattr(args, "is_moe", False) else None)
+        self._route_dtype = np.uint8 if getattr(args, "num_experts", 0) <= 256 else np.int16
+
+    def prefill(self, seqs: list[Seq]) -> torch.Tensor:
+        """Writes the prompt of the request `seqs` belong to into their slots (computed once, copied to the
+        others); returns fp32 logits `[1, V]` of its last position."""
+        prompt = seqs[0].req.prompt
+        logits = self.forward(prompt, 0, seqs[0].slot)
+        self._record_routes(seqs, 0, len(prompt))
+        if len(seqs) > 1:
+            self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], len(prompt))
+        return logits
+
+    def decode(self, seqs: list[Seq]) -> torch.Tensor:
+        """One `[B, 1]` forward of every sequence's newest token; returns fp32 logits `[B, V]`."""
+        dev = self.device
+        ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=dev)
+        pos = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=dev)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots)[:, -1].float()
+        if self._route_shape is not None:
+            routes = self._routes_of_last_forward()
+            for b, s in enumerate(seqs):
+                self._routes_of(s)[s.position] = routes[b, 0]
+        return logits
+
+    def recompute(self, seqs: list[Seq]) -> None:
+        """Rebuilds the cache of one request's running sequences with the current weights (prompt once)."""
+        self.prefill(seqs)
+        start = len(seqs[0].req.prompt)
+        for s in seqs:
+            if len(s.tokens) > 1:  # the newest token is written by the next decode step
+                self.forward(s.tokens[:-1], start, s.slot)
+                self._record_routes([s], start, len(s.tokens) - 1)
+
+    def load_weights(self, path: Path) -> None:
+        """Reads and checks every tensor before copying any, so a bad directory leaves the model untouched."""
+        if not path.is_dir():
+            raise FileNotFoundError(f"weights directory {path} does not exist")
+        # verified against the publish manifest; FP8 weights (model.fp8 = "block") dequantised: the FP8 layers
+        # requantise them to the same values; MoE experts fused; checked in full before any copy
+        copy_state_into(self.model, fuse_experts(dequantize_state(self.weights.load(path))), path)
+
+    def forward(self, ids: list[int], start: int, slot: int) -> torch.Tensor:
+        """Writes `ids` at positions start.. of `slot`; returns fp32 logits `[1, V]` of the last position."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+        return self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=1)[:, -1].float()
+
+    def _record_routes(self, seqs: list[Seq], start: int, length: int) -> None:
+        """Copies the last one-row forward's routing (positions start..start+length) into every sequence in
+        `seqs` (a prefill shared by a request's samples, or one sequence's recomputed tokens)."""
+        if self._route_shape is None:
+            return
+        routes = self._routes_of_last_forward()[0]
+        for s in seqs:
+            self._routes_of(s)[start:start + length] = routes
+
+    def _routes_of(self, s: Seq) -> np.ndarray:
+        """The sequence's route buffer, allocated on first use (MoE models only)."""
+        assert self._route_shape is not None
+        if s.routes is None:
+            s.routes = np.zeros(self._route_shape, self._route_dtype)
+        return s.routes
+
+    def _routes_of_last_forward(self) -> np.ndarray:
+        return self.model.last_routed_experts.to("cpu", torch.int16).numpy().astype(self._route_dtype)

@@ -1,0 +1,83 @@
+"""Token choice for the local engine: one token per running sample from a batch of logits, recorded with its
+logprob, top alternatives and policy version, then the sample's stop conditions (eos, stop strings, max_tokens).
+
+Logprobs follow the convention in `arbor.inference.sampling` (temperature-scaled, before top-p truncation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from arbor.inference.requests import Seq
+
+
+def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits / T)` per row in fp32; rows with T = 0 use T = 1 (greedy reports the raw distribution)."""
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    return torch.log_softmax(logits.float() / t[:, None], dim=-1)
+
+
+def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
+    """Samples one token id from a row of (temperature-scaled) logprobs, keeping the smallest top-p nucleus."""
+    probs = logprobs.exp()
+    if top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    sorted_p, order = probs.sort(descending=True)
+    # Keep a token if the mass strictly before it is below top_p: the most likely token always survives.
+    keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    return int(order[int(torch.multinomial(kept, 1, generator=generator))])
+
+
+class Sampler:
+    """Appends one sampled token to each sequence and marks the ones that finished (their `finish_reason`)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id: int = tokenizer.eos_token_id
+
+    def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int) -> None:
+        """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version`."""
+        temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
+        logp = scaled_logprobs(logits, temps)
+        greedy = logp.argmax(-1).tolist()
+        k = max(s.req.params.top_logprobs for s in seqs)
+        top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
+        top_vals = top_vals.tolist() if k else None
+        top_ids = top_ids.tolist() if k else None
+        for b, s in enumerate(seqs):
+            p = s.req.params
+            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator)
+            s.tokens.append(tok)
+            s.logprobs.append(float(logp[b, tok]))
+            s.versions.append(version)
+            if p.top_logprobs:
+                s.top.append(list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])))
+            self._check_finished(s)
+
+    def abort(self, s: Seq) -> None:
+        """Ends an unfinished sequence with what it has generated so far."""
+        if s.finish_reason is None:
+            s.finish_reason = "abort"
+            s.text = self._decode(s)
+
+    def _check_finished(self, s: Seq) -> None:
+        p = s.req.params
+        if s.tokens[-1] == self.eos_token_id:
+            s.finish_reason = "stop"
+        elif p.stop:
+            text = self._decode(s)
+            hits = [(text.find(stop), stop) for stop in p.stop if stop in text]
+            if hits:
+                cut, stop = min(hits)
+                s.finish_reason, s.stop_reason, s.text = "stop", stop, text[:cut]
+                return
+        if s.finish_reason is None and len(s.tokens) >= p.max_tokens:
+            s.finish_reason = "length"
+        if s.finish_reason is not None:
+            s.text = self._decode(s)
+
+    def _decode(self, s: Seq) -> str:
+        return self.tokenizer.decode(s.tokens, skip_special_tokens=s.req.params.skip_special_tokens)

@@ -1,0 +1,127 @@
+"""Continuous batching over the local engine's KV-cache slots: admission of queued requests into free slots, one
+decode step for every running sequence, and the retirement of finished, aborted, abandoned or failed ones.
+
+Only the engine thread calls it. A request is admitted whole (all `n` samples at once, first come first served
+while the head of the queue fits); its samples then leave the running batch one by one as they finish, and its
+future resolves when the last one does. An error in one request's forward fails that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from arbor.inference.inbox import Inbox
+from arbor.inference.requests import EngineStats, Request, Seq, by_request, fail, resolve
+from arbor.inference.runner import ModelRunner
+from arbor.inference.sampler import Sampler
+
+log = logging.getLogger("arbor.inference.engine")
+
+
+class SlotScheduler:
+    """The running batch over `max_batch_size` slots, fed from `inbox`; `stats` counts its work."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, inbox: Inbox, *, max_batch_size: int,
+                 version: int) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.inbox = inbox
+        self.stats = EngineStats(policy_version=version)
+        self.running: list[Seq] = []
+        self._free = list(range(max_batch_size - 1, -1, -1))  # pop() hands out low slots first
+
+    def admit(self) -> None:
+        """Prefills queued requests, first come first served, while the head of the queue fits."""
+        while (req := self.inbox.next_admissible(len(self._free))) is not None:
+            req.seqs = [Seq(req, i, self._free.pop(), self.runner.device) for i in range(req.params.n)]
+            try:
+                logits = self.runner.prefill(req.seqs)
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(req.prompt)
+                self.running.extend(req.seqs)
+                self._sample(req.seqs, logits.expand(len(req.seqs), -1))
+            except Exception as e:
+                log.exception("prefill failed")
+                self._fail_request(req, e)
+
+    def decode_step(self) -> None:
+        """Samples the next token of every running sequence with one batched forward."""
+        seqs = self.running
+        try:
+            logits = self.runner.decode(seqs)
+            self.stats.decode_steps += 1
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(seqs))
+            self._sample(seqs, logits)
+        except Exception as e:
+            log.exception("decode step failed")
+            for group in by_request(seqs).values():
+                self._fail_request(group[0].req, e)
+
+    def recompute_caches(self) -> None:
+        """Rebuilds the KV cache of running sequences with the current weights (prompt once per request)."""
+        for seqs in by_request(self.running).values():
+            try:
+                self.runner.recompute(seqs)
+            except Exception as e:
+                self._fail_request(seqs[0].req, e)
+
+    def drop_abandoned(self) -> None:
+        """Frees the slots of requests whose caller cancelled them (or that failed)."""
+        if any(s.req.abandoned for s in self.running):
+            for s in self.running:
+                if s.req.abandoned:
+                    self._release(s)
+            self.running = [s for s in self.running if not s.req.abandoned]
+            self.stats.running = len(self.running)
+
+    def abort(self, ids: frozenset[str] | None) -> int:
+        """Finishes matching requests now: queued ones with no tokens, running ones with their tokens so far."""
+        hit = lambda r: ids is None or r.request_id in ids  # noqa: E731
+        queued = self.inbox.take_waiting(hit)
+        for req in queued:
+            resolve(req.future, req.aborted_output())
+        running = {id(s.req): s.req for s in self.running if hit(s.req)}
+        for req in running.values():
+            for s in req.seqs:
+                self.sampler.abort(s)
+                self._release(s)
+            resolve(req.future, req.output())
+        self.running = [s for s in self.running if not hit(s.req)]
+        self.stats.running = len(self.running)
+        return len(queued) + len(running)
+
+    def take_running(self) -> list[Request]:
+        """Empties the running batch (the engine is stopping); returns its requests."""
+        requests = [seqs[0].req for seqs in by_request(self.running).values()]
+        self.running = []
+        return requests
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """Samples one token per sequence, then retires the finished ones and resolves completed requests."""
+        self.sampler.sample(seqs, logits, self.stats.policy_version)
+        self.stats.generated_tokens += len(seqs)
+        done = [s for s in seqs if s.finish_reason is not None]
+        if done:
+            for s in done:
+                self._release(s)
+            self.running = [s for s in self.running if s.finish_reason is None]
+            for group in by_request(done).values():
+                req = group[0].req
+                if all(x.finish_reason is not None for x in req.seqs):
+                    resolve(req.future, req.output())
+        self.stats.running = len(self.running)
+
+    def _release(self, s: Seq) -> None:
+        if s.holds_slot:
+            self._free.append(s.slot)
+            s.holds_slot = False
+
+    def _fail_request(self, req: Request, err: BaseException) -> None:
+        """Frees every slot the request holds and hands the error to its caller."""
+        for s in req.seqs:
+            self._release(s)
+        self.running = [s for s in self.running if s.req is not req]
+        self.stats.running = len(self.running)
+        fail(req.future, err)
