@@ -36,7 +36,7 @@ from arbor.inference.requests import Completion, EngineStats, RequestOutput, fai
 from arbor.inference.runner import ModelRunner
 from arbor.inference.sampler import Sampler
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
-from arbor.inference.scheduler import SlotScheduler
+from arbor.inference.slots import SlotScheduler
 from arbor.models import build_model, build_tokenizer
 from arbor.models.fp8 import apply_fp8
 from arbor.transport.weights import FilesystemTransport
