@@ -29,6 +29,7 @@ from pathlib import Path
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import RLConfig
 from arbor.config.toml_writer import dumps
+from arbor.inference.vllm_launch import dry_run_command
 from arbor.launch.console import Console
 from arbor.launch.process import Supervisor, tail
 from arbor.launch.watchdog import Watchdog
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     write_configs(cfg)
     if cfg.dry_run:
         print(f"resolved configs written to {cfg.output_dir / 'configs'}")
+        if cfg.inference.backend == "vllm":
+            print(f"vLLM server command: {dry_run_command(cfg.inference)}")
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
