@@ -32,7 +32,8 @@ def vllm_server(tmp_path: Path, model_dir: Path | str, seq_len: int, *extra: str
             time.sleep(1)
         yield ready.read_text().strip()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:  # a server stuck in shutdown must not outlive the tests
