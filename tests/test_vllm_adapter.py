@@ -76,9 +76,9 @@ def test_cpu_build_defaults_and_dry_run(monkeypatch) -> None:
 
     cfg = InferenceConfig.model_validate({"model": {"name": "qwen3-tiny"}, "vllm": {"cpu_kvcache_space": 3}})
     cpu = _flags(serve_argv(cfg, "/m", 1, cpu=True))
-    assert "--enforce-eager" in cpu and cpu["--dtype"] == "float32"
+    assert "--enforce-eager" in cpu and cpu["--dtype"] == "float32" and "--no-enable-chunked-prefill" in cpu
     gpu = _flags(serve_argv(cfg, "/m", 1))
-    assert "--enforce-eager" not in gpu and gpu["--dtype"] == "auto"
+    assert "--enforce-eager" not in gpu and gpu["--dtype"] == "auto" and "--no-enable-chunked-prefill" not in gpu
     set_cfg = InferenceConfig.model_validate({"vllm": {"enforce_eager": False, "dtype": "bfloat16"}})
     assert "--enforce-eager" not in _flags(serve_argv(set_cfg, "/m", 1, cpu=True))
     env = serve_env({}, cfg, cpu=True)

@@ -94,6 +94,10 @@ def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer:
         argv += ["--kv-offloading-backend", v.kv_offloading_backend, "--kv-offloading-size", str(v.kv_offloading_size)]
     if cfg.router_replay:
         argv.append("--enable-return-routed-experts")
+    if cpu and "enable_chunked_prefill" not in v.extra_args:
+        # vLLM 0.32's CPU build crashes its engine when a seeded request's prefill is split over steps (it
+        # rewinds the request's generator, which CPU generators cannot do): prompts are prefilled whole.
+        argv.append("--no-enable-chunked-prefill")
     if skip_tokenizer:  # a directory without any tokenizer files: vLLM then works on token ids only
         argv.append("--skip-tokenizer-init")
     return argv + render_extra(v.extra_args)

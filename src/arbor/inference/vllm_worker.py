@@ -32,6 +32,26 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _repack_cpu(model: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Redoes what vLLM 0.32's CPU build leaves stale after an in-place reload.
+
+    - lm_head is computed from a packed copy of its weight (`cpu_linear`). A tied lm_head receives no tensor
+      of its own on a reload, so its old packed copy would stay while the shared embedding changes: repack
+      it (for an untied head this repeats what the reload did).
+    - Unquantised MoE experts are prepacked for the CPU grouped GEMM on the first load only: on a weight
+      update vLLM copies the new, unpacked expert weights into the packed tensors and skips the prepack.
+      Prepack them again (only where no intermediate padding is involved, which the prepack would redo).
+    """
+    head.quant_method.process_weights_after_loading(head)  # type: ignore[union-attr, operator]
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        cfg = getattr(experts, "moe_config", None)
+        if experts is None or cfg is None or not hasattr(experts, "_padded_intermediate_size"):
+            continue
+        if experts._padded_intermediate_size(cfg) == cfg.intermediate_size_per_partition:
+            experts.process_weights_after_loading(module)
+
+
 class WeightUpdateExtension:
     """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's."""
 
@@ -39,12 +59,10 @@ class WeightUpdateExtension:
 
     def _arbor_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
-        head = getattr(self.model_runner.model, "lm_head", None)  # type: ignore[attr-defined]
-        if head is not None and hasattr(head, "cpu_linear"):
-            # vLLM's CPU build computes lm_head from a packed copy of its weight (`cpu_linear`). A tied lm_head
-            # receives no tensor of its own on a reload, so vLLM keeps its old packed copy while the shared
-            # embedding changes: repack it (for an untied head this repeats what the reload did).
-            head.quant_method.process_weights_after_loading(head)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        if head is not None and hasattr(head, "cpu_linear"):  # vLLM's CPU build
+            _repack_cpu(model, head)
         _sync()
 
     def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
