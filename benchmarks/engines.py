@@ -86,7 +86,8 @@ def _mismatch(model: torch.nn.Module, prompt: list[int], choice: dict[str, Any])
 
 def measure(backend: str, args: argparse.Namespace, model: torch.nn.Module, work: Path) -> dict[str, Any]:
     prompts = _prompts(args.requests)
-    sampled = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": 0, "seed": i}
+    sampled = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": 0, "seed": i,
+                "return_token_ids": True}
                for i, p in enumerate(prompts)]
     greedy = [{**b, "temperature": 0.0, "seed": 0} for b in sampled]
     proc, url, startup = _start(backend, args.model, args.seq_len, args.threads, work / f"{backend}.ready")
