@@ -1,6 +1,7 @@
 """A tiny MoE (`qwen3-moe-tiny`, 8 experts top-2) on a real vLLM server, one server per module: the trainer's
 logprobs agree with vLLM's (fp32, mismatch KL per token < 1e-3) before and after three consecutive weight
-updates (on the CPU build this needs the worker extension's repack of the experts, see `vllm_worker`); with router replay (vLLM returns each token's routed experts), also when the trainer replays them.
+updates (on the CPU build this needs the worker extension's repack of the experts, see `vllm_worker`);
+with router replay (vLLM returns each token's routed experts), also when the trainer replays them.
 
 Routed experts need vLLM's V2 model runner, which needs Triton with a backend for the device: vLLM's CPU build
 (without triton-cpu) refuses `--enable-return-routed-experts` at start-up, so the replay test runs on CUDA only."""
