@@ -300,7 +300,7 @@ def test_fsdp2_two_ranks_fp8_matches_one_rank(tmp_path):
         assert err <= 1e-5 * p.grad.abs().max().item() + 1e-9, f"{name}: {err:.3g}"
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="DeepGEMM and torch._scaled_mm FP8 GEMM kernels (Hopper)")
 @pytest.mark.parametrize("backend", ["deep_gemm", "scaled_mm"])
 def test_gpu_gemm_matches_reference(backend):
     """The Hopper kernels against the reference on the same quantised operands: forward, dgrad and wgrad shapes."""
@@ -351,7 +351,7 @@ def test_config_and_vllm_checkpoint_dir(tmp_path, monkeypatch):
     # vLLM gets a DeepSeek-format FP8 checkpoint: presets and plain checkpoints are quantised once...
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     path, skip_tok = model_dir(InferenceConfig(backend="vllm", model={"name": "qwen3-test", "fp8": "block"}))
-    assert path.endswith("-fp8") and skip_tok
+    assert path.endswith("-fp8") and not skip_tok  # the byte tokenizer's Hugging Face export is written with it
     assert json.loads((tmp_path / "arbor-vllm" / path.rsplit("/", 1)[1] / "config.json").read_text())["quantization_config"]
     assert load_file(path + "/model.safetensors")["model.layers.1.self_attn.o_proj.weight"].dtype == FP8
     # ... a checkpoint already in that format is served as it is, and MoE models are refused.
@@ -376,7 +376,7 @@ def test_published_fp8_step_loads_everywhere(tmp_path):
     assert torch.equal(other.model.layers[0].self_attn.q_proj.weight, dequantize_blocks(*quantize_blocks(q), q.shape))
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="vLLM's block-FP8 linear kernels (DeepGEMM/CUTLASS) and arbor's FP8 GEMMs are CUDA only")
 def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
     """`inference --backend vllm` with model.fp8 = "block" on a Qwen3 whose projections are multiples of 128
     (vLLM's block-FP8 layers need that): the served checkpoint and an update are DeepSeek-format FP8, and the

@@ -92,7 +92,7 @@ def test_grouped_mm_fallback_matches_per_group_matmul():
     assert torch.allclose(grouped_mm(x, w, counts), ref, atol=1e-6)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="torch's grouped_mm CUDA kernel")
 def test_grouped_mm_cuda_kernel_matches_fallback():
     torch.manual_seed(0)
     w = torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16)

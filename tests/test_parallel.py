@@ -132,7 +132,7 @@ def _deepep_worker(rank: int, world: int) -> None:
     assert_close(out.float(), ref.float(), "DeepEP vs local dispatch", rel=2e-2)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="DeepEP's NCCL all-to-all dispatch (2 GPUs)")
 def test_deepep_dispatch_matches_local_dispatch_on_two_gpus():
     pytest.importorskip("deep_ep")
     if torch.cuda.device_count() < 2:

@@ -379,42 +379,6 @@ def test_rl_run_with_oversampling_and_partial_rollouts(tmp_path: Path) -> None:
     assert all(r["staleness/max"] <= 2 for r in rows)
 
 
-@pytest.mark.gpu
-def test_real_vllm_abort_and_resume_equals_uninterrupted_greedy(tmp_path: Path) -> None:
-    """`inference --backend vllm`: a greedy request aborted through /abort_requests answers its partial tokens,
-    and the GroupHandle's resumed completion equals the uninterrupted one token for token."""
-    pytest.importorskip("vllm")
-    from vllm_server import vllm_server
-
-    from arbor.config.model import ModelConfig
-    from arbor.models import build_model
-
-    base = build_model(ModelConfig(name="qwen3-test"))
-    base.init_weights(0, std=0.3)
-    save_checkpoint_dir(base.state_dict(), base.args, tmp_path / "model")
-    with vllm_server(tmp_path, tmp_path / "model", 256) as url:
-        prompt = [5, 17, 99, 3, 42]
-
-        async def go() -> tuple[Completion, Completion]:
-            async with InferenceClient([url], timeout=600, max_retries=0) as client:
-                (whole,) = await client.generate(prompt, 1, 240, 0.0, 1.0, 0)
-                ctl = PartialRollouts(client)
-                for delay in (0.05, 0.02, 0.01, 0.005, 0.0):
-                    h = ctl.handle(f"g{delay}")
-                    job = asyncio.create_task(h.generate(prompt, 1, 240, 0.0, 1.0, 0))
-                    await asyncio.sleep(delay)
-                    await ctl.abort([h])
-                    h.resume()
-                    (out,) = await job
-                    if out.pieces > 1:
-                        return whole, out
-                raise AssertionError("every request finished before its abort")
-
-        whole, resumed = asyncio.run(go())
-        assert whole.finish_reason == "length" and resumed.token_ids == whole.token_ids
-        assert len(resumed.logprobs) == len(resumed.policy_versions) == 240
-
-
 def test_resume_relaunches_tasks_that_were_in_flight(tmp_path: Path) -> None:
     """Continuous mode: the state saved after a step lists the tasks launched but not in a batch; a resumed
     orchestrator launches exactly those first, then continues the dataset where it was."""

@@ -122,7 +122,7 @@ def test_flex_block_mask_forward_matches_dense_sdpa_on_cpu():
     assert (flex - dense).abs().max().item() < 1e-5
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="compiled FlexAttention block-mask kernels on CUDA")
 def test_flex_block_mask_forward_backward_matches_dense_sdpa_on_gpu():
     """CUDA: the same merged row through FlexAttention (block mask) and through SDPA with the dense mask."""
     from arbor.models.attention import attend
@@ -201,7 +201,7 @@ def test_merged_equals_unmerged_logprobs_loss_and_gradients(preset, replay, pert
         assert err < TOL, f"{name}: gradient differs by {err:.3g}"
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="compiled FlexAttention block-mask kernels on CUDA")
 def test_merged_equals_unmerged_on_gpu_with_flex_attention():
     """CUDA, fp32: both rows go through FlexAttention block masks (compiled); merged equals unmerged."""
     dev = torch.device("cuda")

@@ -14,9 +14,10 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
-from arbor.inference import vllm_adapter
+from arbor.inference import vllm_adapter, vllm_launch
+from arbor.inference.vllm_adapter import VLLMProxy, render_request, rpc_request
+from arbor.inference.vllm_launch import dry_run_command, render_extra, serve_argv, serve_env
 from arbor.transport.http import start_site
-from arbor.inference.vllm_adapter import VLLMProxy, render_extra, render_request, rpc_request, serve_argv
 
 
 def _flags(argv: list[str]) -> dict[str, str | None]:
@@ -45,13 +46,13 @@ def test_serve_command_line_renders_every_option() -> None:
         },
     })
     argv = serve_argv(cfg, "/models/qwen", 9123)
-    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/qwen"]
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen"]
     f = _flags(argv)
     assert f["--host"] == "127.0.0.1" and f["--port"] == "9123" and f["--served-model-name"] == "/models/qwen"
     assert f["--tensor-parallel-size"] == "2" and f["--data-parallel-size"] == "4" and "--enable-expert-parallel" in f
     assert f["--gpu-memory-utilization"] == "0.8" and f["--max-model-len"] == "4096" and f["--dtype"] == "bfloat16"
     assert f["--seed"] == "7" and f["--logprobs-mode"] == "processed_logprobs"
-    assert f["--worker-extension-cls"] == "arbor.inference.vllm_worker:WeightUpdateExtension"
+    assert f["--worker-extension-cls"] == "arbor.inference.vllm_worker.WeightUpdateExtension"
     assert "--enforce-eager" in f and "--no-enable-prefix-caching" in f and "--enable-prefix-caching" not in f
     assert f["--max-num-seqs"] == "256"
     assert json.loads(f["--kv-transfer-config"]) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -64,8 +65,30 @@ def test_serve_command_line_renders_every_option() -> None:
     assert "--enable-prefix-caching" in plain and "--enforce-eager" not in plain and "--skip-tokenizer-init" in plain
     assert "--kv-transfer-config" not in plain and "--enable-return-routed-experts" not in plain
     assert render_extra({"x": [1, 2]}) == ["--x", "1", "2"]
-    assert vllm_adapter.serve_env({})["VLLM_SERVER_DEV_MODE"] == "1"
+    assert serve_env({})["VLLM_SERVER_DEV_MODE"] == "1"
     assert "vllm" not in sys.modules, "rendering must not import vLLM"
+
+
+def test_cpu_build_defaults_and_dry_run(monkeypatch) -> None:
+    """The CPU build: eager mode and the model's dtype unless set, KV space and thread binding in the
+    environment; `rl --dry-run` shows the command with its environment."""
+    import importlib
+
+    cfg = InferenceConfig.model_validate({"model": {"name": "qwen3-tiny"}, "vllm": {"cpu_kvcache_space": 3}})
+    cpu = _flags(serve_argv(cfg, "/m", 1, cpu=True))
+    assert "--enforce-eager" in cpu and cpu["--dtype"] == "float32" and "--no-enable-chunked-prefill" in cpu
+    gpu = _flags(serve_argv(cfg, "/m", 1))
+    assert "--enforce-eager" not in gpu and gpu["--dtype"] == "auto" and "--no-enable-chunked-prefill" not in gpu
+    set_cfg = InferenceConfig.model_validate({"vllm": {"enforce_eager": False, "dtype": "bfloat16"}})
+    assert "--enforce-eager" not in _flags(serve_argv(set_cfg, "/m", 1, cpu=True))
+    env = serve_env({}, cfg, cpu=True)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in serve_env({}, cfg)
+    monkeypatch.setattr(vllm_launch, "vllm_build", lambda: "cpu")
+    line = dry_run_command(cfg)
+    assert line.startswith("VLLM_CPU_KVCACHE_SPACE=3 ") and "vllm.entrypoints.openai.api_server --model " in line
+    assert str(vllm_launch.materialized_path(cfg, False)) in line and "--enforce-eager" in line
+    assert importlib.import_module("arbor.inference.vllm_worker").WeightUpdateExtension.__name__ in line
 
 
 def test_config_errors_name_the_field() -> None:
@@ -240,37 +263,3 @@ def test_nccl_update_sends_the_workers_group_coordinates(tmp_path) -> None:
 
     asyncio.run(go())
 
-
-@pytest.mark.gpu
-def test_real_vllm_server_updates_weights_from_a_published_dir_and_matches_trainer_logprobs(tmp_path) -> None:
-    """`inference --backend vllm` on a tiny Qwen3 saved locally: load v1 from a published directory, then the
-    greedy completion's logprobs must match the trainer's full-forward logprobs of the same weights."""
-    pytest.importorskip("vllm")
-
-    import torch
-
-    from vllm_server import post_json, vllm_server
-
-    from arbor.config.model import ModelConfig
-    from arbor.models import build_model
-    from arbor.models.hf import save_checkpoint_dir
-    from arbor.trainer.step import shifted_logprobs
-    from arbor.transport.weights import FilesystemTransport
-
-    base = build_model(ModelConfig(name="qwen3-test"))
-    base.init_weights(0, std=0.3)
-    save_checkpoint_dir(base.state_dict(), base.args, tmp_path / "model")
-    new = build_model(ModelConfig(name="qwen3-test"))
-    new.init_weights(1, std=0.3)
-    published = FilesystemTransport().publish(tmp_path / "run", 1, new.state_dict(), new.args)
-    with vllm_server(tmp_path, tmp_path / "model", 128) as url:
-        assert post_json(url, "/update_weights", {"path": str(published), "version": 1})["policy_version"] == 1
-        prompt = [5, 17, 99, 3, 42]
-        out = post_json(url, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "seed": 3})
-        (c,) = out["choices"]
-        assert c["policy_versions"] == [1] * len(c["token_ids"])
-        ids = torch.tensor(prompt + c["token_ids"])
-        with torch.no_grad():
-            ref, _ = shifted_logprobs(new(ids[None])[0], ids, temperature=1.0, with_entropy=False)
-        ref = ref[len(prompt):]
-        torch.testing.assert_close(torch.tensor(c["logprobs"]["token_logprobs"]), ref.float(), atol=2e-3, rtol=0)

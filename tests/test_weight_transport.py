@@ -118,7 +118,7 @@ def test_nccl_without_vllm_or_cuda_fails_with_one_clear_error(tmp_path):
         t.publish(tmp_path, 1, model.state_dict(), model.args)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(reason="NCCL broadcast between two CUDA devices")
 def test_nccl_broadcast_between_two_processes_matches_the_sender(tmp_path):
     """Trainer rank 0 sends over PyNccl; a receiver process (as a vLLM worker would) gets identical tensors."""
     import multiprocessing as mp
@@ -148,7 +148,8 @@ def _receiver(out: str, q) -> None:
 
 
 class _FakeRunner:
-    """Stands in for vLLM's model runner: `model.load_weights` takes (HF name, tensor) pairs, as vLLM's does."""
+    """Stands in for vLLM's model runner: `reload_weights` (and `model.load_weights`) take (HF name, tensor)
+    pairs, as vLLM's do."""
 
     def __init__(self, model) -> None:
         own = dict(model.named_parameters())
@@ -164,6 +165,9 @@ class _FakeRunner:
                             own[name].copy_(t)
 
         self.model = Loader()
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format=True) -> None:
+        self.model.load_weights(weights_iterator)
 
 
 def test_worker_extension_loads_a_published_dir_into_the_model(tmp_path):

@@ -1,5 +1,5 @@
-"""A real vLLM-backed `inference` server for the GPU tests: started like `rl` starts one, stopped with its
-process group, and a plain JSON POST to talk to it."""
+"""A real vLLM-backed `inference` server for the `vllm` and `gpu` tests (CUDA or CPU build): started like `rl`
+starts one, stopped with its process group, and a plain JSON POST to talk to it."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from typing import Any, Iterator
 
 
 @contextlib.contextmanager
-def vllm_server(tmp_path: Path, model_dir: Path, seq_len: int, *extra: str, dtype: str = "float32") -> Iterator[str]:
-    """Yields the base URL of `inference --backend vllm` serving `model_dir` (extra flags appended)."""
+def vllm_server(tmp_path: Path, model_dir: Path | str, seq_len: int, *extra: str, dtype: str = "float32") -> Iterator[str]:
+    """Yields the base URL of `inference --backend vllm` serving `model_dir` (a directory or a preset name;
+    extra flags appended)."""
     ready = tmp_path / "ready"
+    ready.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
                              "--model.name", str(model_dir), "--seq-len", str(seq_len), "--ready-file", str(ready),
                              "--vllm.enforce-eager", "true", "--vllm.gpu-memory-utilization", "0.3",
@@ -30,8 +32,13 @@ def vllm_server(tmp_path: Path, model_dir: Path, seq_len: int, *extra: str, dtyp
             time.sleep(1)
         yield ready.read_text().strip()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # a server stuck in shutdown must not outlive the tests
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def post_json(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

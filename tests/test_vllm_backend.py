@@ -1,0 +1,141 @@
+"""`inference --backend vllm` against a real vLLM server (CPU or CUDA build), one server for the module: token
+ids and logprobs through arbor's proxy, per-token policy versions, filesystem weight updates in a row with the
+trainer-vs-vLLM mismatch after each, abort and resume, cache salts, pause/resume, chat with the byte
+tokenizer's Hugging Face export.
+
+The dense model is the `qwen3-tiny` preset (head_dim 32: vLLM's CPU attention refuses `qwen3-test`'s 8), in
+float32, served by name (the adapter writes it and its tokenizer out once)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_server import post_json, vllm_server
+
+from arbor.config.model import ModelConfig
+from arbor.models import build_model
+from arbor.models.tokenizer import ByteTokenizer
+from arbor.orchestrator.client import Completion, InferenceClient
+from arbor.orchestrator.partial import PartialRollouts
+from arbor.trainer.step import shifted_logprobs
+from arbor.transport.weights import FilesystemTransport
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "qwen3-tiny"
+SEQ_LEN = 256
+KL_TARGET = 1e-3
+PROMPTS = [ByteTokenizer().encode(t) for t in ("reverse: abcdef", "hello vllm", "x", "0123456789 tokens")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> str:
+    with vllm_server(tmp_path_factory.mktemp("vllm-dense"), MODEL, SEQ_LEN) as url:
+        yield url
+
+
+def mismatch_kl(trainer_lp: torch.Tensor, inference_lp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(inference || trainer) estimated on the sampled tokens (k3: r - 1 - log r, r = p_train / p_inf)."""
+    d = trainer_lp.double() - inference_lp.double()
+    return torch.expm1(d) - d
+
+
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], **forward: torch.Tensor) -> torch.Tensor:
+    ids = torch.tensor(prompt + completion)
+    with torch.no_grad():
+        lp, _ = shifted_logprobs(model(ids[None], **forward)[0], ids, temperature=1.0, with_entropy=False)
+    return lp[len(prompt):]
+
+
+def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+    """Moves every weight by `scale` of its own spread (a large RL step), deterministically."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * (p.std() if p.numel() > 1 else 1.0) * torch.randn(p.shape, generator=gen))
+
+
+def test_logprobs_and_versions_match_the_trainer_over_three_weight_updates(server: str, tmp_path: Path) -> None:
+    """fp32, same weights: vLLM's processed logprobs of its own samples agree with the trainer's full forward
+    (mismatch KL per token < 1e-3) before and after three consecutive updates from published directories,
+    and every token carries the version it was sampled under."""
+    model = build_model(ModelConfig(name=MODEL))
+    kls = []
+    for version in range(4):
+        if version:
+            perturbed(model, version)
+            path = FilesystemTransport().publish(tmp_path / "run", version, model.state_dict(), model.args)
+            assert post_json(server, "/update_weights", {"path": str(path), "version": version}) == {"policy_version": version}
+        per_token = []
+        for i, prompt in enumerate(PROMPTS):
+            out = post_json(server, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "n": 2, "temperature": 1.0,
+                                                        "logprobs": 0, "seed": 10 * version + i})
+            for c in out["choices"]:
+                assert c["policy_versions"] == [version] * len(c["token_ids"]) and c["prompt_token_ids"] == prompt
+                assert len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"]) > 0
+                ref = trainer_logprobs(model, prompt, c["token_ids"])
+                per_token.append(mismatch_kl(ref, torch.tensor(c["logprobs"]["token_logprobs"])))
+        kls.append(float(torch.cat(per_token).mean()))
+    print(f"dense mismatch KL per token, versions 0-3: {kls}")
+    assert max(kls) < KL_TARGET, kls
+
+
+def test_abort_and_resume_equals_uninterrupted_greedy(server: str) -> None:
+    """A greedy request aborted through /abort_requests answers its partial tokens, and the GroupHandle's
+    resumed completion equals the uninterrupted one token for token."""
+    prompt, max_tokens = PROMPTS[0], SEQ_LEN - len(PROMPTS[0]) - 8
+
+    async def go() -> tuple[Completion, Completion]:
+        async with InferenceClient([server], timeout=600, max_retries=0) as client:
+            (whole,) = await client.generate(prompt, 1, max_tokens, 0.0, 1.0, 0)
+            ctl = PartialRollouts(client)
+            for delay in (0.2, 0.1, 0.05, 0.02, 0.01, 0.0):
+                h = ctl.handle(f"g{delay}")
+                job = asyncio.create_task(h.generate(prompt, 1, max_tokens, 0.0, 1.0, 0))
+                await asyncio.sleep(delay)
+                await ctl.abort([h])
+                h.resume()
+                (out,) = await job
+                if out.pieces > 1:
+                    return whole, out
+            raise AssertionError("every request finished before its abort")
+
+    whole, resumed = asyncio.run(go())
+    assert whole.finish_reason == "length" and resumed.token_ids == whole.token_ids
+    assert len(resumed.logprobs) == len(resumed.policy_versions) == max_tokens
+
+
+def test_cache_salts_pause_resume_and_chat(server: str) -> None:
+    """Salted requests (the proxy's per-version salt or the caller's own) decode alike; /pause holds new
+    requests in the proxy until /resume; chat runs through vLLM's tokenizer (the byte tokenizer's export)."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.0, "logprobs": 0}
+    plain = post_json(server, "/v1/completions", body)["choices"][0]
+    for salt in ("a", "b"):
+        salted = post_json(server, "/v1/completions", {**body, "cache_salt": salt})["choices"][0]
+        assert salted["token_ids"] == plain["token_ids"]
+        torch.testing.assert_close(salted["logprobs"]["token_logprobs"], plain["logprobs"]["token_logprobs"], atol=1e-4, rtol=0)
+
+    post_json(server, "/pause", {})
+    held: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: held.update(out=post_json(server, "/v1/completions", body)))
+    thread.start()
+    time.sleep(2.0)
+    assert thread.is_alive() and "out" not in held  # held in the proxy while paused
+    post_json(server, "/resume", {})
+    thread.join(timeout=120)
+    assert held["out"]["choices"][0]["token_ids"] == plain["token_ids"]  # type: ignore[index]
+
+    chat = post_json(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 8, "temperature": 0.0, "logprobs": True})
+    (c,) = chat["choices"]
+    tok = ByteTokenizer()
+    assert len(c["token_ids"]) == len(c["logprobs"]["content"]) == len(c["policy_versions"]) > 0
+    assert c["message"]["content"] == tok.decode(c["token_ids"])
+    assert chat["prompt_token_ids"] == tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
