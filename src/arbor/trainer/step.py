@@ -2,9 +2,9 @@
 AdamW; then the step's figures reduced over ranks. The RL loop, the tests and the benchmark call these same
 functions, so what is measured is what trains.
 
-Prefix-tree merged rows (arbor.orchestrator.prefix_tree) forward the trie's nodes once under their tree mask and
-unmerge: each original sample token's logprob is read from the logits of the node that predicts it
-(`tree_logprobs`), so everything after the forward sees the unmerged per-token arrays.
+Prefix-tree merged rows (their wire format is arbor.transport.batch's) forward the trie's nodes once under
+their tree mask and unmerge: each original sample token's logprob is read from the logits of the node that
+predicts it (`tree_logprobs`), so everything after the forward sees the unmerged per-token arrays.
 
 Normalisation: each micro-batch's loss is `loss_sum / loss_tokens_total * dp_size`. FSDP2 averages gradients
 over the `dp_size` ranks, so the update follows the exact token mean over the whole step, however the samples
