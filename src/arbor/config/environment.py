@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, Count, Float, Int, Seconds, Tokens
 
 
 class ContextConfig(Config):
@@ -17,9 +17,9 @@ class ContextConfig(Config):
     strategy: Literal["none", "truncate", "summarise"] = "none"
     """"truncate" keeps the system prompt, the task's prompt and the last `keep_turns` turns; "summarise" also
     replaces the dropped turns by one user message holding `summariser`'s summary of them."""
-    keep_turns: int = Field(2, ge=1)
+    keep_turns: Int = Field(2, ge=1)
     """Most recent turns kept (a turn is an assistant message and the environment messages that follow it)."""
-    trigger_tokens: int | None = Field(None, ge=1)
+    trigger_tokens: Tokens | None = Field(None, ge=1)
     """Edit only once the next prompt would exceed this many tokens; None edits whenever more than `keep_turns`
     turns have passed."""
     keep_prompt: bool = True
@@ -35,17 +35,17 @@ class EnvironmentConfig(Config):
     returning an Environment or a MultiTurnEnvironment."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's constructor."""
-    reward_weights: dict[str, float] = {}
+    reward_weights: dict[str, Float] = {}
     """Weights of named reward components (default 1.0 each); the reward is their weighted sum."""
-    timeout: float = Field(60.0, gt=0)
+    timeout: Seconds = Field(60.0, gt=0)
     """Seconds one environment call (scoring, an episode's setup or step) may take before it counts as failed."""
-    retries: int = Field(1, ge=0)
+    retries: Count = Field(1, ge=0)
     """Retries of a failed or timed-out environment call, with a short backoff, before `on_failure` applies."""
     on_failure: Literal["score_zero", "skip"] = "score_zero"
     """When an environment call fails for good: "score_zero" keeps the rollout with reward 0 (counted as
     `env/failed`); "skip" drops it (counted as `env/skipped`; its group trains with the rest, or is replaced
     when nothing is left)."""
-    max_turns: int | None = Field(None, ge=1)
+    max_turns: Count | None = Field(None, ge=1)
     """Multi-turn: most assistant turns per episode; None uses the environment's own `max_turns`."""
     context: ContextConfig = ContextConfig()
     """Multi-turn: context management between turns."""

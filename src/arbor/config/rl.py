@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, FilePath, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
 from arbor.config.model import ModelConfig
@@ -27,13 +27,13 @@ class RLConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model, shared by every process."""
-    output_dir: Path = Path("outputs/run")
+    output_dir: FilePath = Path("outputs/run")
     """Run directory: configs/, logs/, metrics.jsonl, rollouts/, broadcasts/, checkpoints/."""
-    max_steps: int = Field(20, ge=1)
+    max_steps: Int = Field(20, ge=1)
     """RL training steps."""
-    seq_len: int = Field(512, ge=8)
+    seq_len: Tokens = Field(512, ge=8)
     """Longest sequence (prompt + completion)."""
-    seed: int = 0
+    seed: Seed = 0
     """Base seed."""
     resume: bool = False
     """Continue a killed run from its latest checkpoint."""
@@ -41,9 +41,9 @@ class RLConfig(Config):
     """Weight transfer from trainer to inference, shared by both."""
     dry_run: bool = False
     """Write the resolved configs to `<output_dir>/configs/` and exit."""
-    inference_startup_timeout: float = Field(300.0, gt=0)
+    inference_startup_timeout: Seconds = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
-    stall_timeout: float = Field(1800.0, gt=0)
+    stall_timeout: Seconds = Field(1800.0, gt=0)
     """Watchdog: when no RL step completes for this many seconds, dump every process's Python stacks into
     `<output_dir>/logs/stacks/`, name what each process was waiting on, and stop the run (exit code 3)."""
     trainer: TrainerConfig = TrainerConfig()
