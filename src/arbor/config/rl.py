@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from arbor.config.base import Config, FilePath, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
+from arbor.config.layout import check_mesh
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 from arbor.config.orchestrator import OrchestratorConfig
@@ -100,6 +101,9 @@ class RLConfig(Config):
         # The orchestrator writes one rollout file per data-parallel trainer rank (a context-parallel group of
         # cp ranks shares one).
         p = self.trainer.parallel
+        nodes = self.slurm.trainer_nodes if self.slurm is not None else 1
+        ranks = f"trainer.parallel.nproc ({p.nproc})" + (f" x slurm.trainer_nodes ({nodes})" if nodes > 1 else "")
+        check_mesh(p, p.nproc * nodes, ranks)
         if p.nproc % p.cp:
             raise ValueError(f"trainer.parallel.cp ({p.cp}) must divide trainer.parallel.nproc ({p.nproc})")
         ranks = p.nproc // p.cp

@@ -10,8 +10,7 @@ from pydantic import Field, model_validator
 from arbor.config.base import Config, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
 from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
-from arbor.models.args import check_cp_style
-from arbor.models.presets import PRESETS
+from arbor.config.layout import check_model_split, model_shape
 
 
 Beta = Annotated[Float, Field(ge=0, lt=1)]
@@ -129,6 +128,12 @@ class ParallelConfig(Config):
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
 
+    @model_validator(mode="after")
+    def _shard_degree(self) -> "ParallelConfig":
+        if self.dp_shard == 0:
+            raise ValueError("dp_shard must be -1 (the ranks left over) or at least 1 (got 0)")
+        return self
+
 
 class TrainerConfig(Config):
     """Trains the policy on the orchestrator's batches and publishes its weights after every step."""
@@ -165,10 +170,8 @@ class TrainerConfig(Config):
     deprecated_aliases = {"scheduler": "lr_schedule"}
 
     @model_validator(mode="after")
-    def _cp_style_fits_model(self) -> "TrainerConfig":
-        if self.parallel.cp == 1:
-            return self
-        args = PRESETS.get(self.model.name)  # a checkpoint directory is checked when the trainer builds it
+    def _layout_fits_model(self) -> "TrainerConfig":
+        args = model_shape(self.model)
         if args is not None:
-            check_cp_style(self.parallel.cp_style, getattr(args, "is_dsa", False))
+            check_model_split(self.parallel, args, self.model.name)
         return self
