@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from arbor.config.env_args import check_env_args
 from arbor.config.base import Config, Count, Float, Int, Seconds, Tokens
 
 
@@ -49,6 +50,13 @@ class EnvironmentConfig(Config):
     """Multi-turn: most assistant turns per episode; None uses the environment's own `max_turns`."""
     context: ContextConfig = ContextConfig()
     """Multi-turn: context management between turns."""
+
+    @field_validator("args")
+    @classmethod
+    def _args_fit_environment(cls, args: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "id" in info.data:  # else `id` itself failed, and says so
+            check_env_args(info.data["id"], args)
+        return args
 
     @model_validator(mode="after")
     def _context_budget(self) -> "EnvironmentConfig":
