@@ -63,7 +63,7 @@ class CodeArgs(EnvArgs):
     tests_per_task: Count = Field(6, ge=1)
     partial_credit: bool = True
     system_prompt: str | None = None
-    max_concurrency: Count = Field(4, ge=1)
+    max_concurrency: Count = Field(4, ge=1, le=64)  # the sandbox's slots (arbor.environments.sandbox.MAX_SLOTS)
     cpu_seconds: Int = Field(5, ge=1)
     wall_seconds: Seconds = Field(10.0, gt=0)
     memory_mb: Int = Field(1024, ge=1)
@@ -95,12 +95,14 @@ class BlackBoxArgs(EnvArgs):
 
     @model_validator(mode="after")
     def _one_agent(self, info: ValidationInfo) -> "BlackBoxArgs":
-        given = [k for k in ("command", "function") if getattr(self, k) is not None] + (["remote"] if self.remote else [])
+        given = [k for k in ("command", "function") if getattr(self, k) is not None] + ["remote"] * self.remote
         if len(given) != 1:
-            raise ValueError(f"give exactly one of command, function or remote = true (got {', '.join(given) or 'none'})")
+            got = ", ".join(given) or "none"
+            raise ValueError(f"give exactly one of command, function or remote = true (got {got})")
         if self.tasks == "black_box":
             raise ValueError("tasks cannot be 'black_box' itself")
-        check_env_args(self.tasks, self.task_args or {}, "task_args.", strict=bool(info.context and info.context.get("strict")))
+        strict = bool(info.context and info.context.get("strict"))
+        check_env_args(self.tasks, self.task_args or {}, "task_args.", strict)
         return self
 
 
@@ -130,8 +132,8 @@ def check_env_args(env_id: str, args: dict[str, Any], prefix: str = "", strict: 
             continue
         hint = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
         if hint or strict:
-            suggestion = f" (did you mean {prefix}{hint[0]}?)" if hint else f" (it takes {', '.join(model.model_fields)})"
-            raise EnvArgsError(f"unknown argument '{prefix}{key}' of environment {env_id!r}{suggestion}")
+            suggestion = f"did you mean {prefix}{hint[0]}?" if hint else f"it takes {', '.join(model.model_fields)}"
+            raise EnvArgsError(f"unknown argument '{prefix}{key}' of environment {env_id!r} ({suggestion})")
     try:
         model.model_validate({k: v for k, v in args.items() if k in model.model_fields}, context={"strict": strict})
     except ValidationError as e:
@@ -150,5 +152,6 @@ def _one_line(e: ValidationError, prefix: str, env_id: str) -> EnvArgsError:
     msg = err["msg"].removeprefix("Value error, ")
     loc = ".".join(str(p) for p in err["loc"])
     if not loc:  # a contradiction between arguments
-        return EnvArgsError(f"{prefix[:-1]} (environment {env_id!r}): {msg}" if prefix else f"environment {env_id!r}: {msg}")
+        return EnvArgsError(f"{prefix[:-1]} (environment {env_id!r}): {msg}" if prefix else
+                            f"environment {env_id!r}: {msg}")
     return EnvArgsError(f"{prefix}{loc} of environment {env_id!r}: {msg} (got {err['input']!r})")

@@ -47,7 +47,8 @@ def check_model_split(parallel: ParallelConfig, args: ModelArgs | DSAArgs, name:
             )
     if parallel.ep > 1:
         if not args.is_moe:
-            raise ValueError(f"parallel.ep = {parallel.ep} needs a mixture-of-experts model; {name} is dense (set ep = 1)")
+            raise ValueError(f"parallel.ep = {parallel.ep} needs a mixture-of-experts model; {name} is dense "
+                             "(set ep = 1)")
         if args.num_experts % parallel.ep:
             raise ValueError(f"parallel.ep ({parallel.ep}) must divide the model's num_experts ({args.num_experts})")
 

@@ -41,7 +41,12 @@ class RLConfig(Config):
     weights: WeightTransportConfig = WeightTransportConfig()
     """Weight transfer from trainer to inference, shared by both."""
     dry_run: bool = False
-    """Write the resolved configs to `<output_dir>/configs/` and exit."""
+    """Check the config alone (no file of the model, dataset or agent is read: a cluster config checks on a
+    laptop), write the resolved configs to `<output_dir>/configs/` and exit."""
+    check: bool = False
+    """Check the config and run the whole preflight (model and tokenizer files, environment, its arguments, agent
+    files and dataset, loss and advantage paths, backends, GPUs, ports, disk), then exit without starting
+    anything. `rl` runs the same preflight before it starts a run."""
     inference_startup_timeout: Seconds = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
     stall_timeout: Seconds = Field(1800.0, gt=0)

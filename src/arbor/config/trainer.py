@@ -171,6 +171,8 @@ class TrainerConfig(Config):
 
     @model_validator(mode="after")
     def _layout_fits_model(self) -> "TrainerConfig":
+        if self.parallel.cp == 1 and self.parallel.ep == 1:
+            return self  # nothing to split: no need to read a checkpoint's config.json
         args = model_shape(self.model)
         if args is not None:
             check_model_split(self.parallel, args, self.model.name)
