@@ -34,8 +34,9 @@ class EnvironmentConfig(Config):
     id: str = "reverse_text"
     """A built-in environment name (reverse_text, math, tool_use) or a dotted path `package.module:function`
     returning an Environment or a MultiTurnEnvironment."""
-    args: dict[str, Any] = {}
-    """Keyword arguments for the environment's constructor."""
+    args: dict[str, Any] = Field({}, validate_default=True)  # validated when absent too: black_box needs an agent
+    """Keyword arguments for the environment's constructor (a built-in's are checked against its arguments,
+    arbor.config.env_args)."""
     reward_weights: dict[str, Float] = {}
     """Weights of named reward components (default 1.0 each); the reward is their weighted sum."""
     timeout: Seconds = Field(60.0, gt=0)
