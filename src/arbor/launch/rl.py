@@ -245,8 +245,8 @@ def run(cfg: RLConfig) -> int:
             if watchdog.stalled(console.seen):
                 dumps = watchdog.dump_stacks()
                 raise Stalled(
-                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); stacks of {len(dumps)} "
-                    f"processes in {run_dir.stacks_dir(cfg.output_dir)}; last heartbeats:\n{watchdog.diagnosis()}"
+                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); "
+                    f"{watchdog.stacks_summary(dumps)}; last heartbeats:\n{watchdog.diagnosis()}"
                 )
             time.sleep(0.2)
         console.poll()
