@@ -19,7 +19,8 @@ from arbor.run_dir import heartbeats_dir
 @pytest.fixture
 def deaf():
     """A live process that ignores SIGUSR1, so no stack ever comes from it."""
-    code = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    code = ("import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('ready', flush=True); "
+            "time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     yield proc.pid

@@ -11,8 +11,8 @@
 Trainer, orchestrator, inference and launcher find every file through this module, never by importing each
 other or spelling a path themselves. It also holds the atomic writes (temporary name, fsync, rename: a reader
 never sees half a file), the step listings (complete checkpoints, published weights, rollout steps) and their
-retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`). Light on purpose (standard library only): the launcher and the orchestrator import it before
-anything heavy.
+retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`). Light on
+purpose (standard library only): the launcher and the orchestrator import it before anything heavy.
 """
 
 from __future__ import annotations

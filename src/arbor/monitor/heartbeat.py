@@ -2,9 +2,10 @@
 
 Every process calls `install(output_dir, name)` once at start: it registers `faulthandler` on SIGUSR1 (all
 threads, into `<output_dir>/logs/stacks/<name>.txt`) and writes `<output_dir>/heartbeats/<name>` as JSON
-`{"name", "pid", "time", "doing", "stack_file"}`; `stack_file` is that file, or null where the platform has no
-SIGUSR1 (the watchdog then says why it has no stack of the process). `beat(doing)` rewrites that file (atomically, at most a few times a second)
-whenever the process starts waiting on or doing something new: "waiting for rollouts step 5", "generating step 7".
+`{"name", "pid", "time", "doing", "stack_file"}`; `stack_file` is the stack dump's file, or null where the
+platform has no SIGUSR1 (the watchdog then says why it has no stack of the process). `beat(doing)` rewrites the
+heartbeat (atomically, at most a few times a second) whenever the process starts waiting on or doing something
+new: "waiting for rollouts step 5", "generating step 7".
 The launcher's watchdog (`arbor.launch.watchdog`) reads the files to name the waiter and signals the pids to
 dump their stacks. Paths come from arbor.run_dir. Standard library only: the launcher imports this module
 without torch.
