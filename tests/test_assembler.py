@@ -120,3 +120,47 @@ def test_open_buffer_releases_the_claims_a_resume_must_redo(tmp_path: Path, reus
     buffer = open_buffer(make_cfg(buffer={"enabled": True, "path": str(path), "reuse": reuse}), start)
     assert len(buffer.claim(2, 5)) == claimable
     buffer.close()
+
+
+def test_a_buffered_group_older_than_the_bound_is_dropped_counted_and_never_claimed_again(tmp_path: Path) -> None:
+    """max_off_policy_steps 2: at step 5 a buffered group sampled by version 2 is stale, like a fresh one."""
+    assembler, _ = _assembler([])
+    buffer = ExperienceBuffer(tmp_path / "b.sqlite")
+    buffer.put_group(group(1, [1, 0], version=2), "old", step=2)
+    buffer.put_group(group(2, [0, 1], version=3), "recent", step=3)
+    claimed = assembler.through_buffer(5, [group(3, [1, 0], version=5)], buffer)
+    assert [g[0].task_id for g in claimed] == [2, 3]  # the stale one is skipped and the next claimed instead
+    assert assembler.counts.dropped_stale == 2
+    buffer.release(0)
+    assert [g[0].task_id for g in buffer.claim(5, 6)] == [2, 3]  # discarded: gone for good
+    buffer.close()
+
+
+def test_train_only_claims_whatever_the_policy_versions(tmp_path: Path) -> None:
+    assembler, _ = _assembler([], buffer={"train_only": True})
+    buffer = ExperienceBuffer(tmp_path / "b.sqlite")
+    buffer.put_group(group(1, [1, 0], version=0), "another run's", step=0)
+    assert len(assembler.through_buffer(9, [], buffer)) == 1 and assembler.counts.dropped_stale == 0
+    buffer.close()
+
+
+def test_a_resume_rewinds_only_its_own_run(tmp_path: Path) -> None:
+    """Run A's groups written at steps >= the resume step are discarded (they are generated again) and its claims
+    released; run B's groups and claims in the same file are left alone."""
+    path = tmp_path / "shared.sqlite"
+    cfg = make_cfg(output_dir=str(tmp_path / "a"), resume=True, buffer={"enabled": True, "path": str(path)})
+    a = ExperienceBuffer(path, str(cfg.output_dir.resolve()))
+    b = ExperienceBuffer(path, "elsewhere")
+    for step in range(3):
+        b.put_group(group(10 + step, [1, 0], version=step), f"b{step}", step=step)
+        b.claim(1, step)
+    for step in range(3):
+        a.put_group(group(step, [1, 0], version=step), f"a{step}", step=step)
+        a.claim(1, step)
+    a.close()
+    buffer = open_buffer(cfg, 1)  # trained steps 0 (A's a0 claim stays); a1 and a2 are discarded
+    assert buffer.claim(5, 1) == []  # nothing of A left to claim, and B's groups are B's claims
+    assert b.release(0) == 6
+    assert sorted(g[0].task_id for g in buffer.claim(5, 1)) == [10, 11, 12]
+    buffer.close()
+    b.close()

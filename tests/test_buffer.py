@@ -84,3 +84,21 @@ def test_killed_orchestrator_resumes_with_no_rollout_lost_or_trained_twice(tmp_p
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["policy_version"] == -1 for r in rows)
     assert all(r["buffer/rollouts"] == len(after) for r in rows)  # nothing new was generated
     assert rows[-1]["buffer/unclaimed"] == len(after) - 3 * 16
+
+
+def test_a_buffer_from_before_runs_and_steps_were_recorded_opens_and_rewinds(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""CREATE TABLE rollouts (id INTEGER PRIMARY KEY AUTOINCREMENT, group_key TEXT NOT NULL,
+                        created REAL NOT NULL, ready INTEGER NOT NULL, abs_advantage REAL NOT NULL DEFAULT 0,
+                        payload TEXT NOT NULL);
+                        CREATE TABLE claims (rollout_id INTEGER NOT NULL, step INTEGER NOT NULL,
+                        released INTEGER NOT NULL DEFAULT 0);""")
+    db.close()
+    buf = ExperienceBuffer(path, "run")
+    buf.put_group(_group(1.0), "a")  # no step: a rewind keeps it
+    buf.put_group(_group(2.0), "b", step=3)
+    buf.claim(2, step=3)
+    assert buf.rewind(3) == (4, 2)  # both claims released, b (written by step 3) discarded
+    assert [g[0].text for g in buf.claim(5, step=3)] == ["g1.0"]
+    buf.close()

@@ -113,3 +113,12 @@ def test_clear_after_removes_what_a_restart_redoes(tmp_path):
 def test_stays_light():
     code = "import sys, arbor.run_dir; assert 'torch' not in sys.modules and 'arbor.trainer' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prune_rollouts_keeps_the_newest_trained_steps_and_every_untrained_one(tmp_path):
+    for step in range(6):
+        run_dir.rollout_rank_file(tmp_path, step, 0).parent.mkdir(parents=True)
+    run_dir.prune_rollouts(tmp_path, keep=2, trained=3)  # steps 4 and 5 are written ahead, not trained yet
+    assert run_dir.rollout_steps(tmp_path) == [2, 3, 4, 5]
+    run_dir.prune_rollouts(tmp_path, keep=2, trained=0)
+    assert run_dir.rollout_steps(tmp_path) == [2, 3, 4, 5]

@@ -11,8 +11,8 @@
 Trainer, orchestrator, inference and launcher find every file through this module, never by importing each
 other or spelling a path themselves. It also holds the atomic writes (temporary name, fsync, rename: a reader
 never sees half a file), the step listings (complete checkpoints, published weights, rollout steps) and their
-retention. Light on purpose (standard library only): the launcher and the orchestrator import it before
-anything heavy.
+retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`). Light on
+purpose (standard library only): the launcher and the orchestrator import it before anything heavy.
 """
 
 from __future__ import annotations
@@ -247,6 +247,18 @@ def prune_published(output_dir: PathLike, keep: int) -> None:
     """Keeps the `keep` newest published weight directories (`keep` <= 0: all of them)."""
     for step in published_steps(output_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(broadcast_dir(output_dir, step), ignore_errors=True)
+
+
+def prune_rollouts(output_dir: PathLike, keep: int, trained: int) -> None:
+    """Keeps the rollouts of the `keep` newest trained steps and of every later one: removes `rollouts/step_N/`
+    for N <= trained - keep, once step `trained` is trained on every rank.
+
+    Only the trainer calls this, after step `trained`'s collective publish, so every rank has read each removed
+    file; and a resume never needs one: it starts at a checkpoint S <= trained + 1 and has every step from S on
+    written again (`clear_after`)."""
+    for step in rollout_steps(output_dir):
+        if step <= trained - keep:
+            shutil.rmtree(rollout_step_dir(output_dir, step), ignore_errors=True)
 
 
 def clear_after(output_dir: PathLike, start: int, keep_published_start: bool) -> None:

@@ -162,6 +162,9 @@ class TrainerConfig(Config):
     """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
     keep_broadcasts: Int = Field(3, ge=1)
     """Published weight directories to retain."""
+    keep_rollouts: Int = Field(4, ge=1)
+    """Rollout steps (`rollouts/step_N/`) to retain: the newest this many trained steps, plus every step not yet
+    trained (rank 0 removes older ones after each step, once every rank has read them)."""
     rollout_timeout: Seconds = Field(3600.0, gt=0)
     """Seconds to wait for a step's rollouts before failing."""
     num_threads: Ranks | None = Field(None, ge=1)

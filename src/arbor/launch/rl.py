@@ -4,8 +4,9 @@ Order: validate the whole config (a bad one fails here, before any process start
 environment and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
 `<output_dir>/configs/` (`--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
 resume) -> optional SFT warm-up -> inference (wait for /health) -> trainer and orchestrator -> print one line
-per step from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero naming it
-and its log. This module never imports torch, so `--dry-run` and config errors answer in well under a second.
+per step from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero
+naming it and its log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. This module
+never imports torch, so `--dry-run` and config errors answer in well under a second.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
@@ -47,6 +48,17 @@ class ChildFailed(RuntimeError):
 
 class Stalled(RuntimeError):
     pass
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a scheduler's or `kill`'s stop): `rl` stops every process and exits 143 (128 + 15).
+    A BaseException, like the KeyboardInterrupt of SIGINT, so that no `except Exception` on the way swallows it."""
+
+
+def on_sigterm(signum: int, frame: object) -> None:
+    # Further SIGTERMs (a scheduler may repeat them) must not cut the shutdown that this one starts.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def free_port() -> int:
@@ -249,8 +261,8 @@ def run(cfg: RLConfig) -> int:
             if watchdog.stalled(console.seen):
                 dumps = watchdog.dump_stacks()
                 raise Stalled(
-                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); stacks of {len(dumps)} "
-                    f"processes in {run_dir.stacks_dir(cfg.output_dir)}; last heartbeats:\n{watchdog.diagnosis()}"
+                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); "
+                    f"{watchdog.stacks_summary(dumps)}; last heartbeats:\n{watchdog.diagnosis()}"
                 )
             time.sleep(0.2)
         console.poll()
@@ -264,7 +276,10 @@ def run(cfg: RLConfig) -> int:
         return 3
     except KeyboardInterrupt:
         console.say("rl: interrupted; stopping every process", err=True)
-        return 130
+        return 130  # 128 + SIGINT, as a shell reports Ctrl-C
+    except Terminated:
+        console.say("rl: terminated (SIGTERM); stopping every process", err=True)
+        return 143  # 128 + SIGTERM
     finally:
         sup.stop()
         record_timings(cfg.output_dir, sup)
@@ -289,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.inference.backend == "vllm":
             print(f"vLLM server command: {dry_run_command(cfg.inference)}")
         return 0
-    # SIGTERM (from a scheduler or `kill`) stops the run like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM (from a scheduler or `kill`) stops the run as Ctrl-C does, but exits 143, not 130.
+    signal.signal(signal.SIGTERM, on_sigterm)
     return run(cfg)
 
 

@@ -9,9 +9,14 @@ the filters (zero advantage, solve-rate band) may drop it. More than 50 x need g
 step with nothing kept fails the run with the reason (a filter or an environment that can never pass).
 
 With the experience buffer (`[orchestrator.buffer]`) the step's new groups are written to it and the batch is
-claimed from it (which may include groups left from before a restart). Train-only (`buffer.train_only`)
-generates nothing: every batch is claimed from the buffer. A resumed run first returns to the buffer the
-claims of steps its crash lost (or all claims, with `buffer.reuse`).
+claimed from it (which may include groups left from before a restart). A group claimed from the buffer obeys
+the same staleness bound as a fresh one: one too old for the claiming step is discarded, counted in
+dropped/stale, and the next one claimed. Train-only (`buffer.train_only`) generates nothing: every batch is
+claimed from the buffer, whatever its groups' policy versions (they are another run's). A resumed run first
+rewinds the buffer to where the step it resumes at began (arbor.orchestrator.buffer: claims of the lost steps
+released, groups those steps wrote discarded, since the restored dataset position regenerates their tasks), so
+with the buffer on or off a crash trains no task twice and skips none; `buffer.reuse` also releases every
+earlier claim.
 """
 
 from __future__ import annotations
@@ -37,15 +42,21 @@ Group = list[Rollout]
 
 
 def open_buffer(cfg: OrchestratorConfig, start: int) -> ExperienceBuffer | None:
-    """The experience buffer when configured, with the claims a resume at `start` must redo released."""
+    """The experience buffer when configured, rewound to step `start` (this run's claims of steps >= start
+    released, its groups written by those steps discarded)."""
     if not (cfg.buffer.enabled or cfg.buffer.train_only):
         return None
-    buffer = ExperienceBuffer(cfg.buffer.path or cfg.output_dir / "buffer.sqlite")
+    buffer = ExperienceBuffer(cfg.buffer.path or cfg.output_dir / "buffer.sqlite", str(cfg.output_dir.resolve()))
     if cfg.buffer.reuse:
-        buffer.release(0)
-    elif start:
-        released = buffer.release(start)  # claims whose training the crash lost
-        log.info("buffer: %d rollouts claimed for steps >= %d returned to the buffer", released, start)
+        buffer.release(0, every_run=True)
+    if not (start or cfg.resume):  # a fresh run keeps what an earlier one left (and claims it first)
+        return buffer
+    # Also a resume at step 0: an attempt that died before its first checkpoint trained nothing, so what it wrote
+    # and claimed is undone like any lost step's.
+    released, discarded = buffer.rewind(start)
+    if released or discarded:
+        log.info("buffer: %d rollouts claimed for steps >= %d returned to the buffer, %d written by those steps "
+                 "discarded (their tasks are generated again)", released, start, discarded)
     return buffer
 
 
@@ -91,8 +102,7 @@ class StepAssembler:
                 )
             return False
         task = self.source.taken(group[0].group_id)
-        if max(r.staleness(step) for r in group) > cfg.max_off_policy_steps:
-            self.counts.dropped_stale += len(group)
+        if not self._fresh(step, group):
             return False
         compute_advantages([group], cfg.advantage)  # per group: advantages are group-relative
         self.source.record(task, solve_rate(group, cfg.filters.solve_threshold))
@@ -107,6 +117,14 @@ class StepAssembler:
             )
         return False
 
+    def _fresh(self, step: int, group: Group) -> bool:
+        """The staleness bound: False (and the group counted in dropped/stale) when a token is older than
+        `max_off_policy_steps` at `step`."""
+        if max(r.staleness(step) for r in group) <= self.cfg.max_off_policy_steps:
+            return True
+        self.counts.dropped_stale += len(group)
+        return False
+
     def _too_many_dropped(self, kept: int) -> bool:
         """Counts one more filtered group; True when the step has dropped so many with nothing kept that it
         would spin forever."""
@@ -117,8 +135,9 @@ class StepAssembler:
         """Writes the step's new groups to the buffer, then claims the step's batch from it (which may include
         groups left from before a restart, or, train-only, only those)."""
         for g in groups:
-            buffer.put_group(g, uuid.uuid4().hex)
-        claimed = buffer.claim(self.need, step, self.cfg.buffer.order)
+            buffer.put_group(g, uuid.uuid4().hex, step=step)
+        accept = None if self.cfg.buffer.train_only else lambda g: self._fresh(step, g)
+        claimed = buffer.claim(self.need, step, self.cfg.buffer.order, accept)
         if not claimed:
             raise RuntimeError(f"buffer {buffer.path} has no ready, unclaimed group left for step {step}")
         if len(claimed) < self.need:

@@ -3,7 +3,8 @@
 Started by the `trainer` entry point (arbor.trainer.main) once its config parsed. Step N consumes
 `rollouts/step_N/rank_R.safetensors` and publishes `broadcasts/step_{N+1}/` (version N+1 = weights after N+1
 optimizer steps). A fresh run publishes nothing before its first step, since inference builds the same initial
-weights; a resumed run republishes the version it resumed at, which the orchestrator waits for.
+weights; a resumed run republishes the version it resumed at, which the orchestrator waits for. After each
+step rank 0 removes the rollouts older than the `keep_rollouts` newest trained steps (arbor.run_dir.prune_rollouts).
 
 Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl` (`arbor.run_dir.trainer_metrics_path`): `step` (the rollout step
 trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
@@ -32,7 +33,7 @@ from arbor.config.loader import ConfigError
 from arbor.config.trainer import TrainerConfig
 from arbor.models import build_model, build_tokenizer
 from arbor.monitor.heartbeat import beat
-from arbor.run_dir import latest_checkpoint, trainer_metrics_path
+from arbor.run_dir import latest_checkpoint, prune_rollouts, trainer_metrics_path
 from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
@@ -125,6 +126,8 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         t2 = time.perf_counter()
         beat(f"publishing weights version {step + 1}")
         publish(cfg, model, step + 1, tokenizer)
+        if rank == 0:  # publish is collective: every rank has read this step's rollouts (and all before it)
+            prune_rollouts(cfg.output_dir, cfg.keep_rollouts, step)
         t3 = time.perf_counter()
         # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
         # and its figures must already be on disk (metrics.jsonl may miss no step).
