@@ -4,10 +4,10 @@ A launch takes, in this order: a task queued for another try (a straggler cancel
 `straggler_action = "retry"`), a task a resumed run must relaunch (the saved state's `pending`: launched but in
 no batch when the state was saved, so a crash skips no task), then a fresh task from the curriculum or the
 seeded `TaskSampler` (the dataset position is saved as launched). A task whose prompt plus `max_tokens` cannot
-fit in `seq_len` is skipped and counted; once a dataset's worth of tasks in a row has been skipped, the source
-checks that any task fits at all and otherwise raises `NoTaskFits` (preflight's message) instead of spinning.
-Each launch gets a group id (launch order) and a sampling seed derived from (seed, step, k), k counting the
-step's launches.
+fit in `seq_len` is skipped and counted; a dataset of which no task fits makes the source raise `NoTaskFits`
+(preflight's message) when it is built, so that the orchestrator fails at once instead of skipping forever (the
+check stops at the first task that fits). Each launch gets a group id (launch order) and a sampling seed derived
+from (seed, step, k), k counting the step's launches.
 
 The source remembers the task of every group until the group is taken into a batch, cancelled or retried;
 `pending` lists those tasks (then the queued retries, then the relaunches not made yet) as dataset indices for
@@ -33,6 +33,8 @@ class TaskSource:
     def __init__(self, cfg: OrchestratorConfig, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
         self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
         self.tasks: list[Task] = env.dataset(cfg.seed)
+        # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.
+        check_some_task_fits(env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens)
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
         self.curriculum: CurriculumSampler | None = (
             CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum) if cfg.curriculum.enabled
@@ -49,7 +51,6 @@ class TaskSource:
     def next_spec(self, step: int, k: int) -> GroupSpec:
         """The next group to launch: the step's k-th launch."""
         cfg = self.cfg
-        skipped = 0
         while True:
             retries = 0
             if self.retry:
@@ -62,10 +63,6 @@ class TaskSource:
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 break
             self.skipped_long += 1
-            skipped += 1
-            if skipped >= len(self.tasks):  # a dataset's worth skipped in a row: fail if no task can ever fit
-                check_some_task_fits(self.env, self.tasks, self.tokenizer, cfg.seq_len, cfg.sampling.max_tokens)
-                skipped = 0
         seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
         group_id = self.groups_launched
         self.groups_launched += 1
