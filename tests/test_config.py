@@ -323,6 +323,7 @@ GOOD_VARIATIONS = [
      "{ command = 'python agent.py', task_args = { max_len = 4 } }"],
     ["--orchestrator.environment.id", "mypkg.envs:make", "--orchestrator.environment.args", "{ whatever = 1 }"],
     ["--inference.port", "0", "--stall-timeout", "86400", "--orchestrator.environment.reward-weights", "{ a = -2.5 }"],
+    ["--output-dir", "2024", "--orchestrator.buffer.path", "7"],  # a path that reads as a number stays a path
 ]
 
 
