@@ -333,6 +333,7 @@ def test_good_variations_still_load(argv):
 
 
 def test_environment_argument_models_match_the_constructors():
+    assert set(ENV_ARGS) == set(BUILTINS)
     for name, model in ENV_ARGS.items():
         params = inspect.signature(load_object(BUILTINS[name])).parameters.values()
         taken = {p.name: p.default for p in params if p.name != "self"}

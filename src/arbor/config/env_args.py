@@ -18,6 +18,10 @@ from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from arbor.config.base import Config, Count, Float, Int, Seconds, Seed
 
 
+class EnvArgsError(ValueError):
+    """A complete one-line message about an environment's arguments (passed through by an enclosing check)."""
+
+
 class EnvArgs(Config):
     """The arguments of one built-in environment."""
 
@@ -138,10 +142,6 @@ def check_env_args(env_id: str, args: dict[str, Any], prefix: str = "", strict: 
         model.model_validate({k: v for k, v in args.items() if k in model.model_fields}, context={"strict": strict})
     except ValidationError as e:
         raise _one_line(e, prefix, env_id) from None
-
-
-class EnvArgsError(ValueError):
-    """A complete one-line message about an environment's arguments (passed through by an enclosing check)."""
 
 
 def _one_line(e: ValidationError, prefix: str, env_id: str) -> EnvArgsError:
