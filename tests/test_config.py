@@ -122,7 +122,10 @@ def test_renamed_and_retired_keys_keep_working(tmp_path):
         lagged = load_config(RLConfig, ["--orchestrator.async-lag", "3"], env={}).orchestrator.scheduler
         assert (lagged.mode, lagged.lag) == ("async", 3)  # k > 1 meant async with lag k, and still does
         pinned = load_config(RLConfig, ["--orchestrator.scheduler.mode", "greedy"], env={"ARBOR_ORCHESTRATOR__ASYNC_LAG": "0"})
-        assert pinned.orchestrator.scheduler.mode == "greedy"  # an explicit mode wins over async_lag, as before
+        assert pinned.orchestrator.scheduler.mode == "greedy"  # a flag's mode beats the environment's async_lag
+        toml = _write(tmp_path / "mode.toml", '[orchestrator.scheduler]\nmode = "one_step_off"\n')
+        flagged = load_config(RLConfig, ["@", toml, "--orchestrator.async-lag", "0"], env={}).orchestrator.scheduler
+        assert flagged.mode == "sync"  # and a flag's async_lag beats a file's mode: each keeps its source's rank
     with pytest.raises(ConfigError, match=r"orchestrator\.scheduler: lag applies to the continuous modes"):
         load_config(RLConfig, ["--orchestrator.scheduler.lag", "2"], env={})
     text = render_help(TrainerConfig, "trainer")

@@ -21,14 +21,14 @@ def test_reverse_text_with_the_vllm_backend(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "@", str(EXAMPLE), "--inference.backend", "vllm",
          "--output-dir", str(out), "--max-steps", "4", "--sft.steps", "10", "--orchestrator.batch-size", "32",
-         "--orchestrator.async-lag", "0"],
+         "--orchestrator.scheduler.mode", "sync"],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
-        # On-policy (async_lag 0): every step's rollouts come from the weights the trainer starts the step
+        # On-policy (scheduler.mode sync): every step's rollouts come from the weights the trainer starts the step
         # with, loaded into vLLM from the published directory, so trainer and vLLM agree (fp32).
         assert r["staleness/max"] == 0 and r["mismatch_kl"] < 1e-3, r
     assert "vLLM" in (out / "logs" / "inference.log").read_text()

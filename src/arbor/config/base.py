@@ -109,8 +109,15 @@ class Config(BaseModel):
     deprecated_aliases: ClassVar[dict[str, str]] = {}
     """Renamed keys of this table, old name -> new name; the loader accepts the old name with a warning."""
     retired_keys: ClassVar[frozenset[str]] = frozenset()
-    """Keys that are no longer fields, which a `mode="before"` validator of this table translates into the keys
-    that replace them (warning as it does); the loader lets them through."""
+    """Keys that are no longer fields; `retire` says what replaces each. The loader translates them within the
+    source that set them (so they keep its precedence); a `mode="before"` validator may do the same for configs
+    built in Python."""
+
+    @classmethod
+    def retire(cls, key: str, value: Any) -> dict[str, Any]:
+        """The keys (a nested dict, relative to this table) that replace the retired `key` set to `value`, after
+        warning the user with the new spelling."""
+        raise KeyError(f"{cls.__name__} has no retired key {key!r}")
 
     def to_toml_dict(self) -> dict[str, Any]:
         """The fields as TOML can hold them (paths as strings, None values dropped)."""

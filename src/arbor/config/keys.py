@@ -42,6 +42,28 @@ def resolve(cls: type[BaseModel], keys: list[str], where: str, dashed: bool) -> 
     return path, ann
 
 
+def replacements(cls: type[BaseModel], path: list[str], value: Any) -> list[tuple[list[str], Any]]:
+    """A retired key's value as the keys that replace it (`Config.retire`), in place within the same source, so
+    the replacement keeps that source's precedence (a flag's retired key beats a TOML file's new key); any other
+    key as itself."""
+    model: type[BaseModel] | None = cls
+    for key in path[:-1]:
+        model = sub_model(model.model_fields[key].annotation) if model is not None and key in model.model_fields else None
+    if model is None or path[-1] not in getattr(model, "retired_keys", ()):
+        return [(path, value)]
+    out: list[tuple[list[str], Any]] = []
+
+    def leaves(d: dict[str, Any], prefix: list[str]) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                leaves(v, [*prefix, k])
+            else:
+                out.append(([*prefix, k], v))
+
+    leaves(model.retire(path[-1], value), path[:-1])  # type: ignore[attr-defined]
+    return out
+
+
 def coerce(raw: str, ann: Any) -> Any:
     """A flag's or variable's text as a TOML value (numbers, booleans, lists, inline tables); text fields keep it."""
     kinds = members(ann)

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from arbor.config.base import Config, ConfigDeprecationWarning, ConfigError
-from arbor.config.keys import ENV_PREFIX, coerce, members, render_help, resolve, spell, sub_model
+from arbor.config.keys import ENV_PREFIX, coerce, members, render_help, replacements, resolve, spell, sub_model
 
 __all__ = ["ConfigError", "load_config", "main_guard", "render_help"]
 C = TypeVar("C", bound=Config)
@@ -37,7 +37,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, env: Mapping[str, s
         if name.startswith(ENV_PREFIX):
             where = f"environment variable {name}: "
             path, ann = resolve(cls, name[len(ENV_PREFIX):].lower().split("__"), where, False)
-            put(variables, path, ann, coerce(raw, ann), where, False)
+            put(cls, variables, path, ann, coerce(raw, ann), where, False)
 
     class Settings(BaseSettings, cls):  # type: ignore[misc,valid-type]  # cls's fields and validators
         model_config = SettingsConfigDict(validate_default=False)
@@ -72,7 +72,7 @@ class TomlLayers(TomlConfigSettingsSource):
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         out: dict[str, Any] = {}
         for keys, value in _leaves(data):
-            put(out, *resolve(self.root, keys, f"{path}: ", False), value, f"{path}: ", False)
+            put(self.root, out, *resolve(self.root, keys, f"{path}: ", False), value, f"{path}: ", False)
         return out
 
 
@@ -107,20 +107,23 @@ def parse_argv(cls: type[Config], argv: list[str]) -> tuple[list[str], dict[str,
             if following is None:
                 raise ConfigError(f"--{key} needs a value")
             raw, i = following, i + 1
-        put(flags, path, ann, coerce(raw, ann), "", True)
+        put(cls, flags, path, ann, coerce(raw, ann), "", True)
         i += 1
     return files, flags
 
 
-def put(out: dict[str, Any], path: list[str], ann: Any, value: Any, where: str, dashed: bool) -> None:
-    """Sets the field at `path` (of type `ann`) in the nested dict `out`; a table takes only a table."""
+def put(cls: type[Config], out: dict[str, Any], path: list[str], ann: Any, value: Any, where: str, dashed: bool) -> None:
+    """Sets the field at `path` (of type `ann`) in the nested dict `out`; a table takes only a table. A retired
+    key is set as the keys that replace it (arbor.config.keys.replacements)."""
     if sub_model(ann) is not None and not isinstance(value, dict):
         raise ConfigError(f"{where}{spell(path, dashed)} is a table, not a value")
-    for key in path[:-1]:
-        if not isinstance(out.get(key), dict):
-            out[key] = {}
-        out = out[key]
-    out[path[-1]] = value
+    for full, v in replacements(cls, path, value):
+        node = out
+        for key in full[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[full[-1]] = v
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -267,22 +267,29 @@ class OrchestratorConfig(Config):
 
     retired_keys = frozenset({"async_lag"})
 
+    @classmethod
+    def retire(cls, key: str, value: Any) -> dict[str, Any]:
+        """`async_lag` as the scheduler mode it meant: 0 = sync, 1 = one_step_off, k > 1 = async with lag k."""
+        if key != "async_lag":
+            return super().retire(key, value)
+        mode = {0: "sync", 1: "one_step_off"}.get(value, "async") if isinstance(value, int) else "async"
+        new = f"scheduler.mode = {mode!r}" + (f" and scheduler.lag = {value}" if mode == "async" else "")
+        warn_deprecated(f"orchestrator.async_lag is deprecated; use orchestrator.{new}")
+        return {"scheduler": {"mode": mode, **({"lag": value} if mode == "async" else {})}}
+
     @model_validator(mode="before")
     @classmethod
     def _async_lag(cls, data: Any) -> Any:
-        """The retired `async_lag` as the scheduler mode it meant (an explicit `scheduler.mode` wins, as before)."""
+        """Configs built in Python (the loader translates the key itself): an explicit `scheduler.mode` wins."""
         if not isinstance(data, dict) or "async_lag" not in data:
             return data
         data = dict(data)
-        lag = data.pop("async_lag")
-        mode = {0: "sync", 1: "one_step_off"}.get(lag, "async") if isinstance(lag, int) else "async"
-        new = f"scheduler.mode = {mode!r}" + (f" and scheduler.lag = {lag}" if mode == "async" else "")
-        warn_deprecated(f"orchestrator.async_lag is deprecated; use orchestrator.{new}")
+        replacement = cls.retire("async_lag", data.pop("async_lag"))["scheduler"]
         scheduler = data.get("scheduler") or {}
         if isinstance(scheduler, Config):
             scheduler = scheduler.model_dump(exclude_unset=True)
         if isinstance(scheduler, dict) and "mode" not in scheduler:
-            data["scheduler"] = {**scheduler, "mode": mode, **({"lag": lag} if mode == "async" else {})}
+            data["scheduler"] = {**scheduler, **replacement}
         return data
 
     @model_validator(mode="after")
