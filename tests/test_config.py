@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
 import time
 import tomllib
+import typing
+from pathlib import Path
 
 import pytest
+from pydantic import Strict
 
 from arbor.config.base import Config
+from arbor.config.env_args import ENV_ARGS, CodeArgs
+from arbor.config.eval import EvalConfig
 from arbor.config.loader import ConfigError, load_config, render_help
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.config.rl import RLConfig
 from arbor.config.trainer import TrainerConfig
+from arbor.environments.base import BUILTINS, load_object
+from arbor.environments.sandbox import MAX_SLOTS
 from tomli_w import dumps
 
 
@@ -188,3 +196,214 @@ def test_rl_bad_config_exits_before_any_process(tmp_path, flag, field):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0], res.stderr
     assert not out.exists()
+
+
+# --- fuzz: bad configurations fail in one line naming the key; every example and good variation loads --------
+
+BAD_CONFIGS = [
+    # (flags, a text the one-line error must contain: the key it names)
+    *[([f"--{key}", value], key.replace("-", "_")) for key in (
+        "trainer.optim.lr", "orchestrator.temperature", "stall-timeout", "trainer.optim.eps", "sft.lr",
+        "orchestrator.client.timeout", "weights.timeout", "trainer.rollout-timeout", "cost.gpu-hour-usd",
+        "orchestrator.environment.timeout", "inference.router.health-interval", "trainer.loss.kl-coef",
+    ) for value in ("inf", "nan", "-inf")],
+    *[([f"--{key}", "true"], key.replace("-", "_")) for key in (
+        "max-steps", "seq-len", "seed", "orchestrator.batch-size", "orchestrator.group-size", "trainer.parallel.nproc",
+        "trainer.parallel.cp", "trainer.ckpt.interval", "inference.max-batch-size", "orchestrator.sampling.max-tokens",
+        "trainer.optim.lr", "orchestrator.temperature", "inference.port", "orchestrator.max-off-policy-steps",
+    )],
+    *[([f"--{key}", str(value)], key.replace("-", "_")) for key, value in (
+        ("seq-len", 2**62), ("orchestrator.batch-size", 2**40), ("seed", 2**70), ("seed", -1), ("seed", 2**32),
+        ("model.init-seed", 2**64), ("max-steps", 2**40), ("trainer.parallel.nproc", 10**6),
+        ("orchestrator.sampling.max-tokens", 2**30), ("inference.max-batch-size", 2**30), ("inference.port", 70000),
+        ("inference.port", -1), ("trainer.optim.lr", 1e308), ("orchestrator.temperature", 1e308),
+        ("stall-timeout", 1e300), ("orchestrator.group-size", 0), ("trainer.ckpt.keep", 0),
+        ("orchestrator.batching.micro-batch-tokens", 2**40), ("trainer.keep-broadcasts", -2),
+        ("inference.replicas", 2**20), ("trainer.parallel.dp-shard", -2),
+        ("orchestrator.gateway.max-request-bytes", 2**62), ("trainer.optim.muon-momentum", 1.0),
+        ("orchestrator.max-steps", 3.5), ("orchestrator.batch-size", 8.0), ("trainer.optim.lr", "'1e-3'"),
+    )],
+    (["--trainer.parallel.dp-shard", "0"], "trainer.parallel: dp_shard"),
+    (["--trainer.optim.betas", "[1.5, -1]"], "trainer.optim.betas.0"),
+    (["--trainer.optim.betas", "[0.9, -1]"], "trainer.optim.betas.1"),
+    (["--trainer.optim.betas", "[true, 0.9]"], "trainer.optim.betas.0"),
+    (["--orchestrator.curriculum.weights", "[1, nan, 1]"], "orchestrator.curriculum.weights.1"),
+    (["--orchestrator.environment.reward-weights", "{ a = inf }"], "orchestrator.environment.reward_weights.a"),
+    # parallel layouts that cannot exist
+    (["--trainer.parallel.nproc", "3", "--trainer.parallel.dp-replicate", "2"], "trainer.parallel"),
+    (["--trainer.parallel.nproc", "2", "--trainer.parallel.dp-shard", "4"], "trainer.parallel"),
+    (["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-shard", "2"], "trainer.parallel"),
+    (["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2", "--trainer.parallel.dp-shard", "3"],
+     "trainer.parallel"),
+    (["--model.name", "qwen3-test", "--trainer.parallel.nproc", "3", "--trainer.parallel.cp", "3"], "parallel.cp"),
+    (["--model.name", "qwen3-small", "--trainer.parallel.nproc", "4", "--trainer.parallel.cp", "4",
+      "--trainer.parallel.cp-style", "ulysses"], "parallel.cp"),
+    (["--model.name", "qwen3-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.ep", "2"], "parallel.ep"),
+    (["--model.name", "qwen3-tiny", "--trainer.parallel.nproc", "4", "--trainer.parallel.ep", "4"], "parallel.ep"),
+    (["--model.name", "qwen3-moe-tiny", "--trainer.parallel.nproc", "3", "--trainer.parallel.ep", "3"], "parallel.ep"),
+    (["--model.name", "qwen3-moe-test", "--trainer.parallel.nproc", "8", "--trainer.parallel.ep", "8"], "parallel.ep"),
+    (["--model.name", "qwen3-moe-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.ep", "4"],
+     "trainer.parallel.ep"),
+    (["--model.name", "dsa-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2",
+      "--trainer.parallel.cp-style", "ring"], "trainer.parallel.cp_style"),
+    (["--model.name", "qwen3-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2",
+      "--trainer.parallel.cp-style", "dsa"], "trainer.parallel.cp_style"),
+    (["--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "4"], "trainer.parallel"),
+    # environment arguments: misspelt, mistyped, out of range, contradictory
+    (["--orchestrator.environment.args", "{ min_lenn = 3 }"], "did you mean min_len?"),
+    (["--orchestrator.environment.args", "{ max_lne = 3 }"], "did you mean max_len?"),
+    (["--orchestrator.environment.args", "{ min_len = 6, max_len = 3 }"], "min_len (6) exceeds max_len (3)"),
+    (["--orchestrator.environment.args", "{ min_len = 0 }"], "min_len"),
+    (["--orchestrator.environment.args", "{ max_len = true }"], "max_len"),
+    (["--orchestrator.environment.args", "{ num_tasks = 2.5 }"], "num_tasks"),
+    (["--orchestrator.environment.args", "{ alphabet = '' }"], "alphabet"),
+    (["--orchestrator.environment.id", "math", "--orchestrator.environment.args", "{ difficulty = 4 }"], "difficulty"),
+    (["--orchestrator.environment.id", "math", "--orchestrator.environment.args", "{ kinds = ['algebra'] }"], "kinds"),
+    (["--orchestrator.environment.id", "math", "--orchestrator.environment.args", "{ difficulity = 2 }"],
+     "did you mean difficulty?"),
+    (["--orchestrator.environment.id", "tool_use", "--orchestrator.environment.args", "{ search_k = 9 }"], "search_k"),
+    (["--orchestrator.environment.id", "tool_use", "--orchestrator.environment.args", "{ max_turn = 2 }"],
+     "did you mean max_turns?"),
+    (["--orchestrator.environment.id", "code", "--orchestrator.environment.args", "{ max_concurrency = 1000 }"],
+     "max_concurrency"),
+    (["--orchestrator.environment.id", "code", "--orchestrator.environment.args", "{ wall_seconds = inf }"],
+     "orchestrator.environment.args"),
+    (["--orchestrator.environment.id", "black_box"], "give exactly one of command, function or remote"),
+    (["--orchestrator.environment.id", "black_box", "--orchestrator.environment.args",
+      "{ function = 'a.py:f', remote = true }"], "give exactly one"),
+    (["--orchestrator.environment.id", "black_box", "--orchestrator.environment.args",
+      "{ function = 'a.py:f', task_args = { min_len = 9 } }"], "task_args (environment 'reverse_text'): min_len (9)"),
+    (["--orchestrator.environment.id", "black_box", "--orchestrator.environment.args",
+      "{ function = 'a.py:f', task_args = { min_lenn = 2 } }"], "did you mean task_args.min_len?"),
+    (["--orchestrator.environment.id", "black_box", "--orchestrator.environment.args",
+      "{ function = 'a.py:f', task_input = 'file' }"], "task_input"),
+    (["--orchestrator.environment.id", "verifiers", "--orchestrator.environment.args", "{ max_tasks = 3 }"], "env_id"),
+    # paths the filesystem cannot hold, malformed sources
+    (["--output-dir", "/tmp/" + "x" * 300], "output_dir"),
+    (["--output-dir", "/tmp/" + "a/" * 2100], "output_dir"),
+    (["--orchestrator", "3"], "--orchestrator is a table"),
+    (["--orchestrator.batch-size"], "--orchestrator.batch-size needs a value"),
+]
+
+
+@pytest.mark.parametrize("argv, key", BAD_CONFIGS)
+def test_fuzzed_bad_configs_fail_in_one_line_naming_the_key(argv, key):
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, argv, env={})
+    assert "\n" not in str(e.value) and key in str(e.value), str(e.value)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_the_fuzz_covers_at_least_a_hundred_bad_configs():
+    assert len(BAD_CONFIGS) >= 100
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path("examples").glob("*/rl.toml")))
+def test_every_example_config_loads(path):
+    cfg = load_config(RLConfig, ["@", path], env={})
+    assert cfg.orchestrator.seq_len == cfg.seq_len
+
+
+GOOD_VARIATIONS = [
+    ["--seed", str(2**32 - 1)], ["--seed", "0"], ["--trainer.optim.lr", "1"], ["--orchestrator.temperature", "0"],
+    ["--trainer.optim.betas", "[0, 0.5]"], ["--seq-len", str(2**20), "--orchestrator.sampling.max-tokens", "8"],
+    ["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2"],
+    ["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2", "--trainer.parallel.dp-shard", "2"],
+    ["--model.name", "qwen3-test", "--trainer.parallel.nproc", "4", "--trainer.parallel.cp", "4"],
+    ["--model.name", "qwen3-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2",
+     "--trainer.parallel.cp-style", "ring"],
+    ["--model.name", "qwen3-small", "--trainer.parallel.nproc", "4", "--trainer.parallel.cp", "4",
+     "--trainer.parallel.cp-style", "ring"],
+    ["--model.name", "dsa-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2"],
+    ["--model.name", "qwen3-moe-tiny", "--trainer.parallel.nproc", "4", "--trainer.parallel.ep", "4"],
+    ["--model.name", "qwen3-moe-test", "--trainer.parallel.nproc", "4", "--trainer.parallel.cp", "2",
+     "--trainer.parallel.ep", "4"],
+    ["--orchestrator.environment.args", "{ min_len = 4, max_len = 4 }"],
+    ["--orchestrator.environment.id", "math", "--orchestrator.environment.args", "{ difficulty = 3, kinds = ['word'] }"],
+    ["--orchestrator.environment.id", "tool_use", "--orchestrator.environment.args", "{ search_k = 5 }"],
+    ["--orchestrator.environment.id", "black_box", "--orchestrator.environment.args",
+     "{ command = 'python agent.py', task_args = { max_len = 4 } }"],
+    ["--orchestrator.environment.id", "mypkg.envs:make", "--orchestrator.environment.args", "{ whatever = 1 }"],
+    ["--inference.port", "0", "--stall-timeout", "86400", "--orchestrator.environment.reward-weights", "{ a = -2.5 }"],
+    ["--output-dir", "2024", "--orchestrator.buffer.path", "7"],  # a path that reads as a number stays a path
+]
+
+
+@pytest.mark.parametrize("argv", GOOD_VARIATIONS)
+def test_good_variations_still_load(argv):
+    load_config(RLConfig, ["@", "examples/tiny/rl.toml", *argv], env={})
+
+
+def test_environment_argument_models_match_the_constructors():
+    assert set(ENV_ARGS) == set(BUILTINS)
+    for name, model in ENV_ARGS.items():
+        params = inspect.signature(load_object(BUILTINS[name])).parameters.values()
+        taken = {p.name: p.default for p in params if p.name != "self"}
+        fields = {k: (f.default if not f.is_required() else inspect.Parameter.empty) for k, f in model.model_fields.items()}
+        assert taken == fields, name
+    CodeArgs(max_concurrency=MAX_SLOTS)
+    with pytest.raises(ValueError):
+        CodeArgs(max_concurrency=MAX_SLOTS + 1)
+
+
+def test_every_numeric_field_is_strict_and_bounded():
+    """No table declares a bare int or float: each uses a type of arbor.config.base (strict, finite, bounded)."""
+    seen: set[type] = set()
+
+    def bare(ann) -> bool:  # a field's own Annotated metadata is moved to FieldInfo.metadata; nested ones stay
+        if typing.get_origin(ann) is typing.Annotated:
+            return False
+        return ann in (int, float) or any(bare(a) for a in typing.get_args(ann))
+
+    def tables(ann) -> list:
+        if isinstance(ann, type) and issubclass(ann, Config):
+            return [ann]
+        return [t for a in typing.get_args(ann) for t in tables(a)]
+
+    def walk(cls: type[Config]) -> list:
+        if cls in seen:
+            return []
+        seen.add(cls)
+        out = []
+        for name, f in cls.model_fields.items():
+            if not any(isinstance(m, Strict) for m in f.metadata) and bare(f.annotation):
+                out.append(f"{cls.__name__}.{name}")
+            out += [b for t in tables(f.annotation) for b in walk(t)]
+        return out
+
+    assert walk(RLConfig) + walk(EvalConfig) + [b for m in ENV_ARGS.values() for b in walk(m)] == []
+
+
+def test_dry_run_of_a_cluster_config_needs_no_file_and_no_torch(tmp_path):
+    """--dry-run reads no model file (a checkpoint path that exists only on the cluster passes) and imports no torch,
+    also with context parallelism (which checks the model's heads)."""
+    code = ("import sys; from arbor.launch.rl import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; raise SystemExit(rc)")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code, "@", "examples/tiny/rl.toml", "--dry-run", "--output-dir",
+                          str(tmp_path / "out"), "--model.name", "/cluster/models/qwen3-8b", "--trainer.parallel.nproc",
+                          "2", "--trainer.parallel.cp", "2"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize("argv", [["--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "3"],
+                                  ["--model.name", "qwen3-test", "--trainer.parallel.nproc", "3", "--trainer.parallel.cp", "3"],
+                                  ["--orchestrator.environment.args", "{ min_lenn = 3 }"], ["--seed", "-1"]])
+def test_rl_exits_in_one_line_before_any_process(tmp_path, argv):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "arbor.launch.rl", "@", "examples/tiny/rl.toml", "--output-dir",
+                          str(out), *argv], capture_output=True, text=True)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert time.monotonic() - t0 < 3.0
+    assert not out.exists()
+
+
+def test_dry_run_into_an_unwritable_output_dir_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    res = subprocess.run([sys.executable, "-m", "arbor.launch.rl", "@", "examples/tiny/rl.toml", "--dry-run",
+                          "--output-dir", str(tmp_path / "file" / "run")], capture_output=True, text=True)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "output_dir" in lines[0] and "not writable" in lines[0], res.stderr

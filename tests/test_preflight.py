@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -130,3 +131,44 @@ def test_context_summariser_not_importable(tmp_path):
         preflight.check_plugins(cfg)
     with pytest.raises(Exception, match="trigger_tokens is set but context.strategy is 'none'"):
         load_config(RLConfig, [*TINY, "--orchestrator.environment.context.trigger-tokens", "100"])
+
+
+def test_tokenizer_path_is_checked_with_a_preset_model(tmp_path):
+    line = _fails(tmp_path / "run", "--model.tokenizer", str(tmp_path / "nonexistent"))
+    assert "model.tokenizer" in line and "not a directory" in line
+
+
+def test_black_box_agent_file_or_program_missing(tmp_path):
+    bb = ["--orchestrator.environment.id", "black_box"]
+    line = _fails(tmp_path / "run", *bb, "--orchestrator.environment.args", f"{{ function = '{tmp_path}/agent.py:solve' }}")
+    assert "orchestrator.environment.args.function" in line and "does not exist" in line
+    line = _fails(tmp_path / "run2", *bb, "--orchestrator.environment.args", "{ function = 'no_such_pkg.agents:solve' }")
+    assert "not importable" in line
+    line = _fails(tmp_path / "run3", *bb, "--orchestrator.environment.args", f"{{ command = 'python {tmp_path}/a.py' }}")
+    assert "orchestrator.environment.args.command" in line and "a.py does not exist" in line
+    line = _fails(tmp_path / "run4", *bb, "--orchestrator.environment.args", "{ command = 'no-such-agent-program' }")
+    assert "'no-such-agent-program' is not found" in line
+
+
+def test_an_argument_unlike_any_the_environment_takes_fails_preflight(tmp_path):
+    line = _fails(tmp_path / "run", "--orchestrator.environment.args", "{ anything_goes = true }")
+    assert "orchestrator.environment.args" in line and "unknown argument 'anything_goes'" in line
+
+
+def test_no_task_fits_fails_naming_seq_len_max_tokens_and_the_shortest_prompt(tmp_path):
+    # reverse_text's shortest prompt (byte tokenizer, chat template) is far longer than seq_len - max_tokens = 8.
+    line = _fails(tmp_path / "run", "--seq-len", "16", "--orchestrator.sampling.max-tokens", "8")
+    assert re.search(r"shortest prompt is \d+ tokens, which with sampling\.max_tokens = 8 exceeds seq_len = 16", line), line
+
+
+def test_rl_check_runs_the_whole_preflight_and_starts_nothing(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(tmp_path / "run"), *TINY, "--check"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "preflight passed" in ok.stdout, ok.stderr
+    assert not (tmp_path / "run" / "logs").exists() and not (tmp_path / "run" / "configs").exists()
+    line = _fails(tmp_path / "run2", "--check", "--model.tokenizer", str(tmp_path / "nonexistent"))
+    assert "model.tokenizer" in line
+    # --dry-run stays a pure config check: the same missing tokenizer passes it.
+    dry = subprocess.run([sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(tmp_path / "run3"), *TINY,
+                          "--dry-run", "--model.tokenizer", str(tmp_path / "nonexistent")], capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr

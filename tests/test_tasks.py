@@ -3,8 +3,10 @@ rule, seeds, pending tasks for the saved state, and the retry limit."""
 
 from __future__ import annotations
 
+import pytest
 from orch_fakes import FakeEnv, FakeTokenizer, make_cfg, seed_of
 
+from arbor.environments import NoTaskFits
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
 from arbor.orchestrator.tasks import TaskSource
 
@@ -72,3 +74,10 @@ def test_the_curriculum_records_solve_rates_and_its_state_is_saved() -> None:
     state = source.state(1)
     assert state.curriculum["history"] == {str(source.tasks.index(spec.task)): [1.0]}
     assert _source(curriculum={"enabled": True}, state=state).curriculum.history == source.curriculum.history
+
+
+def test_a_dataset_of_which_no_task_fits_fails_instead_of_spinning() -> None:
+    with pytest.raises(NoTaskFits, match=r"shortest prompt is 20 tokens, which with sampling\.max_tokens = 8 exceeds seq_len = 16"):
+        _source(lengths=[30, 20, 25], seq_len=16)  # every prompt + max_tokens 8 > 16
+    fits = _source(lengths=[30, 30, 30, 30, 3], seq_len=16)  # one task fits: long runs of skips are not an error
+    assert all(len(fits.next_spec(0, k).prompt_ids) == 3 for k in range(3))

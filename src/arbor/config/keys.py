@@ -80,7 +80,9 @@ def spell(path: list[str], dashed: bool) -> str:
 
 
 def members(ann: Any) -> tuple[Any, ...]:
-    return typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
+    """The types a field accepts: a union's members, each without its Annotated constraints."""
+    kinds = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
+    return tuple(typing.get_args(k)[0] if typing.get_origin(k) is typing.Annotated else k for k in kinds)
 
 
 def sub_model(ann: Any) -> type[BaseModel] | None:

@@ -135,7 +135,9 @@ def format_validation_error(e: ValidationError) -> str:
             continue  # a shared field pushed down into a section: said once, where it was set
         seen.add((loc, msg))
         got = f" (got {err['input']!r})" if not isinstance(err.get("input"), (dict, type(None))) else ""
-        lines.append(f"{'.'.join(loc)}: {msg}{got}" if loc else msg)
+        where = ".".join(loc)
+        said = not loc or msg.startswith((f"{where}.", f"{where}:", f"{where} "))  # the message names its key already
+        lines.append(msg if said else f"{where}: {msg}{got}")
     return "; ".join(lines)
 
 

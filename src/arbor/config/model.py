@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
-from arbor.config.base import Config
+from arbor.config.base import Config, Seed
 
 
 class ModelConfig(Config):
@@ -29,5 +27,5 @@ class ModelConfig(Config):
     engine run the same FP8 forward, and published weights use DeepSeek's FP8 checkpoint format (float8 `weight`
     + `weight_scale_inv`), which vLLM serves with its block `fp8` quantisation, so both sides compute alike.
     Embeddings, lm_head, norms, MoE routers and routed experts stay in `dtype`. Needs file weight transport."""
-    init_seed: int = Field(0, ge=0)
+    init_seed: Seed = 0
     """Seed of the deterministic initialisation of a preset (ignored for checkpoints)."""

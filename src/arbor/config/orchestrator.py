@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config, warn_deprecated
+from arbor.config.base import Config, Count, FilePath, Float, Int, Port, Ranks, Seconds, Seed, Tokens, warn_deprecated
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
@@ -15,9 +15,9 @@ from arbor.config.monitor import WandbConfig
 
 
 class SamplingConfig(Config):
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: Tokens = Field(64, ge=1)
     """Most tokens generated per completion."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: Float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass. Below 1 the trainer's logprobs no longer describe the sampler exactly."""
 
 
@@ -27,9 +27,9 @@ class ClientConfig(Config):
     admin_urls: list[str] = []
     """Where weight updates, pause and resume go when not to `base_urls` (e.g. every backend behind a router
     without admin fan-out, such as vllm-router); empty means `base_urls`. `rl` fills this in."""
-    timeout: float = Field(600.0, gt=0)
+    timeout: Seconds = Field(600.0, gt=0)
     """Seconds one generation request may take."""
-    max_retries: int = Field(3, ge=0)
+    max_retries: Count = Field(3, ge=0)
     """Retries of a failed request (connection errors and 5xx) before the run fails."""
 
 
@@ -40,18 +40,18 @@ class AdvantageConfig(Config):
     path `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
     std_normalize: bool = False
     """Divide by the group's reward standard deviation (GRPO); off is Dr. GRPO's unbiased choice."""
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: Float = Field(1.0, ge=0, le=1)
     """Discount of reward-to-go for rollouts with per-turn/process rewards: a token's advantage is the discounted
     sum of the group-normalised rewards of its turn and the turns after it."""
-    completion_time_weight: float = Field(0.0, ge=0)
+    completion_time_weight: Float = Field(0.0, ge=0)
     """Composite reward: a rollout with positive reward gains up to this much for finishing faster than the other
     successful rollouts of its group (relative completion time: latency when measured, else completion tokens)."""
 
 
 class BatchingConfig(Config):
-    micro_batch_tokens: int = Field(4096, ge=16)
+    micro_batch_tokens: Tokens = Field(4096, ge=16)
     """Token budget of one packed micro-batch row; a longer sample gets a row of its own."""
-    trainer_ranks: int = Field(1, ge=1)
+    trainer_ranks: Ranks = Field(1, ge=1)
     """Trainer data-parallel ranks to write a file for; `rl` sets it from the trainer's world size."""
     normalization: Literal["token", "sequence", "group"] = "token"
     """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
@@ -69,12 +69,12 @@ class FilterConfig(Config):
     drop_zero_advantage: bool = False
     """Drop groups whose advantages are all zero (every rollout scored the same: no learning signal), and
     generate replacements."""
-    min_solve_rate: float = Field(0.0, ge=0, le=1)
+    min_solve_rate: Float = Field(0.0, ge=0, le=1)
     """Online difficulty filtering: drop groups whose solve rate (fraction of rollouts with reward >=
     solve_threshold) is below this."""
-    max_solve_rate: float = Field(1.0, ge=0, le=1)
+    max_solve_rate: Float = Field(1.0, ge=0, le=1)
     """Online difficulty filtering: drop groups whose solve rate is above this."""
-    solve_threshold: float = 1.0
+    solve_threshold: Float = 1.0
     """A rollout with at least this reward counts as solving its task (solve rates, curriculum, difficulty mix)."""
 
     @model_validator(mode="after")
@@ -87,13 +87,13 @@ class FilterConfig(Config):
 class CurriculumConfig(Config):
     enabled: bool = False
     """Sample tasks from easy / normal / hard pools by their recent solve rate instead of in dataset order."""
-    easy_above: float = Field(0.8, ge=0, le=1)
+    easy_above: Float = Field(0.8, ge=0, le=1)
     """A task whose recent solve rate is at least this is easy."""
-    hard_below: float = Field(0.2, ge=0, le=1)
+    hard_below: Float = Field(0.2, ge=0, le=1)
     """A task whose recent solve rate is at most this is hard; unseen tasks are normal."""
-    weights: tuple[float, float, float] = (0.1, 0.6, 0.3)
+    weights: tuple[Float, Float, Float] = (0.1, 0.6, 0.3)
     """Sampling weights of the easy, normal and hard pools (an empty pool's weight goes to the others)."""
-    history: int = Field(4, ge=1)
+    history: Count = Field(4, ge=1)
     """Recent groups per task that its solve rate averages over."""
 
     @model_validator(mode="after")
@@ -108,7 +108,7 @@ class CurriculumConfig(Config):
 class BufferConfig(Config):
     enabled: bool = False
     """Store every finished group in the persistent experience buffer and fill batches from it."""
-    path: Path | None = None
+    path: FilePath | None = None
     """SQLite file; default `<output_dir>/buffer.sqlite`."""
     order: Literal["fifo", "priority", "recency"] = "fifo"
     """Which ready groups a batch takes first: oldest, largest mean |advantage|, or newest."""
@@ -128,20 +128,20 @@ class RolloutScheduleConfig(Config):
     "one_step_off" (generation runs one step ahead of training), or a continuous mode, which launches groups ahead
     across step boundaries: "async" (strict FIFO), "greedy" (first finished first out), "windowed_fifo" (Forge).
     Replaces `orchestrator.async_lag` (0 = "sync", 1 = "one_step_off", k > 1 = "async" with `lag = k`)."""
-    lag: int | None = Field(None, ge=0)
+    lag: Int | None = Field(None, ge=0)
     """Continuous modes: policy versions a step's generation may trail the step by (weights version >= step - lag
     before its groups are launched or taken). Default: max_off_policy_steps (windowed_fifo: less its slack)."""
-    sync_interval: int = Field(1, ge=1)
+    sync_interval: Int = Field(1, ge=1)
     """sync: every this many steps generation waits for the newest weights (1 = fully on-policy)."""
-    window: int | None = Field(None, ge=1)
+    window: Count | None = Field(None, ge=1)
     """windowed_fifo: W, in groups, of the visible part [H, H+W) of the generation queue; default: half a step.
     A group can be overtaken by up to W - 1 others, i.e. trained up to ceil(W / groups per step) steps later than
     its launch planned, so windowed_fifo launches (and takes batches) only up to max_off_policy_steps minus that
     slack ahead of the trainer (arbor.orchestrator.scheduler)."""
-    max_in_flight: int | None = Field(None, ge=1)
+    max_in_flight: Count | None = Field(None, ge=1)
     """Groups generating at once. Default: two steps' worth for the continuous modes (async, greedy,
     windowed_fifo), max_concurrent_groups (or one step) for the per-step ones (times `oversample`)."""
-    oversample: float = Field(1.0, ge=1.0)
+    oversample: Float = Field(1.0, ge=1.0)
     """Per-step modes (sync, one_step_off): launch ceil(oversample x groups per step) groups; once the batch is
     full, the surplus still generating is cancelled (counted as partial/cancelled) or, with
     `[orchestrator.partial]` enabled, aborted and parked with its tokens and resumed first at the next step
@@ -158,7 +158,7 @@ class PartialConfig(Config):
     enabled: bool = False
     """Partial rollouts: generation that is aborted mid-way keeps its tokens, logprobs and per-token policy
     versions (and its environment's state) and is resumed later (arbor.orchestrator.partial)."""
-    straggler_factor: float = Field(4.0, gt=0)
+    straggler_factor: Float = Field(4.0, gt=0)
     """Continuous modes with a window (async, windowed_fifo): while a step is collected, a group inside the
     window [H, H+W) that has run longer than this many times the median duration of the last 1024 finished groups
     (no group before 8 have finished) leaves its queue position (so the head advances) and goes to the tail as
@@ -171,7 +171,7 @@ class PartialConfig(Config):
     launches its task again, as a new group, at the tail: the task's difficulty stays in the batch mix and the
     staleness counts from the retry, at the cost of the generation thrown away and of a bias against the slowest
     samples of a task. benchmarks/scheduler_sim.py shows why windowed FIFO needs "retry" to beat greedy's mix."""
-    max_resumes: int = Field(3, ge=0)
+    max_resumes: Count = Field(3, ge=0)
     """A group moved or parked this many times is not aborted by the scheduler again: it finishes where it is.
     With straggler_action = "retry", a task retried this many times is given up (cancelled, counted in
     partial/given_up) when it straggles again, so no straggler can stall the window for its whole latency."""
@@ -188,13 +188,13 @@ class GatewayConfig(Config):
     """Start the gateway in the orchestrator process (the black_box environment starts it regardless)."""
     host: str = "127.0.0.1"
     """Address to bind; anything but a loopback address requires `api_key`."""
-    port: int = Field(0, ge=0, le=65535)
+    port: Port = 0
     """Port to bind; 0 picks a free one (logged, and written to `<output_dir>/gateway_url`)."""
     api_key: str | None = None
     """Bearer token every request must carry (`OPENAI_API_KEY` for the agent); required beyond loopback."""
-    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_request_bytes: Int = Field(4 * 1024 * 1024, ge=1024)
     """Largest request body accepted; bigger ones get 413."""
-    max_open_sessions: int = Field(4096, ge=1)
+    max_open_sessions: Count = Field(4096, ge=1)
     """Open sessions at once; opening another gets 429."""
     override_sampling: bool = True
     """Sample at the run's temperature/top_p and at most `sampling.max_tokens`, whatever the agent asks: the
@@ -214,27 +214,27 @@ class OrchestratorConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model (the orchestrator only loads its tokenizer)."""
-    output_dir: Path = Path("outputs/run")
+    output_dir: FilePath = Path("outputs/run")
     """Run directory shared with the trainer."""
-    max_steps: int = Field(20, ge=1)
+    max_steps: Int = Field(20, ge=1)
     """Training steps to produce batches for."""
-    seq_len: int = Field(512, ge=8)
+    seq_len: Tokens = Field(512, ge=8)
     """Longest sample (prompt + completion); longer prompts are skipped and counted."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of task sampling and of per-request sampling seeds."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: Float = Field(1.0, ge=0)
     """Sampling temperature; the trainer scales its logits by the same value."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: Count = Field(64, ge=1)
     """Rollouts per training step (a multiple of group_size)."""
-    group_size: int = Field(8, ge=1)
+    group_size: Count = Field(8, ge=1)
     """Rollouts per task; advantages are relative to the group."""
-    max_off_policy_steps: int = Field(2, ge=0)
+    max_off_policy_steps: Int = Field(2, ge=0)
     """Drop (and count) rollouts with a token sampled more than this many policy versions before the step."""
-    max_concurrent_groups: int | None = Field(None, ge=1)
+    max_concurrent_groups: Count | None = Field(None, ge=1)
     """Groups in flight at once; default: one step's worth of groups."""
     resume: bool = False
     """Continue from the latest trainer checkpoint in output_dir."""
-    weight_update_timeout: float = Field(1800.0, gt=0)
+    weight_update_timeout: Seconds = Field(1800.0, gt=0)
     """Seconds to wait for the trainer to publish the weights a step needs before failing."""
     sampling: SamplingConfig = SamplingConfig()
     """Generation settings."""

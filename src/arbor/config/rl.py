@@ -7,9 +7,10 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, FilePath, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
+from arbor.config.layout import check_mesh
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 from arbor.config.orchestrator import OrchestratorConfig
@@ -27,23 +28,28 @@ class RLConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model, shared by every process."""
-    output_dir: Path = Path("outputs/run")
+    output_dir: FilePath = Path("outputs/run")
     """Run directory: configs/, logs/, metrics.jsonl, rollouts/, broadcasts/, checkpoints/."""
-    max_steps: int = Field(20, ge=1)
+    max_steps: Int = Field(20, ge=1)
     """RL training steps."""
-    seq_len: int = Field(512, ge=8)
+    seq_len: Tokens = Field(512, ge=8)
     """Longest sequence (prompt + completion)."""
-    seed: int = 0
+    seed: Seed = 0
     """Base seed."""
     resume: bool = False
     """Continue a killed run from its latest checkpoint."""
     weights: WeightTransportConfig = WeightTransportConfig()
     """Weight transfer from trainer to inference, shared by both."""
     dry_run: bool = False
-    """Write the resolved configs to `<output_dir>/configs/` and exit."""
-    inference_startup_timeout: float = Field(300.0, gt=0)
+    """Check the config alone (no file of the model, dataset or agent is read: a cluster config checks on a
+    laptop), write the resolved configs to `<output_dir>/configs/` and exit."""
+    check: bool = False
+    """Check the config and run the whole preflight (model and tokenizer files, environment, its arguments, agent
+    files and dataset, loss and advantage paths, backends, GPUs, ports, disk), then exit without starting
+    anything. `rl` runs the same preflight before it starts a run."""
+    inference_startup_timeout: Seconds = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
-    stall_timeout: float = Field(1800.0, gt=0)
+    stall_timeout: Seconds = Field(1800.0, gt=0)
     """Watchdog: when no RL step completes for this many seconds, dump every process's Python stacks into
     `<output_dir>/logs/stacks/`, name what each process was waiting on, and stop the run (exit code 3)."""
     trainer: TrainerConfig = TrainerConfig()
@@ -100,6 +106,9 @@ class RLConfig(Config):
         # The orchestrator writes one rollout file per data-parallel trainer rank (a context-parallel group of
         # cp ranks shares one).
         p = self.trainer.parallel
+        nodes = self.slurm.trainer_nodes if self.slurm is not None else 1
+        ranks = f"trainer.parallel.nproc ({p.nproc})" + (f" x slurm.trainer_nodes ({nodes})" if nodes > 1 else "")
+        check_mesh(p, p.nproc * nodes, ranks)
         if p.nproc % p.cp:
             raise ValueError(f"trainer.parallel.cp ({p.cp}) must divide trainer.parallel.nproc ({p.nproc})")
         ranks = p.nproc // p.cp

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from arbor.config.base import Config
+from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seed, Tokens
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
 
@@ -16,24 +16,24 @@ class SFTConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model to fine-tune."""
-    output_dir: Path = Path("outputs/run")
+    output_dir: FilePath = Path("outputs/run")
     """Run directory; the result goes to `<output_dir>/sft/`."""
-    seq_len: int = Field(512, ge=8)
+    seq_len: Tokens = Field(512, ge=8)
     """Longest example; longer ones are skipped."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of example order."""
-    steps: int = Field(0, ge=0)
+    steps: Int = Field(0, ge=0)
     """Optimizer steps; 0 disables the warm-up in `rl`."""
-    batch_size: int = Field(32, ge=1)
+    batch_size: Count = Field(32, ge=1)
     """Examples per step."""
-    lr: float = Field(1e-3, gt=0)
+    lr: Float = Field(1e-3, gt=0)
     """AdamW learning rate (linear warm-up over the first 10% of steps, then constant)."""
-    max_norm: float = Field(1.0, gt=0)
+    max_norm: Float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
     data: str | None = None
     """A JSONL or parquet file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows (every assistant
     turn of a messages row is trained on, the rest masked); default: the environment's reference answers."""
     environment: EnvironmentConfig = EnvironmentConfig()
     """Environment whose tasks and reference answers form the data when `data` is not set."""
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads; default: torch's choice."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, FixedPort, Ranks
 
 
 class SlurmConfig(Config):
@@ -18,14 +18,14 @@ class SlurmConfig(Config):
     """Account to charge; default: the user's default account."""
     time: str = "04:00:00"
     """Wall-clock limit, in any format sbatch accepts (e.g. "1-00:00:00", "30:00")."""
-    inference_nodes: int = Field(0, ge=0)
+    inference_nodes: Ranks = Field(0, ge=0)
     """Nodes that only run inference servers (multi-node layout). 0 = single node: every process on one node."""
-    trainer_nodes: int = Field(1, ge=1)
+    trainer_nodes: Ranks = Field(1, ge=1)
     """Nodes of the trainer (torchrun rendezvous across them); the orchestrator runs beside trainer rank 0.
     More than one requires inference_nodes >= 1."""
-    gpus_per_node: int = Field(0, ge=0)
+    gpus_per_node: Ranks = Field(0, ge=0)
     """GPUs requested per node (`--gpus-per-node`); 0 = a CPU job."""
-    cpus_per_node: int | None = Field(None, ge=1)
+    cpus_per_node: Ranks | None = Field(None, ge=1)
     """CPU cores per node (`--cpus-per-task`, one task per node); default: the cluster's default."""
     mem: str | None = None
     """Memory per node (`--mem`, e.g. "200G"; "0" = all of it); default: the cluster's default."""
@@ -36,9 +36,9 @@ class SlurmConfig(Config):
     shared_fs: bool = True
     """output_dir is on a filesystem every node sees. False (single node only): the run writes to node-local
     `$TMPDIR` and the run directory is copied to output_dir when the job ends."""
-    inference_port: int = Field(8000, ge=1, le=65535)
+    inference_port: FixedPort = 8000
     """Port of each inference server in the multi-node layout."""
-    rdzv_port: int = Field(29500, ge=1, le=65535)
+    rdzv_port: FixedPort = 29500
     """Port of the trainer's torchrun rendezvous on the first trainer node (multi-node layout)."""
     extra_sbatch: list[str] = []
     """Further `#SBATCH` options, verbatim (e.g. ["--qos=high", "--exclusive"])."""

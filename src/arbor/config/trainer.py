@@ -3,34 +3,37 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config
+from arbor.config.base import Config, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
 from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
-from arbor.models.args import check_cp_style
-from arbor.models.presets import PRESETS
+from arbor.config.layout import check_model_split, model_shape
+
+
+Beta = Annotated[Float, Field(ge=0, lt=1)]
+"""An AdamW beta: a decay rate in [0, 1)."""
 
 
 class OptimConfig(Config):
     name: Literal["adamw", "muon"] = "adamw"
     """Optimizer: "adamw", or "muon" (torch.optim.Muon on 2-D weight matrices; AdamW on embeddings, the head,
     norms, routers and 3-D expert weights)."""
-    lr: float = Field(1e-4, gt=0)
+    lr: Float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW's; Muon's too unless muon_lr is set)."""
-    muon_lr: float | None = Field(None, gt=0)
+    muon_lr: Float | None = Field(None, gt=0)
     """Muon's learning rate; default: lr."""
-    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_momentum: Float = Field(0.95, ge=0, lt=1)
     """Muon's momentum."""
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: Float = Field(0.0, ge=0)
     """Decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
     """AdamW betas."""
-    eps: float = Field(1e-8, gt=0)
+    eps: Float = Field(1e-8, gt=0)
     """AdamW epsilon."""
-    max_norm: float = Field(1.0, gt=0)
+    max_norm: Float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
 
 
@@ -40,9 +43,9 @@ class LRScheduleConfig(Config):
     name: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up: constant, linear decay or cosine decay to min_lr_ratio x lr at
     max_steps."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: Int = Field(0, ge=0)
     """Steps of linear warm-up from 0 to lr."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1)
     """Final learning rate of the decaying schedules, as a fraction of lr."""
 
 
@@ -52,19 +55,19 @@ class LossConfig(Config):
     "is_mask" (trust-region mask), "gspo" (sequence-level ratio), "cispo" (clipped stop-gradient IS weight times
     logprob), "opmd" (off-policy mirror descent, Trinity-RFT A.3), "cross_entropy" (SFT), or a dotted path
     `module:function` implementing arbor.trainer.loss.LossFn."""
-    clip_low: float = Field(0.2, ge=0, le=1)
+    clip_low: Float = Field(0.2, ge=0, le=1)
     """Lower bound of the trust region: ratio >= 1 - clip_low."""
-    clip_high: float = Field(0.28, ge=0)
+    clip_high: Float = Field(0.28, ge=0)
     """Upper bound of the trust region: ratio <= 1 + clip_high (DAPO's clip-higher when above clip_low)."""
-    gspo_clip_low: float = Field(3e-4, ge=0, le=1)
+    gspo_clip_low: Float = Field(3e-4, ge=0, le=1)
     """GSPO: the sequence ratio's lower clip, 1 - gspo_clip_low (the paper's 3e-4)."""
-    gspo_clip_high: float = Field(4e-4, ge=0)
+    gspo_clip_high: Float = Field(4e-4, ge=0)
     """GSPO: the sequence ratio's upper clip, 1 + gspo_clip_high (the paper's 4e-4)."""
-    cispo_clip_low: float = Field(1.0, ge=0, le=1)
+    cispo_clip_low: Float = Field(1.0, ge=0, le=1)
     """CISPO: the importance weight is clipped below at 1 - cispo_clip_low (1.0: no lower bound, as MiniMax-M1)."""
-    cispo_clip_high: float = Field(4.0, ge=0)
+    cispo_clip_high: Float = Field(4.0, ge=0)
     """CISPO: the importance weight is clipped above at 1 + cispo_clip_high."""
-    opmd_tau: float = Field(1.0, ge=0)
+    opmd_tau: Float = Field(1.0, ge=0)
     """OPMD: the KL regulariser tau; the loss is -A * logprob / (1 + tau)."""
     mismatch_correction: Literal["none", "tis", "mis"] = "none"
     """Trainer/inference mismatch correction wrapped around any loss: "tis" multiplies each token's loss by the
@@ -73,11 +76,11 @@ class LossConfig(Config):
     is taken against the trainer's current (detached) logprobs."""
     mismatch_level: Literal["token", "sequence"] = "token"
     """Ratio used by the mismatch correction: per token, or the sample's geometric mean (applied to all its tokens)."""
-    mismatch_cap: float = Field(2.0, gt=0)
+    mismatch_cap: Float = Field(2.0, gt=0)
     """Upper truncation (tis) or upper mask bound (mis) of the trainer/inference ratio."""
-    mismatch_low: float = Field(0.5, ge=0)
+    mismatch_low: Float = Field(0.5, ge=0)
     """Lower mask bound of the trainer/inference ratio (mis only)."""
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: Float = Field(0.0, ge=0)
     """Weight of a k3-estimated KL(policy || reference) penalty per token; > 0 keeps a frozen copy of the initial
     weights as the reference model (one more forward pass per micro-batch)."""
 
@@ -89,24 +92,24 @@ class LossConfig(Config):
 
 
 class CheckpointConfig(Config):
-    interval: int = Field(10, ge=1)
+    interval: Int = Field(10, ge=1)
     """Save trainer state every this many steps (and at the last step)."""
-    keep: int = Field(2, ge=1)
+    keep: Int = Field(2, ge=1)
     """Checkpoints to retain."""
 
 
 class ParallelConfig(Config):
     """Mesh of the trainer ranks: world = dp_replicate x dp_shard x cp; ep folds into dp_shard x cp."""
 
-    nproc: int = Field(1, ge=1)
+    nproc: Ranks = Field(1, ge=1)
     """Trainer ranks on this node (torchrun --nproc-per-node). Parameters are FSDP2-sharded across them."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto = nccl with CUDA, gloo on CPU."""
-    dp_replicate: int = Field(1, ge=1)
+    dp_replicate: Ranks = Field(1, ge=1)
     """HSDP replica groups (parameters replicated across groups, sharded within); 1 = plain FSDP2."""
-    dp_shard: int = Field(-1, ge=-1)
+    dp_shard: Ranks = Field(-1, ge=-1)
     """FSDP2 shard degree; -1 = the ranks left over by dp_replicate and cp."""
-    cp: int = Field(1, ge=1)
+    cp: Ranks = Field(1, ge=1)
     """Context parallel degree: each packed row is split over this many ranks (attention heads must divide by
     it for Ulysses)."""
     cp_style: Literal["auto", "ulysses", "ring", "dsa"] = "auto"
@@ -114,16 +117,22 @@ class ParallelConfig(Config):
     chunks passed around the ranks, online-softmax merge; zig-zag load-balanced sharding) or "dsa" (DeepSeek
     sparse attention models only: one all-gather of the latent KV and index keys per layer, indexer and top-k
     sparse attention for the local queries); "auto" = "dsa" for DSA models, "ulysses" otherwise."""
-    ep: int = Field(1, ge=1)
+    ep: Ranks = Field(1, ge=1)
     """Expert parallel degree for MoE models: experts are split over this many ranks, a divisor of
     dp_shard x cp (and of the number of experts)."""
     ep_backend: Literal["all_to_all", "deepep"] = "all_to_all"
     """Token dispatch: "all_to_all" (torch collectives; gloo and NCCL) or "deepep" (DeepEP kernels; CUDA with
     the optional deep_ep package)."""
-    ep_max_tokens_per_rank: int = Field(8192, ge=1)
+    ep_max_tokens_per_rank: Tokens = Field(8192, ge=1)
     """DeepEP buffer size: the most tokens one rank dispatches in a forward."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
+
+    @model_validator(mode="after")
+    def _shard_degree(self) -> "ParallelConfig":
+        if self.dp_shard == 0:
+            raise ValueError("dp_shard must be -1 (the ranks left over) or at least 1 (got 0)")
+        return self
 
 
 class TrainerConfig(Config):
@@ -131,11 +140,11 @@ class TrainerConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model to train."""
-    output_dir: Path = Path("outputs/run")
+    output_dir: FilePath = Path("outputs/run")
     """Run directory shared with the orchestrator."""
-    max_steps: int = Field(20, ge=1)
+    max_steps: Int = Field(20, ge=1)
     """Optimizer steps to take."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of anything random in training."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
@@ -151,23 +160,23 @@ class TrainerConfig(Config):
     """Parallelism."""
     weights: WeightTransportConfig = WeightTransportConfig()
     """Weight transfer from the trainer (shared with `inference`/`trainer`; set it at the top level under `rl`)."""
-    keep_broadcasts: int = Field(3, ge=1)
+    keep_broadcasts: Int = Field(3, ge=1)
     """Published weight directories to retain."""
-    keep_rollouts: int = Field(4, ge=1)
+    keep_rollouts: Int = Field(4, ge=1)
     """Rollout steps (`rollouts/step_N/`) to retain: the newest this many trained steps, plus every step not yet
     trained (rank 0 removes older ones after each step, once every rank has read them)."""
-    rollout_timeout: float = Field(3600.0, gt=0)
+    rollout_timeout: Seconds = Field(3600.0, gt=0)
     """Seconds to wait for a step's rollouts before failing."""
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads per rank; default: torch's choice."""
 
     deprecated_aliases = {"scheduler": "lr_schedule"}
 
     @model_validator(mode="after")
-    def _cp_style_fits_model(self) -> "TrainerConfig":
-        if self.parallel.cp == 1:
-            return self
-        args = PRESETS.get(self.model.name)  # a checkpoint directory is checked when the trainer builds it
+    def _layout_fits_model(self) -> "TrainerConfig":
+        if self.parallel.cp == 1 and self.parallel.ep == 1:
+            return self  # nothing to split: no need to read a checkpoint's config.json
+        args = model_shape(self.model)
         if args is not None:
-            check_cp_style(self.parallel.cp_style, getattr(args, "is_dsa", False))
+            check_model_split(self.parallel, args, self.model.name)
         return self

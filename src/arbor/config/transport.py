@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from arbor.config.base import Config
+from arbor.config.base import Config, FixedPort, Float, Ranks, Seconds
 
 
 class WeightTransportConfig(Config):
@@ -16,7 +16,7 @@ class WeightTransportConfig(Config):
     """"filesystem": sharded safetensors under `broadcasts/step_N/` with a checksum manifest and `STABLE`;
     "nccl": tensors broadcast from trainer rank 0 to every vLLM worker (GPU, vLLM backend only); the step
     directory then holds only the tensor list."""
-    max_shard_gb: float = Field(0.5, gt=0)
+    max_shard_gb: Float = Field(0.5, gt=0)
     """Largest safetensors shard; bigger models get several shards and `model.safetensors.index.json`."""
     verify_checksums: bool = True
     """Check every shard's checksum against the manifest before loading it."""
@@ -24,12 +24,12 @@ class WeightTransportConfig(Config):
     """Shard checksum written to the manifest and verified on load: crc32 catches torn and corrupted copies at
     a fraction of sha256's CPU cost (which, on a few cores, halves transfer throughput); sha256 also catches
     deliberate changes."""
-    timeout: float = Field(600.0, gt=0)
+    timeout: Seconds = Field(600.0, gt=0)
     """Seconds a publish or a load may take (waiting for `STABLE`, joining the NCCL group, one broadcast)
     before it fails loudly instead of hanging."""
     nccl_host: str = "127.0.0.1"
     """NCCL: address of trainer rank 0, where the weight-update group rendezvouses."""
-    nccl_port: int = Field(29551, ge=1, le=65535)
+    nccl_port: FixedPort = 29551
     """NCCL: rendezvous port of the weight-update group."""
-    nccl_inference_ranks: int = Field(1, ge=1)
+    nccl_inference_ranks: Ranks = Field(1, ge=1)
     """NCCL: inference workers in the group (replicas x tensor x data parallel); the trainer is rank 0."""

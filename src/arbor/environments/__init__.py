@@ -3,8 +3,10 @@
 from arbor.environments.base import (
     Environment,
     MultiTurnEnvironment,
+    NoTaskFits,
     StepResult,
     Task,
+    check_some_task_fits,
     env_prompt_ids,
     is_multi_turn,
     load_environment,
@@ -13,6 +15,6 @@ from arbor.environments.base import (
 )
 
 __all__ = [
-    "Environment", "MultiTurnEnvironment", "StepResult", "Task", "env_prompt_ids", "is_multi_turn",
-    "load_environment", "load_object", "total_reward",
+    "Environment", "MultiTurnEnvironment", "NoTaskFits", "StepResult", "Task", "check_some_task_fits",
+    "env_prompt_ids", "is_multi_turn", "load_environment", "load_object", "total_reward",
 ]

@@ -27,6 +27,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from arbor.config.base import ConfigError
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.tools import tool_schema
 
@@ -110,6 +111,28 @@ def env_prompt_ids(env: Any, task: Task, tokenizer: Any) -> list[int]:
     if is_multi_turn(env):
         tools = [tool_schema(fn) for fn in env.tools(task)] or None
     return tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True, tools=tools)
+
+
+class NoTaskFits(ConfigError):
+    """No task of the dataset leaves room for a completion: the run could only skip tasks forever."""
+
+
+def check_some_task_fits(env: Any, tasks: list[Task], tokenizer: Any, seq_len: int, max_tokens: int) -> None:
+    """Raises NoTaskFits unless some task's first prompt plus `max_tokens` fits in `seq_len` (stops at the first
+    that does; when none does, the message names the shortest prompt). The orchestrator skips (and counts) the
+    tasks that cannot fit; preflight and the task source call this so that a dataset of them all fails at once."""
+    if not tasks:
+        raise NoTaskFits(f"environment {env.name!r} has no tasks")
+    shortest = None
+    for task in tasks:
+        n = len(env_prompt_ids(env, task, tokenizer))
+        if n + max_tokens <= seq_len:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    raise NoTaskFits(
+        f"no task of environment {env.name!r} fits: its shortest prompt is {shortest} tokens, which with "
+        f"sampling.max_tokens = {max_tokens} exceeds seq_len = {seq_len}; raise seq_len or lower max_tokens"
+    )
 
 
 BUILTINS = {

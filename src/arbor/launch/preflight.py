@@ -2,10 +2,14 @@
 
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
-port free (when set explicitly), model files present, the GPUs a config asks for present, requested backends
-importable (vllm, DeepEP), the SFT dataset readable, the environment and any loss or advantage function given by
-dotted path importable. Nothing here imports torch or the backends themselves: GPUs are counted with
-`nvidia-smi -L` (or /proc/driver/nvidia), modules are found with `importlib.util.find_spec`.
+port free (when set explicitly), model and tokenizer files present, the GPUs a config asks for present, requested
+backends importable (vllm, DeepEP), the SFT dataset readable, the environment importable with arguments its
+built-in takes and the black-box agent it names present, any loss or advantage function given by dotted path
+importable, and, last, the orchestrator's tokenizer and environment built as the orchestrator builds them, with
+at least one task of the dataset short enough to leave room for a completion (else the orchestrator could only
+skip tasks). `rl` runs these before starting anything, and `rl --check` runs them alone. Nothing here imports
+torch or the backends themselves: GPUs are counted with `nvidia-smi -L` (or /proc/driver/nvidia), modules are
+found with `importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -13,18 +17,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from arbor.config.env_args import check_env_args
+from arbor.config.environment import EnvironmentConfig
 from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
-from arbor.environments.base import BUILTINS
+from arbor.environments.base import BUILTINS, check_some_task_fits, load_environment
 from arbor.inference.vllm_launch import vllm_build
+from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.presets import PRESETS
 
@@ -39,9 +48,9 @@ class PreflightError(ConfigError):
 
 
 def run_checks(cfg: RLConfig) -> None:
-    """Runs every check; raises PreflightError with the first failure."""
+    """Runs every check; raises PreflightError (or NoTaskFits, also a ConfigError) with the first failure."""
     check_model_files(cfg.model)
-    check_environment(cfg.orchestrator.environment.id)
+    check_environments(cfg)
     check_plugins(cfg)
     check_dataset(cfg)
     check_extras(cfg)
@@ -49,6 +58,7 @@ def run_checks(cfg: RLConfig) -> None:
     check_gpus(cfg)
     check_port(cfg)
     check_output_dir(cfg)
+    check_tasks_fit(cfg)
 
 
 def estimate_run_bytes(cfg: RLConfig) -> int:
@@ -95,6 +105,9 @@ def check_port(cfg: RLConfig) -> None:
 
 
 def check_model_files(model: ModelConfig) -> None:
+    if model.tokenizer not in (None, "byte") and not Path(model.tokenizer).is_dir():
+        raise PreflightError(f"model.tokenizer {model.tokenizer} is not a directory (a Hugging Face tokenizer "
+                             "directory, or \"byte\" for the built-in byte tokenizer)")
     if model.name in PRESETS:
         return
     path = Path(model.name)
@@ -104,19 +117,75 @@ def check_model_files(model: ModelConfig) -> None:
         raise PreflightError(f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)")
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
-    if model.tokenizer and not Path(model.tokenizer).is_dir():
-        raise PreflightError(f"model.tokenizer {model.tokenizer} is not a directory")
 
 
-def check_environment(env_id: str) -> None:
+def check_environments(cfg: RLConfig) -> None:
+    """The orchestrator's environment and, when periodic evaluation is on, each eval environment: importable,
+    given only arguments its built-in takes, and the black-box agent it names present."""
+    envs = [("orchestrator.environment", cfg.orchestrator.environment)]
+    if cfg.orchestrator.eval.interval:
+        envs += [(f"orchestrator.eval.environments.{i}", e) for i, e in enumerate(cfg.orchestrator.eval.environments)]
+    for where, env in envs:
+        check_environment(env.id, where)
+        try:
+            check_env_args(env.id, env.args, strict=True)
+        except ValueError as e:
+            raise PreflightError(f"{where}.args: {e}") from None
+        if env.id == "black_box":
+            check_agent(env, where)
+
+
+def check_environment(env_id: str, where: str = "orchestrator.environment") -> None:
     path = BUILTINS.get(env_id, env_id)
     module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
     if not module:
-        raise PreflightError(f"orchestrator.environment.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path 'package.module:factory'")
+        raise PreflightError(f"{where}.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path 'package.module:factory'")
     if not _importable(module):
-        raise PreflightError(f"orchestrator.environment.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+        raise PreflightError(f"{where}.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
     if env_id == "verifiers" and not _importable("verifiers"):
-        raise PreflightError("orchestrator.environment.id 'verifiers': the adapter needs the optional extra: uv sync --extra verifiers")
+        raise PreflightError(f"{where}.id 'verifiers': the adapter needs the optional extra: uv sync --extra verifiers")
+
+
+def check_agent(env: EnvironmentConfig, where: str) -> None:
+    """A black-box agent's `function` file or module, or its `command`'s program (and Python script), exist."""
+    function, command = env.args.get("function"), env.args.get("command")
+    if function:
+        file, sep, _ = function.rpartition(":")
+        if sep and file.endswith(".py"):
+            if not Path(file).is_file():
+                raise PreflightError(f"{where}.args.function {function!r}: the agent file {file} does not exist "
+                                     f"(a relative path starts at {Path.cwd()})")
+        else:
+            module = function.partition(":")[0] if ":" in function else function.rpartition(".")[0]
+            if not module or not _importable(module):
+                raise PreflightError(f"{where}.args.function {function!r}: module {module!r} is not importable")
+    if command:
+        argv = shlex.split(command) if isinstance(command, str) else list(command)
+        program = sys.executable if argv[0] == "python" else argv[0]  # as the environment runs it
+        if shutil.which(program) is None:
+            raise PreflightError(f"{where}.args.command: the program {argv[0]!r} is not found (not on PATH, or not executable)")
+        script = argv[1] if len(argv) > 1 and Path(program).name.startswith("python") else ""
+        if script.endswith(".py") and not Path(script).is_file():
+            raise PreflightError(f"{where}.args.command: the agent script {script} does not exist "
+                                 f"(a relative path starts at {Path.cwd()})")
+
+
+def check_tasks_fit(cfg: RLConfig) -> None:
+    """Builds the orchestrator's tokenizer and environment as the orchestrator will and fails, naming seq_len,
+    max_tokens and the shortest prompt, unless some task's prompt leaves room for a completion."""
+    orch = cfg.orchestrator
+    try:
+        tokenizer = build_tokenizer(orch.model)
+    except Exception as e:  # whatever the tokenizer library raises: the user needs the key and the reason
+        source = "model.tokenizer" if orch.model.tokenizer else "model.name"
+        raise PreflightError(f"{source} {orch.model.tokenizer or orch.model.name}: the tokenizer cannot be loaded "
+                             f"({_one_line(e)})") from None
+    try:
+        env = load_environment(orch.environment)
+        tasks = env.dataset(orch.seed)
+    except Exception as e:  # a plugin environment can fail any way: the user needs the key and the reason
+        raise PreflightError(f"orchestrator.environment {orch.environment.id!r} cannot be built ({_one_line(e)})") from None
+    check_some_task_fits(env, tasks, tokenizer, orch.seq_len, orch.sampling.max_tokens)
 
 
 def check_plugins(cfg: RLConfig) -> None:
@@ -215,6 +284,10 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a missing parent package
         return False
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _gb(n: int) -> str:

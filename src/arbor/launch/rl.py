@@ -1,11 +1,12 @@
 """`rl`: resolves one layered config, then runs inference, trainer and orchestrator as supervised children.
 
-Order: validate the whole config (a bad one fails here, before any process starts) -> write the resolved
-configs to `<output_dir>/configs/` (`--dry-run` stops here) -> prepare the run directory (fresh or resume) ->
-optional SFT warm-up -> inference (wait for /health) -> trainer and orchestrator -> print one line per step
-from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero naming it
-and its log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. This module never
-imports torch, so `--dry-run` and config errors answer in well under a second.
+Order: validate the whole config (a bad one fails here, before any process starts) -> preflight (files,
+environment and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
+`<output_dir>/configs/` (`--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
+resume) -> optional SFT warm-up -> inference (wait for /health) -> trainer and orchestrator -> print one line
+per step from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero
+naming it and its log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. This module
+never imports torch, so `--dry-run` and config errors answer in well under a second.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
@@ -97,11 +98,14 @@ def resolve(cfg: RLConfig) -> RLConfig:
 
 def write_configs(cfg: RLConfig) -> Path:
     out = run_dir.configs_dir(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rl.toml").write_text(dumps(cfg.to_toml_dict()))
-    for name in ("trainer", "orchestrator", "inference", "sft"):
-        (out / f"{name}.toml").write_text(dumps(getattr(cfg, name).to_toml_dict()))
-    (out / "router.toml").write_text(dumps(cfg.inference.router.to_toml_dict()))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rl.toml").write_text(dumps(cfg.to_toml_dict()))
+        for name in ("trainer", "orchestrator", "inference", "sft"):
+            (out / f"{name}.toml").write_text(dumps(getattr(cfg, name).to_toml_dict()))
+        (out / "router.toml").write_text(dumps(cfg.inference.router.to_toml_dict()))
+    except OSError as e:  # `--dry-run` reaches here without preflight's writability check
+        raise ConfigError(f"output_dir {cfg.output_dir} is not writable: {e.strerror or e}") from None
     return out
 
 
@@ -284,6 +288,10 @@ def run(cfg: RLConfig) -> int:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(RLConfig, argv, prog="rl")
+    if cfg.check:
+        run_checks(cfg)
+        print(f"preflight passed: {cfg.output_dir} is ready for the run (nothing was started)")
+        return 0
     if cfg.slurm is not None:
         write_configs(resolve(cfg.model_copy(deep=True)))
         return submit(cfg, cfg.dry_run)

@@ -4,7 +4,9 @@ A launch takes, in this order: a task queued for another try (a straggler cancel
 `straggler_action = "retry"`), a task a resumed run must relaunch (the saved state's `pending`: launched but in
 no batch when the state was saved, so a crash skips no task), then a fresh task from the curriculum or the
 seeded `TaskSampler` (the dataset position is saved as launched). A task whose prompt plus `max_tokens` cannot
-fit in `seq_len` is skipped and counted. Each launch gets a group id (launch order) and a sampling seed derived
+fit in `seq_len` is skipped and counted; a dataset of which no task fits makes the source raise `NoTaskFits`
+(preflight's message) when it is built, so that the orchestrator fails at once instead of skipping forever (the
+check stops at the first task that fits). Each launch gets a group id (launch order) and a sampling seed derived
 from (seed, step, k), k counting the step's launches.
 
 The source remembers the task of every group until the group is taken into a batch, cancelled or retried;
@@ -19,7 +21,7 @@ import zlib
 from typing import Any
 
 from arbor.config.orchestrator import OrchestratorConfig
-from arbor.environments import Task, env_prompt_ids
+from arbor.environments import Task, check_some_task_fits, env_prompt_ids
 from arbor.orchestrator.filters import CurriculumSampler
 from arbor.orchestrator.rollout import GroupSpec
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
@@ -31,6 +33,8 @@ class TaskSource:
     def __init__(self, cfg: OrchestratorConfig, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
         self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
         self.tasks: list[Task] = env.dataset(cfg.seed)
+        # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.
+        check_some_task_fits(env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens)
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
         self.curriculum: CurriculumSampler | None = (
             CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum) if cfg.curriculum.enabled
