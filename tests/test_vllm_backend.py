@@ -1,7 +1,7 @@
 """`inference --backend vllm` against a real vLLM server (CPU or CUDA build), one server for the module: token
 ids and logprobs through arbor's proxy, per-token policy versions, filesystem weight updates in a row with the
 trainer-vs-vLLM mismatch after each, abort and resume, cache salts, pause/resume, chat with the byte
-tokenizer's Hugging Face export.
+tokenizer's Hugging Face export, and the router in front of it and a second server that is killed.
 
 The dense model is the `qwen3-tiny` preset (head_dim 32: vLLM's CPU attention refuses `qwen3-test`'s 8), in
 float32, served by name (the adapter writes it and its tokenizer out once)."""
@@ -9,21 +9,27 @@ float32, served by name (the adapter writes it and its tokenizer out once)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 
 from vllm_server import post_json, vllm_server
 
+from arbor.config.inference import RouterConfig
 from arbor.config.model import ModelConfig
+from arbor.inference.router import Router
 from arbor.models import build_model
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.client import Completion, InferenceClient
 from arbor.orchestrator.partial import PartialRollouts
 from arbor.trainer.step import shifted_logprobs
+from arbor.transport.http import start_site
 from arbor.transport.weights import FilesystemTransport
 
 pytestmark = pytest.mark.vllm
@@ -139,3 +145,37 @@ def test_cache_salts_pause_resume_and_chat(server: str) -> None:
     assert c["message"]["content"] == tok.decode(c["token_ids"])
     assert chat["prompt_token_ids"] == tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
+
+
+def test_router_in_front_of_two_vllm_servers_survives_one_killed(server: str, tmp_path: Path) -> None:
+    """arbor's router over the module's server and a second one: requests go to both; once the second is killed
+    (proxy and vLLM, SIGKILL) every request still answers (retried on the survivor), the dead one is ejected,
+    and an admin fan-out reports it as unreachable while the survivor takes the call."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0.0, "logprobs": 0}
+    procs: list = []
+    with vllm_server(tmp_path, MODEL, SEQ_LEN, procs=procs) as second:
+
+        async def go() -> None:
+            router = Router([server, second], RouterConfig(policy="round_robin", health_interval=0.5, eject_after=1))
+            runner, url = await start_site(router.app(), "127.0.0.1", 0)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(4):
+                        async with s.post(url + "/v1/completions", json=body) as r:
+                            assert r.status == 200 and len((await r.json())["choices"][0]["token_ids"]) == 6
+                    assert [b.requests for b in router.backends] == [2, 2]
+                    os.killpg(procs[0].pid, signal.SIGKILL)
+                    procs[0].wait(timeout=60)
+                    for _ in range(4):
+                        async with s.post(url + "/v1/completions", json=body) as r:
+                            assert r.status == 200 and len((await r.json())["choices"][0]["token_ids"]) == 6
+                    assert not router.backends[1].healthy and router.ejections >= 1
+                    assert router.backends[0].healthy
+                    async with s.post(url + "/resume", json={}) as r:  # admin fan-out: the dead one is reported
+                        results = (await r.json())["results"]
+                    assert results[router.backends[0].url]["status"] == 200
+                    assert results[router.backends[1].url]["status"] != 200
+            finally:
+                await runner.cleanup()
+
+        asyncio.run(go())
