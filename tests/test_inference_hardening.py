@@ -57,7 +57,8 @@ def test_each_bad_field_is_a_400_naming_it_and_the_engine_lives_on() -> None:
         results = asyncio.run(_post_all(url, [(p, b, h) for p, b, h, _ in cases]))
         for (path, body, _, param), (status, data) in zip(cases, results):
             assert status == 400, (path, body[:80], status, data)
-            assert data["error"]["param"] == param and data["error"]["type"] == "invalid_request_error", (body[:80], data)
+            assert data["error"]["param"] == param, (body[:80], data)
+            assert data["error"]["type"] == "invalid_request_error", (body[:80], data)
         assert engine.alive
         plain = gzip.compress(json.dumps({"prompt": "x", "max_tokens": 2}).encode())
         ((status, data),) = asyncio.run(_post_all(url, [("/v1/completions", plain, {"Content-Encoding": "gzip"})]))

@@ -225,7 +225,8 @@ class Router:
                 return _Failure(b, f"{type(e).__name__}: {e}", request_fault=True)
             async with resp:
                 if resp.status >= 500 and retryable:
-                    return _Failure(b, f"answered {resp.status}: {await _head(resp)}", request_fault=True, answered=True)
+                    reason = f"answered {resp.status}: {await _head(resp)}"
+                    return _Failure(b, reason, request_fault=True, answered=True)
                 if resp.status >= 500:
                     self.fleet.failed(b, refused=False)
                 else:  # a success or the client's own error: the backend is alive and well
@@ -311,8 +312,9 @@ class Router:
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {
-            "requests": self.requests, "retries": self.retries, "poisoned": self.poisoned, "ejections": self.ejections,
-            "readmissions": self.readmissions, "backends_in_rotation": sum(b.healthy for b in self.backends),
+            "requests": self.requests, "retries": self.retries, "poisoned": self.poisoned,
+            "ejections": self.ejections, "readmissions": self.readmissions,
+            "backends_in_rotation": sum(b.healthy for b in self.backends),
         }
         for i, b in enumerate(self.backends):
             out[f"outstanding_{i}"] = b.outstanding

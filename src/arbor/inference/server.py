@@ -308,8 +308,9 @@ class InferenceServer:
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.alive:  # the router ejects this backend; the process exits for `rl` to restart it
             failure = self.engine.failure
-            return web.json_response({"status": "failed" if failure else "stopped", "policy_version": self.engine.version,
-                                      "error": repr(failure) if failure else "inference engine stopped"}, status=503)
+            return web.json_response({
+                "status": "failed" if failure else "stopped", "policy_version": self.engine.version,
+                "error": repr(failure) if failure else "inference engine stopped"}, status=503)
         return web.json_response({"status": "ok", "policy_version": self.engine.version})
 
     async def models(self, request: web.Request) -> web.Response:
