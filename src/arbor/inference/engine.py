@@ -35,7 +35,7 @@ from arbor.inference.inbox import ABORT_MEMORY, Command, Inbox
 from arbor.inference.requests import Completion, EngineStats, RequestOutput, fail, resolve
 from arbor.inference.runner import ModelRunner
 from arbor.inference.sampler import Sampler
-from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.inference.sampling import EngineUnavailable, InvalidRequest, SamplingParams, WeightUpdateError
 from arbor.inference.slots import SlotScheduler
 from arbor.models import build_model, build_tokenizer
 from arbor.models.fp8 import apply_fp8
@@ -102,6 +102,16 @@ class Engine:
     @property
     def version(self) -> int:
         return self._scheduler.stats.policy_version
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the engine loop on its own (None while it runs, and after a clean `stop`)."""
+        return self._inbox.dead
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine loop is running and takes work (False once it died or was stopped)."""
+        return self._thread.is_alive() and self._inbox.dead is None and not self._inbox.stopping
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises InvalidRequest if the request can never be served (bad ids, too long, too many samples)."""
@@ -180,14 +190,14 @@ class _EngineLoop:
                         self._log_progress()
         except BaseException as e:  # a bug in the loop itself: fail everything rather than hang callers
             log.exception("inference engine thread failed")
-            self.inbox.dead = e
+            self.inbox.dead = e  # seen by `Engine.alive`: /health turns non-200 and the server process exits
         finally:
             self.shutdown()
 
     def shutdown(self) -> None:
         """Fails every queued and running request and every pending command."""
         dead = self.inbox.dead
-        err = RuntimeError(f"inference engine failed: {dead!r}" if dead else "inference engine stopped")
+        err = EngineUnavailable(f"inference engine failed: {dead!r}" if dead else "inference engine stopped")
         queued, commands = self.inbox.close()
         for req in queued + self.scheduler.take_running():
             fail(req.future, err)
@@ -195,6 +205,14 @@ class _EngineLoop:
             fail(cmd.future, err)
 
     def _apply(self, cmd: Command) -> None:
+        """Applies one command; one that fails fails its caller, never the loop."""
+        try:
+            self._apply_command(cmd)
+        except Exception as e:
+            log.exception("engine command %s failed", cmd.kind)
+            fail(cmd.future, e)
+
+    def _apply_command(self, cmd: Command) -> None:
         stats = self.scheduler.stats
         if cmd.kind == "pause":
             stats.paused = True

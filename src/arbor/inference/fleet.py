@@ -85,22 +85,28 @@ class Fleet:
 
     async def health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await asyncio.gather(*(self._check(session, b) for b in self.backends))
+            results = await asyncio.gather(*(self._check(session, b) for b in self.backends), return_exceptions=True)
+            for b, r in zip(self.backends, results):
+                if isinstance(r, Exception):  # one backend's odd answer must not end every backend's checks
+                    log.error("health check of %s failed: %s: %s", b.url, type(r).__name__, r)
             await asyncio.sleep(self.cfg.health_interval)
 
     async def _check(self, session: aiohttp.ClientSession, b: Backend) -> None:
+        """One /health poll: a 200 keeps (or brings back) the backend; anything else (no answer, or a non-200
+        such as a dead engine's 503) is a failure."""
         try:
             async with session.get(b.url + "/health",
                                    timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout)) as r:
                 ok = r.status == 200
                 data = await r.json(content_type=None) if ok else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError):
             ok, data = False, {}
         if not ok:
             self.failed(b, refused=False)
             return
-        b.health = data if isinstance(data, dict) else {}
-        b.policy_version = int(b.health.get("policy_version", 0))
+        b.health = data if isinstance(data, dict) else {}  # vLLM's own /health has an empty body
+        version = b.health.get("policy_version", 0)
+        b.policy_version = version if isinstance(version, int) and not isinstance(version, bool) else 0
         if not b.healthy:
             if not await self._catch_up(session, b):
                 return

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable
 
 from arbor.inference.requests import EngineStats, Request, resolve
-from arbor.inference.sampling import SamplingParams
+from arbor.inference.sampling import EngineUnavailable, SamplingParams
 
 ABORT_MEMORY = 65536
 """Aborted request ids an engine remembers (for requests that arrive after their abort)."""
@@ -82,9 +82,9 @@ class Inbox:
 
     def raise_if_stopped(self) -> None:
         if self.dead is not None:
-            raise RuntimeError(f"inference engine failed: {self.dead!r}")
+            raise EngineUnavailable(f"inference engine failed: {self.dead!r}")
         if self.stopping:
-            raise RuntimeError("inference engine stopped")
+            raise EngineUnavailable("inference engine stopped")
 
     def snapshot(self, stats: EngineStats) -> EngineStats:
         """A copy of the engine thread's `stats` with the number of queued samples filled in."""

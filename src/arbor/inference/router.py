@@ -9,7 +9,14 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
   it; the first success re-admits it, after replaying the last weight update and pause state the fleet
   received, so a restarted replica never serves stale weights.
 - failover: a completion/chat completion (idempotent for RL: the orchestrator keeps whatever comes back) or any
-  GET that fails on one backend with a connection error or a 5xx is retried on another, up to `max_retries`.
+  GET that fails on one backend with a connection error, a timeout or a 5xx is retried on another, up to
+  `max_retries`. Client errors are told from backend failures: a backend's 4xx goes back to the client as it is
+  and never counts against the backend's health; connection errors and timeouts count at once, a 5xx once
+  another backend has served the request. A request that failed on two backends (5xx, timeout or hang-up) is
+  poisonous: it is not retried on a third, the client gets a 502 naming both failures, and their 5xx answers
+  count against neither backend (counter `poisoned`).
+- errors: the router's own answers (a malformed body, a bad gzip stream, a header that is not UTF-8, no backend)
+  have the fleet's JSON error shape (arbor.transport.http), and so do aiohttp's.
 - admin fan-out: POST /update_weights, /pause, /resume, /abort_requests go to every backend and answer
   per-backend results (an abort names request ids, and the router does not track which backend holds which,
   so every backend gets it; one that never saw an id remembers it as aborted, which is harmless).
@@ -27,6 +34,7 @@ least_outstanding maps to its load-aware `power_of_two` policy (the closest it o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -40,7 +48,15 @@ from aiohttp import web
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.fleet import Backend, Fleet, post_json, rendezvous
-from arbor.transport.http import start_site, write_ready_file
+from arbor.transport.http import (
+    BadRequest,
+    error_middleware,
+    error_response,
+    parse_json,
+    read_json_object,
+    start_site,
+    write_ready_file,
+)
 from arbor.transport.router import METRIC_PREFIX, use_vllm_router, vllm_router_argv
 
 log = logging.getLogger("arbor.inference.router")
@@ -48,6 +64,8 @@ log = logging.getLogger("arbor.inference.router")
 RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
 ADMIN = ("/update_weights", "/pause", "/resume", "/abort_requests")
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+POISON_AFTER = 2
+"""A request that failed this many times (5xx, timeout or hang-up, each on its own backend) is not retried."""
 
 __all__ = ["Backend", "Router", "main", "rendezvous", "serve", "session_key"]
 
@@ -58,14 +76,50 @@ def session_key(headers: Any, body: bytes) -> str | None:
     if key:
         return key
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        data = parse_json(body)
+    except BadRequest:  # no session to find; the backend answers the malformed body itself
         return None
     if isinstance(data, dict):
         for name in ("session_id", "user"):
             if isinstance(data.get(name), (str, int)):
                 return str(data[name])
     return None
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers as a backend gets them: no hop-by-hop ones, and no Content-Encoding, because aiohttp
+    has already decoded the body. A value that is not valid UTF-8 (aiohttp reads those into lone surrogates,
+    which no HTTP client can write back) is a 400 naming the header."""
+    out = {}
+    for k, v in request.headers.items():
+        if k.lower() in _HOP or k.lower() == "content-encoding":
+            continue
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(f"header {k} is not valid UTF-8", k) from None
+        out[k] = v
+    return out
+
+
+async def _head(resp: aiohttp.ClientResponse) -> str:
+    """The start of a failed response's body, for the client's error message."""
+    try:
+        return repr(await resp.content.read(200))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return f"(its body could not be read: {type(e).__name__})"
+
+
+@dataclasses.dataclass
+class _Failure:
+    """One backend's failure to serve a request."""
+
+    backend: Backend
+    reason: str
+    request_fault: bool
+    """A failure the request may have caused (a 5xx, a timeout, a hang-up), unlike a refused connection."""
+    answered: bool = False
+    """The backend answered 5xx: counted against it only if the request turns out not to be poisonous."""
 
 
 class Router:
@@ -77,7 +131,7 @@ class Router:
         self.cfg = cfg
         self.fleet = Fleet(backends, cfg)
         self.backends = self.fleet.backends
-        self.retries = self.requests = 0
+        self.retries = self.requests = self.poisoned = 0
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -103,7 +157,7 @@ class Router:
             await self._session.close()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(middlewares=[error_middleware(log)], client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
@@ -122,57 +176,107 @@ class Router:
         return app
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
-        body = await request.read()
-        path = request.rel_url.raw_path_qs
+        body = await request.read()  # decoded: a gzip body is forwarded plain (see _forward_headers)
         retryable = request.method == "GET" or request.path in RETRYABLE_POST
         key = session_key(request.headers, body) if self.cfg.policy == "consistent_hash" else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = _forward_headers(request)
         self.requests += 1
         tried: set[str] = set()
-        last = "no backend in rotation"
+        failures: list[_Failure] = []
         for attempt in range((self.cfg.max_retries if retryable else 0) + 1):
+            if sum(f.request_fault for f in failures) >= POISON_AFTER:
+                break  # failed alike on two backends: the request itself is the likely cause, spare a third
             b = self.fleet.pick(key, tried)
             if b is None:
                 break
             if attempt:
                 self.retries += 1
             tried.add(b.url)
-            b.outstanding += 1
-            b.requests += 1
+            result = await self._attempt(request, b, body, headers, retryable)
+            if not isinstance(result, _Failure):
+                for f in failures:  # another backend served it: the 5xx answers were those backends' own fault
+                    if f.answered:
+                        self.fleet.failed(f.backend, refused=False)
+                return result
+            failures.append(result)
+            log.warning("request %s failed on %s (%s); %s", request.path, b.url, result.reason,
+                        "retrying" if retryable else "not retried")
+            if not retryable:
+                break
+        return self._give_up(request, failures)
+
+    async def _attempt(self, request: web.Request, b: Backend, body: bytes, headers: dict[str, str],
+                       retryable: bool) -> web.StreamResponse | _Failure:
+        """Sends the request to one backend: its response relayed to the client, or why it failed. Connection
+        errors and timeouts count against the backend at once; a 5xx of a retryable request once the request's
+        outcome is known (`forward`); a 4xx never (it is the client's)."""
+        assert self._session is not None
+        b.outstanding += 1
+        b.requests += 1
+        try:
             try:
-                async with self._session.request(request.method, b.url + path, data=body, headers=headers) as resp:
-                    if resp.status >= 500 and retryable:
-                        last = f"{b.url} answered {resp.status}: {(await resp.read())[:200]!r}"
-                        self.fleet.failed(b, refused=False)
-                        continue
+                resp = await self._session.request(request.method, b.url + request.rel_url.raw_path_qs, data=body,
+                                                   headers=headers)
+            except aiohttp.ClientConnectorError as e:  # never reached it: the backend's failure, not the request's
+                self.fleet.failed(b, refused=True)
+                return _Failure(b, f"{type(e).__name__}: {e}", request_fault=False)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:  # it hung up, or never answered
+                self.fleet.failed(b, refused=False)
+                return _Failure(b, f"{type(e).__name__}: {e}", request_fault=True)
+            async with resp:
+                if resp.status >= 500 and retryable:
+                    reason = f"answered {resp.status}: {await _head(resp)}"
+                    return _Failure(b, reason, request_fault=True, answered=True)
+                if resp.status >= 500:
+                    self.fleet.failed(b, refused=False)
+                else:  # a success or the client's own error: the backend is alive and well
                     b.fails = 0
-                    out = web.StreamResponse(status=resp.status, headers={
-                        k: v for k, v in resp.headers.items() if k.lower() not in _HOP})
-                    if resp.content_length is not None:
-                        out.content_length = resp.content_length
-                    await out.prepare(request)
-                    async for chunk in resp.content.iter_any():
-                        await out.write(chunk)
-                    await out.write_eof()
-                    return out
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                last = f"{b.url}: {type(e).__name__}: {e}"
-                self.fleet.failed(b, refused=isinstance(e, aiohttp.ClientConnectorError))
-                if not retryable:
-                    break
-            finally:
-                b.outstanding -= 1
-            log.warning("request %s failed on %s; %s", request.path, b.url, "retrying" if retryable else "not retried")
-        return web.json_response(
-            {"error": {"message": f"no backend served {request.path}: {last}", "type": "unavailable", "param": None}},
-            status=503,
-        )
+                return await self._relay(request, resp, b)
+        finally:
+            b.outstanding -= 1
+
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, b: Backend) -> web.StreamResponse:
+        """Streams a backend's response to the client, chunk by chunk."""
+        out = web.StreamResponse(status=resp.status, headers={
+            k: v for k, v in resp.headers.items() if k.lower() not in _HOP})
+        if resp.content_length is not None:
+            out.content_length = resp.content_length
+        await out.prepare(request)
+        chunks = resp.content.iter_any()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # the backend broke off mid-response
+                log.warning("%s broke off its response to %s: %s: %s", b.url, request.path, type(e).__name__, e)
+                self.fleet.failed(b, refused=False)
+                out.force_close()  # the client sees a cut-short response and a closed connection
+                return out
+            await out.write(chunk)  # a client that hung up ends the handler here: no fault of the backend's
+        await out.write_eof()
+        return out
+
+    def _give_up(self, request: web.Request, failures: list[_Failure]) -> web.Response:
+        """The answer when no backend served a request; the 5xx answers of a poisonous one count against none."""
+        if sum(f.request_fault for f in failures) >= POISON_AFTER:
+            self.poisoned += 1
+            detail = "; ".join(f"{f.backend.url}: {f.reason}" for f in failures)
+            return error_response(502, f"{request.path} failed on {len(failures)} backends and is not retried on "
+                                       f"another (the request itself is the likely cause): {detail}"[:4000],
+                                  None, "upstream_error")
+        for f in failures:
+            if f.answered:
+                self.fleet.failed(f.backend, refused=False)
+        last = f"{failures[-1].backend.url}: {failures[-1].reason}" if failures else "no backend in rotation"
+        return error_response(503, f"no backend served {request.path}: {last}", None, "unavailable")
 
     async def admin(self, request: web.Request) -> web.Response:
         """Sends the call to every backend; ejected ones too (best effort: they get it again on re-admission)."""
         assert self._session is not None
         body = await request.read()
+        if body.strip():  # refused here, once, rather than by every backend (a pause may come with no body)
+            await read_json_object(request)
         results = await asyncio.gather(*(post_json(self._session, b, request.path, body) for b in self.backends))
         report = {b.url: {"status": s, "in_rotation": b.healthy, "body": d} for b, (s, d) in zip(self.backends, results)}
         live = [(b, s, d) for b, (s, d) in zip(self.backends, results) if b.healthy]
@@ -208,8 +312,9 @@ class Router:
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {
-            "requests": self.requests, "retries": self.retries, "ejections": self.ejections,
-            "readmissions": self.readmissions, "backends_in_rotation": sum(b.healthy for b in self.backends),
+            "requests": self.requests, "retries": self.retries, "poisoned": self.poisoned,
+            "ejections": self.ejections, "readmissions": self.readmissions,
+            "backends_in_rotation": sum(b.healthy for b in self.backends),
         }
         for i, b in enumerate(self.backends):
             out[f"outstanding_{i}"] = b.outstanding

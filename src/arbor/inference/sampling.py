@@ -9,6 +9,9 @@ and top-p only changes which token is drawn, never the reported probability.
 from __future__ import annotations
 
 import dataclasses
+import math
+
+from arbor.transport.fields import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask for per token (vLLM's default `max_logprobs`)."""
@@ -16,6 +19,10 @@ MAX_TOP_LOGPROBS = 20
 
 class WeightUpdateError(ValueError):
     """A weights directory could not be loaded; the engine kept its previous weights and version."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take work: it was stopped, or its loop died (then `/health` says so as well)."""
 
 
 class InvalidRequest(ValueError):
@@ -43,8 +50,10 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        t = self.temperature
+        if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+            raise InvalidRequest(f"temperature must be 0 or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}",
+                                 "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.n < 1:
@@ -53,3 +62,5 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", "stop")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidRequest(f"seed must be in [0, {MAX_SEED}], got {self.seed}", "seed")

@@ -10,11 +10,16 @@ client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`);
 with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
 so far. An id aborted before its request arrives is remembered, so that request ends at once (empty). The vLLM
 request field `cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache.
-Bad input gets a 400 with
-`{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field; the server never dies on it.
+
+Every field is checked at the edge (type, range, finiteness, token ids within the vocabulary, lengths; the body's
+size, nesting and encoding in arbor.transport.http; the sampling fields in arbor.transport.fields): bad input gets
+a 4xx `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field, and the server never
+dies on it. A failure inside a handler is a 500 of the same shape naming the request; one request failing inside
+the engine fails that request only. A stopped or dead engine answers 503, and `/health` is then non-200.
 
 Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
-writes its base URL to `ready_file` (atomically) and logs "inference ready at URL"; SIGTERM/SIGINT exit 0.
+writes its base URL to `ready_file` (atomically) and logs "inference ready at URL"; SIGTERM/SIGINT exit 0. If the
+engine loop dies the process exits 1, so that `rl` restarts it.
 """
 
 from __future__ import annotations
@@ -32,9 +37,26 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
-from arbor.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.inference.sampling import (
+    MAX_TOP_LOGPROBS,
+    EngineUnavailable,
+    InvalidRequest,
+    SamplingParams,
+    WeightUpdateError,
+)
 from arbor.monitor.heartbeat import beat, install
-from arbor.transport.http import BadRequest, error_middleware, get_field, read_json_object, start_site, write_ready_file
+from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
+from arbor.transport.http import (
+    BadRequest,
+    HTTPError,
+    Handler,
+    error_middleware,
+    get_field,
+    get_int,
+    read_json_object,
+    start_site,
+    write_ready_file,
+)
 from arbor.transport.routes import encode_routes
 
 if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
@@ -43,38 +65,24 @@ if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `mai
 log = logging.getLogger("arbor.inference.server")
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
+MAX_REQUEST_ID_CHARS = 256
+MAX_VERSION = 2**31 - 1
+"""Largest policy version `/update_weights` takes: the batch files store versions as int32."""
 
 
 # ---- request parsing ----
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a non-empty string or a list of non-empty strings", "stop")
-    return tuple(stop)
-
-
 def _sampling(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:
-    temperature = float(get_field(body, "temperature", (int, float), 1.0))
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = float(get_field(body, "top_p", (int, float), 1.0))
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
     n = get_field(body, "n", (int,), 1)
     if not 1 <= n <= max_batch_size:
         raise BadRequest(f"n must be in [1, {max_batch_size}] (the server's max_batch_size), got {n}", "n")
     if max_tokens < 1:
         raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if body.get("stream"):
+    if get_field(body, "stream", (bool,), False):
         raise BadRequest(STREAM_UNSUPPORTED, "stream")
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, stop=_stop(body),
-        seed=get_field(body, "seed", (int,), None), top_logprobs=top_logprobs,
+        max_tokens=max_tokens, temperature=read_temperature(body, 1.0), top_p=read_top_p(body, 1.0), n=n,
+        stop=read_stop(body), seed=read_seed(body), top_logprobs=top_logprobs,
         skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
     )
 
@@ -119,6 +127,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _request_id(request: web.Request, body: dict[str, Any]) -> str | None:
     """The client-chosen request id: vLLM's body field `request_id`, else the `X-Request-Id` header."""
     rid = get_field(body, "request_id", (str,), None)
+    if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
+        raise BadRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}", "request_id")
     return rid if rid is not None else request.headers.get("X-Request-Id")
 
 
@@ -177,6 +187,15 @@ def _usage(outputs: list["RequestOutput"]) -> dict[str, int]:
 
 # ---- handlers ----
 
+@web.middleware
+async def _engine_unavailable(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A stopped or dead engine is a 503 (the router then tries another backend), not a 500."""
+    try:
+        return await handler(request)
+    except EngineUnavailable as e:
+        raise HTTPError(503, str(e), None, "unavailable") from None
+
+
 class InferenceServer:
     """The aiohttp application around one started engine."""
 
@@ -185,7 +204,8 @@ class InferenceServer:
         self.started = time.time()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware(log, (InvalidRequest,))], client_max_size=256 * 1024 * 1024)
+        app = web.Application(middlewares=[error_middleware(log, (InvalidRequest,)), _engine_unavailable],
+                              client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -286,6 +306,11 @@ class InferenceServer:
         return web.json_response(response)
 
     async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:  # the router ejects this backend; the process exits for `rl` to restart it
+            failure = self.engine.failure
+            return web.json_response({
+                "status": "failed" if failure else "stopped", "policy_version": self.engine.version,
+                "error": repr(failure) if failure else "inference engine stopped"}, status=503)
         return web.json_response({"status": "ok", "policy_version": self.engine.version})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -316,11 +341,11 @@ class InferenceServer:
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         path = get_field(body, "path", (str,), None)
-        version = get_field(body, "version", (int,), None)
+        version = get_int(body, "version", None, 0, MAX_VERSION)
         if path is None:
             raise BadRequest("path (a checkpoint directory) is required", "path")
-        if version is None or version < 0:
-            raise BadRequest("version (a non-negative int) is required", "version")
+        if version is None:
+            raise BadRequest(f"version (an int in [0, {MAX_VERSION}]) is required", "version")
         try:
             applied = await asyncio.wrap_future(self.engine.update_weights(path, version))
         except WeightUpdateError as e:  # a bad directory: the engine kept its old weights
@@ -371,25 +396,42 @@ class BackgroundServer:
         self.close()
 
 
-async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> None:
-    """Serves until SIGTERM or SIGINT."""
+async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> int:
+    """Serves until SIGTERM or SIGINT (returns 0) or until the engine loop dies (returns 1, so that the launcher
+    restarts this server)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner, url = await start_site(InferenceServer(engine, tokenizer, cfg.model.name).app(), cfg.host, cfg.port)
+    tasks: list[asyncio.Task] = []
     try:
         if cfg.ready_file:
             write_ready_file(cfg.ready_file, url)
         log.info("inference ready at %s", url)
         if cfg.output_dir is not None:
-            asyncio.get_running_loop().create_task(_heartbeats(cfg, engine))
-        await stop.wait()
+            tasks.append(loop.create_task(_heartbeats(cfg, engine)))
+        signalled, died = loop.create_task(stop.wait()), loop.create_task(_until_dead(engine))
+        tasks += [signalled, died]
+        await asyncio.wait([signalled, died], return_when=asyncio.FIRST_COMPLETED)
+        if not signalled.done():
+            log.error("the inference engine loop died (%r): exiting for the launcher to restart this server",
+                      engine.failure)
+            return 1
         log.info("shutting down")
         # Stop the engine first: its unfinished requests fail at once instead of holding up the HTTP shutdown.
         await asyncio.to_thread(engine.stop)
+        return 0
     finally:
+        for t in tasks:
+            t.cancel()
         await runner.cleanup()
+
+
+async def _until_dead(engine: "Engine") -> None:
+    """Returns once the engine loop has died on its own (never after a clean stop: that is `serve`'s own)."""
+    while engine.failure is None:
+        await asyncio.sleep(0.5)
 
 
 async def _heartbeats(cfg: InferenceConfig, engine: "Engine") -> None:
@@ -420,13 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     engine, tokenizer = build_engine(cfg)
     engine.start()
     try:
-        asyncio.run(serve(cfg, engine, tokenizer))
+        return asyncio.run(serve(cfg, engine, tokenizer))
     except OSError as e:  # the port is taken or the address is wrong: one line, not a traceback
         log.error("%s", e)
         return 1
     finally:
         engine.stop()
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,15 +35,18 @@ class SlotScheduler:
     def admit(self) -> None:
         """Prefills queued requests, first come first served, while the head of the queue fits."""
         while (req := self.inbox.next_admissible(len(self._free))) is not None:
-            req.seqs = [Seq(req, i, self._free.pop(), self.runner.device) for i in range(req.params.n)]
             try:
+                for i in range(req.params.n):
+                    # the slot is taken only once its sample exists, so a sample that cannot be set up leaks none
+                    req.seqs.append(Seq(req, i, self._free[-1], self.runner.device))
+                    self._free.pop()
                 logits = self.runner.prefill(req.seqs)
                 self.stats.requests += 1
                 self.stats.prompt_tokens += len(req.prompt)
                 self.running.extend(req.seqs)
                 self._sample(req.seqs, logits.expand(len(req.seqs), -1))
-            except Exception as e:
-                log.exception("prefill failed")
+            except Exception as e:  # this request's fault or not, it fails alone: the loop serves the others
+                log.exception("admitting request %s failed", req.request_id)
                 self._fail_request(req, e)
 
     def decode_step(self) -> None:

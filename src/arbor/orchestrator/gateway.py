@@ -20,9 +20,12 @@ extension; a history that does not extend a recorded turn branches, never splice
 OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks (the Hermes/Qwen
 convention, arbor.environments.tools), usage. Streaming is generated whole, then sent as a role chunk, one
 content chunk, a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns
-token ids only for whole completions. Errors: malformed JSON or wrong types 400, bad or missing key 401, unknown
-session 404, closed session 409, body over `max_request_bytes` 413, too many sessions 429, backend failure 502;
-never a 500 for client input. There is no global lock: each call awaits its own backend request.
+token ids only for whole completions. Errors, all in the JSON error shape of arbor.transport.http: malformed
+JSON, wrong types, out-of-range or non-finite values, nesting past its depth limit, lone surrogates or a bad gzip
+body 400 (sampling fields checked as the inference server checks them, arbor.transport.fields), bad or missing
+key 401, unknown session 404, closed session 409, body over `max_request_bytes` 413, too many sessions 429, the
+backend refusing the request 400, backend failure 502; never a 500 for client input (a failure inside a handler
+is a 500 naming the request). There is no global lock: each call awaits its own backend request.
 
 Departure from OpenAI: sampling follows the run (`override_sampling`), not the agent's temperature, because
 the trainer's importance ratios assume the run's distribution; `n` > 1 records each choice as its own turn.
@@ -63,7 +66,8 @@ def _guard(cfg: "GatewayConfig"):
         if key and request.path != "/health":
             given = request.headers.get("Authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
-            if not hmac.compare_digest(token.encode(), key.encode()):
+            # aiohttp reads header bytes that are not UTF-8 into lone surrogates: encode them back, never fail
+            if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
                 return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
                                       "authentication_error")
         # aiohttp reads lazily: refuse a declared oversize body before reading any of it.
@@ -120,7 +124,7 @@ class Gateway:
     # -- the server --
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_guard(self.cfg), error_middleware(log)],
+        app = web.Application(middlewares=[error_middleware(log), _guard(self.cfg)],
                               client_max_size=self.cfg.max_request_bytes)
         s, manage, openai = "/v1/sessions/{sid}", self.manage, self.openai
         app.add_routes([

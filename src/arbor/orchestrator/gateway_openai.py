@@ -18,7 +18,8 @@ from typing import Any
 
 from arbor.environments.tools import parse_tool_calls
 from arbor.orchestrator.client import Completion
-from arbor.transport.http import HTTPError, get_field
+from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
+from arbor.transport.http import BadRequest, HTTPError, get_field, get_int, parse_json
 
 MAX_N = 16
 TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
@@ -67,8 +68,8 @@ def _arguments(args: Any) -> Any:
     # Templates want the arguments as a mapping; clients send the JSON string OpenAI returned.
     if isinstance(args, str):
         try:
-            return json.loads(args)
-        except json.JSONDecodeError:
+            return parse_json(args)
+        except BadRequest:  # not JSON (or nested too deep): the template gets the string as the agent sent it
             return args
     return args if args is not None else {}
 
@@ -96,24 +97,6 @@ def parse_token_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
     return prompt
 
 
-def _seed(body: dict[str, Any]) -> int | None:
-    seed = get_field(body, "seed", (int,), None)
-    if seed is not None and not 0 <= seed < 2**63:
-        raise HTTPError(400, f"seed must be in [0, 2**63), got {seed}", "seed")
-    return seed
-
-
-def _stop(body: dict[str, Any]) -> list[str] | None:
-    stop = body.get("stop")
-    if stop is None:
-        return None
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise HTTPError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
-    return stop
-
-
 @dataclasses.dataclass(frozen=True)
 class RunSampling:
     """The run's sampling, and how a request's own settings are reconciled with it (`override`: the run's win,
@@ -129,15 +112,12 @@ class RunSampling:
         """The backend's sampling arguments (`InferenceClient.generate`) for a request with `prompt_len` tokens."""
         max_tokens = get_field(body, "max_completion_tokens", (int,), None)
         max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
-        temperature = get_field(body, "temperature", (int, float), self.temperature)
-        top_p = get_field(body, "top_p", (int, float), self.top_p)
-        n = get_field(body, "n", (int,), 1)
-        if not 1 <= n <= MAX_N:
-            raise HTTPError(400, f"n must be in [1, {MAX_N}], got {n}", "n")
+        # Checked even where the run's sampling replaces them: a request the backend would refuse is refused here.
+        temperature = read_temperature(body, self.temperature)
+        top_p = read_top_p(body, self.top_p)
+        n = get_int(body, "n", 1, 1, MAX_N)
         if max_tokens is not None and max_tokens < 1:
             raise HTTPError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        if not 0 <= temperature or not 0 < top_p <= 1:
-            raise HTTPError(400, "temperature must be >= 0 and top_p in (0, 1]", "temperature")
         if self.override:
             temperature, top_p = self.temperature, self.top_p
             max_tokens = min(max_tokens or self.max_tokens, self.max_tokens)
@@ -145,8 +125,8 @@ class RunSampling:
         if room < 1:
             raise HTTPError(400, f"the prompt has {prompt_len} tokens; the run's seq_len is {self.seq_len}",
                             "messages", "context_length_exceeded")
-        return {"n": n, "max_tokens": min(max_tokens or room, room), "temperature": float(temperature),
-                "top_p": float(top_p), "seed": _seed(body), "stop": _stop(body)}
+        return {"n": n, "max_tokens": min(max_tokens or room, room), "temperature": temperature, "top_p": top_p,
+                "seed": read_seed(body), "stop": list(read_stop(body)) or None}
 
 
 # ---- responses ----

@@ -31,7 +31,7 @@ from arbor.orchestrator.gateway_openai import (
     token_usage,
 )
 from arbor.orchestrator.gateway_sessions import Session, SessionStore
-from arbor.transport.http import HTTPError, get_field, read_json_object
+from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
 
 if TYPE_CHECKING:
     from arbor.orchestrator.client import InferenceClient
@@ -73,9 +73,7 @@ class SessionRoutes:
         """Pull mode: the next queued task and its session for a remote agent, waiting up to `wait` seconds;
         204 when there is none."""
         body = await _optional_body(request)
-        wait = get_field(body, "wait", (int, float), 0)
-        if not 0 <= wait <= 60:
-            raise HTTPError(400, f"wait must be in [0, 60] seconds, got {wait}", "wait")
+        wait = get_float(body, "wait", 0.0, 0.0, 60.0)
         claimed = await self.store.claim(wait)
         if claimed is None:
             return web.Response(status=204)

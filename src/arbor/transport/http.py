@@ -1,9 +1,13 @@
 """HTTP plumbing shared by arbor's servers (the inference server, the router and the agents' gateway).
 
-One error shape, `{"error": {"message", "type", "param"}}` as OpenAI and vLLM answer; a middleware that turns
-every failure into it (client input a 4xx naming the field, anything else a logged 500) so a server never dies
-on a request; strict parsing of JSON bodies and typed fields; binding an app (`start_site`) and announcing its URL in a ready
-file (`write_ready_file`). Shared here so that no server package imports another for it.
+One error shape, `{"error": {"message", "type", "param"}}` as OpenAI and vLLM answer, for every failure: a
+middleware turns client input into a 4xx naming the field and anything else into a logged 500 naming the request
+(method, path, request id), so a server never dies on a request; `start_site` gives aiohttp's own error pages
+(an unparseable request, a handler timeout) the same shape. Strict parsing of JSON bodies (`read_json_object`,
+`parse_json`: malformed, too deeply nested, lone surrogates, non-finite numbers and unreadable compressed bodies
+are all 400s) and of typed fields (`get_field`, `get_int`, `get_float`); binding an app (`start_site`) and
+announcing its URL in a ready file (`write_ready_file`). Shared here so that no server package imports another
+for it.
 """
 
 from __future__ import annotations
@@ -11,15 +15,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
 import socket
+import uuid
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from arbor.run_dir import write_text_atomic
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a JSON body may have (tool schemas need a dozen levels at most)."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class HTTPError(Exception):
@@ -42,6 +56,14 @@ def error_response(status: int, message: str, param: str | None = None,
     return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
 
 
+def error_kind(status: int) -> str:
+    """The OpenAI error `type` of an HTTP status."""
+    if status >= 500:
+        return "internal_error"
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+
 def error_middleware(log: logging.Logger, client_errors: tuple[type[Exception], ...] = ()):
     """Turns every failure into the JSON error shape. `client_errors` are further exception types that mean bad
     input (400 with `str(e)`, and `e.param` when they have one)."""
@@ -57,22 +79,69 @@ def error_middleware(log: logging.Logger, client_errors: tuple[type[Exception], 
         except web.HTTPException as e:  # unknown routes, wrong methods, oversized bodies: from aiohttp itself
             if e.status < 400:
                 raise
-            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            return error_response(e.status, f"{e.reason}: {request.method} {request.path}", None, kind)
+            message = f"{e.reason}: {request.method} {request.path}"
+            if e.status == 413:
+                message += f" ({e.text})"  # aiohttp's text names the limit and the size sent
+            return error_response(e.status, message, None, error_kind(e.status))
+        except web.RequestPayloadError as e:  # aiohttp could not decode the body (a bad gzip or deflate stream)
+            return error_response(400, f"the request body could not be read: {_payload_reason(e)}")
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception("request %s %s failed", request.method, request.path)
-            return error_response(500, str(e) or type(e).__name__, None, "internal_error")
+            ref = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+            log.exception("request %s %s (%s) failed", request.method, request.path, ref)
+            return error_response(500, f"{request.method} {request.path} (request {ref}) failed: "
+                                       f"{type(e).__name__}: {e}", None, "internal_error")
 
     return errors
 
 
-async def read_json_object(request: web.Request) -> dict[str, Any]:
+def _payload_reason(e: BaseException) -> str:
+    cause = e.__cause__
+    return getattr(cause, "message", None) or str(cause or e).strip() or type(e).__name__
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """`raw` as JSON, checked by `check_json`; malformed or unreadable text is a 400."""
     try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        value = json.loads(raw)
+    except RecursionError:  # the decoder's own recursion limit, far past MAX_JSON_DEPTH
+        raise BadRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of more digits than Python converts
         raise BadRequest(f"malformed JSON body: {e}") from None
+    check_json(value)
+    return value
+
+
+def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuses (400, naming the top-level field) JSON nested deeper than `max_depth`, a string or key holding a
+    lone UTF-16 surrogate (no UTF-8 encoding exists: a tokenizer or a client encoding it would fail), and NaN or
+    Infinity (Python's JSON reader takes them; no sampling or reward field means anything by them)."""
+    stack: list[tuple[Any, int, str | None]] = [(value, 0, None)]
+    while stack:
+        node, depth, field = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise BadRequest(f"{field or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode)", field)
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise BadRequest(f"{field or 'the body'} holds a non-finite number ({node})", field)
+        elif isinstance(node, (list, dict)):
+            if depth >= max_depth:
+                raise BadRequest(f"{field or 'the body'} is nested deeper than {max_depth} levels", field)
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    name = field if depth else k
+                    if _SURROGATE.search(k):
+                        raise BadRequest(f"{name!r} holds a lone UTF-16 surrogate (not valid Unicode)", name)
+                    if type(v) is not int:  # token-id lists are long: skip what needs no check
+                        stack.append((v, depth + 1, name))
+            else:
+                stack.extend((v, depth + 1, field) for v in node if type(v) is not int)
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    body = parse_json(await request.read())
     if not isinstance(body, dict):
         raise BadRequest(f"the JSON body must be an object, got {type(body).__name__}")
     return body
@@ -87,7 +156,50 @@ def get_field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default:
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         want = " or ".join(k.__name__ for k in kinds)
         raise BadRequest(f"{name} must be {want}, got {type(value).__name__}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"{name} must be finite, got {value}", name)
     return value
+
+
+def get_int(body: dict[str, Any], name: str, default: Any, lo: int, hi: int) -> Any:
+    """An integer field within [lo, hi] (absent or null: `default`, unchecked), else a 400 naming it."""
+    value = get_field(body, name, (int,), None)
+    if value is None:
+        return default
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+def get_float(body: dict[str, Any], name: str, default: Any, lo: float, hi: float) -> Any:
+    """A finite number within [lo, hi] as a float (absent or null: `default`), else a 400 naming it."""
+    value = get_field(body, name, (int, float), None)
+    if value is None:
+        return default
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past the float range
+        raise BadRequest(f"{name} must be in [{lo}, {hi}], got an integer of {len(str(value))} digits", name) from None
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+class _JSONErrorProtocol(RequestHandler):
+    """aiohttp's own error pages (a request its parser refuses, a handler timeout) in the JSON error shape."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response had begun
+        text = message if message and status != 500 else HTTPStatus(status).phrase
+        resp = error_response(status, text, None, error_kind(status))
+        resp.force_close()
+        return resp
+
+
+class _JSONErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JSONErrorProtocol(self, loop=self._loop, **self._kwargs)
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
@@ -95,6 +207,10 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its engine request.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
+    # aiohttp offers no hook for the pages its protocol writes itself: its server (the connection factory) is
+    # given a subclass that only builds connections whose `handle_error` answers in the JSON error shape.
+    assert runner.server is not None and type(runner.server) is web.Server
+    runner.server.__class__ = _JSONErrorServer
     site = web.TCPSite(runner, host, port)
     try:
         await site.start()
