@@ -66,6 +66,21 @@ Float = Annotated[float, Strict(), _at_most(MAX_FLOAT)]
 Seconds = Annotated[float, Strict(), _at_most(MAX_SECONDS)]
 """A duration in seconds; each field sets its own lower bound."""
 
+MIN_TEMPERATURE = 1e-5
+"""Smallest positive temperature: below it fp32 logits divided by the temperature overflow (0 means greedy)."""
+MAX_TEMPERATURE = 100.0
+"""Largest temperature: far past any useful one (the distribution is already uniform to fp32 precision)."""
+
+
+def _sampling_temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"Input should be 0 (greedy) or at least {MIN_TEMPERATURE}")
+    return value
+
+
+Temperature = Annotated[float, Strict(), Field(ge=0, le=MAX_TEMPERATURE), AfterValidator(_sampling_temperature)]
+"""A sampling temperature: 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE], what the servers accept."""
+
 
 def _fits_filesystem(path: Path | None) -> Path | None:
     if path is None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seed, Tokens
+from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seed, Temperature, Tokens
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
 
@@ -18,7 +18,7 @@ class EvalSettings(Config):
     """Tasks per environment (the first ones of `dataset(seed)`)."""
     k: Count = Field(4, ge=1)
     """Samples per task: avg@k is the mean reward over them, pass@k the fraction of tasks solved at least once."""
-    temperature: Float = Field(1.0, ge=0)
+    temperature: Temperature = 1.0
     """Sampling temperature."""
     max_tokens: Tokens = Field(64, ge=1)
     """Most tokens per completion."""

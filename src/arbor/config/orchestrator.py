@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config, Count, FilePath, Float, Int, Port, Ranks, Seconds, Seed, Tokens, warn_deprecated
+from arbor.config.base import (Config, Count, FilePath, Float, Int, Port, Ranks, Seconds, Seed, Temperature, Tokens,
+                               warn_deprecated)
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
@@ -222,7 +223,7 @@ class OrchestratorConfig(Config):
     """Longest sample (prompt + completion); longer prompts are skipped and counted."""
     seed: Seed = 0
     """Seed of task sampling and of per-request sampling seeds."""
-    temperature: Float = Field(1.0, ge=0)
+    temperature: Temperature = 1.0
     """Sampling temperature; the trainer scales its logits by the same value."""
     batch_size: Count = Field(64, ge=1)
     """Rollouts per training step (a multiple of group_size)."""

@@ -32,7 +32,7 @@ from arbor.orchestrator.tasks import TaskSource
 from arbor.orchestrator.weights import WeightSync
 from arbor.transport.batch import StepBatch
 
-ROUTER_COUNTERS = ("requests", "retries", "ejections", "readmissions", "backends_in_rotation")
+ROUTER_COUNTERS = ("requests", "retries", "ejections", "readmissions", "poisoned", "backends_in_rotation")
 
 
 @dataclasses.dataclass

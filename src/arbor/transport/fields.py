@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from arbor.config.base import MAX_TEMPERATURE, MIN_TEMPERATURE  # one bound for configs and requests
 from arbor.transport.http import BadRequest, get_field, get_float, get_int
 
 MAX_SEED = 2**63 - 1
 """Largest request seed: torch's generators take seeds below 2**64, and sample i of a request is seeded with
 seed + i."""
-MIN_TEMPERATURE = 1e-5
-"""Smallest positive temperature: below it fp32 logits divided by the temperature overflow (0 means greedy)."""
-MAX_TEMPERATURE = 100.0
-"""Largest temperature: far past any useful one (the distribution is already uniform to fp32 precision)."""
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 
