@@ -414,4 +414,4 @@ def test_partial_rollouts_are_refused_for_black_box_agents():
     from arbor.config.orchestrator import OrchestratorConfig
 
     with pytest.raises(pydantic.ValidationError, match="partial.enabled cannot be used"):
-        OrchestratorConfig(partial={"enabled": True}, environment={"id": "black_box"})
+        OrchestratorConfig(partial={"enabled": True}, environment={"id": "black_box", "args": {"command": "agent"}})
