@@ -4,6 +4,7 @@ non-object JSON, invalid UTF-8), and the check every answer must pass."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import random
@@ -73,3 +74,16 @@ def check_answer(status: int, data: Any, context: Any) -> None:
     assert status < 500, (context, status, data)
     if status >= 400:
         assert isinstance(data, dict) and set(data["error"]) >= {"message", "type", "param"}, (context, data)
+
+
+async def raw_http(url: str, data: bytes) -> tuple[int, bytes, bytes]:
+    """Sends `data` as-is to the server at `url` (bytes no HTTP client would send); answers the response's status,
+    header block and body."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    out = await reader.read()
+    writer.close()
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head, body

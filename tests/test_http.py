@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from fuzz_requests import raw_http
 
 from arbor.transport.fields import MAX_SEED, read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import (
@@ -92,16 +93,6 @@ async def _app_server() -> tuple[web.AppRunner, str]:
     return await start_site(app, "127.0.0.1", 0)
 
 
-async def _raw(url: str, data: bytes) -> bytes:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(data)
-    await writer.drain()
-    out = await reader.read()
-    writer.close()
-    return out
-
-
 def test_every_error_has_the_json_shape_including_aiohttps_own() -> None:
     async def go() -> list[tuple[int, Any]]:
         runner, url = await _app_server()
@@ -118,9 +109,9 @@ def test_every_error_has_the_json_shape_including_aiohttps_own() -> None:
                 async with s.post(url + path, data=data, headers=headers) as r:
                     out.append((r.status, await r.json()))
         for raw in (b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: abc\r\n\r\n", b"\x16\x03\x01\x00\r\n\r\n"):
-            head, _, body = (await _raw(url, raw)).partition(b"\r\n\r\n")
+            status, head, body = await raw_http(url, raw)
             assert b"application/json" in head, head
-            out.append((int(head.split()[1]), json.loads(body)))
+            out.append((status, json.loads(body)))
         await runner.cleanup()
         return out
 

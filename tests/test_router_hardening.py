@@ -9,7 +9,7 @@ import random
 from typing import Any
 
 import aiohttp
-from fuzz_requests import check_answer, encode, malformed, send
+from fuzz_requests import check_answer, encode, malformed, raw_http, send
 from test_inference import TOK, make_model, running_engine
 from test_inference_hardening import _kill_loop
 from test_router import FakeBackend, _fleet, _post
@@ -69,17 +69,6 @@ def test_a_poisonous_request_is_not_retried_on_a_third_backend_and_ejects_none()
     asyncio.run(go())
 
 
-async def _raw(url: str, data: bytes) -> tuple[int, bytes]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(data)
-    await writer.drain()
-    out = await reader.read()
-    writer.close()
-    head, _, body = out.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-
-
 def test_the_routers_own_errors_have_the_json_shape() -> None:
     async def go() -> None:
         backends, router, runner, url = await _fleet(2, eject_after=1)
@@ -92,10 +81,10 @@ def test_the_routers_own_errors_have_the_json_shape() -> None:
                 assert status == 400 and data["error"]["type"] == "invalid_request_error", data
             assert not any(b.admin for b in backends)  # refused at the router, sent to no backend
         host = url.removeprefix("http://")
-        status, body = await _raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode()
+        status, _, body = await raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode()
                                   + b"\r\nConnection: close\r\nX-Odd: \xff\xfe\r\nContent-Length: 2\r\n\r\n{}")
         assert status == 400 and b'"param": "X-Odd"' in body
-        status, body = await _raw(url, b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n")
+        status, _, body = await raw_http(url, b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n")
         assert status == 400 and body.startswith(b'{"error"')
         assert router.ejections == 0 and not any(b.seen for b in backends)
         await _stop(runner, backends)

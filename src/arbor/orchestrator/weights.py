@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from arbor.orchestrator.client import InferenceClient, InferenceError
-from arbor.transport.weights import broadcast_dir, latest_published
+from arbor.run_dir import broadcast_dir, latest_published
 
 log = logging.getLogger("arbor.orchestrator.weights")
 

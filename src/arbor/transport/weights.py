@@ -40,8 +40,7 @@ import torch
 from arbor.config.transport import WeightTransportConfig
 from arbor.models.args import ModelArgs
 from arbor.models.hf import hf_config, hf_state_dict
-# broadcast_dir, latest_published: the orchestrator's weight sync reads them from here too.
-from arbor.run_dir import STABLE, broadcast_dir, broadcast_staging_dir, latest_published, prune_published  # noqa: F401
+from arbor.run_dir import STABLE, broadcast_dir, broadcast_staging_dir, prune_published
 
 MANIFEST = "manifest.json"
 NCCL_SPEC = "transport.json"
