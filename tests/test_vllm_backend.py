@@ -99,10 +99,16 @@ def test_abort_and_resume_equals_uninterrupted_greedy(server: str) -> None:
 
     async def go() -> tuple[Completion, Completion]:
         async with InferenceClient([server], timeout=600, max_retries=0) as client:
+            await client.generate(prompt, 1, 4, 0.0, 1.0, 0)  # warm the connection: the timing below is decode
+            start = time.perf_counter()
             (whole,) = await client.generate(prompt, 1, max_tokens, 0.0, 1.0, 0)
+            took = time.perf_counter() - start
             ctl = PartialRollouts(client)
-            for delay in (0.2, 0.1, 0.05, 0.02, 0.01, 0.0):
-                h = ctl.handle(f"g{delay}")
+            # The abort must land while the request decodes, a window whose length depends on the machine: aim
+            # at fractions of the uninterrupted request's own time, a few rounds over.
+            for attempt, fraction in enumerate((0.5, 0.3, 0.7, 0.2, 0.4, 0.6, 0.1, 0.8) * 3):
+                delay = fraction * took
+                h = ctl.handle(f"g{attempt}")
                 job = asyncio.create_task(h.generate(prompt, 1, max_tokens, 0.0, 1.0, 0))
                 await asyncio.sleep(delay)
                 await ctl.abort([h])
