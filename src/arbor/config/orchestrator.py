@@ -226,7 +226,10 @@ class OrchestratorConfig(Config):
     temperature: Temperature = 1.0
     """Sampling temperature; the trainer scales its logits by the same value."""
     batch_size: Count = Field(64, ge=1)
-    """Rollouts per training step (a multiple of group_size)."""
+    """Episodes per training step (a multiple of group_size): each step trains batch_size / group_size groups of
+    group_size episodes. An episode is one rollout for the built-in single- and multi-turn environments; for
+    black_box it is one agent run, which yields one sample per chain of its calls (several when the agent
+    branches its history, none when it fails), so a step's sample count varies there."""
     group_size: Count = Field(8, ge=1)
     """Rollouts per task; advantages are relative to the group."""
     max_off_policy_steps: Int = Field(2, ge=0)
