@@ -137,6 +137,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         if rank == 0:  # publish is collective: every rank has read this step's rollouts (and all before it)
             prune_rollouts(cfg.output_dir, cfg.keep_rollouts, step)
         t3 = time.perf_counter()
+        stamp = clock.stamp()  # the row's time; max_minutes decides on the same elapsed_s
         # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
         # and its figures must already be on disk (metrics.jsonl may miss no step).
         if rank == 0:
@@ -153,12 +154,12 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
-                **clock.stamp(),
+                **stamp,
             }
             write_metrics(cfg.output_dir, record)
             log(rank, f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
                       f"{record['tokens/s']:.0f} tok/s")
-        out_of_time = over_budget(cfg, clock)
+        out_of_time = step + 1 < cfg.max_steps and over_budget(cfg, stamp["elapsed_s"])  # the last step ends anyway
         if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps or out_of_time:
             save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
             last_checkpoint_seconds = time.perf_counter() - t3
@@ -167,11 +168,12 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
             return
 
 
-def over_budget(cfg: TrainerConfig, clock: RunClock) -> bool:
-    """Whether `max_minutes` has run out; collective when set (rank 0's clock decides for every rank)."""
+def over_budget(cfg: TrainerConfig, elapsed: float) -> bool:
+    """Whether `max_minutes` has run out at `elapsed` seconds; collective when set (rank 0's clock decides for
+    every rank)."""
     if cfg.max_minutes is None:
         return False
-    decision = [clock.elapsed() >= cfg.max_minutes * 60]
+    decision = [elapsed >= cfg.max_minutes * 60]
     dist.broadcast_object_list(decision, src=0)
     return bool(decision[0])
 
