@@ -47,3 +47,12 @@ def test_max_minutes_is_shared_with_the_trainer_and_bounded() -> None:
         load_config(RLConfig, ["--max-minutes", "0"], prog="rl")
     with pytest.raises(ConfigError, match="max_minutes"):
         load_config(RLConfig, ["--max-minutes", "2", "--trainer.max-minutes", "3"], prog="rl")
+
+
+def test_report_shows_the_wall_time_of_the_last_row(tmp_path) -> None:
+    from arbor.monitor.report import main
+
+    rows = [{"step": i, "reward/mean": 0.1, "time": 1e9 + 60 * i, "elapsed_s": 60.0 * (i + 1)} for i in range(3)]
+    metrics_path(tmp_path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path)]) == 0
+    assert "- wall time: 3.0 min" in (tmp_path / "report" / "report.md").read_text()
