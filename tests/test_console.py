@@ -77,6 +77,7 @@ def test_waiting_names_what_each_process_does_from_this_launchs_heartbeats(tmp_p
     started = {"inference": 40.0, "trainer": 40.0, "orchestrator": 40.0}
     assert describe_waits(tmp_path, started) == (
         "inference (serving policy version 0), trainer (building the model), orchestrator (starting)")
+    assert describe_waits(tmp_path, {"inference_1": 40.0}) == "inference_1 (serving policy version 0)"
     con = Console(tmp_path, max_steps=3, start=0)
     con.waiting(started)
     con.waiting(started)  # unchanged: no second line

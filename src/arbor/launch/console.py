@@ -42,12 +42,13 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 def describe_waits(output_dir: Path, started: dict[str, float]) -> str:
     """"name (what it does), ..." for the processes in `started` (name -> start time, unix seconds): the newest
-    heartbeat of this launch whose name begins with the process's ("trainer" covers "trainer_rank0"), or
-    "starting" before its first heartbeat."""
+    heartbeat of this launch whose name begins with the process's kind, its name up to any "_" ("trainer" covers
+    "trainer_rank0"; replicas "inference_0", "inference_1" share the "inference" heartbeat), or "starting"
+    before its first heartbeat."""
     beats = [b for b in read_heartbeats(output_dir) if isinstance(b.get("name"), str)]
     parts = []
     for name, since in started.items():
-        mine = [b for b in beats if b["name"].startswith(name) and b.get("time", 0) >= since]
+        mine = [b for b in beats if b["name"].startswith(name.split("_")[0]) and b.get("time", 0) >= since]
         # What follows a colon is a live count ("serving ...: 3 running"): the line changes with the activity only.
         doing = max(mine, key=lambda b: b["time"])["doing"].split(":")[0] if mine else "starting"
         parts.append(f"{name} ({doing})")
