@@ -54,6 +54,9 @@ def test_eta_counts_only_the_rl_steps_own_rate(tmp_path: Path, clock: Clock, cap
 
 def test_sft_warm_up_prints_its_own_progress_lines(tmp_path: Path, clock: Clock, capsys) -> None:
     con = Console(tmp_path, max_steps=60, start=0, sft_steps=60)
+    beat_file(tmp_path, "sft", 10.0, "loading torch")
+    con.waiting({"sft": 5.0}, "the warm-up's first figures")
+    assert capsys.readouterr().out.startswith("waiting for the warm-up's first figures: sft (loading torch) |")
     path = process_metrics_path(tmp_path, "sft")
     append(path, {"step": 10, "sft/loss": 2.5, "sft/time": 5.0})
     append(path, {"step": 20, "sft/loss": 1.25, "sft/time": 10.0})

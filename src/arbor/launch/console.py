@@ -71,14 +71,14 @@ class Console:
     def say(self, text: str, err: bool = False) -> None:
         print(text, file=sys.stderr if err else sys.stdout, flush=True)
 
-    def waiting(self, started: dict[str, float]) -> None:
+    def waiting(self, started: dict[str, float], what: str = "the first step") -> None:
         """Before the first RL step: one line naming what the processes in `started` do, whenever it changes."""
         if self.first is not None:
             return
         text = describe_waits(self.output_dir, started)
         if text != self.last_wait:
             self.last_wait = text
-            self.say(f"waiting for the first step: {text} | {time.monotonic() - self.t0:.0f}s")
+            self.say(f"waiting for {what}: {text} | {time.monotonic() - self.t0:.0f}s")
 
     def poll_sft(self) -> None:
         """One progress line per figure row the SFT warm-up writes (every few of its steps)."""

@@ -195,13 +195,15 @@ def router_argv(cfg: RLConfig, conf: Path) -> list[str]:
 
 
 def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> None:
-    """Runs the SFT warm-up to its end, with its own progress lines."""
+    """Runs the SFT warm-up to its end, with its own progress lines (and what it does before the first)."""
     console.say(f"SFT warm-up: {cfg.sft.steps} steps")
-    sup.start("sft", [sys.executable, "-m", "arbor.trainer.sft", "@", str(conf / "sft.toml")])
+    child = sup.start("sft", [sys.executable, "-m", "arbor.trainer.sft", "@", str(conf / "sft.toml")])
     finished: set[str] = set()
     while "sft" not in finished:
         check_children(sup, finished)
         console.poll_sft()
+        if console.sft_seen == 0:
+            console.waiting({"sft": child.started}, "the warm-up's first figures")
         time.sleep(0.2)
     console.poll_sft()
 
