@@ -36,6 +36,18 @@ files, the run's `time/*` figures; taken under load, 2 cores shared with six oth
     instead of 13; loss, gradients and figures are those of the unmerged samples. train_step on the same
     rollouts, interleaved: 4.2 s -> 1.8 s (2.3x); the run's `time/compute` 6.0 s -> 2.3 s.
 
+Measured (one run, `--repeats 1 --steps 6 --skip 2`, under the same load), seconds per step:
+
+    plain, all cores (2 threads)  65.7   (OpenMP's threads spin-wait for cores other processes hold)
+    plain, 1 thread                6.43  = generation 2.04 + training 4.26 (+ scoring)
+    overlap bound                  4.26  = max(2.04, 4.26)
+    arbor lag 1                    2.70  -> 0.42x the plain loop (target <= 0.75), 0.63x the bound (<= 1.2)
+    arbor lag 0                    4.25  -> 0.66x the plain loop (target <= 1.1)
+
+arbor's step is under the bound because the bound is the plain loop's, which trains padded, unmerged rows:
+with prefix merging arbor trains ~2.5x fewer tokens per step, so part of the margin is that change, not
+overlap. Before it (unmerged rows), the trainer's compute was ~2.3x longer and the trainer alone set the step.
+
     uv run python benchmarks/step_time.py [--repeats 2] [--steps 20]
 """
 
