@@ -25,6 +25,8 @@ Measured under load (2 cores shared with six other engineers' work, load average
 
     compute_p = 0.2 (default): sync 80.3 s loop (205 s wall), reward 0.022; greedy 98.6 s loop (281 s wall),
         reward 0.023 -> ratio 0.81x, reward gap +0.001 (parity)
+    compute_p = 0.0 (latency only): sync 12.2 s loop (71.9 s wall), reward 0.034; greedy 10.9 s loop (44.2 s
+        wall), reward 0.021 -> ratio 1.12x, reward gap -0.013 (parity)
 
 On a saturated machine the compute-bound scorings cannot overlap anything (no core is free), and the async arm's
 extra groups in flight add CPU work at the same moments, so asynchrony loses; the ratio is the figure to take
