@@ -18,6 +18,14 @@ class WeightTransportConfig(Config):
     directory then holds only the tensor list."""
     max_shard_gb: Float = Field(0.5, gt=0)
     """Largest safetensors shard; bigger models get several shards and `model.safetensors.index.json`."""
+    bucket_mb: Float = Field(64.0, gt=0)
+    """Size of one bucket of a streamed weight update: the trainer gathers, casts (or FP8-quantises) and sends
+    this many MiB of parameters at a time, so the extra memory of a publish on any rank is about one bucket (a
+    tensor larger than a bucket travels alone). Filesystem shards are one bucket each (at most `max_shard_gb`)."""
+    delta: bool = False
+    """Skip buckets whose parameters did not change since the previous version (frozen embeddings, a frozen
+    base): the filesystem transport hard-links the previous shard, NCCL sends only the changed buckets. The
+    trainer's metrics report the bytes each update moved (`weights/bytes_moved`)."""
     verify_checksums: bool = True
     """Check every shard's checksum against the manifest before loading it."""
     checksum: Literal["crc32", "sha256"] = "crc32"
