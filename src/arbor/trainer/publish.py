@@ -13,6 +13,7 @@ With `weights.delta`, a bucket none of whose parameters changed since the previo
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +90,26 @@ def stream_publish(model: nn.Module, transport: WeightTransport, output_dir: str
     if world > 1:
         dist.barrier()  # the staging directory exists before any rank writes into it
     pub = transport.begin(output_dir, version, layout, rank, world, send)
-    for i, g in enumerate(groups):
-        if not send[i]:
-            if rank == pub.owner(i):
-                pub.skip(i, tracker.version)  # type: ignore[arg-type]  # send[i] False implies a previous version
-            continue
-        full = {params[j][0]: _full(params[j][1]).to(dtype) for j in g}
-        if rank == pub.owner(i):
-            pub.put(i, hf_state_dict(full, model.args, fp8))
-        del full
+    # One bucket is handed over (written, sent) in a helper thread while the next one is gathered and cast:
+    # at most two buckets are alive at once.
+    with ThreadPoolExecutor(1, thread_name_prefix="arbor-publish") as handover:
+        pending: Future | None = None
+        for i, g in enumerate(groups):
+            if not send[i]:
+                if rank == pub.owner(i):
+                    pub.skip(i, tracker.version)  # type: ignore[arg-type]  # send[i] False: a previous version exists
+                continue
+            full = {params[j][0]: _full(params[j][1]).to(dtype) for j in g}
+            tensors = hf_state_dict(full, model.args, fp8) if rank == pub.owner(i) else None
+            del full
+            if pending is not None:
+                pending.result()
+                pending = None
+            if tensors is not None:
+                pending = handover.submit(pub.put, i, tensors)
+            del tensors
+        if pending is not None:
+            pending.result()
     records: list[Any] = [pub.records()]
     if world > 1:
         gathered: list[Any] = [None] * world if rank == 0 else []
