@@ -39,17 +39,22 @@ def _model(name: str, seed: int):
 
 
 def _as_bytes(tensors) -> dict[str, tuple[str, list[int], bytes]]:
-    return {k: (str(t.dtype), list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+    return {k: (str(t.dtype), list(t.shape), t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
             for k, t in tensors}
 
 
-def _receive(out: str, port: int, rank: int, world: int, versions: list[int], timeout: float, q) -> None:
-    """A receiver process: takes part in `versions` in order and reports what it got (or its error)."""
-    group = ReceiverGroup("127.0.0.1", port, rank, world, "gloo", timeout, CPU)
+def _receive(out: str, port: int, rank: int, world: int, versions: list[int], timeout: float, q,
+             backend: str = "gloo") -> None:
+    """A receiver process: takes part in `versions` in order and reports what it got (or its error). With
+    NCCL, receiver r uses GPU r (the trainer GPU 0)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else CPU
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    group = ReceiverGroup("127.0.0.1", port, rank, world, backend, timeout, device)
     for v in versions:
         try:
             version, buckets = read_nccl_layout(wait_stable(broadcast_dir(out, v), timeout))
-            got = _as_bytes(receive_buckets(group.join(version), buckets, CPU))
+            got = _as_bytes(receive_buckets(group.join(version), buckets, device))
             q.put((rank, v, group.generation, got))
         except WeightTransferError as e:
             q.put((rank, v, None, str(e)))
@@ -62,13 +67,18 @@ def _start(ctx, *args):
 
 
 @pytest.mark.slow
-def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu(reason="NCCL over 3 GPUs"))])
+def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_path, backend):
+    if backend == "nccl":
+        if torch.cuda.device_count() < 3:
+            pytest.skip("needs three GPUs: the trainer and two receivers")
+        torch.cuda.set_device(0)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port, timeout = _port(), 120.0
-    transport = NCCLTransport("127.0.0.1", port, 2, keep=2, timeout=timeout, bucket_mb=0.02, backend="gloo")
-    steady = _start(ctx, str(tmp_path), port, 1, 3, [1, 2, 3, 4, 5], timeout, q)
-    restarted = _start(ctx, str(tmp_path), port, 2, 3, [1, 2], timeout, q)
+    transport = NCCLTransport("127.0.0.1", port, 2, keep=2, timeout=timeout, bucket_mb=0.02, backend=backend)
+    steady = _start(ctx, str(tmp_path), port, 1, 3, [1, 2, 3, 4, 5], timeout, q, backend)
+    restarted = _start(ctx, str(tmp_path), port, 2, 3, [1, 2], timeout, q, backend)
     generations: dict[int, dict[int, str]] = {}
     try:
         for v in range(1, 6):
@@ -87,7 +97,7 @@ def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_
             if v == 2:  # the replica dies after update 2; its replacement joins at update 3
                 restarted.kill()
                 restarted.join(30)
-                restarted = _start(ctx, str(tmp_path), port, 2, 3, [3, 4, 5], timeout, q)
+                restarted = _start(ctx, str(tmp_path), port, 2, 3, [3, 4, 5], timeout, q, backend)
     finally:
         for p in (steady, restarted):
             p.kill()

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from arbor.config.loader import ConfigError, load_config
+from arbor.config.trainer import TrainerConfig
 from arbor.transport.buckets import flat_size, flatten, plan_buckets, spec_of, unflatten
 
 HERE = Path(__file__).parent
@@ -30,6 +32,15 @@ def test_buckets_plan_flatten_and_unflatten_back_to_the_same_bytes():
         assert back[k].dtype == t.dtype and back[k].shape == t.shape
         assert torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k
         assert back[k].data_ptr() % 16 == 0  # every tensor starts aligned in the buffer
+
+
+@pytest.mark.parametrize("flags", [["--weights.bucket-mb", "0"], ["--weights.bucket-mb", "inf"],
+                                   ["--weights.delta", "3"]])
+def test_bad_bucket_or_delta_settings_fail_in_one_line_naming_the_key(flags):
+    with pytest.raises(ConfigError, match=rf"^weights\.{flags[0].split('.')[-1].replace('-', '_')}: "):
+        load_config(TrainerConfig, flags)
+    cfg = load_config(TrainerConfig, ["--weights.bucket-mb", "0.5", "--weights.delta", "true"])
+    assert cfg.weights.bucket_mb == 0.5 and cfg.weights.delta
 
 
 @pytest.mark.slow
