@@ -44,13 +44,15 @@ def _as_bytes(tensors) -> dict[str, tuple[str, list[int], bytes]]:
 
 
 def _receive(out: str, port: int, rank: int, world: int, versions: list[int], timeout: float, q,
-             backend: str = "gloo") -> None:
+             backend: str = "gloo", ready=None) -> None:
     """A receiver process: takes part in `versions` in order and reports what it got (or its error). With
     NCCL, receiver r uses GPU r (the trainer GPU 0)."""
     device = torch.device("cuda", rank) if backend == "nccl" else CPU
     if backend == "nccl":
         torch.cuda.set_device(device)
     group = ReceiverGroup("127.0.0.1", port, rank, world, backend, timeout, device)
+    if ready is not None:  # started (torch imported): what is left to do before checking in takes milliseconds
+        ready.set()
     for v in versions:
         try:
             version, buckets = read_nccl_layout(wait_stable(broadcast_dir(out, v), timeout))
@@ -97,7 +99,10 @@ def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_
             if v == 2:  # the replica dies after update 2; its replacement joins at update 3
                 restarted.kill()
                 restarted.join(30)
-                restarted = _start(ctx, str(tmp_path), port, 2, 3, [3, 4, 5], timeout, q, backend)
+                # told to catch up on update 2, already sent: it hears so at once, then takes 3-5
+                restarted = _start(ctx, str(tmp_path), port, 2, 3, [2, 3, 4, 5], timeout, q, backend)
+                rank, version, generation, error = q.get(timeout=timeout)
+                assert (rank, version, generation) == (2, 2, None) and "rejoins at the next update" in error
     finally:
         for p in (steady, restarted):
             p.kill()
@@ -112,11 +117,11 @@ def test_a_receiver_that_never_arrives_fails_the_update_naming_it(tmp_path):
     q = ctx.Queue()
     port, timeout = _port(), 20.0
     transport = NCCLTransport("127.0.0.1", port, 2, timeout=timeout, backend="gloo")
-    present = _start(ctx, str(tmp_path), port, 1, 3, [1], timeout, q)
+    ready = ctx.Event()
+    present = _start(ctx, str(tmp_path), port, 1, 3, [1], timeout, q, "gloo", ready)
     model = _model("qwen3-test", seed=0)
     try:
-        # let the present receiver check in before the trainer starts its clock
-        time.sleep(0.1)
+        assert ready.wait(120)  # the receiver that comes is up before the trainer's clock starts
         t0 = time.monotonic()
         with pytest.raises(WeightTransferTimeout, match=r"update 1: receiver rank\(s\) \[2\] of 2 did not join"):
             transport.publish(tmp_path, 1, model.state_dict(), model.args)

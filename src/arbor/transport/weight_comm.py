@@ -11,8 +11,9 @@ for `v{v}/gen`. The trainer waits until every receiver has checked in; if the se
 communicator was built with, it answers with the same generation and every side reuses its communicator. If a
 receiver restarted (a new incarnation), the trainer answers with a new generation and every side builds a fresh
 communicator under the store prefix `gen/{generation}/`, so a restarted replica rejoins at the next update and
-blocks nobody. A receiver that never checks in fails the update within the timeout, naming it, on the trainer
-and (through an `error:` answer) on every receiver that did arrive.
+blocks nobody (asked to catch up on an update already sent, it is told at once to wait for the next one). A
+receiver that never checks in fails the update within the timeout, naming it, on the trainer and (through an
+`error:` answer) on every receiver that did arrive.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class SenderGroup:
             self.store.delete_key(key)
         keys = [f"v{version}/rank{r}" for r in range(1, self.receivers + 1)]
         gen_key = f"v{version}/gen"
-        self._old_keys = [*keys, gen_key]
+        self._old_keys = [*keys, gen_key, f"v{version}/done"]
         deadline = time.monotonic() + self.timeout
         while not self.store.check(keys):
             if time.monotonic() > deadline:
@@ -175,6 +176,11 @@ class SenderGroup:
             self.store.set(gen_key, self.generation)
         return self.comm
 
+    def finish(self, version: int) -> None:
+        """Marks `version` as sent: a receiver arriving for it late (a replica restarted after the rendezvous)
+        is told so at once instead of waiting for a group that will not form."""
+        self.store.set(f"v{version}/done", "1")
+
 
 class ReceiverGroup:
     """A receiver's side (a vLLM worker, a test process): rank `rank` of `world`, rejoining when told to."""
@@ -194,11 +200,15 @@ class ReceiverGroup:
             store = _store(self.host, self.port, False, self.timeout)
             store.set(f"v{version}/rank{self.rank}", self.incarnation)
             generation = store.get(f"v{version}/gen").decode()
+            late = store.check([f"v{version}/done"])
         except dist.DistStoreError as e:
             raise WeightTransferTimeout(f"weight update {version}: rank {self.rank} got no answer from {where} "
                                         f"within {self.timeout:.0f}s ({e})") from None
         if generation.startswith(ERROR):
             raise WeightTransferError(generation.removeprefix(ERROR))
+        if late:
+            raise WeightTransferError(f"weight update {version} was sent before rank {self.rank} checked in (it "
+                                      "restarted since): it rejoins at the next update")
         if generation != self.generation:
             if self.comm is not None:
                 self.comm.close()

@@ -281,6 +281,7 @@ class NCCLPublication(Publication):
     def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
         assert self.comm is not None, "NCCL updates are finished by trainer rank 0"
         self.comm.barrier(f"weight update {self.step}: the receivers' confirmation")
+        self.transport.group().finish(self.step)
         prune_published(self.output_dir, self.transport.keep)
         return broadcast_dir(self.output_dir, self.step)
 
@@ -343,6 +344,7 @@ class NCCLTransport(WeightTransport):
         comm = self.group().begin(version)
         send_buckets(comm, [list(g.values()) for g in split_buckets(tensors, self.bucket_bytes)], device)
         comm.barrier(f"weight update {version}: the receivers' confirmation")
+        self.group().finish(version)
 
     def load(self, path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightTransferError(
