@@ -45,7 +45,7 @@ def test_bad_bucket_or_delta_settings_fail_in_one_line_naming_the_key(flags):
 
 @pytest.mark.slow
 def test_two_rank_fsdp_streamed_publish_equals_the_full_state_dict(tmp_path: Path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "publish_dist_check.py"), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
