@@ -5,8 +5,11 @@ environment and dataset, backends, GPUs, ports, disk; `--check` stops here) -> w
 `<output_dir>/configs/` (`--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
 resume) -> optional SFT warm-up -> inference (wait for /health) -> trainer and orchestrator -> print one line
 per step from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero
-naming it and its log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. This module
-never imports torch, so `--dry-run` and config errors answer in well under a second.
+naming it and its log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is
+the clean stop: every process is stopped, no checkpoint or batch is left half-written (both are written
+atomically) and `--resume` continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on
+time with a checkpoint of its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This
+module never imports torch, so `--dry-run` and config errors answer in well under a second.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
@@ -266,6 +269,11 @@ def run(cfg: RLConfig) -> int:
                 )
             time.sleep(0.2)
         console.poll()
+        stopped = run_dir.stopped_path(cfg.output_dir)
+        if stopped.exists():  # the trainer's max_minutes ended the run at a checkpoint
+            at = json.loads(stopped.read_text())["step"]
+            console.say(f"stopped at step {at}/{cfg.max_steps} by max_minutes ({cfg.max_minutes:g}), checkpoint "
+                        f"written: continue with --resume and a larger --max-minutes")
         console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
         return 0
     except ChildFailed as e:
