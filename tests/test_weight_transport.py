@@ -14,9 +14,11 @@ from arbor.config.transport import WeightTransportConfig
 from arbor.models import build_model
 from arbor.models.hf import load_weights
 from arbor.run_dir import STABLE, broadcast_dir, published_steps
+from arbor.transport.buckets import flatten
+from arbor.transport.weight_comm import ReceiverGroup, deadline_call, receive_buckets
 from arbor.transport.weights import (
     INDEX, MANIFEST, NCCL_SPEC, FilesystemTransport, NCCLTransport, WeightTransferError, WeightTransferTimeout,
-    _deadline_call, make_transport, read_nccl_spec, read_verified, wait_stable,
+    make_transport, read_nccl_layout, read_nccl_spec, read_verified, wait_stable,
 )
 
 
@@ -85,11 +87,11 @@ def test_timeouts_fail_instead_of_hanging(tmp_path):
     never = threading.Event()
     t0 = time.monotonic()
     with pytest.raises(WeightTransferTimeout, match="receiving w"):
-        _deadline_call(never.wait, 0.2, "receiving w")
+        deadline_call(never.wait, 0.2, "receiving w")
     assert time.monotonic() - t0 < 5
     never.set()
     with pytest.raises(ZeroDivisionError):
-        _deadline_call(lambda: 1 / 0, 5, "x")
+        deadline_call(lambda: 1 / 0, 5, "x")
 
 
 def test_nccl_publish_writes_the_tensor_list_and_refuses_file_loads(tmp_path, monkeypatch):
@@ -139,12 +141,11 @@ def test_nccl_broadcast_between_two_processes_matches_the_sender(tmp_path):
 
 
 def _receiver(out: str, q) -> None:
-    from arbor.transport.weights import init_nccl_group, nccl_receive
-
     torch.cuda.set_device(1)
     path = wait_stable(broadcast_dir(out, 1), 120)
-    comm = init_nccl_group("127.0.0.1", 29611, 1, 2, torch.device("cuda", 1), 120)
-    q.put({k: v.cpu() for k, v in nccl_receive(comm, read_nccl_spec(path), torch.device("cuda", 1), 120)})
+    version, buckets = read_nccl_layout(path)
+    group = ReceiverGroup("127.0.0.1", 29611, 1, 2, "nccl", 120, torch.device("cuda", 1))
+    q.put({k: v.cpu() for k, v in receive_buckets(group.join(version), buckets, group.device)})
 
 
 class _FakeRunner:
@@ -187,19 +188,24 @@ def test_worker_extension_loads_a_published_dir_into_the_model(tmp_path):
 
 def test_nccl_receive_allocates_in_spec_order_and_yields_what_rank_0_sent(tmp_path, monkeypatch):
     """The receiving half of the NCCL path with a loopback communicator (CPU): names, dtypes, shapes, values."""
-    from arbor.transport.weights import nccl_receive
-
     model = _model()
     monkeypatch.setattr(NCCLTransport, "_send", lambda self, final, tensors: None)
-    path = NCCLTransport("127.0.0.1", 1, 1).publish(tmp_path, 1, model.state_dict(), model.args)
-    sent = iter([t for t in model.state_dict().values()][: len(read_nccl_spec(path))])
+    path = NCCLTransport("127.0.0.1", 1, 1, bucket_mb=0.05).publish(tmp_path, 1, model.state_dict(), model.args)
     expected = dict(model.state_dict())
+    buckets = read_nccl_layout(path)[1]
+    assert len(buckets) > 2  # several tensors per bucket, several buckets
+    sent = iter([flatten([expected[name] for name, _, _ in b]) for b in buckets])
+    barriers = []
 
     class Loopback:
-        def broadcast(self, buf, src, stream):
-            assert src == 0 and stream is None
+        def broadcast(self, buf, what):
+            assert buf.dtype == torch.uint8 and "bucket" in what
             buf.copy_(next(sent))
 
-    got = dict(nccl_receive(Loopback(), read_nccl_spec(path), torch.device("cpu"), 5))
+        def barrier(self, what):
+            barriers.append(what)
+
+    got = dict(receive_buckets(Loopback(), buckets, torch.device("cpu")))
     assert list(got) == [s[0] for s in read_nccl_spec(path)]
     assert all(torch.equal(got[k], expected[k]) for k in got)
+    assert len(barriers) == 1  # the receiver confirms the whole update once

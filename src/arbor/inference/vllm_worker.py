@@ -12,19 +12,20 @@ Why not vLLM 0.32's own weight-transfer endpoints: none of its transfer engines 
 (arbor's filesystem transport, checksummed), and its NCCL engine expects a trainer that speaks vLLM's client
 protocol with one group per server, while arbor's group spans the trainer and every replica.
 
-This module imports no vLLM symbol at import time (vLLM imports it inside a worker; the NCCL path, GPU only,
-imports vLLM's world group there).
+This module imports no vLLM symbol at import time (vLLM imports it inside a worker; the NCCL path imports
+vLLM's world group there, to place the worker in the weight group). The NCCL path keeps one `ReceiverGroup` per
+worker for the whole run: the communicator formed at the first update is reused until the trainer's rendezvous
+says a new generation formed (a replica restarted, or the trainer did).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
-from arbor.transport.weights import (
-    init_nccl_group, nccl_receive, read_nccl_spec, read_verified, wait_stable,
-)
+from arbor.transport.weight_comm import ReceiverGroup, receive_buckets
+from arbor.transport.weights import read_nccl_layout, read_verified, wait_stable
 
 
 def _sync() -> None:
@@ -55,7 +56,7 @@ def _repack_cpu(model: torch.nn.Module, head: torch.nn.Module) -> None:
 class WeightUpdateExtension:
     """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's."""
 
-    _arbor_comm: Any = None
+    _arbor_group: ReceiverGroup | None = None
 
     def _arbor_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
@@ -73,18 +74,28 @@ class WeightUpdateExtension:
 
     def arbor_load_nccl(self, path: str, host: str, port: int, rank_offset: int, world_size: int,
                         timeout: float = 600.0) -> int:
-        """Receives the tensors listed in `path/transport.json` from trainer rank 0 over NCCL."""
-        # vLLM's parallel state exists only inside a running worker (this method runs there, on GPU).
+        """Receives the buckets listed in `path/transport.json` from trainer rank 0 over the run's weight group
+        (NCCL on a CUDA worker, its gloo twin on a CPU one); joins, or rejoins after a restart, as told at the
+        update's rendezvous (arbor.transport.weight_comm)."""
+        version, buckets = read_nccl_layout(wait_stable(path, timeout))
+        group = self._arbor_group
+        if group is None or (group.host, group.port, group.world) != (host, port, world_size):
+            # Ranks: trainer 0, then this server's workers from rank_offset, data-parallel rank major.
+            device = torch.device(self.device)  # type: ignore[attr-defined]
+            group = ReceiverGroup(host, port, rank_offset + self._arbor_local_rank(), world_size,
+                                  "nccl" if device.type == "cuda" else "gloo", timeout, device)
+            self._arbor_group = group
+        comm = group.join(version)
+        self._arbor_reload(receive_buckets(comm, buckets, group.device))
+        return sum(len(b) for b in buckets)
+
+    def _arbor_local_rank(self) -> int:
+        """This worker's rank among its server's workers (data-parallel rank major)."""
+        # vLLM's parallel state exists only inside a running worker (this method runs there).
         from vllm.distributed.parallel_state import get_world_group
 
-        spec = read_nccl_spec(wait_stable(path, timeout))
-        if self._arbor_comm is None:  # joins the trainer's group on the first update
-            # Ranks: trainer 0, then this server's workers from rank_offset, data-parallel rank major.
-            pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
-            rank = rank_offset + pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group
-            self._arbor_comm = init_nccl_group(host, port, rank, world_size, self.device, timeout)  # type: ignore[attr-defined]
-        self._arbor_reload(nccl_receive(self._arbor_comm, spec, self.device, timeout))  # type: ignore[attr-defined]
-        return len(spec)
+        pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group
 
     def arbor_weight_checksum(self) -> float:
         """Sum of every parameter (float64): lets a test see that an update reached every worker."""

@@ -11,7 +11,8 @@ trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 es
 trainer) per loss token, before the update), `entropy`, `grad_norm`, `lr`, `tokens/s` (non-padding tokens over
 the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
 trainer starved of rollouts), `time/compute`, `time/publish`,
-`time/checkpoint` (of the previous checkpoint), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
+`time/checkpoint` (of the previous checkpoint), `weights/bytes_moved` (bytes the weight update moved: less than
+`weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
 figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
 `build_reference` builds from the initial weights), and `time` / `elapsed_s` (arbor.monitor.metrics.RunClock).
 
@@ -43,6 +44,7 @@ from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
+from arbor.trainer.publish import DeltaTracker, stream_publish
 from arbor.trainer.step import train_step
 from arbor.transport.files import wait_for_step
 from arbor.transport.weights import make_transport
@@ -103,6 +105,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
     reference = build_reference(cfg, device, dims)
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
+    publish = Publisher(cfg, tokenizer, device)
     start = 0
     if cfg.resume:
         found = [latest_checkpoint(cfg.output_dir) if rank == 0 else None]
@@ -110,7 +113,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         if found[0] is not None:
             start = found[0]
             load_checkpoint(cfg.output_dir, start, model, optimizer)
-            publish(cfg, model, start, tokenizer)
+            publish(model, start)
             log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
     clock = RunClock(cfg.output_dir, start)
     if rank == 0:
@@ -133,7 +136,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
             torch.cuda.synchronize(device)
         t2 = time.perf_counter()
         beat(f"publishing weights version {step + 1}")
-        publish(cfg, model, step + 1, tokenizer)
+        weight_figures = publish(model, step + 1)
         if rank == 0:  # publish is collective: every rank has read this step's rollouts (and all before it)
             prune_rollouts(cfg.output_dir, cfg.keep_rollouts, step)
         t3 = time.perf_counter()
@@ -153,6 +156,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
+                **weight_figures,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
                 **stamp,
             }
@@ -201,18 +205,19 @@ def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.M
     return ref if dims.fsdp_enabled else ref.to(device)
 
 
-def publish(cfg: TrainerConfig, model: nn.Module, version: int, tokenizer) -> None:
-    """Collective: gathers the full state dict onto rank 0's CPU, which writes `broadcasts/step_{version}/`."""
-    # torch.distributed.checkpoint imports DTensor and sympy (seconds): loaded at the first publish, after the
-    # trainer has started waiting for rollouts (see arbor.trainer.checkpoint).
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+class Publisher:
+    """The run's weight publisher: one transport (so NCCL keeps one long-lived weight group) and the delta
+    tracker. Calling it is collective: every rank takes part in each bucket's gather (arbor.trainer.publish)."""
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        dtype = getattr(torch, cfg.model.dtype)  # inference runs in model.dtype: publish that, not fp32 masters
-        state = {k: v.to(dtype) for k, v in state.items()}
-        make_transport(cfg.weights, cfg.keep_broadcasts).publish(cfg.output_dir, version, state, model.args, tokenizer,
-                                                                      fp8=cfg.model.fp8 == "block")
+    def __init__(self, cfg: TrainerConfig, tokenizer, device: torch.device) -> None:
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+        self.transport = make_transport(cfg.weights, cfg.keep_broadcasts)
+        self.tracker = DeltaTracker(cfg.weights.delta)
+
+    def __call__(self, model: nn.Module, version: int) -> dict[str, float]:
+        # inference runs in model.dtype: publish that, not the fp32 masters
+        return stream_publish(model, self.transport, self.cfg.output_dir, version, getattr(torch, self.cfg.model.dtype),
+                              self.cfg.model.fp8 == "block", self.tokenizer, self.tracker, self.device)
 
 
 def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:

@@ -3,37 +3,39 @@
 Every version N (the weights after N optimizer steps; 0 is the initial model) gets a step directory
 `broadcasts/step_N/`, written under a temporary name and renamed into place with `STABLE` written last, so a
 directory with `STABLE` is always complete, and the newest `keep` are retained so disks do not fill (the layout,
-the listing and the retention are arbor.run_dir's). The
-orchestrator watches these directories and tells the fleet to load one (`/update_weights {path, version}`);
-what the directory holds depends on the implementation:
+the listing and the retention are arbor.run_dir's). The orchestrator watches these directories and tells the
+fleet to load one (`/update_weights {path, version}`).
 
-- `FilesystemTransport`: a Hugging Face checkpoint: config.json, safetensors shards of at most
-  `max_shard_gb` (with `model.safetensors.index.json` when there are several) and `manifest.json` with each
-  shard's checksum (crc32 by default, ~5x cheaper than the sha256 option), verified on load (a torn or corrupted copy fails loudly instead of loading garbage).
-  Shards are written straight from the tensors' memory and hashed on the way out, several at once (hashlib and
-  file I/O release the GIL); loading reads each shard once into one buffer, hashes it, and returns tensors
-  that view that buffer (no deserialization copy). The files are ordinary safetensors.
-- `NCCLTransport` (GPU, vLLM backend): `transport.json` lists (name, dtype, shape) of every tensor; the
-  trainer's rank 0 then broadcasts the tensors in that order over a vLLM `StatelessProcessGroup` +
-  `PyNcclCommunicator` to the vLLM workers, which join in through the worker extension
-  (`arbor.inference.vllm_worker`). vLLM is imported lazily, only on this path.
+A version moves in buckets (arbor.transport.buckets): the trainer (arbor.trainer.publish) gathers one bucket of
+parameters at a time and hands it to a `Publication` (`begin` -> `put`/`skip` per bucket on the rank that owns
+it -> `finish` on rank 0), so no rank holds more than one bucket beyond its shards. `publish` does the same from
+one process with a whole state dict (tools, tests). What the directory holds depends on the implementation:
+
+- `FilesystemTransport`: a Hugging Face checkpoint: config.json, one safetensors shard per bucket (with
+  `model.safetensors.index.json` when there are several), written by the rank that owns the bucket (bucket i:
+  rank i mod world, no funnel through rank 0), and `manifest.json` with each shard's checksum (crc32 by default,
+  ~5x cheaper than the sha256 option), verified on load (arbor.transport.shard_io). A skipped bucket (a delta
+  update: nothing in it changed) is a hard link to the previous version's shard, so every directory stays a
+  complete checkpoint.
+- `NCCLTransport` (GPU, vLLM backend): `transport.json` lists the buckets sent, each a list of (name, dtype,
+  shape); trainer rank 0 then broadcasts each bucket as one flat buffer over the run's long-lived weight group
+  (arbor.transport.weight_comm: NCCL, or its gloo twin on CPU) to the vLLM workers, which receive through the
+  worker extension (`arbor.inference.vllm_worker`). A restarted worker rejoins at the next update.
 
 Both fail with `WeightTransferTimeout` after `timeout` seconds rather than hang (waiting for `STABLE`, for the
-NCCL group to form, or for a broadcast to finish).
+group to form, for a receiver, or for one collective).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import shutil
-import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any
 
 import torch
 
@@ -41,82 +43,111 @@ from arbor.config.transport import WeightTransportConfig
 from arbor.models.args import ModelArgs
 from arbor.models.hf import hf_config, hf_state_dict
 from arbor.run_dir import STABLE, broadcast_dir, broadcast_staging_dir, prune_published
+from arbor.transport.buckets import (
+    TensorSpec, decode_specs, encode_specs, nbytes, plan_buckets, spec_of,
+)
+from arbor.transport.shard_io import INDEX, MANIFEST, NCCL_SPEC, hasher, read_verified, write_shard
+from arbor.transport.weight_comm import (
+    SenderGroup, WeightTransferError, WeightTransferTimeout, deadline_call, send_buckets,
+)
 
-MANIFEST = "manifest.json"
-NCCL_SPEC = "transport.json"
-INDEX = "model.safetensors.index.json"
-T = TypeVar("T")
+__all__ = ["INDEX", "MANIFEST", "NCCL_SPEC", "FilesystemTransport", "NCCLTransport", "Publication",
+           "WeightTransferError", "WeightTransferTimeout", "WeightTransport", "make_transport", "publish_weights",
+           "read_nccl_layout", "read_nccl_spec", "read_verified", "wait_stable"]  # re-exported for callers
 
 
-class WeightTransferError(RuntimeError):
-    """A step directory that cannot be loaded (incomplete, corrupted, or of the wrong kind)."""
+def split_buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
+    items = list(tensors.items())
+    groups = plan_buckets([t.numel() * t.element_size() for _, t in items], bucket_bytes)
+    return [dict(items[i] for i in g) for g in groups]
 
 
-class WeightTransferTimeout(WeightTransferError, TimeoutError):
-    """A publish or load that did not finish within the configured timeout."""
+def _stage(output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any, fp8: bool) -> Path:
+    """A fresh staging directory holding config.json (and the tokenizer)."""
+    tmp = broadcast_staging_dir(output_dir, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(hf_config(args, fp8), indent=2))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+    return tmp
+
+
+def _make_visible(output_dir: str | Path, step: int) -> Path:
+    tmp, final = broadcast_staging_dir(output_dir, step), broadcast_dir(output_dir, step)
+    (tmp / STABLE).write_text(str(step))
+    if final.exists():  # a resumed run republishes the step it resumed from
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+class Publication(ABC):
+    """One version on its way out, on one trainer rank. `put(i, tensors)` / `skip(i, previous)` are called on
+    `owner(i)` only; `finish(records)` on rank 0 with every rank's `records()` (the trainer gathers them)."""
+
+    def __init__(self, output_dir: str | Path, step: int, layout: list[list[TensorSpec]], rank: int,
+                 world: int) -> None:
+        self.output_dir, self.step, self.layout, self.rank, self.world = output_dir, step, layout, rank, world
+        self.bytes_moved = 0
+
+    def owner(self, index: int) -> int:
+        return 0
+
+    @abstractmethod
+    def put(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Hands bucket `index` (the tensors `layout[index]` names, in that order) to the transport."""
+
+    def skip(self, index: int, previous: int) -> None:
+        """Bucket `index` is unchanged since version `previous` (a delta update)."""
+
+    def records(self) -> list[Any]:
+        return []
+
+    @abstractmethod
+    def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
+        """Rank 0: completes the version (STABLE, receivers' confirmation), prunes old ones; the step directory."""
 
 
 class WeightTransport(ABC):
-    """Trainer side: `publish` (rank 0 only). Inference side: `load` (the local engine, vLLM's workers)."""
+    """Trainer side: `begin` (streamed, every rank) or `publish` (one process). Inference side: `load`."""
 
-    def __init__(self, keep: int = 3, timeout: float = 600.0) -> None:
+    def __init__(self, keep: int = 3, timeout: float = 600.0, bucket_mb: float = 64.0) -> None:
         self.keep, self.timeout = keep, timeout
+        self.bucket_bytes = int(bucket_mb * 2**20)
+
+    @abstractmethod
+    def prepare(self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any = None,
+                fp8: bool = False) -> None:
+        """Rank 0, before any rank's `begin`: creates what every rank writes into."""
+
+    @abstractmethod
+    def begin(self, output_dir: str | Path, step: int, layout: list[list[TensorSpec]], rank: int = 0,
+              world: int = 1, sent: list[bool] | None = None) -> Publication:
+        """Starts publishing version `step` whose buckets are `layout` (HF names, inference dtypes); `sent[i]`
+        False marks a bucket that will be skipped (delta)."""
 
     def publish(self, output_dir: str | Path, step: int, state: dict[str, torch.Tensor], args: ModelArgs,
                 tokenizer: Any = None, fp8: bool = False) -> Path:
-        """Writes `broadcasts/step_{step}/` atomically (STABLE last), sends the tensors, prunes old steps.
+        """Publishes a whole state dict from one process: `broadcasts/step_{step}/` atomically, old steps pruned.
         `fp8`: DeepSeek's FP8 checkpoint format (float8 weights + `weight_scale_inv`, `quantization_config`)."""
-        final = broadcast_dir(output_dir, step)
-        tmp = broadcast_staging_dir(output_dir, step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / "config.json").write_text(json.dumps(hf_config(args, fp8), indent=2))
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-        tensors = hf_state_dict(state, args, fp8)
-        _deadline_call(lambda: self._write(tmp, tensors), self.timeout, f"writing weights to {tmp}")
-        (tmp / STABLE).write_text(str(step))
-        if final.exists():  # a resumed run republishes the step it resumed from
-            shutil.rmtree(final)
-        tmp.rename(final)
-        self._send(final, tensors)
-        prune_published(output_dir, self.keep)
-        return final
+        groups = split_buckets(hf_state_dict(state, args, fp8), self.whole_bucket_bytes())
+        self.prepare(output_dir, step, args, tokenizer, fp8)
+        pub = self.begin(output_dir, step, [spec_of(g) for g in groups])
+        deadline_call(lambda: self._put_all(pub, groups), self.timeout,
+                      f"writing weights to {broadcast_staging_dir(output_dir, step)}")
+        return pub.finish(pub.records(), args, tokenizer, fp8)
 
-    @abstractmethod
-    def _write(self, tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
-        """Writes the implementation's files into the step directory before it becomes visible."""
+    def whole_bucket_bytes(self) -> int:
+        return self.bucket_bytes
 
-    def _send(self, final: Path, tensors: dict[str, torch.Tensor]) -> None:
-        """Pushes the tensors once the directory is visible (NCCL); the filesystem has nothing more to do."""
+    def _put_all(self, pub: Publication, groups: list[dict[str, torch.Tensor]]) -> None:
+        for i, g in enumerate(groups):
+            pub.put(i, g)
 
     @abstractmethod
     def load(self, path: str | Path) -> dict[str, torch.Tensor]:
         """Every tensor of a published step directory, checked; raises WeightTransferError."""
-
-
-def _deadline_call(fn: Callable[[], T], timeout: float, what: str) -> T:
-    """Runs `fn` in a daemon thread; raises WeightTransferTimeout if it is not done in `timeout` seconds.
-
-    A collective that never completes cannot be cancelled from Python, but the caller learns of it and fails
-    (the process then exits, which tears the communicator down) instead of waiting forever.
-    """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name=f"arbor-{what}", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise WeightTransferTimeout(f"{what} did not finish within {timeout:.0f}s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def wait_stable(path: str | Path, timeout: float) -> Path:
@@ -132,253 +163,188 @@ def wait_stable(path: str | Path, timeout: float) -> Path:
 
 # ---- filesystem ----
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    return shards
+def _shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
-_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
-_CHUNK = 32 * 2**20  # bytes hashed in one thread while the next are written/read in another
+def _shard_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file's header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
 
 
-class _Crc32:
-    """hashlib-shaped CRC-32 (zlib releases the GIL on large buffers): ~5x faster than sha256 on CPU."""
+class FilePublication(Publication):
+    def __init__(self, transport: "FilesystemTransport", output_dir: str | Path, step: int,
+                 layout: list[list[TensorSpec]], rank: int, world: int) -> None:
+        super().__init__(output_dir, step, layout, rank, world)
+        self.transport, self.tmp = transport, broadcast_staging_dir(output_dir, step)
+        self.names = _shard_names(len(layout))
+        self._done: dict[int, tuple[str, str, list[str], int]] = {}
 
-    def __init__(self) -> None:
-        self.value = 0
+    def owner(self, index: int) -> int:
+        return index % self.world
 
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
+    def put(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        name = self.names[index]
+        digest = write_shard(self.tmp / name, tensors, self.transport.checksum)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._done[index] = (name, digest, list(tensors), size)
+        self.bytes_moved += size
 
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
+    def skip(self, index: int, previous: int) -> None:
+        name, before = self.names[index], broadcast_dir(self.output_dir, previous)
+        manifest = json.loads((before / MANIFEST).read_text())
+        if manifest["algorithm"] != self.transport.checksum or name not in manifest["files"]:
+            raise WeightTransferError(f"{before} does not hold {name} as this update lays it out: cannot reuse it")
+        os.link(before / name, self.tmp / name)  # same bytes, no copy; pruning the old step keeps this link
+        self._done[index] = (name, manifest["files"][name], _shard_keys(self.tmp / name),
+                             sum(nbytes(s) for s in self.layout[index]))
 
+    def records(self) -> list[Any]:
+        return [(i, *v) for i, v in sorted(self._done.items())]
 
-def _hasher(algorithm: str) -> Any:
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    if algorithm == "crc32":
-        return _Crc32()
-    raise WeightTransferError(f"unknown checksum algorithm {algorithm!r} in a manifest (sha256 or crc32)")
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], algorithm: str = "crc32") -> str:
-    """Writes one safetensors file straight from the tensors' memory, hashing as it goes; returns the checksum.
-
-    No serialized copy of the shard is built (unlike `safetensors.torch.save`), so a 1 GB model costs one pass
-    of hashing that overlaps with other shards' writes (hashlib and file writes release the GIL)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    views, at = [], 0
-    for name, t in tensors.items():
-        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + raw.numel()]}
-        views.append(raw)
-        at += raw.numel()
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-    h = _hasher(algorithm)
-    chunks = [memoryview(len(head).to_bytes(8, "little")), memoryview(head)]
-    for v in views:
-        mv = memoryview(v.numpy())
-        chunks += [mv[i:i + _CHUNK] for i in range(0, len(mv), _CHUNK)]
-    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
-        pending = None
-        for chunk in chunks:  # hash chunk i while writing it: both release the GIL
-            if pending is not None:
-                pending.result()
-            pending = hasher.submit(h.update, chunk)
-            f.write(chunk)
-        if pending is not None:
-            pending.result()
-    return h.hexdigest()
-
-
-def _read_shard(path: Path, expected: str | None, algorithm: str = "crc32") -> dict[str, torch.Tensor]:
-    """Reads one safetensors file into one buffer, checks its checksum, and returns tensors viewing that buffer."""
-    size = path.stat().st_size
-    buf = bytearray(size)
-    h = _hasher(algorithm)
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
-        view, got, pending = memoryview(buf), 0, None
-        while got < size:  # hash the chunk just read while reading the next one
-            n = f.readinto(view[got:got + _CHUNK])
-            if not n:
-                raise WeightTransferError(f"{path}: file ended after {got} of {size} bytes")
-            if expected is not None:
-                if pending is not None:
-                    pending.result()
-                pending = hasher.submit(h.update, view[got:got + n])
-            got += n
-        if pending is not None:
-            pending.result()
-    if expected is not None:
-        digest = h.hexdigest()
-        if digest != expected:
-            raise WeightTransferError(f"{path}: {algorithm} {digest[:12]}... does not match the manifest "
-                                      f"({expected[:12]}...): the copy is corrupted or incomplete")
-    try:
-        n = int.from_bytes(buf[:8], "little")
-        header = json.loads(bytes(buf[8:8 + n]))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise WeightTransferError(f"{path}: not a safetensors file ({e})") from None
-    data = torch.frombuffer(buf, dtype=torch.uint8)[8 + n:] if size > 8 + n else torch.empty(0, dtype=torch.uint8)
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        dtype = _ST_TORCH[meta["dtype"]]
-        raw = data[start:end]
-        if (8 + n + start) % dtype.itemsize:  # a misaligned view is not allowed: copy this one tensor
-            raw = raw.clone()
-        out[name] = raw.view(dtype).reshape(meta["shape"])
-    return out
+    def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
+        done = sorted(records)
+        if [r[0] for r in done] != list(range(len(self.names))):
+            raise WeightTransferError(f"publish of step {self.step}: shards {[r[0] for r in done]} written, "
+                                      f"{len(self.names)} expected")
+        if len(done) > 1:
+            weight_map = {k: name for _, name, _, keys, _ in done for k in keys}
+            total = sum(r[4] for r in done)
+            (self.tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=1))
+        files = {name: digest for _, name, digest, _, _ in done}
+        (self.tmp / MANIFEST).write_text(json.dumps({"algorithm": self.transport.checksum, "files": files}, indent=1))
+        final = _make_visible(self.output_dir, self.step)
+        prune_published(self.output_dir, self.transport.keep)
+        return final
 
 
 class FilesystemTransport(WeightTransport):
     def __init__(self, keep: int = 3, timeout: float = 600.0, max_shard_gb: float = 0.5, verify: bool = True,
-                 threads: int = 4, checksum: str = "crc32") -> None:
-        super().__init__(keep, timeout)
-        _hasher(checksum)  # an unknown name fails here, not after the first shard is written
+                 threads: int = 4, checksum: str = "crc32", bucket_mb: float = 64.0) -> None:
+        super().__init__(keep, timeout, bucket_mb)
+        hasher(checksum)  # an unknown name fails here, not after the first shard is written
         self.checksum = checksum
         self.max_shard_bytes = int(max_shard_gb * 2**30)
+        self.bucket_bytes = min(self.bucket_bytes, self.max_shard_bytes)  # one shard file per bucket
         self.verify, self.threads = verify, threads
 
-    def _write(self, tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
-        shards = _shards(tensors, self.max_shard_bytes)
-        names = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        with ThreadPoolExecutor(min(self.threads, len(shards))) as pool:
-            digests = list(pool.map(lambda a: _write_shard(tmp / a[0], a[1], self.checksum), zip(names, shards)))
-        if len(shards) > 1:
-            weight_map = {k: n for n, shard in zip(names, shards) for k in shard}
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / MANIFEST).write_text(json.dumps({"algorithm": self.checksum, "files": dict(zip(names, digests))}, indent=1))
+    def whole_bucket_bytes(self) -> int:
+        return self.max_shard_bytes  # the whole state is in memory already: shards as large as allowed
+
+    def _put_all(self, pub: Publication, groups: list[dict[str, torch.Tensor]]) -> None:
+        with ThreadPoolExecutor(max(1, min(self.threads, len(groups)))) as pool:
+            list(pool.map(lambda i: pub.put(i, groups[i]), range(len(groups))))
+
+    def prepare(self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any = None,
+                fp8: bool = False) -> None:
+        _stage(output_dir, step, args, tokenizer, fp8)
+
+    def begin(self, output_dir: str | Path, step: int, layout: list[list[TensorSpec]], rank: int = 0,
+              world: int = 1, sent: list[bool] | None = None) -> Publication:
+        return FilePublication(self, output_dir, step, layout, rank, world)
 
     def load(self, path: str | Path) -> dict[str, torch.Tensor]:
-        return _deadline_call(lambda: self._load(Path(path)), self.timeout, f"loading weights from {path}")
-
-    def _load(self, path: Path) -> dict[str, torch.Tensor]:
-        return read_verified(path, self.verify, self.threads)
-
-
-def read_verified(path: str | Path, verify: bool = True, threads: int = 4) -> dict[str, torch.Tensor]:
-    """Reads a checkpoint directory; with a manifest, every shard's checksum must match (when `verify`)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise WeightTransferError(f"weights directory {path} does not exist")
-    if (path / NCCL_SPEC).exists():
-        raise WeightTransferError(f"{path} was published for NCCL transfer and holds no tensors")
-    meta = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).exists() else {}
-    manifest, algorithm = meta.get("files"), meta.get("algorithm", "sha256")
-    if manifest is not None:
-        files = sorted(manifest)
-    elif (path / INDEX).exists():
-        files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise WeightTransferError(f"no .safetensors files in {path}")
-
-    def one(name: str) -> dict[str, torch.Tensor]:
-        return _read_shard(path / name, manifest[name] if verify and manifest is not None else None, algorithm)
-
-    state: dict[str, torch.Tensor] = {}
-    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
-        for part in pool.map(one, files):
-            state.update(part)
-    return state
+        return deadline_call(lambda: read_verified(Path(path), self.verify, self.threads), self.timeout,
+                             f"loading weights from {path}")
 
 
 # ---- NCCL ----
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                        torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
-
-
-def nccl_spec(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
-    """The broadcast order: (name, dtype, shape) per tensor; both sides allocate and receive in this order."""
-    return [(k, str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in tensors.items()]
-
-
-def read_nccl_spec(path: str | Path) -> list[tuple[str, torch.dtype, list[int]]]:
+def read_nccl_layout(path: str | Path) -> tuple[int, list[list[TensorSpec]]]:
+    """(version, buckets) of an NCCL step directory: what rank 0 broadcasts, bucket by bucket, in order."""
     spec_path = Path(path) / NCCL_SPEC
     if not spec_path.exists():
         raise WeightTransferError(f"{path} has no {NCCL_SPEC}: it was not published for NCCL transfer")
     spec = json.loads(spec_path.read_text())
-    return [(name, _DTYPES[dtype], shape) for name, dtype, shape in spec["tensors"]]
+    return int(spec["version"]), decode_specs(spec["buckets"])
 
 
-def init_nccl_group(host: str, port: int, rank: int, world_size: int, device: Any, timeout: float) -> Any:
-    """A vLLM PyNccl communicator over a StatelessProcessGroup (no torch.distributed world needed)."""
-    try:  # vLLM is the optional `gpu` extra, needed on this path only
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-    except ImportError as e:
-        raise WeightTransferError(f"weights.kind = 'nccl' needs vLLM (the `gpu` extra): {e}") from None
-
-    def make() -> Any:
-        pg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
-                                          store_timeout=int(timeout))
-        return PyNcclCommunicator(pg, device=device)
-
-    return _deadline_call(make, timeout, f"joining the NCCL weight group at {host}:{port} as rank {rank}/{world_size}")
+def read_nccl_spec(path: str | Path) -> list[TensorSpec]:
+    """Every tensor an NCCL update sends, in broadcast order."""
+    return [s for bucket in read_nccl_layout(path)[1] for s in bucket]
 
 
-def nccl_receive(comm: Any, spec: list[tuple[str, torch.dtype, list[int]]], device: Any,
-                 timeout: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receiver side (a vLLM worker): yields (name, tensor) as each broadcast from rank 0 lands."""
-    cuda = torch.device(device).type == "cuda"
-    for name, dtype, shape in spec:
-        buf = torch.empty(shape, dtype=dtype, device=device)
+class NCCLPublication(Publication):
+    def __init__(self, transport: "NCCLTransport", output_dir: str | Path, step: int,
+                 layout: list[list[TensorSpec]], rank: int, world: int) -> None:
+        super().__init__(output_dir, step, layout, rank, world)
+        self.transport = transport
+        self.comm = transport.group().begin(step) if rank == 0 else None
 
-        def recv(buf: torch.Tensor = buf) -> None:
-            stream = torch.cuda.current_stream() if cuda else None
-            comm.broadcast(buf, src=0, stream=stream)
-            if stream is not None:
-                stream.synchronize()
+    def put(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.comm is not None, "NCCL buckets are sent by trainer rank 0"
+        self.bytes_moved += send_buckets(self.comm, [list(tensors.values())], self.transport.device())
 
-        _deadline_call(recv, timeout, f"receiving {name} over NCCL")
-        yield name, buf
+    def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
+        assert self.comm is not None, "NCCL updates are finished by trainer rank 0"
+        self.comm.barrier(f"weight update {self.step}: the receivers' confirmation")
+        self.transport.group().finish(self.step)
+        prune_published(self.output_dir, self.transport.keep)
+        return broadcast_dir(self.output_dir, self.step)
 
 
 class NCCLTransport(WeightTransport):
-    """Trainer rank 0 is rank 0 of a group with every vLLM worker; the group forms on the first publish."""
+    """Trainer rank 0 is rank 0 of a group with every vLLM worker: one group per run, re-formed only when a
+    worker restarted (arbor.transport.weight_comm). `backend` "gloo" runs the same protocol on CPU."""
 
-    def __init__(self, host: str, port: int, inference_ranks: int, keep: int = 3, timeout: float = 600.0) -> None:
-        super().__init__(keep, timeout)
-        self.host, self.port, self.world = host, port, inference_ranks + 1
-        self._comm: Any = None
+    def __init__(self, host: str, port: int, inference_ranks: int, keep: int = 3, timeout: float = 600.0,
+                 bucket_mb: float = 64.0, backend: str = "nccl") -> None:
+        super().__init__(keep, timeout, bucket_mb)
+        self.host, self.port, self.world, self.backend = host, port, inference_ranks + 1, backend
+        self._group: SenderGroup | None = None
 
-    def _write(self, tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
-        (tmp / NCCL_SPEC).write_text(json.dumps({"kind": "nccl", "tensors": nccl_spec(tensors)}))
-
-    def _send(self, final: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def device(self) -> torch.device:
+        if self.backend == "gloo":
+            return torch.device("cpu")
         if not torch.cuda.is_available():
             raise WeightTransferError("weights.kind = 'nccl' needs a CUDA device on trainer rank 0")
-        device = torch.device("cuda", torch.cuda.current_device())
-        if self._comm is None:  # the workers join when the fleet first loads an NCCL step directory
-            self._comm = init_nccl_group(self.host, self.port, 0, self.world, device, self.timeout)
-        for name, t in tensors.items():
-            buf = t.to(device, non_blocking=True).contiguous()
+        return torch.device("cuda", torch.cuda.current_device())
 
-            def send(buf: torch.Tensor = buf) -> None:
-                self._comm.broadcast(buf, src=0, stream=torch.cuda.current_stream())
-                torch.cuda.current_stream().synchronize()
+    def group(self) -> SenderGroup:
+        """The run's weight group (its store opens on the first update)."""
+        if self._group is None:
+            self._group = SenderGroup(self.host, self.port, self.world - 1, self.backend, self.timeout, self.device())
+        return self._group
 
-            _deadline_call(send, self.timeout, f"broadcasting {name} over NCCL")
+    def prepare(self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any = None,
+                fp8: bool = False) -> None:
+        _stage(output_dir, step, args, tokenizer, fp8)
+
+    def begin(self, output_dir: str | Path, step: int, layout: list[list[TensorSpec]], rank: int = 0,
+              world: int = 1, sent: list[bool] | None = None) -> Publication:
+        """Rank 0 makes the directory (the bucket list) visible, then waits for every receiver to join."""
+        if rank == 0:
+            buckets = [b for i, b in enumerate(layout) if sent is None or sent[i]]
+            tmp = broadcast_staging_dir(output_dir, step)
+            (tmp / NCCL_SPEC).write_text(json.dumps({"kind": "nccl", "version": step,
+                                                     "buckets": encode_specs(buckets)}))
+            _make_visible(output_dir, step)
+        return NCCLPublication(self, output_dir, step, layout, rank, world)
+
+    def publish(self, output_dir: str | Path, step: int, state: dict[str, torch.Tensor], args: ModelArgs,
+                tokenizer: Any = None, fp8: bool = False) -> Path:
+        tensors = hf_state_dict(state, args, fp8)
+        self.prepare(output_dir, step, args, tokenizer, fp8)
+        groups = split_buckets(tensors, self.bucket_bytes)
+        tmp = broadcast_staging_dir(output_dir, step)
+        (tmp / NCCL_SPEC).write_text(json.dumps({"kind": "nccl", "version": step,
+                                                 "buckets": encode_specs([spec_of(g) for g in groups])}))
+        final = _make_visible(output_dir, step)
+        self._send(final, tensors)
+        prune_published(output_dir, self.keep)
+        return final
+
+    def _send(self, final: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """Sends a whole state over the group, bucket by bucket, and waits for the receivers' confirmation."""
+        device = self.device()
+        version = read_nccl_layout(final)[0]
+        comm = self.group().begin(version)
+        send_buckets(comm, [list(g.values()) for g in split_buckets(tensors, self.bucket_bytes)], device)
+        comm.barrier(f"weight update {version}: the receivers' confirmation")
+        self.group().finish(version)
 
     def load(self, path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightTransferError(
@@ -389,11 +355,13 @@ class NCCLTransport(WeightTransport):
 
 def make_transport(cfg: WeightTransportConfig, keep: int = 3) -> WeightTransport:
     if cfg.kind == "nccl":
-        return NCCLTransport(cfg.nccl_host, cfg.nccl_port, cfg.nccl_inference_ranks, keep, cfg.timeout)
-    return FilesystemTransport(keep, cfg.timeout, cfg.max_shard_gb, cfg.verify_checksums, checksum=cfg.checksum)
+        return NCCLTransport(cfg.nccl_host, cfg.nccl_port, cfg.nccl_inference_ranks, keep, cfg.timeout, cfg.bucket_mb)
+    return FilesystemTransport(keep, cfg.timeout, cfg.max_shard_gb, cfg.verify_checksums, checksum=cfg.checksum,
+                               bucket_mb=cfg.bucket_mb)
 
 
 def publish_weights(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], args: ModelArgs,
                     tokenizer: Any = None, keep: int = 3) -> Path:
     """Filesystem publish with default settings (tests, tools)."""
     return FilesystemTransport(keep).publish(output_dir, step, state, args, tokenizer)
+
