@@ -57,7 +57,8 @@ class BatchingConfig(Config):
     normalization: Literal["token", "sequence", "group"] = "token"
     """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
     tokens (DAPO), "sequence" = mean over samples of each sample's token mean (GRPO, GSPO), "group" = mean over
-    groups of each group's token mean."""
+    groups of each group's token mean. Unset under `rl` with `trainer.loss.name = "gspo"`: "sequence" (the
+    paper's mean over sequences); set it to override."""
     prefix_merge: bool = False
     """Prefix-tree merging: samples of a row that share token prefixes (multi-turn histories, a common system
     prompt) are merged into a trie and trained once per shared token, with a tree attention mask; the loss,

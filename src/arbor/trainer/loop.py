@@ -120,6 +120,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
             forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,
+            mini_batches=cfg.mini_batches, epochs=cfg.epochs,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
