@@ -41,12 +41,16 @@ class AdvantageConfig(Config):
     path `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
     std_normalize: bool = False
     """Divide by the group's reward standard deviation (GRPO); off is Dr. GRPO's unbiased choice."""
+    std_ddof: Literal[0, 1] = 0
+    """Delta degrees of freedom of that standard deviation: 0 = the population std (numpy's default), 1 = the
+    sample std (torch.std's default, as in the GRPO reference code); a group of one with ddof 1 gets std 0."""
     gamma: Float = Field(1.0, ge=0, le=1)
     """Discount of reward-to-go for rollouts with per-turn/process rewards: a token's advantage is the discounted
     sum of the group-normalised rewards of its turn and the turns after it."""
     completion_time_weight: Float = Field(0.0, ge=0)
     """Composite reward: a rollout with positive reward gains up to this much for finishing faster than the other
-    successful rollouts of its group (relative completion time: latency when measured, else completion tokens)."""
+    successful rollouts of its group (relative completion time: latency when measured, else completion tokens).
+    With per-turn rewards the bonus is added to the last turn's reward (the episode's outcome)."""
 
 
 class BatchingConfig(Config):
