@@ -19,7 +19,12 @@ class SamplingConfig(Config):
     max_tokens: Tokens = Field(64, ge=1)
     """Most tokens generated per completion."""
     top_p: Float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass. Below 1 the trainer's logprobs no longer describe the sampler exactly."""
+    """Nucleus sampling mass. Below 1 the two backends report different logprobs: vLLM those of the truncated,
+    renormalised distribution (`processed_logprobs`), the local engine those of the untruncated one; the trainer
+    always scores the untruncated distribution (temperature-scaled, full vocabulary). So with top_p < 1 the
+    local engine's logprobs match the trainer's and vLLM's exceed them on every token (by -log of the nucleus
+    mass), which `mismatch_kl` shows and a mismatch correction (`trainer.loss.mismatch_correction`) reads as
+    off-policyness."""
 
 
 class ClientConfig(Config):

@@ -26,7 +26,7 @@ from torch import nn
 from arbor.config.trainer import LossConfig
 from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.trainer.context_parallel import packed_logprobs_cp
-from arbor.trainer.loss import LossContext, LossFn, LossOutput
+from arbor.trainer.loss import LossContext, LossFn
 from arbor.trainer.parallel import clip_grad_norm
 from arbor.transport.batch import MicroBatch, StepBatch
 
@@ -231,7 +231,7 @@ def train_step(
     for epoch in range(epochs):
         for group, normaliser in zip(groups, normalisers):
             for i in group:
-                out, logprobs, entropy, mask = _micro_batch_backward(
+                logprobs, entropy, mask = _micro_batch_backward(
                     model, batch, batch.micro_batches[i], proximal[i], loss_fn, loss_cfg, device,
                     dp_size / normaliser, len(group), forward_ctx, ref_model, router_replay, acc, epochs,
                 )
@@ -282,9 +282,9 @@ def _micro_batch_backward(
     loss_cfg: LossConfig, device: torch.device, scale: float, n_mb: int,
     forward_ctx: contextlib.AbstractContextManager | None, ref_model: nn.Module | None, router_replay: bool,
     acc: _Accumulator, epochs: int,
-) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (its loss times `scale`); adds the loss figures to `acc`
-    (each epoch's share 1/epochs). Returns the loss output, the detached logprobs, entropy and loss mask."""
+    (each epoch's share 1/epochs). Returns the detached logprobs, the entropy and the loss mask."""
     with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
         logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay)
     mask = mb.loss_mask.to(device, non_blocking=True)
@@ -306,7 +306,7 @@ def _micro_batch_backward(
     acc.add("loss_sum", out.loss_sum / epochs)
     for key, value in out.metrics.items():
         acc.add(f"loss/{key}", value if key.endswith(("_max", "_min")) else value / epochs)
-    return out, logprobs.detach(), entropy, mask
+    return logprobs.detach(), entropy, mask
 
 
 def _account(
