@@ -1,5 +1,6 @@
-"""Policy losses behind one typed protocol, a registry of built-ins, wrappers that apply to any loss (trainer/
-inference mismatch correction, KL to a reference model), and loading a user loss by dotted path.
+"""Policy losses behind one typed protocol, a registry of built-ins, wrappers that apply to any loss (the decoupled
+off-policy objective with its behaviour corrections, KL to a reference model), and loading a user loss by dotted
+path.
 
 A loss sees one packed micro-batch as flat per-token tensors and returns the SUM of its per-token loss over the
 loss tokens, each token multiplied by its weight `ctx.loss_weights[t]` (1 by default). The RL loop divides by
@@ -185,8 +186,9 @@ def is_mask(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig
 
 
 def gspo(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
-    """GSPO: the sample's ratio s = exp(mean over its loss tokens of (logprobs - inference)), clipped to
-    [1-gspo_clip_low, 1+gspo_clip_high]; each loss token carries `-min(s*A_t, clip(s)*A_t)`."""
+    """GSPO: the sample's ratio s = exp(mean over its loss tokens of (logprobs - old)), clipped to
+    [1-gspo_clip_low, 1+gspo_clip_high]; each loss token carries `-min(s*A_t, clip(s)*A_t)`. `build_loss` passes
+    the proximal logprobs as old (`LossConfig.decoupled`): the band is meant for one update."""
     ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
     m = mask.to(logprobs.dtype)
     log_r = torch.where(mask, logprobs - inference_logprobs, torch.zeros_like(logprobs))
