@@ -18,9 +18,13 @@ from arbor.models import build_model
 from arbor.trainer.loss import LossOutput, build_loss, ppo_clip
 from arbor.trainer.optim import build_optimizer
 from arbor.trainer.step import micro_batch_logprobs, mini_batch_normalisers, split_mini_batches, train_step
+from arbor.run_dir import broadcast_dir
+from arbor.trainer.main import main as trainer_main
 from arbor.transport.batch import StepBatch
+from arbor.transport.files import write_step
 
-from test_trainer import TEST_MODEL, make_micro_batch
+from test_trainer import TEST_MODEL, make_micro_batch, read_metrics, trainer_args
+from test_trainer_dist import assert_same_weights, run_torchrun
 
 CPU = torch.device("cpu")
 LAYOUT = [[10, 12], [8, 9, 5], [14, 6], [7, 7, 7]]
@@ -134,3 +138,23 @@ def test_gspo_defaults_to_sequence_normalisation_under_rl_and_can_be_overridden(
                       env={})
     assert cfg.orchestrator.batching.normalization == "token"
     assert load_config(RLConfig, [], env={}).orchestrator.batching.normalization == "token"
+
+
+def test_two_rank_mini_batches_match_one_rank(tmp_path) -> None:
+    """2 FSDP ranks with 2 mini-batches each equal 1 rank holding the same mini-batches: the per-mini-batch
+    normaliser is summed over ranks. Rank r holds micro-batches (r, r + 2); one rank holds them as 0, 2 | 1, 3."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    model, _ = _setup()
+    gen = torch.Generator().manual_seed(5)
+    for step in range(2):
+        mbs = [make_micro_batch(model, gen, lens) for lens in LAYOUT]
+        total, samples = _batch(mbs).loss_tokens_total, _batch(mbs).num_samples_total
+        write_step(one, step, [StepBatch(step, [mbs[0], mbs[2], mbs[1], mbs[3]], total, samples, 1.0)])
+        write_step(two, step, [StepBatch(step, [mbs[r], mbs[r + 2]], total, samples, 1.0) for r in range(2)])
+    assert trainer_main(trainer_args(one, 2, "--mini-batches", "2")) == 0
+    run_torchrun(2, trainer_args(two, 2, "--parallel.nproc", "2", "--mini-batches", "2"))
+    for r1, r2 in zip(read_metrics(one), read_metrics(two), strict=True):
+        assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
+        assert r1["mismatch_kl"] == pytest.approx(r2["mismatch_kl"], abs=1e-6)
+    for version in (1, 2):
+        assert_same_weights(broadcast_dir(one, version), broadcast_dir(two, version), atol=1e-5)
