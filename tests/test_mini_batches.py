@@ -142,14 +142,15 @@ def test_gspo_defaults_to_sequence_normalisation_under_rl_and_can_be_overridden(
 
 def test_two_rank_mini_batches_match_one_rank(tmp_path) -> None:
     """2 FSDP ranks with 2 mini-batches each equal 1 rank holding the same mini-batches: the per-mini-batch
-    normaliser is summed over ranks. Rank r holds micro-batches (r, r + 2); one rank holds them as 0, 2 | 1, 3."""
+    normaliser is summed over ranks. Rank r holds micro-batches (r, r + 2), so mini-batch j is micro-batches
+(2j, 2j + 1) over the two ranks, as on one rank holding all four in order."""
     one, two = tmp_path / "one", tmp_path / "two"
     model, _ = _setup()
     gen = torch.Generator().manual_seed(5)
     for step in range(2):
         mbs = [make_micro_batch(model, gen, lens) for lens in LAYOUT]
         total, samples = _batch(mbs).loss_tokens_total, _batch(mbs).num_samples_total
-        write_step(one, step, [StepBatch(step, [mbs[0], mbs[2], mbs[1], mbs[3]], total, samples, 1.0)])
+        write_step(one, step, [StepBatch(step, mbs, total, samples, 1.0)])
         write_step(two, step, [StepBatch(step, [mbs[r], mbs[r + 2]], total, samples, 1.0) for r in range(2)])
     assert trainer_main(trainer_args(one, 2, "--mini-batches", "2")) == 0
     run_torchrun(2, trainer_args(two, 2, "--parallel.nproc", "2", "--mini-batches", "2"))
