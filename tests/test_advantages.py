@@ -70,3 +70,23 @@ def test_loss_normalisation_weights():
     assert w == pytest.approx(12.0)  # total weight = loss tokens: the trainer's divisor still gives a mean
     assert b.metadata["normalization"] == "sequence"
     assert all(float(mb.loss_weights[~mb.loss_mask].abs().sum()) == 0 for mb in b.micro_batches)
+
+
+def test_std_ddof_is_a_documented_choice():
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0]])
+    # population std 0.5 -> +-1; sample std sqrt(1/3) -> +-0.866
+    assert grpo(rewards, AdvantageConfig(std_normalize=True))[0].tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    v = 0.5 / np.sqrt(1 / 3)
+    ddof1 = grpo(rewards, AdvantageConfig(std_normalize=True, std_ddof=1))[0]
+    assert ddof1.tolist() == pytest.approx([v, -v, -v, v], abs=1e-5)
+    single = grpo(np.array([[1.0]]), AdvantageConfig(std_normalize=True, std_ddof=1))
+    assert single.tolist() == [[0.0]]
+
+
+def test_completion_time_bonus_reaches_per_turn_rewards():
+    fast = _r(1.0, 4, turn_rewards=[(2, 0.5), (4, 1.0)])
+    slow = _r(1.0, 8, turn_rewards=[(4, 0.5), (8, 1.0)])
+    compute_advantages([[fast, slow]], AdvantageConfig(completion_time_weight=0.4))
+    assert fast.turn_rewards[-1][1] == pytest.approx(1.4) and slow.turn_rewards[-1][1] == pytest.approx(1.0)
+    # The bonus moves the advantages: the faster rollout's last turn is now above the slower one's.
+    assert fast.token_advantages[-1] > slow.token_advantages[-1]

@@ -94,13 +94,14 @@ def test_tis_truncates_and_mis_masks_the_mismatch_ratio():
     assert torch.allclose(lp.grad, torch.tensor([-1.0, -1.5, 0.5, -4.0, 0.0]), atol=1e-6)
     cfg = LossConfig(mismatch_correction="mis", mismatch_low=0.6, mismatch_cap=2.0)
     out = build_loss(cfg)(lp, inf, adv, mask, cfg, LossContext.single(5))
-    # r = 0.5 and r = 3 fall outside [0.6, 2]: only tokens 0 and 1 remain, each -A.
-    assert out.loss_sum.item() == pytest.approx(-2.0, abs=1e-6)
+    # r = 0.5 and r = 3 fall outside [0.6, 2]: only tokens 0 and 1 remain, each -A weighted by its ratio (masked
+    # importance sampling: a kept token is corrected by r, not passed with weight 1).
+    assert out.loss_sum.item() == pytest.approx(-1.0 * 1.0 - 1.5 * 1.0, abs=1e-6)
     assert out.metrics["mismatch_flagged"].item() == 2
-    # Sequence level: one sample's geometric mean ratio = (1*1.5*0.5*3)^(1/4) = 1.0606 -> kept whole.
+    # Sequence level: one sample's geometric mean ratio = (1*1.5*0.5*3)^(1/4) = 1.0606 -> kept whole, weight 1.0606.
     cfg = LossConfig(mismatch_correction="mis", mismatch_level="sequence", mismatch_low=0.6, mismatch_cap=2.0)
     out = build_loss(cfg)(lp, inf, adv, mask, cfg, LossContext.single(5))
-    assert out.loss_sum.item() == pytest.approx(-1.0 - 1.0 + 1.0 - 2.0, abs=1e-6)
+    assert out.loss_sum.item() == pytest.approx(2.25 ** 0.25 * (-1.0 - 1.0 + 1.0 - 2.0), abs=1e-6)
 
 
 def test_reference_kl_adds_k3_and_needs_reference_logprobs():

@@ -67,6 +67,17 @@ def test_router_replay_uses_given_experts_and_gathers_their_scores():
         model(x, routed_experts=chosen[:, :5])
 
 
+def test_router_logits_are_fp32_in_a_bf16_model():
+    """Trainer and engine share this router: its logits are computed in fp32 from the bf16 weights and inputs, so
+    near-tied experts are ranked identically on both sides; the mixing weights come back in the compute dtype."""
+    model = build_model(ModelConfig(name="qwen3-moe-test")).to(torch.bfloat16)
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(7, model.args.hidden_size, dtype=torch.bfloat16)
+    logits, weights, _ = gate(x)
+    assert logits.dtype == torch.float32 and weights.dtype == torch.bfloat16
+    assert torch.equal(logits, x.float() @ gate.weight.float().T)
+
+
 def test_moe_packed_forward_equals_separate_and_kv_cache_decoding():
     model = build_model(ModelConfig(name="qwen3-moe-test")).eval()
     seqs = [torch.randint(0, 256, (n,)) for n in (5, 9, 3)]

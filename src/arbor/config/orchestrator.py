@@ -19,7 +19,12 @@ class SamplingConfig(Config):
     max_tokens: Tokens = Field(64, ge=1)
     """Most tokens generated per completion."""
     top_p: Float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass. Below 1 the trainer's logprobs no longer describe the sampler exactly."""
+    """Nucleus sampling mass. Below 1 the two backends report different logprobs: vLLM those of the truncated,
+    renormalised distribution (`processed_logprobs`), the local engine those of the untruncated one; the trainer
+    always scores the untruncated distribution (temperature-scaled, full vocabulary). So with top_p < 1 the
+    local engine's logprobs match the trainer's and vLLM's exceed them on every token (by -log of the nucleus
+    mass), which `mismatch_kl` shows and a mismatch correction (`trainer.loss.mismatch_correction`) reads as
+    off-policyness."""
 
 
 class ClientConfig(Config):
@@ -41,12 +46,16 @@ class AdvantageConfig(Config):
     path `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
     std_normalize: bool = False
     """Divide by the group's reward standard deviation (GRPO); off is Dr. GRPO's unbiased choice."""
+    std_ddof: Literal[0, 1] = 0
+    """Delta degrees of freedom of that standard deviation: 0 = the population std (numpy's default), 1 = the
+    sample std (torch.std's default, as in the GRPO reference code); a group of one with ddof 1 gets std 0."""
     gamma: Float = Field(1.0, ge=0, le=1)
     """Discount of reward-to-go for rollouts with per-turn/process rewards: a token's advantage is the discounted
     sum of the group-normalised rewards of its turn and the turns after it."""
     completion_time_weight: Float = Field(0.0, ge=0)
     """Composite reward: a rollout with positive reward gains up to this much for finishing faster than the other
-    successful rollouts of its group (relative completion time: latency when measured, else completion tokens)."""
+    successful rollouts of its group (relative completion time: latency when measured, else completion tokens).
+    With per-turn rewards the bonus is added to the last turn's reward (the episode's outcome)."""
 
 
 class BatchingConfig(Config):
@@ -57,7 +66,8 @@ class BatchingConfig(Config):
     normalization: Literal["token", "sequence", "group"] = "token"
     """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
     tokens (DAPO), "sequence" = mean over samples of each sample's token mean (GRPO, GSPO), "group" = mean over
-    groups of each group's token mean."""
+    groups of each group's token mean. Unset under `rl` with `trainer.loss.name = "gspo"`: "sequence" (the
+    paper's mean over sequences); set it to override."""
     prefix_merge: bool = False
     """Prefix-tree merging: samples of a row that share token prefixes (multi-turn histories, a common system
     prompt) are merged into a trie and trained once per shared token, with a tree attention mask; the loss,

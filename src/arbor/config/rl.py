@@ -128,6 +128,14 @@ class RLConfig(Config):
                 f"the trainer's data-parallel ranks ({ranks} = parallel.nproc / parallel.cp); leave it unset"
             )
         self.orchestrator.batching.trainer_ranks = ranks
+        if self.trainer.mini_batches > self.orchestrator.batch_size // ranks:
+            raise ValueError(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the rollouts per trainer rank "
+                f"({self.orchestrator.batch_size} / {ranks}): each mini-batch needs samples of its own"
+            )
+        batching = self.orchestrator.batching
+        if self.trainer.loss.name == "gspo" and "normalization" not in batching.model_fields_set:
+            batching.normalization = "sequence"  # GSPO's objective is a mean over sequences
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
         return self

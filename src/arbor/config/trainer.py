@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from arbor.config.base import Config, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
+from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
 from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
 from arbor.config.layout import check_model_split, model_shape
@@ -69,17 +69,45 @@ class LossConfig(Config):
     """CISPO: the importance weight is clipped above at 1 + cispo_clip_high."""
     opmd_tau: Float = Field(1.0, ge=0)
     """OPMD: the KL regulariser tau; the loss is -A * logprob / (1 + tau)."""
+    trust_region: Literal["auto", "behaviour", "proximal"] = "auto"
+    """Which policy the loss's ratio (PPO/DAPO clip, is_mask's mask, GSPO's sequence clip, CISPO's weight) is
+    measured against (arbor.trainer.loss states the decoupled objective): "behaviour" = the inference logprobs
+    (coupled PPO: the one ratio bounds the update and corrects the off-policy samples), "proximal" = the
+    trainer's own logprobs at the start of the step, with the behaviour gap left to mismatch_correction. "auto" =
+    "proximal" for gspo (its band is meant for one update) and whenever a mismatch correction is on, else
+    "behaviour"."""
     mismatch_correction: Literal["none", "tis", "mis"] = "none"
-    """Trainer/inference mismatch correction wrapped around any loss: "tis" multiplies each token's loss by the
-    truncated weight min(pi_trainer / pi_inference, mismatch_cap); "mis" drops tokens (or samples, see
-    mismatch_level) whose ratio lies outside [mismatch_low, mismatch_cap]. Either way the inner loss's own ratio
-    is taken against the trainer's current (detached) logprobs."""
+    """Behaviour correction, a detached weight on each token's loss from the ratio pi_proximal / pi_inference:
+    "tis" (truncated IS) weighs it min(ratio, mismatch_cap); "mis" (masked IS, IcePop) weighs it by the ratio
+    where the ratio lies in [mismatch_low, mismatch_cap] and drops it elsewhere (per token, or per sample, see
+    mismatch_level)."""
     mismatch_level: Literal["token", "sequence"] = "token"
-    """Ratio used by the mismatch correction: per token, or the sample's geometric mean (applied to all its tokens)."""
+    """Ratio used by the mismatch correction: per token, or the sample's sequence ratio (mismatch_sequence) applied
+    to all its tokens."""
+    mismatch_sequence: Literal["geometric", "product"] = "geometric"
+    """Sequence ratio of mismatch_level = "sequence": "geometric" = exp(mean of the token log-ratios) (low
+    variance, biased), "product" = exp(sum) (the unbiased sequence importance ratio), computed in log space and
+    capped there (log mismatch_cap), so a long sample's ratio never overflows."""
     mismatch_cap: Float = Field(2.0, gt=0)
-    """Upper truncation (tis) or upper mask bound (mis) of the trainer/inference ratio."""
+    """Upper truncation (tis) or upper mask bound (mis) of the behaviour ratio."""
     mismatch_low: Float = Field(0.5, ge=0)
-    """Lower mask bound of the trainer/inference ratio (mis only)."""
+    """Lower mask bound of the behaviour ratio (mis only)."""
+    ratio_mask: Literal["none", "token", "sequence"] = "none"
+    """Outlier rejection on top of any correction: drop tokens whose behaviour ratio pi_proximal / pi_inference
+    lies outside [ratio_mask_low, ratio_mask_high] ("token", IcePop-style two-sided), or whole samples whose
+    geometric-mean ratio does ("sequence")."""
+    ratio_mask_low: Float = Field(0.5, ge=0)
+    """Lower bound of ratio_mask."""
+    ratio_mask_high: Float = Field(2.0, gt=0)
+    """Upper bound of ratio_mask."""
+    max_staleness: Int | None = Field(None, ge=0)
+    """Staleness bound at training time: a sample older than this many steps (the step that trains it minus the
+    policy version of its first token, so queue time counts) is dropped or down-weighted (stale_policy).
+    None: no bound."""
+    stale_policy: Literal["drop", "decay"] = "drop"
+    """Past max_staleness: "drop" the sample, or "decay" its loss by stale_decay per step beyond the bound."""
+    stale_decay: Float = Field(0.5, gt=0, le=1)
+    """Per-step factor of stale_policy = "decay"."""
     kl_coef: Float = Field(0.0, ge=0)
     """Weight of a k3-estimated KL(policy || reference) penalty per token; > 0 keeps a frozen copy of the initial
     weights as the reference model (one more forward pass per micro-batch)."""
@@ -88,7 +116,23 @@ class LossConfig(Config):
     def _bounds(self) -> "LossConfig":
         if self.mismatch_low >= self.mismatch_cap:
             raise ValueError(f"mismatch_low ({self.mismatch_low}) must be below mismatch_cap ({self.mismatch_cap})")
+        if self.ratio_mask_low >= self.ratio_mask_high:
+            raise ValueError(
+                f"ratio_mask_low ({self.ratio_mask_low}) must be below ratio_mask_high ({self.ratio_mask_high})"
+            )
+        if self.trust_region == "behaviour" and self.mismatch_correction != "none":
+            raise ValueError(
+                f"trust_region = 'behaviour' with mismatch_correction = {self.mismatch_correction!r} corrects the "
+                "behaviour gap twice: use trust_region = 'proximal' (or 'auto')"
+            )
         return self
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the trust region is measured against the proximal policy (see trust_region)."""
+        if self.trust_region != "auto":
+            return self.trust_region == "proximal"
+        return self.name == "gspo" or self.mismatch_correction != "none"
 
 
 class CheckpointConfig(Config):
@@ -173,6 +217,12 @@ class TrainerConfig(Config):
     """Seconds to wait for a step's rollouts before failing."""
     num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads per rank; default: torch's choice."""
+    mini_batches: Count = Field(1, ge=1)
+    """Optimizer steps per batch: each rank's micro-batches are split, in order, into this many mini-batches of
+    near-equal count, each with its own exact loss normaliser. Needs at least this many micro-batches per rank."""
+    epochs: Count = Field(1, ge=1)
+    """Passes over each batch (each pass takes mini_batches optimizer steps). With mini_batches x epochs > 1 the
+    proximal policy's logprobs are computed once per batch, before the first step, with no gradient."""
 
     deprecated_aliases = {"scheduler": "lr_schedule"}
 

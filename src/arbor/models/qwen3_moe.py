@@ -1,8 +1,8 @@
 """A Qwen3-MoE-architecture decoder: Qwen3 attention with a sparse mixture-of-experts MLP.
 
-Follows Hugging Face's `Qwen3MoeForCausalLM` (transformers 5): a top-k router over `softmax(x W_g^T)` (fp32),
-optionally renormalising the top-k weights (`norm_topk_prob`), experts stored as 3-D tensors
-`experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]` (transformers' in-memory names; `hf.py`
+Follows Hugging Face's `Qwen3MoeForCausalLM` (transformers 5): a top-k router over `softmax(x W_g^T)` (logits
+and softmax in fp32), optionally renormalising the top-k weights (`norm_topk_prob`), experts stored as 3-D
+tensors `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]` (transformers' in-memory names; `hf.py`
 converts to and from the per-expert `experts.{e}.gate_proj.weight` names its checkpoints use on disk), and the
 Switch-Transformer load-balancing loss. Departures:
 
@@ -83,8 +83,10 @@ class TopKRouter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits `[N, E]`, top-k weights `[N, k]`, expert ids `[N, k]`) for tokens `x [N, H]`; with
         `replay [N, k]` those experts are used and their scores gathered (router replay)."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        # fp32 router logits whatever the compute dtype: the trainer and the local engine run this same code, and
+        # bf16 logits flip near-tied top-k choices between them, a known source of growing MoE mismatch.
+        logits = F.linear(x.float(), self.weight.float())
+        probs = torch.softmax(logits, dim=-1)
         if replay is None:
             top, idx = torch.topk(probs, self.top_k, dim=-1)
         else:
@@ -92,7 +94,7 @@ class TopKRouter(nn.Module):
             top = probs.gather(-1, idx)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return logits, top.to(logits.dtype), idx
+        return logits, top.to(x.dtype), idx
 
 
 class Dispatcher(Protocol):

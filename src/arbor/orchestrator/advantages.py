@@ -3,7 +3,7 @@ rewards with a relative-completion-time term.
 
 Scalar advantages per group, `[num_groups, group_size]` rewards in, same shape out:
 - `grpo` subtracts the group mean; with `std_normalize` it also divides by the group's standard deviation (the
-  original GRPO). Without it this is Dr. GRPO's unbiased estimator, the default because the std division
+  original GRPO; `std_ddof` chooses the population (0, the default) or the sample (1) deviation). Without it this is Dr. GRPO's unbiased estimator, the default because the std division
   up-weights near-solved and near-failed groups.
 - `drgrpo` is the mean baseline whatever `std_normalize` says (Dr. GRPO's length-unbiased loss normalisation is
   the batcher's "token" normalisation, the default).
@@ -22,7 +22,7 @@ episode gets that episode's advantage. With per-turn rewards, each branch is a r
 Composite rewards: components are already summed with `environment.reward_weights` (a process penalty such as
 invalid tool calls is a component with a negative weight); `completion_time_weight` adds Forge's relative
 completion time: among a group's rollouts with positive reward, the fastest gains the full weight, the slowest
-none, linearly in between (component `completion_time`).
+none, linearly in between (component `completion_time`); with per-turn rewards it is added to the last turn's.
 """
 
 from __future__ import annotations
@@ -44,8 +44,16 @@ class AdvantageFn(Protocol):
 def grpo(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
     adv = rewards - rewards.mean(axis=1, keepdims=True)
     if cfg.std_normalize:
-        adv = adv / (rewards.std(axis=1, keepdims=True) + 1e-6)
+        adv = adv / (_std(rewards, cfg.std_ddof, axis=1) + 1e-6)
     return adv
+
+
+def _std(x: np.ndarray, ddof: int, axis: int | None = None) -> np.ndarray:
+    """Standard deviation with `ddof` (AdvantageConfig.std_ddof); 0 where there are no more values than ddof."""
+    n = x.shape[axis] if axis is not None else x.size
+    if n <= ddof:
+        return np.zeros_like(x.mean(axis=axis, keepdims=axis is not None))
+    return x.std(axis=axis, ddof=ddof, keepdims=axis is not None)
 
 
 def drgrpo(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
@@ -82,6 +90,9 @@ def completion_time_bonus(group: list, weight: float) -> None:
         bonus = weight * (cost.max() - c) / span if span > 0 else 0.0
         r.components["completion_time"] = float(bonus)
         r.reward += float(bonus)
+        if r.turn_rewards:  # reward-to-go reads the turns: the outcome (last turn) carries the bonus too
+            *head, (end, last) = r.turn_rewards
+            r.turn_rewards = [*head, (end, last + float(bonus))]
 
 
 def _turns(r) -> list[tuple[int, float]]:
@@ -93,7 +104,7 @@ def reward_to_go(group: list, cfg: AdvantageConfig) -> None:
     `token_advantages` and `advantage` (the first token's value) on every rollout."""
     all_rewards = np.array([rw for r in group for _, rw in _turns(r)], float)
     mean = all_rewards.mean()
-    scale = all_rewards.std() + 1e-6 if cfg.std_normalize else 1.0
+    scale = _std(all_rewards, cfg.std_ddof) + 1e-6 if cfg.std_normalize else 1.0
     for r in group:
         turns = _turns(r)
         ends = [int(e) for e, _ in turns]

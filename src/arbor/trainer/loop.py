@@ -8,7 +8,8 @@ step rank 0 removes the rollouts older than the `keep_rollouts` newest trained s
 
 Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl` (`arbor.run_dir.trainer_metrics_path`): `step` (the rollout step
 trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
-trainer) per loss token, before the update), `entropy`, `grad_norm`, `lr`, `tokens/s` (non-padding tokens over
+trainer) per loss token, before the update), `entropy`, `grad_norm` (the largest over the step's optimizer
+steps: `trainer.mini_batches` x `trainer.epochs`), `lr`, `tokens/s` (non-padding tokens over
 the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
 trainer starved of rollouts), `time/compute`, `time/publish`,
 `time/checkpoint` (of the previous checkpoint), `weights/bytes_moved` (bytes the weight update moved: less than
@@ -131,6 +132,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
             forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,
+            mini_batches=cfg.mini_batches, epochs=cfg.epochs,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -1,5 +1,6 @@
-"""Policy losses behind one typed protocol, a registry of built-ins, wrappers that apply to any loss (trainer/
-inference mismatch correction, KL to a reference model), and loading a user loss by dotted path.
+"""Policy losses behind one typed protocol, a registry of built-ins, wrappers that apply to any loss (the decoupled
+off-policy objective with its behaviour corrections, KL to a reference model), and loading a user loss by dotted
+path.
 
 A loss sees one packed micro-batch as flat per-token tensors and returns the SUM of its per-token loss over the
 loss tokens, each token multiplied by its weight `ctx.loss_weights[t]` (1 by default). The RL loop divides by
@@ -10,15 +11,39 @@ group's tokens sum to one group's share). Sequence-level losses (GSPO) put the s
 tokens, so sequence normalisation gives the paper's mean over sequences.
 
 `LossContext` carries what a loss needs beyond the tokens: the packed samples' lengths (segments for
-sequence-level ratios), the per-token weights and, with `kl_coef > 0`, the reference model's logprobs. A user
-loss may omit the `ctx` parameter (the original five-argument signature); it then cannot be combined with
-non-unit weights, and the trainer says so.
+sequence-level ratios), the per-token weights, with `kl_coef > 0` the reference model's logprobs, and for the
+off-policy wrapper the proximal logprobs and the tokens' policy versions. A user loss may omit the `ctx`
+parameter (the original five-argument signature); it then cannot be combined with non-unit weights, and the
+trainer says so.
 
-Departures: OPMD is Trinity-RFT's "embarrassingly simple" variant (appendix A.3: -(A / (1 + tau)) log pi with
-the group-mean baseline in A) at token level; CISPO follows MiniMax-M1 (no lower clip by default). With one
-optimizer step per batch the "old" policy of the mismatch correction is the trainer's current weights
-(detached), so `tis`/`mis` turn the inner loss's ratio into exactly 1 and move the off-policy correction into
-the (truncated or masked) weight pi_trainer / pi_inference.
+The decoupled off-policy objective (AReaL, Fu et al. 2025, "decoupled PPO"). Three policies: the behaviour
+policy mu (the inference engine's logprobs, `inference_logprobs`, of per-token versions), the proximal policy
+pi_prox (the trainer's logprobs at the start of the step: recomputed once, with no gradient, when a batch takes
+more than one optimizer step, else the current logprobs detached) and the current policy pi_theta. Per loss
+token t of a sample with advantage A_t:
+
+    loss_t = w_t * f(r_t, A_t),   r_t = pi_theta(t) / pi_old(t),   w_t = sg(c(pi_prox / mu) * s)
+
+where f is the loss below, pi_old is pi_prox when `loss.trust_region` resolves to "proximal" (always for gspo
+and whenever a mismatch correction is on; `LossConfig.decoupled`) and mu otherwise (coupled PPO, where one ratio
+both bounds the update and corrects the samples' staleness, and c = 1). c is the behaviour correction of
+arbor.trainer.off_policy (TIS, MIS/IcePop, their sequence-level geometric and product variants, the two-sided
+ratio mask) and s the staleness bound's weight. With one optimizer step per batch and a correction on, r = 1 in
+value (its gradient is that of log pi_theta) and all of the off-policy correction is w.
+
+The losses f (per token t; the sum over loss tokens of `ctx.loss_weights[t] * loss_t` is returned):
+- ppo_clip (PPO, Schulman et al. 2017; DAPO's clip-higher, Yu et al. 2025, when clip_high > clip_low):
+  `-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`.
+- is_mask (a trust-region mask instead of a clip): `-r A * 1{1 - clip_low <= sg(r) <= 1 + clip_high}`.
+- gspo (GSPO, Zheng et al. 2025): the sample ratio `s_i = exp(mean_{t in i} log r_t)` replaces r in PPO's
+  clip with the band [1 - gspo_clip_low, 1 + gspo_clip_high] and A_t; under sequence normalisation (the `rl`
+  default for gspo) the step's loss is the paper's mean over sequences.
+- cispo (CISPO, MiniMax-M1 2025): `-sg(clip(r, 1 - cispo_clip_low, 1 + cispo_clip_high)) A log pi_theta`.
+- opmd (Trinity-RFT, Pan et al. 2025, appendix A.3): `-A log pi_theta / (1 + tau)` with A the group-mean
+  baselined reward; no ratio (valid off-policy by its mirror-descent derivation).
+- cross_entropy (SFT): `-log pi_theta`.
+- the reference KL (`kl_coef > 0`) adds `kl_coef * k3`, k3 = `exp(d) - d - 1` with d = log pi_ref - log
+  pi_theta (Schulman's k3 estimator of KL(pi_theta || pi_ref), as in GRPO, Shao et al. 2024).
 
 Metric convention: every value in `LossOutput.metrics` is a 0-d tensor. A key ending in `_max` (`_min`) is
 reduced by maximum (minimum) over micro-batches and ranks; any other key is a SUM over loss tokens that the loop
@@ -36,6 +61,7 @@ import torch
 
 from arbor.config.trainer import LossConfig
 from arbor.environments.base import load_object
+from arbor.trainer.off_policy import mismatch_weights, ratio_mask_weights, sample_age, staleness_weights
 
 
 @dataclasses.dataclass
@@ -56,6 +82,12 @@ class LossContext:
     """`[T]` per-token multipliers of the loss (normalisation, importance weights); None means all ones."""
     ref_logprobs: torch.Tensor | None = None
     """`[T]` logprobs under the frozen reference model (present when `kl_coef > 0`)."""
+    proximal_logprobs: torch.Tensor | None = None
+    """`[T]` the proximal policy's logprobs (no gradient); None: the current logprobs, detached."""
+    policy_versions: torch.Tensor | None = None
+    """`[T]` the policy version that sampled each token (-1: none); needed by `loss.max_staleness`."""
+    step: int = 0
+    """The step being trained (the age of a sample is `step` minus its first token's version)."""
 
     @classmethod
     def single(cls, n: int, device: torch.device | str = "cpu") -> "LossContext":
@@ -154,8 +186,9 @@ def is_mask(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig
 
 
 def gspo(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
-    """GSPO: the sample's ratio s = exp(mean over its loss tokens of (logprobs - inference)), clipped to
-    [1-gspo_clip_low, 1+gspo_clip_high]; each loss token carries `-min(s*A_t, clip(s)*A_t)`."""
+    """GSPO: the sample's ratio s = exp(mean over its loss tokens of (logprobs - old)), clipped to
+    [1-gspo_clip_low, 1+gspo_clip_high]; each loss token carries `-min(s*A_t, clip(s)*A_t)`. `build_loss` passes
+    the proximal logprobs as old (`LossConfig.decoupled`): the band is meant for one update."""
     ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
     m = mask.to(logprobs.dtype)
     log_r = torch.where(mask, logprobs - inference_logprobs, torch.zeros_like(logprobs))
@@ -195,33 +228,36 @@ def cross_entropy(logprobs, inference_logprobs, advantages, loss_mask, cfg: Loss
     return LossOutput(_reduce(-logprobs, mask, ctx))
 
 
-def with_mismatch_correction(inner: LossFn) -> LossFn:
-    """Wraps any loss with truncated (tis) or masked (mis) importance sampling for the trainer/inference mismatch
-    (see the module docstring); the weight is detached and multiplies `ctx.loss_weights`."""
+def with_off_policy(inner: LossFn) -> LossFn:
+    """Wraps any loss in the decoupled objective (see the module docstring): the inner loss's ratio is taken
+    against the proximal policy when `cfg.decoupled`, else against the behaviour policy, and the behaviour
+    correction, ratio mask and staleness weights (detached) multiply `ctx.loss_weights`."""
 
-    def corrected(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+    def off_policy(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
         ctx, mask = _ctx(ctx, logprobs), loss_mask.bool()
-        log_r = torch.where(mask, logprobs.detach() - inference_logprobs, torch.zeros_like(logprobs))
-        if cfg.mismatch_level == "sequence":
-            m = mask.to(logprobs.dtype)
-            seq = ctx.segment_sum(log_r) / ctx.segment_sum(m).clamp(min=1.0)
-            log_r = seq[ctx.sample_index(logprobs.shape[0]).to(logprobs.device)]
-        r = torch.exp(log_r)
-        if cfg.mismatch_correction == "tis":
-            w = r.clamp(max=cfg.mismatch_cap)
-            flagged = (r > cfg.mismatch_cap) & mask
-        else:
-            keep = (r >= cfg.mismatch_low) & (r <= cfg.mismatch_cap)
-            w = keep.to(logprobs.dtype)
-            flagged = ~keep & mask
+        proximal = logprobs.detach() if ctx.proximal_logprobs is None else ctx.proximal_logprobs.to(logprobs.dtype)
+        log_r = torch.where(mask, proximal - inference_logprobs, torch.zeros_like(logprobs))
+        w, metrics = torch.ones_like(log_r), {}
+        if cfg.mismatch_correction != "none":
+            c, m = mismatch_weights(log_r, mask, cfg, ctx)
+            w, metrics = w * c, {**metrics, **m}
+        if cfg.ratio_mask != "none":
+            c, m = ratio_mask_weights(log_r, mask, cfg, ctx)
+            w, metrics = w * c, {**metrics, **m}
+        if cfg.max_staleness is not None:
+            if ctx.policy_versions is None:
+                raise ValueError("loss.max_staleness needs the tokens' policy versions in LossContext.policy_versions")
+            age = sample_age(ctx.policy_versions.to(logprobs.device), ctx.step, ctx)
+            c, m = staleness_weights(age, mask, cfg, logprobs.dtype)
+            w, metrics = w * c, {**metrics, **m}
+        old = proximal if cfg.decoupled else inference_logprobs
         inner_ctx = dataclasses.replace(ctx, loss_weights=ctx.weights(logprobs) * w)
-        out = inner(logprobs, logprobs.detach(), advantages, loss_mask, cfg, inner_ctx)
-        out.metrics["mismatch_weight_sum"] = torch.where(mask, w, torch.zeros_like(w)).sum()
-        out.metrics["mismatch_flagged"] = _count(flagged, logprobs.dtype)
+        out = inner(logprobs, old, advantages, loss_mask, cfg, inner_ctx)
+        out.metrics.update(metrics)
         return out
 
-    corrected.__name__ = f"{getattr(inner, '__name__', 'loss')}+mismatch"
-    return corrected
+    off_policy.__name__ = f"{getattr(inner, '__name__', 'loss')}+off_policy"
+    return off_policy
 
 
 def with_reference_kl(inner: LossFn) -> LossFn:
@@ -300,10 +336,11 @@ def resolve_loss(name: str) -> LossFn:
 
 
 def build_loss(cfg: LossConfig) -> LossFn:
-    """The configured loss with its wrappers: mismatch correction inside, then the reference KL penalty."""
+    """The configured loss with its wrappers: the off-policy objective inside (unless the loss is the coupled
+    objective with no weight to apply: then it sees the behaviour logprobs directly), then the reference KL."""
     fn = resolve_loss(cfg.name)
-    if cfg.mismatch_correction != "none":
-        fn = with_mismatch_correction(fn)
+    if cfg.decoupled or cfg.ratio_mask != "none" or cfg.max_staleness is not None:
+        fn = with_off_policy(fn)
     if cfg.kl_coef > 0:
         fn = with_reference_kl(fn)
     return fn

@@ -6,9 +6,12 @@ Prefix-tree merged rows (their wire format is arbor.transport.batch's) forward t
 their tree mask and unmerge: each original sample token's logprob is read from the logits of the node that
 predicts it (`tree_logprobs`), so everything after the forward sees the unmerged per-token arrays.
 
-Normalisation: each micro-batch's loss is `loss_sum / loss_tokens_total * dp_size`. FSDP2 averages gradients
-over the `dp_size` ranks, so the update follows the exact token mean over the whole step, however the samples
-were packed or split across ranks.
+Normalisation: each micro-batch's loss is `loss_sum / normaliser * dp_size`, the normaliser being the step's
+loss-token count with one optimizer step per batch. FSDP2 averages gradients over the `dp_size` ranks, so the
+update follows the exact token mean over the whole step, however the samples were packed or split across ranks.
+With `trainer.mini_batches = k` the micro-batches are split, in order, into k optimizer steps, each normalised
+by its own share of the step's loss weight (`mini_batch_normalisers`), so each step is the exact mean its
+normalisation asks for over its own samples; `trainer.epochs` repeats the pass.
 """
 
 from __future__ import annotations
@@ -202,44 +205,108 @@ def train_step(
     forward_ctx: contextlib.AbstractContextManager | None = None,
     ref_model: nn.Module | None = None,
     router_replay: bool = False,
+    mini_batches: int = 1,
+    epochs: int = 1,
 ) -> dict[str, float]:
-    """Trains on this rank's micro-batches and takes one optimizer step; returns the step's global figures.
+    """Trains on this rank's micro-batches, `mini_batches` optimizer steps per pass over them and `epochs`
+    passes; returns the step's global figures.
 
     `ref_model` (frozen) supplies `LossContext.ref_logprobs` for a KL penalty. Under context parallelism every
     rank of a cp group holds the whole row's logprobs and computes the same loss; the all-gather's backward
     sums the group's gradients (a factor cp that FSDP2's average over dp x cp ranks cancels), and only cp rank
     0 counts the figures. An MoE model's load-balancing loss (`model.aux_loss`, per micro-batch) is added with
-    weight 1/micro-batches per rank.
+    weight 1/micro-batches of the mini-batch per rank. With more than one optimizer step per batch the proximal
+    logprobs (arbor.trainer.loss) are computed first, with no gradient; the token figures (mismatch_kl,
+    entropy, staleness) are counted in the first epoch and the loss figures averaged over the epochs.
     """
-    normaliser = max(batch.loss_tokens_total, 1)
     cp_ctx = getattr(model, "_arbor_cp", None)
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
-    n_mb = max(len(batch.micro_batches), 1)
-    for mb in batch.micro_batches:
-        with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay)
-        mask = mb.loss_mask.to(device, non_blocking=True)
-        inf_lp = mb.inference_logprobs.to(device, non_blocking=True)
-        adv = mb.advantages.to(device, non_blocking=True)
-        ctx = LossContext(mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True))
-        if ref_model is not None:
-            with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-                ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay)
-        out = loss_fn(logprobs, inf_lp, adv, mask, loss_cfg, ctx)
-        total = out.loss_sum * (dp_size / normaliser)
-        aux = getattr(model, "aux_loss", None)
-        if aux is not None:
-            total = total + aux / n_mb
-            acc.add("aux_loss_sum", aux / n_mb * mask.sum())  # reported per loss token like the loss metrics
-        total.backward()
-        _account(acc, mb, mask, logprobs.detach(), inf_lp, entropy, out.loss_sum, batch.step, device)
-        for key, value in out.metrics.items():
-            acc.add(f"loss/{key}", value)
-    grad_norm = clip_grad_norm(model, max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
-    return _figures(acc, dp_size, normaliser)
+    groups = split_mini_batches(len(batch.micro_batches), mini_batches, batch.step)
+    normalisers = mini_batch_normalisers(batch, groups, acc.weight)
+    proximal: list[torch.Tensor | None] = [None] * len(batch.micro_batches)
+    if mini_batches * epochs > 1:
+        with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+            proximal = [micro_batch_logprobs(model, mb, batch.temperature, device, False, router_replay)[0]
+                        for mb in batch.micro_batches]
+    for epoch in range(epochs):
+        for group, normaliser in zip(groups, normalisers):
+            for i in group:
+                logprobs, entropy, mask = _micro_batch_backward(
+                    model, batch, batch.micro_batches[i], proximal[i], loss_fn, loss_cfg, device,
+                    dp_size / normaliser, len(group), forward_ctx, ref_model, router_replay, acc, epochs,
+                )
+                if epoch == 0:
+                    seen = logprobs if proximal[i] is None else proximal[i]  # the policy before any update
+                    _account(acc, batch.micro_batches[i], mask, seen, entropy, batch.step, device)
+            grad_norm = clip_grad_norm(model, max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
+    return _figures(acc, dp_size, max(batch.loss_tokens_total, 1))
+
+
+def split_mini_batches(n_micro: int, k: int, step: int) -> list[range]:
+    """Indices of the micro-batches of each of the `k` mini-batches: contiguous, in order, counts differing by at
+    most one. Every rank holds the same number of micro-batches (arbor.orchestrator.batcher), so every rank
+    takes the same optimizer steps."""
+    if k > max(n_micro, 1):
+        raise ValueError(
+            f"trainer.mini_batches = {k} needs at least {k} micro-batches per trainer rank, but step {step} has "
+            f"{n_micro}: lower it, or orchestrator.batching.micro_batch_tokens to pack more rows"
+        )
+    bounds = [round(j * n_micro / k) for j in range(k + 1)]
+    return [range(bounds[j], bounds[j + 1]) for j in range(k)]
+
+
+def mini_batch_normalisers(batch: StepBatch, groups: list[range], weight: float) -> list[float]:
+    """Each mini-batch's loss normaliser: the step's loss-token count times the mini-batch's share of the step's
+    loss weight, over all ranks. With token normalisation that is its loss-token count; with sequence (group)
+    normalisation the mini-batch's loss is the mean over its samples (groups). One mini-batch: exactly the
+    step's count. `weight` is 0 on context-parallel ranks that duplicate another's data."""
+    total = max(batch.loss_tokens_total, 1)
+    if len(groups) == 1:
+        return [float(total)]
+    sums = torch.zeros(len(groups), dtype=torch.float64)
+    for j, group in enumerate(groups):
+        for i in group:
+            mb = batch.micro_batches[i]
+            sums[j] += torch.where(mb.loss_mask.bool(), mb.loss_weights.double(), 0.0).sum() * weight
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    whole = float(sums.sum())
+    return [total * float(w) / whole if w > 0 else float(total) for w in sums]
+
+
+def _micro_batch_backward(
+    model: nn.Module, batch: StepBatch, mb: MicroBatch, proximal: torch.Tensor | None, loss_fn: LossFn,
+    loss_cfg: LossConfig, device: torch.device, scale: float, n_mb: int,
+    forward_ctx: contextlib.AbstractContextManager | None, ref_model: nn.Module | None, router_replay: bool,
+    acc: _Accumulator, epochs: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Forward, loss and backward of one micro-batch (its loss times `scale`); adds the loss figures to `acc`
+    (each epoch's share 1/epochs). Returns the detached logprobs, the entropy and the loss mask."""
+    with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+        logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay)
+    mask = mb.loss_mask.to(device, non_blocking=True)
+    ctx = LossContext(
+        mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True), proximal_logprobs=proximal,
+        policy_versions=mb.policy_versions.to(device, non_blocking=True), step=batch.step,
+    )
+    if ref_model is not None:
+        with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+            ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay)
+    out = loss_fn(logprobs, mb.inference_logprobs.to(device, non_blocking=True),
+                  mb.advantages.to(device, non_blocking=True), mask, loss_cfg, ctx)
+    total = out.loss_sum * scale
+    aux = getattr(model, "aux_loss", None)
+    if aux is not None:
+        total = total + aux / n_mb
+        acc.add("aux_loss_sum", aux / n_mb * mask.sum() / epochs)  # reported per loss token like the loss metrics
+    total.backward()
+    acc.add("loss_sum", out.loss_sum / epochs)
+    for key, value in out.metrics.items():
+        acc.add(f"loss/{key}", value if key.endswith(("_max", "_min")) else value / epochs)
+    return logprobs.detach(), entropy, mask
 
 
 def _account(
@@ -247,15 +314,12 @@ def _account(
     mb: MicroBatch,
     mask: torch.Tensor,
     logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
     entropy: torch.Tensor | None,
-    loss_sum: torch.Tensor,
     step: int,
     device: torch.device,
 ) -> None:
     zero = torch.zeros_like(logprobs)
-    d = logprobs - inference_logprobs
-    acc.add("loss_sum", loss_sum)
+    d = logprobs - mb.inference_logprobs.to(device, non_blocking=True)
     # k3 = exp(d) - d - 1 ~ d^2/2: in float32 a d of 1e-6 cancels to exactly 0, so use expm1 in float64.
     d64 = d.double()
     acc.add("mismatch_kl_sum", torch.where(mask, torch.expm1(d64) - d64, torch.zeros_like(d64)).sum())
