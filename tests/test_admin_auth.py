@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from fuzz_requests import raw_http
 from pydantic import SecretStr
 from test_inference import TOK, make_model, running_engine
 from test_rl_e2e import TINY, _finish
@@ -49,7 +50,8 @@ async def _assert_admin_guarded(s: aiohttp.ClientSession, url: str) -> None:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
             status, data = await _call(s, url + route, BODIES[route], headers)
             assert status == 401, (route, headers, data)
-            assert data["error"]["type"] == "authentication_error" and set(data["error"]) == {"message", "type", "param"}
+            assert set(data["error"]) == {"message", "type", "param"}
+            assert data["error"]["type"] == "authentication_error"
         status, data = await _call(s, url + route, BODIES[route], BEARER)
         assert status == 200, (route, data)
 
@@ -89,6 +91,9 @@ def test_the_router_needs_the_token_and_forwards_it_to_its_backends() -> None:
                     assert status == 200
                     assert (await _call(s, url + "/health", method="GET"))[0] == 200
                     assert (await _call(s, url + "/collective_rpc", {}))[0] == 401  # forwarded routes outside /v1/
+                    for target in ("/v1/../collective_rpc", "/v1/%2e%2e/pause", "/v1/./x/../../pause"):
+                        head = f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        assert (await raw_http(url, head.encode()))[0] == 401, target  # not /v1/ once normalized
             finally:
                 await runner.cleanup()
 
@@ -107,6 +112,7 @@ def test_update_weights_loads_only_newer_versions_from_the_allowed_roots(tmp_pat
     _publish(outside, 2)
     (broadcasts_root(run) / "step_2").symlink_to(outside)  # inside by name, outside once resolved
     (broadcasts_root(run) / "alias").symlink_to(step1)  # a symlink resolving inside is fine
+    (broadcasts_root(run) / "loop").symlink_to(broadcasts_root(run) / "loop")
     refused = [
         str(outside),  # outside the run
         str(broadcasts_root(run) / "step_2"),  # a symlink pointing outside
@@ -115,6 +121,8 @@ def test_update_weights_loads_only_newer_versions_from_the_allowed_roots(tmp_pat
         str(broadcasts_root(run) / "step_9"),  # nonexistent
         str(step1 / "config.json"),  # not a directory
         "run/broadcasts/step_1",  # relative
+        str(broadcasts_root(run) / "loop"),  # a symlink loop
+        "/a\x00b",  # a NUL byte
     ]
     roots = WeightUpdates.of(InferenceConfig(output_dir=run)).roots  # the run's broadcasts/, as a server has it
     assert roots == [broadcasts_root(run).resolve()]

@@ -61,10 +61,10 @@ from aiohttp import web
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.inference.vllm_launch import materialized_path, serve_argv, serve_env, vllm_build
-from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
-from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
 from arbor.models.hf import save_checkpoint_dir
+from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file
 
 log = logging.getLogger("arbor.inference.vllm")
 

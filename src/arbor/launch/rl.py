@@ -269,8 +269,8 @@ def run(cfg: RLConfig) -> int:
             sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
             wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet)
         sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
-        sup.start("orchestrator", [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")],
-                  token_env(cfg, CLIENT_TOKEN_ENV))
+        orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
+        sup.start("orchestrator", orchestrator, token_env(cfg, CLIENT_TOKEN_ENV))
         finished = {"sft"}
         watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:

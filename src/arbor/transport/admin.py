@@ -47,8 +47,10 @@ REFUSED_PATH = ("is not a published weights directory this server may load (an a
 
 def needs_admin(request: web.Request) -> bool:
     """Whether a request reaches a route that changes the server (see the module docstring)."""
-    path = request.path
-    if path.startswith("/v1/"):
+    path = request.path  # percent-decoded: `%2e%2e` is `..` here
+    segments = path.split("/")
+    # `/v1/../x` is not normalized by aiohttp, but a server it is forwarded to might: such a path is not /v1/.
+    if path.startswith("/v1/") and ".." not in segments and "." not in segments:
         return path in ADMIN_UNDER_V1
     return not (request.method in ("GET", "HEAD") and path in OPEN_GET)
 
@@ -108,11 +110,19 @@ class WeightUpdates:
     def directory(self, raw: str) -> Path:
         """The resolved directory `raw` names, or the one refusal (400) that does not say why."""
         path = Path(raw)
-        resolved = path.resolve(strict=False) if path.is_absolute() and ".." not in path.parts else None
-        inside = resolved is not None and (self.roots is None or any(resolved.is_relative_to(r) for r in self.roots))
-        if not inside or not resolved.is_dir():  # type: ignore[union-attr]
-            raise BadRequest(f"{raw!r} {REFUSED_PATH}", "path")
-        return resolved  # type: ignore[return-value]
+        if path.is_absolute() and ".." not in path.parts:
+            try:
+                resolved = path.resolve(strict=False)
+                if self._allowed(resolved) and resolved.is_dir():
+                    return resolved
+            # A NUL byte (ValueError), a symlink loop (RuntimeError before Python 3.13), a name too long (OSError):
+            # refused like any other path.
+            except (OSError, ValueError, RuntimeError):
+                pass
+        raise BadRequest(f"{raw!r} {REFUSED_PATH}", "path")
+
+    def _allowed(self, resolved: Path) -> bool:
+        return self.roots is None or any(resolved.is_relative_to(r) for r in self.roots)
 
     def read(self, body: dict[str, Any], loaded: int) -> WeightUpdate | None:
         """The update a body asks for; None when it names the loaded version (nothing to do)."""
