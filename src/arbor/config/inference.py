@@ -73,7 +73,7 @@ class RouterConfig(Config):
     implementation: Literal["auto", "builtin", "vllm-router"] = "auto"
     """"auto" uses the `vllm-router` console script when it is on PATH, else the built-in aiohttp router."""
     host: str = "127.0.0.1"
-    """Address the router binds."""
+    """Address the router binds; anything but a loopback address requires `admin_token`."""
     port: Port = 0
     """Port the router binds; 0 picks a free one."""
     health_interval: Seconds = Field(1.0, gt=0)
