@@ -78,7 +78,7 @@ def test_partial_counts_are_per_batch() -> None:
 def test_agent_figures_come_from_the_gateway_and_the_environment() -> None:
     figures, pool = _figures()
     assert figures.agents() == {}
-    pool.gateway = types.SimpleNamespace(calls=5, sessions={"a": 1})
+    pool.gateway = types.SimpleNamespace(calls=5, open_sessions=1)
     pool.env.failed = 2
     assert figures.agents() == {"gateway/calls": 5, "gateway/open_sessions": 1, "agents/failed": 2}
 

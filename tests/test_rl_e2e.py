@@ -102,3 +102,33 @@ def test_dead_inference_server_stops_the_run_naming_it(tmp_path):
     assert "inference exited" in stderr and str(out / "logs" / "inference.log") in stderr
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftovers, "processes outlived the launcher"
+
+
+def test_max_minutes_ends_the_run_with_a_checkpoint_and_resume_goes_on(tmp_path):
+    """A fraction of a minute's budget ends a 500-step run early and cleanly: exit 0, a checkpoint of the last
+    trained step, every row stamped with `time` and `elapsed_s`; a resume with a larger budget goes on from the
+    checkpoint, its clock continuing from the last row kept."""
+    import json
+
+    out = tmp_path / "run"
+    rc, stdout, stderr = _finish(_rl(out, "--max-steps", "500", "--max-minutes", "0.1",
+                                     "--trainer.ckpt.interval", "1000"))
+    assert rc == 0, stderr + stdout
+    stopped = json.loads((out / "stopped.json").read_text())
+    at = stopped["step"]
+    assert 0 < at < 500 and latest_checkpoint(out) == at
+    assert f"stopped at step {at}/500 by max_minutes" in stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(at))
+    assert all(isinstance(r["time"], float) and r["elapsed_s"] >= 0 for r in rows)
+    assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
+    assert rows[-1]["elapsed_s"] >= 6.0  # the step that ended past the budget (0.1 min) is the last one
+    assert all("elapsed_s" in r and "time" in r for r in read_jsonl(out / "metrics" / "orchestrator.jsonl"))
+
+    rc, stdout, stderr = _finish(_rl(out, "--max-steps", str(at + 2), "--resume"))
+    assert rc == 0, stderr + stdout
+    assert not (out / "stopped.json").exists() and "by max_minutes" not in stdout
+    resumed = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(at + 2))
+    assert resumed[at]["elapsed_s"] > rows[-1]["elapsed_s"]  # goes on from the last row, downtime not counted
+    assert resumed[at]["time"] > rows[-1]["time"]

@@ -167,6 +167,12 @@ def gateway_url_path(output_dir: PathLike) -> Path:
     return Path(output_dir) / "gateway_url"
 
 
+def stopped_path(output_dir: PathLike) -> Path:
+    """Written by the trainer when `max_minutes` ended the run: `{"step": S, "reason": ...}`, S being the
+    checkpoint it wrote last (the orchestrator stops producing batches when it sees it)."""
+    return Path(output_dir) / "stopped.json"
+
+
 # ---- step listings ----
 
 def _steps(root: Path, complete: Callable[[Path], bool]) -> list[int]:
@@ -263,8 +269,8 @@ def prune_rollouts(output_dir: PathLike, keep: int, trained: int) -> None:
 
 def clear_after(output_dir: PathLike, start: int, keep_published_start: bool) -> None:
     """Removes what an earlier attempt left past `start`, where a run (re)starts: rollouts of steps >= `start`,
-    published weights of steps > `start` (and `start`'s own unless `keep_published_start`), and heartbeats,
-    whose pids may now belong to someone else and must never be signalled."""
+    published weights of steps > `start` (and `start`'s own unless `keep_published_start`), heartbeats,
+    whose pids may now belong to someone else and must never be signalled, and an earlier `stopped.json`."""
     for step in rollout_steps(output_dir):
         if step >= start:
             shutil.rmtree(rollout_step_dir(output_dir, step))
@@ -272,3 +278,4 @@ def clear_after(output_dir: PathLike, start: int, keep_published_start: bool) ->
         if step > start or not keep_published_start:
             shutil.rmtree(broadcast_dir(output_dir, step))
     shutil.rmtree(heartbeats_dir(output_dir), ignore_errors=True)
+    stopped_path(output_dir).unlink(missing_ok=True)  # the stop of an earlier attempt is not this one's

@@ -230,7 +230,10 @@ class OrchestratorConfig(Config):
     temperature: Temperature = 1.0
     """Sampling temperature; the trainer scales its logits by the same value."""
     batch_size: Count = Field(64, ge=1)
-    """Rollouts per training step (a multiple of group_size)."""
+    """Rollouts per training step (a multiple of group_size): each step trains batch_size / group_size groups of
+    group_size rollouts, a rollout being one episode. For black_box an episode is one agent run, which yields one
+    sample per chain of its calls (several when the agent branches its history, none when it fails), so there
+    batch_size counts agent runs and a step's sample count varies."""
     group_size: Count = Field(8, ge=1)
     """Rollouts per task; advantages are relative to the group."""
     max_off_policy_steps: Int = Field(2, ge=0)

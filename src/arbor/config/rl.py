@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 
 from arbor.config.admin import AdminToken, token_value
-from arbor.config.base import Config, FilePath, Int, Seconds, Seed, Tokens
+from arbor.config.base import Config, FilePath, Float, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
 from arbor.config.layout import check_mesh
@@ -21,7 +21,7 @@ from arbor.config.trainer import TrainerConfig
 from arbor.config.transport import WeightTransportConfig
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
-SHARED = ("model", "output_dir", "max_steps", "seq_len", "seed", "resume", "weights")
+SHARED = ("model", "output_dir", "max_steps", "max_minutes", "seq_len", "seed", "resume", "weights")
 
 
 class RLConfig(Config):
@@ -33,6 +33,11 @@ class RLConfig(Config):
     """Run directory: configs/, logs/, metrics.jsonl, rollouts/, broadcasts/, checkpoints/."""
     max_steps: Int = Field(20, ge=1)
     """RL training steps."""
+    max_minutes: Float | None = Field(None, gt=0)
+    """Wall-clock budget of the RL steps, in minutes (None: none), counted as metrics.jsonl's `elapsed_s` (from
+    the start of trainer and orchestrator, the SFT warm-up and inference start-up excluded; going on across
+    `--resume`). Once a trained step ends past it, the trainer writes a checkpoint and the run ends cleanly
+    (exit 0) before max_steps; `--resume` with a larger budget continues it."""
     seq_len: Tokens = Field(512, ge=8)
     """Longest sequence (prompt + completion)."""
     seed: Seed = 0

@@ -144,6 +144,10 @@ class TrainerConfig(Config):
     """Run directory shared with the orchestrator."""
     max_steps: Int = Field(20, ge=1)
     """Optimizer steps to take."""
+    max_minutes: Float | None = Field(None, gt=0)
+    """Wall-clock budget in minutes (None: none), counted as the rows' `elapsed_s` (arbor.monitor.metrics.RunClock:
+    from this process's start, going on across a resume): the first step that ends past it is checkpointed and
+    training stops there, writing `stopped.json` so that the orchestrator stops too."""
     seed: Seed = 0
     """Seed of anything random in training."""
     resume: bool = False

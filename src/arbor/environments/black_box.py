@@ -9,11 +9,19 @@ the same agent code without a process start per rollout, which is what makes the
 `remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see arbor.orchestrator.gateway)
 and must POST the session's reward themselves.
 
-The reward is the one the agent (or its harness) POSTs to `/v1/sessions/{id}/reward` when it does; otherwise
+A subprocess agent also gets `ARBOR_REWARD_URL` (its session's reward route) and `ARBOR_SESSION_ID`; a function
+agent's reward route is its `base_url` with the trailing `/v1` replaced by `/reward`; a remote agent gets
+`reward_url` with its work. The reward is the one the agent (or its harness) POSTs there when it does; otherwise
 the inner environment scores what the agent printed (its stdout, stripped; or the function's return value).
 An agent that exits non-zero, raises or outlives `timeout` is retried `retries` times with a fresh session;
 after that its rollout is dropped and counted (`failed`), and a group left with no sample is replaced by the
-orchestrator. Nothing here can hang the run: every wait is bounded.
+orchestrator. Every session that ends without a posted reward is counted by the gateway under why it ended
+(`gateway/unrewarded/...`: scored_by_env, timed_out, agent_failed, abandoned when its group was cancelled).
+Nothing here can hang the run: every wait is bounded.
+
+A group is `group_size` agent runs (episodes); one run yields one sample per chain of calls (an agent that
+branches its history yields several, sharing the episode's reward and counted once in the group's advantages),
+and a failed run yields none. So `batch_size` counts episodes here, not samples.
 """
 
 from __future__ import annotations
@@ -42,7 +50,11 @@ log = logging.getLogger("arbor.environments.black_box")
 
 
 class AgentFailed(Exception):
-    pass
+    """An agent run that failed; `ended` says how (arbor.orchestrator.gateway_sessions.UNREWARDED)."""
+
+    def __init__(self, message: str, ended: str = "agent_failed") -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 class BlackBoxEnv:
@@ -115,14 +127,9 @@ class BlackBoxEnv:
             session = gateway.open(task_id=spec.task.get("id", -1), group_id=spec.group_id)
             t0 = time.monotonic()
             try:
-                if self.remote:
-                    answer = await self._remote_agent(gateway, session.id, text)
-                else:
-                    async with self._slots:
-                        answer = await self._run_agent(text, gateway.base_url(session.id),
-                                                       gateway.cfg.api_key or "none")
+                answer = await self._attempt(gateway, session.id, text)
             except AgentFailed as e:
-                await gateway.finish(session.id)
+                await gateway.finish(session.id, e.ended)
                 if attempt < self.retries:
                     self.retried += 1
                     log.warning("agent failed on task %s (%s); retry %d/%d", spec.task.get("id"), e, attempt + 1,
@@ -131,7 +138,7 @@ class BlackBoxEnv:
                 self.failed += 1
                 log.warning("agent failed on task %s (%s); rollout dropped", spec.task.get("id"), e)
                 return []
-            session = await gateway.finish(session.id)
+            session = await gateway.finish(session.id, "scored_by_env")
             failed = False
             if session.reward is None:  # no reward was posted: score the agent's answer
                 try:
@@ -146,24 +153,37 @@ class BlackBoxEnv:
             return rollouts
         return []
 
+    async def _attempt(self, gateway: "Gateway", session_id: str, task: str) -> str:
+        """One agent run in the session; its answer. A cancelled run (its group cancelled) abandons the session."""
+        try:
+            if self.remote:
+                return await self._remote_agent(gateway, session_id, task)
+            async with self._slots:
+                return await self._run_agent(task, gateway.base_url(session_id), gateway.cfg.api_key or "none",
+                                             gateway.reward_url(session_id), session_id)
+        except asyncio.CancelledError:
+            gateway.abandon(session_id)
+            raise
+
     async def _remote_agent(self, gateway: "Gateway", session_id: str, task: str) -> str:
         """Pull mode: a remote agent claims the task (POST /v1/work) and must POST the reward in time."""
         gateway.offer(session_id, task)
         if not await gateway.wait_reward(session_id, self.timeout):
-            raise AgentFailed(f"no reward posted within {self.timeout:.0f}s")
+            raise AgentFailed(f"no reward posted within {self.timeout:.0f}s", "timed_out")
         return ""
 
-    async def _run_agent(self, task: str, base_url: str, api_key: str) -> str:
+    async def _run_agent(self, task: str, base_url: str, api_key: str, reward_url: str, session_id: str) -> str:
         if self.function is not None:
             try:
                 # A thread cannot be killed: the function's own HTTP timeout must end it; we stop waiting.
                 call = asyncio.get_running_loop().run_in_executor(self._pool, self.function, task, base_url, api_key)
                 return str(await asyncio.wait_for(call, self.timeout)).strip()
             except asyncio.TimeoutError:
-                raise AgentFailed(f"timed out after {self.timeout:.0f}s") from None
+                raise AgentFailed(f"timed out after {self.timeout:.0f}s", "timed_out") from None
             except Exception as e:  # noqa: BLE001 - any agent error is a failed attempt, retried or counted
                 raise AgentFailed(repr(e)) from None
-        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+               "ARBOR_REWARD_URL": reward_url, "ARBOR_SESSION_ID": session_id}
         argv = list(self.command)
         if self.task_input == "argv":
             argv.append(task)
@@ -179,9 +199,10 @@ class BlackBoxEnv:
         except asyncio.TimeoutError:
             _kill(proc)
             await proc.wait()
-            raise AgentFailed(f"timed out after {self.timeout:.0f}s") from None
+            raise AgentFailed(f"timed out after {self.timeout:.0f}s", "timed_out") from None
         except asyncio.CancelledError:
             _kill(proc)
+            await asyncio.shield(proc.wait())  # reaped on this loop, before the loop may close (SIGKILLed: quick)
             raise
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]

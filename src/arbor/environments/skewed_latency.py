@@ -4,13 +4,19 @@ tool calls and sandboxes take seconds, used by `benchmarks/async_vs_sync.py` and
 Scoring a completion sleeps for a lognormal time whose median grows with the task's length (longer texts are
 the harder tasks here), and with probability `straggler_p` for `straggler_x` times as long. The draw is seeded
 by the task and the completion, so a rerun sees the same latencies. Rewards are exactly reverse_text's.
+
+With `compute_p > 0`, that share of the scorings is compute-bound instead of latency-bound: the drawn time is
+spent as CPU time (hashing in a worker thread, which releases the GIL, like a verifier running tests), so it
+competes for the cores with the trainer and the inference engine instead of overlapping them for free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import random
+import time
 import zlib
 
 from arbor.environments.base import Task
@@ -26,21 +32,37 @@ class SkewedLatencyEnv(ReverseTextEnv):
         sigma: float = 0.8,
         straggler_p: float = 0.02,
         straggler_x: float = 20.0,
+        compute_p: float = 0.0,
         **reverse_text_args,
     ) -> None:
         super().__init__(**reverse_text_args)
-        if median_s < 0 or sigma < 0 or not 0 <= straggler_p <= 1 or straggler_x < 1:
-            raise ValueError("need median_s >= 0, sigma >= 0, 0 <= straggler_p <= 1, straggler_x >= 1")
+        if median_s < 0 or sigma < 0 or not 0 <= straggler_p <= 1 or straggler_x < 1 or not 0 <= compute_p <= 1:
+            raise ValueError("need median_s >= 0, sigma >= 0, 0 <= straggler_p <= 1, straggler_x >= 1, 0 <= compute_p <= 1")
         self.median_s, self.sigma, self.straggler_p, self.straggler_x = median_s, sigma, straggler_p, straggler_x
+        self.compute_p = compute_p
 
-    def latency(self, task: Task, completion: str) -> float:
+    def cost(self, task: Task, completion: str) -> tuple[float, bool]:
+        """Seconds that scoring takes, and whether they are CPU time (True) or waiting (False)."""
         rng = random.Random(zlib.crc32(f"{task.get('id')}/{completion}".encode()))
         scale = len(task["text"]) / self.min_len  # harder (longer) tasks are slower
         seconds = rng.lognormvariate(math.log(max(self.median_s * scale, 1e-9)), self.sigma)
         if rng.random() < self.straggler_p:
             seconds *= self.straggler_x
-        return seconds
+        return seconds, rng.random() < self.compute_p
 
     async def score(self, task: Task, completion: str) -> dict[str, float]:
-        await asyncio.sleep(self.latency(task, completion))
+        seconds, compute = self.cost(task, completion)
+        if compute:
+            await asyncio.to_thread(burn_cpu, seconds)
+        else:
+            await asyncio.sleep(seconds)
         return await super().score(task, completion)
+
+
+def burn_cpu(seconds: float) -> None:
+    """Spends `seconds` of this thread's CPU time; hashlib releases the GIL on large buffers, so the event loop
+    keeps running while the work takes a core."""
+    block = bytes(1 << 16)
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        hashlib.sha256(block).digest()

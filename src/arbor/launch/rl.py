@@ -3,10 +3,15 @@
 Order: validate the whole config (a bad one fails here, before any process starts) -> preflight (files,
 environment and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
 `<output_dir>/configs/` (`--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
-resume) -> optional SFT warm-up -> inference (wait for /health) -> trainer and orchestrator -> print one line
-per step from metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero
-naming it and its log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. This module
-never imports torch, so `--dry-run` and config errors answer in well under a second.
+resume) -> optional SFT warm-up (with its own progress lines) -> inference, trainer and orchestrator, started
+at once (each builds its model while the others start; the orchestrator waits for the fleet's /health itself)
+-> wait for /health, printing what each process is doing until the first step -> print one line per step from
+metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero naming it and its
+log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is the clean stop: every
+process is stopped, no checkpoint or batch is left half-written (both are written atomically) and `--resume`
+continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on time with a checkpoint
+of its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This module never imports
+torch, so `--dry-run` and config errors answer in well under a second.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
@@ -29,6 +34,7 @@ import socket
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tomli_w import dumps
@@ -208,10 +214,40 @@ def router_argv(cfg: RLConfig, conf: Path) -> list[str]:
     return [sys.executable, "-m", "arbor.inference.router", "@", str(conf / "router.toml")]
 
 
-def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", fleet: Fleet | None = None) -> None:
+def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> None:
+    """Runs the SFT warm-up to its end, with its own progress lines (and what it does before the first)."""
+    console.say(f"SFT warm-up: {cfg.sft.steps} steps")
+    child = sup.start("sft", [sys.executable, "-m", "arbor.trainer.sft", "@", str(conf / "sft.toml")])
+    finished: set[str] = set()
+    while "sft" not in finished:
+        check_children(sup, finished)
+        console.poll_sft()
+        if console.sft_seen == 0:
+            console.waiting({"sft": child.started}, "the warm-up's first figures")
+        time.sleep(0.2)
+    console.poll_sft()
+
+
+def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> Fleet:
+    """Starts the inference replicas, the trainer and the orchestrator at once: each builds its model while the
+    others start (the orchestrator waits for /health itself, the trainer needs nothing from the fleet)."""
+    fleet = Fleet(cfg, conf, sup)
+    for name in fleet.argv:
+        fleet.start(name)
+    sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
+    orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
+    sup.start("orchestrator", orchestrator, token_env(cfg, CLIENT_TOKEN_ENV))
+    return fleet
+
+
+def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", fleet: Fleet | None = None,
+                 on_wait: Callable[[], None] | None = None) -> None:
+    """Polls `url`/health until it answers 200; calls `on_wait` between polls (the console's "waiting for")."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         check_children(sup, finished=set(), fleet=fleet)
+        if on_wait is not None:
+            on_wait()
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -250,32 +286,28 @@ def run(cfg: RLConfig) -> int:
     start = prepare_run_dir(cfg)
     conf = run_dir.configs_dir(cfg.output_dir)
     sup = Supervisor(run_dir.logs_dir(cfg.output_dir), child_env())
-    console = Console(cfg.output_dir, cfg.max_steps, start)
+    console = Console(cfg.output_dir, cfg.max_steps, start, cfg.sft.steps)
     console.say(f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})")
     try:
         if cfg.sft.steps and not (run_dir.sft_model_dir(cfg.output_dir) / "config.json").exists():
-            console.say(f"SFT warm-up: {cfg.sft.steps} steps")
-            sup.start("sft", [sys.executable, "-m", "arbor.trainer.sft", "@", str(conf / "sft.toml")])
-            finished: set[str] = set()
-            while "sft" not in finished:
-                check_children(sup, finished)
-                time.sleep(0.2)
-        fleet = Fleet(cfg, conf, sup)
-        for name in fleet.argv:
-            fleet.start(name)
+            warm_up(cfg, conf, sup, console)
+        fleet = start_processes(cfg, conf, sup)
+
+        def waits() -> None:
+            console.waiting({n: c.started for n, c in sup.children.items() if n != "sft"})
+
         for name, url in fleet.urls.items():
-            wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet)
+            wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
         if cfg.inference.replicas > 1:
             sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
-            wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet)
-        sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
-        orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
-        sup.start("orchestrator", orchestrator, token_env(cfg, CLIENT_TOKEN_ENV))
+            wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet,
+                         on_wait=waits)
         finished = {"sft"}
         watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:
             check_children(sup, finished, fleet=fleet, console=console)
             console.poll()
+            waits()
             if watchdog.stalled(console.seen):
                 dumps = watchdog.dump_stacks()
                 raise Stalled(
@@ -284,6 +316,11 @@ def run(cfg: RLConfig) -> int:
                 )
             time.sleep(0.2)
         console.poll()
+        stopped = run_dir.stopped_path(cfg.output_dir)
+        if stopped.exists():  # the trainer's max_minutes ended the run at a checkpoint
+            at = json.loads(stopped.read_text())["step"]
+            console.say(f"stopped at step {at}/{cfg.max_steps} by max_minutes ({cfg.max_minutes:g}), checkpoint "
+                        f"written: continue with --resume and a larger --max-minutes")
         console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
         return 0
     except ChildFailed as e:

@@ -5,6 +5,12 @@ The trainer appends its per-step figures to `metrics/trainer.jsonl` and the orch
 step N's line once both halves are on disk, in step order, so a reader (the `rl` console, a plot) sees whole
 steps only, and a kill at any moment loses no half that a resume would not redo. Lines are appended and flushed one at a time; a resumed run first truncates both files to the
 steps before the checkpoint it resumes from, so no step is missing or repeated.
+
+Both halves carry `time` (unix seconds) and `elapsed_s` (`RunClock`: wall-clock seconds since the run's processes
+started; on a resume it goes on from the last metrics.jsonl row kept before the checkpoint, so the downtime between
+attempts and the work redone after the checkpoint are not counted): the orchestrator's when it wrote the step's
+batch, the trainer's when it finished training the step. A merged row takes the trainer's, the time its step
+became whole.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +68,24 @@ def _clean(value: Any) -> Any:
     return value
 
 
+class RunClock:
+    """Wall-clock seconds of a run: since this process started, plus what the rows before `start` (the step a
+    resume starts at) had counted (the `elapsed_s` of the last metrics.jsonl row before it; 0 for a fresh run)."""
+
+    def __init__(self, output_dir: str | Path, start: int = 0) -> None:
+        before = [r for r in read_jsonl(metrics_path(output_dir)) if r.get("step", -1) < start]
+        last = before[-1].get("elapsed_s") if before else None
+        self.offset = float(last) if isinstance(last, (int, float)) else 0.0
+        self._t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return self.offset + time.monotonic() - self._t0
+
+    def stamp(self) -> dict[str, float]:
+        """`time` (unix seconds, now) and `elapsed_s` for a metrics row."""
+        return {"time": round(time.time(), 3), "elapsed_s": round(self.elapsed(), 3)}
+
+
 class MetricsWriter:
     """Merges orchestrator and trainer figures per step into metrics.jsonl and forwards them to W&B."""
 
@@ -98,6 +123,11 @@ class MetricsWriter:
                 self.wandb_run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)
             done.append(step)
         return done
+
+    def forget_from(self, step: int) -> None:
+        """Drops the pending halves of steps >= `step`, which no trainer will train (the run stopped before)."""
+        for s in [s for s in self.pending if s >= step]:
+            del self.pending[s]
 
     def close(self) -> None:
         if self.wandb_run is not None:

@@ -4,7 +4,7 @@ Reads `OUT/metrics.jsonl` (one merged row per step), `OUT/timings.jsonl` (each p
 written by `rl`) and the `[cost]` table of `OUT/configs/rl.toml`. Writes into `OUT/report/`: reward.png,
 staleness.png, throughput.png, wait_ratio.png (trainer `time/wait / time/step`: near 1 the trainer starves and
 generation is the bottleneck, near 0 the trainer is), mismatch.png (`mismatch_kl`, trainer vs inference
-logprobs) and report.md.
+logprobs) and report.md (steps, wall time from the last row's `elapsed_s`, reward, staleness, throughput, cost).
 
 Cost = gpu_hour_usd x (inference GPUs x inference-pool hours + trainer GPUs x trainer-pool hours), where a pool's
 hours are the measured wall-clock of its processes summed over launches (a resumed run counts every attempt: the
@@ -137,6 +137,8 @@ def summary(out: Path, rows: list[dict[str, Any]], c: dict[str, Any] | None) -> 
     lines = [
         f"# arbor run report: {out}", "",
         f"- steps: {len(rows)} (last step {last['step'] + 1})",
+        f"- wall time: {_fmt(last['elapsed_s'] / 60 if 'elapsed_s' in last else None, '.1f')} min "
+        f"(`elapsed_s` of the last step: the RL processes' time, resumes included, downtime not)",
         f"- reward/mean: first {_fmt(first.get('reward/mean'))}, last {_fmt(last.get('reward/mean'))}, "
         f"best {_fmt(max((r.get('reward/mean', -math.inf) for r in rows)))}",
         f"- staleness/max: mean {_fmt(_mean(rows, 'staleness/max'))}; dropped as stale: {sum(r.get('dropped/stale', 0) for r in rows)}",

@@ -94,6 +94,7 @@ class StepFigures:
             "skipped/too_long": self.source.skipped_long,
             "score/failed": int(sum(r.score_failed for r in rollouts)),
             **self.agents(),
+            **self.gateway_counts(),
             "policy_version": weights.loaded_version if weights is not None else -1,
             "weights/updates": weights.updates if weights is not None else 0,
             "client/retries": client.retries if client is not None else 0,
@@ -155,15 +156,23 @@ class StepFigures:
         return out
 
     def agents(self) -> dict[str, Any]:
-        """Gateway calls and open sessions, and the black-box agent environment's failure/retry counters."""
+        """Gateway calls and open (not yet closed) sessions, and the black-box agent environment's failure/retry
+        counters; the gateway's other accounting is `gateway_counts`."""
         gateway = self.pool.gateway
         if gateway is None:
             return {}
-        out = {"gateway/calls": gateway.calls, "gateway/open_sessions": len(gateway.sessions)}
+        out = {"gateway/calls": gateway.calls, "gateway/open_sessions": gateway.open_sessions}
         for name in ("failed", "retried"):
             if hasattr(self.env, name):
                 out[f"agents/{name}"] = getattr(self.env, name)
         return out
+
+    def gateway_counts(self) -> dict[str, Any]:
+        """The gateway's cumulative counters (arbor.orchestrator.gateway_sessions.GatewayCounts): refused
+        requests by status class, sessions without a posted reward by why they ended, temperature overrides,
+        stop-string trims."""
+        gateway = self.pool.gateway
+        return {} if gateway is None else gateway.store.counts.figures()
 
 
 async def poll_metrics(metrics: MetricsWriter) -> None:

@@ -27,8 +27,17 @@ key 401, unknown session 404, closed session 409, body over `max_request_bytes` 
 backend refusing the request 400, backend failure 502; never a 500 for client input (a failure inside a handler
 is a 500 naming the request). There is no global lock: each call awaits its own backend request.
 
-Departure from OpenAI: sampling follows the run (`override_sampling`), not the agent's temperature, because
-the trainer's importance ratios assume the run's distribution; `n` > 1 records each choice as its own turn.
+Departures from OpenAI: sampling follows the run (`override_sampling`), not the agent's temperature, because
+the trainer's importance ratios assume the run's distribution; a response whose request asked for another
+temperature carries `X-Arbor-Temperature-Override: <agent's>-><used>` and is counted. `n` > 1 records each choice
+as its own turn. A completion cut at a `stop` string is recorded (trained, and extended by the next call)
+without the stop string's tokens when they start at a token boundary, so it holds exactly what the agent saw;
+a stop string that starts inside a token leaves the whole completion recorded (counted as `stop_untrimmed`).
+
+Accounting (`Gateway.figures()`, the `gateway/...` columns of metrics.jsonl): calls answered, sessions still
+open (one closed by its reward no longer counts), refused requests by status class (`rejected_4xx`: the agent's
+mistakes; `rejected_5xx`), sessions finished without a posted reward by why they ended (`unrewarded/...`, see
+arbor.orchestrator.gateway_sessions), temperature overrides and stop-string trims.
 
 Parts: the session store (arbor.orchestrator.gateway_sessions), the OpenAI request/response translation
 (arbor.orchestrator.gateway_openai), the handlers (arbor.orchestrator.gateway_routes), and here the server that
@@ -45,7 +54,7 @@ from aiohttp import web
 
 from arbor.orchestrator.gateway_openai import RunSampling
 from arbor.orchestrator.gateway_routes import OpenAIRoutes, SessionRoutes, session_url
-from arbor.orchestrator.gateway_sessions import Session, SessionStore
+from arbor.orchestrator.gateway_sessions import GatewayCounts, Session, SessionStore
 from arbor.transport.http import Handler, error_middleware, error_response, start_site
 
 if TYPE_CHECKING:
@@ -55,6 +64,19 @@ if TYPE_CHECKING:
 __all__ = ["Gateway", "Session"]
 
 log = logging.getLogger("arbor.orchestrator.gateway")
+
+
+def _counter(counts: GatewayCounts):
+    """The outermost middleware: counts every refused request by status class (after the JSON error shape)."""
+
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resp = await handler(request)
+        if resp.status >= 400:
+            counts.rejected[f"{resp.status // 100}xx"] += 1
+        return resp
+
+    return count
 
 
 def _guard(cfg: "GatewayConfig"):
@@ -97,6 +119,16 @@ class Gateway:
         """Model calls answered so far."""
         return self.openai.calls
 
+    @property
+    def open_sessions(self) -> int:
+        """Sessions not closed yet (one closed by its reward no longer counts, though its owner still holds it)."""
+        return self.store.open_count
+
+    def figures(self) -> dict[str, int]:
+        """The `gateway/...` figures of metrics.jsonl: calls, open sessions and the counters of GatewayCounts."""
+        return {"gateway/calls": self.calls, "gateway/open_sessions": self.open_sessions,
+                **self.store.counts.figures()}
+
     # -- session API for in-process users (the black_box environment), kept on the gateway for them --
 
     def open(self, session_id: str | None = None, task_id: int | str = -1, group_id: int = -1) -> Session:
@@ -113,18 +145,27 @@ class Gateway:
         """Waits until the session is closed by a reward POST; False on timeout."""
         return await self.store.wait_reward(session_id, timeout)
 
-    async def finish(self, session_id: str) -> Session:
-        """Closes (if open), waits for calls still generating, and forgets the session; returns it."""
-        return await self.store.finish(session_id)
+    async def finish(self, session_id: str, ended: str = "abandoned") -> Session:
+        """Closes (if open), waits for calls still generating, and forgets the session; returns it. Without a
+        posted reward it is counted under `ended` (arbor.orchestrator.gateway_sessions.UNREWARDED)."""
+        return await self.store.finish(session_id, ended)
+
+    def abandon(self, session_id: str) -> None:
+        """Forgets a session whose owner was cancelled, without waiting for its calls."""
+        self.store.abandon(session_id)
 
     def base_url(self, session_id: str) -> str:
         """What an agent's OPENAI_BASE_URL should be for this session."""
         return session_url(self.url, session_id) + "/v1"
 
+    def reward_url(self, session_id: str) -> str:
+        """Where the session's agent POSTs its reward (`ARBOR_REWARD_URL` for a subprocess agent)."""
+        return session_url(self.url, session_id) + "/reward"
+
     # -- the server --
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware(log), _guard(self.cfg)],
+        app = web.Application(middlewares=[_counter(self.store.counts), error_middleware(log), _guard(self.cfg)],
                               client_max_size=self.cfg.max_request_bytes)
         s, manage, openai = "/v1/sessions/{sid}", self.manage, self.openai
         app.add_routes([
@@ -143,7 +184,7 @@ class Gateway:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "open_sessions": len(self.sessions), "calls": self.calls})
+        return web.json_response({"status": "ok", "open_sessions": self.open_sessions, "calls": self.calls})
 
     async def start(self) -> str:
         self._runner, self.url = await start_site(self.app(), self.cfg.host, self.cfg.port)

@@ -128,6 +128,39 @@ class RunSampling:
         return {"n": n, "max_tokens": min(max_tokens or room, room), "temperature": temperature, "top_p": top_p,
                 "seed": read_seed(body), "stop": list(read_stop(body)) or None}
 
+    def temperature_override(self, body: dict[str, Any]) -> str | None:
+        """`"<agent's>-><used>"` when the request asked for a temperature other than the run's and the run's
+        was used (the `X-Arbor-Temperature-Override` header); None otherwise. Call after `parse` checked it."""
+        asked = body.get("temperature")
+        if not self.override or asked is None or float(asked) == self.temperature:
+            return None
+        return f"{float(asked):g}->{self.temperature:g}"
+
+
+def trim_at_stop(c: Completion, tokenizer: Any) -> tuple[Completion, str | None]:
+    """A completion cut at a stop string holds the stop string's tokens, which the agent never sees (its text
+    ends before the stop string). Returns the completion without them and "trimmed" when they are exactly the
+    tokens after the text (the stop string starts at a token boundary): what is trained and extended is then
+    what the agent saw. When the stop string starts inside a token no token prefix decodes to the text, so the
+    completion is kept whole: "untrimmed". (c, None) when it was not cut at a stop string."""
+    ids = c.token_ids
+    if c.finish_reason != "stop" or not ids or ids[-1] == tokenizer.eos_token_id:
+        return c, None
+    # Decoded as the engine decodes the returned text (special tokens skipped).
+    if tokenizer.decode(ids) == c.text:
+        return c, None  # ended on a stop token id, nothing was cut from the text
+    for k in range(len(ids) - 1, 0, -1):
+        text = tokenizer.decode(ids[:k])
+        if text == c.text:
+            routes = c.routed_experts
+            if routes is not None:
+                routes = routes[: routes.shape[0] - len(ids) + k]
+            return dataclasses.replace(c, token_ids=ids[:k], logprobs=c.logprobs[:k],
+                                       policy_versions=c.policy_versions[:k], routed_experts=routes), "trimmed"
+        if len(text) < len(c.text):
+            break  # a shorter prefix decodes to no more text
+    return c, "untrimmed"
+
 
 # ---- responses ----
 

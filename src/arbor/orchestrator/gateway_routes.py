@@ -3,8 +3,11 @@
 Session management opens sessions over HTTP, hands queued work to remote agents (pull mode), shows a session and
 takes its reward. The OpenAI routes find the call's session (path `/v1/sessions/{id}/v1/...` or the
 `X-Session-Id` header), render and sample through arbor.orchestrator.gateway_openai and the inference client,
-record every choice in the session's trajectory and answer in OpenAI JSON or as server-sent events. The server
-that mounts them, with auth and size limits, is arbor.orchestrator.gateway.
+record every choice in the session's trajectory and answer in OpenAI JSON or as server-sent events. A completion
+cut at a stop string is recorded without the stop string's tokens when they start at a token boundary (what the
+agent saw is what trains; `trim_at_stop`), and a response whose temperature the run replaced says so in
+`X-Arbor-Temperature-Override`; both are counted in the store's `GatewayCounts`. The server that mounts them,
+with auth, size limits and the count of refused requests, is arbor.orchestrator.gateway.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from arbor.orchestrator.gateway_openai import (
     parse_tools,
     template_message,
     token_usage,
+    trim_at_stop,
 )
 from arbor.orchestrator.gateway_sessions import Session, SessionStore
 from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
     from arbor.orchestrator.client import InferenceClient
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+TEMPERATURE_HEADER = "X-Arbor-Temperature-Override"
+"""Set on a response whose request's temperature was replaced by the run's: `<agent's>-><used>`."""
 
 
 def session_url(root: str, session_id: str) -> str:
@@ -133,6 +139,7 @@ class OpenAIRoutes:
         except Exception as e:  # a template that rejects these messages is the client's problem
             raise HTTPError(400, f"messages could not be rendered with the chat template: {e}", "messages") from None
         completions = await self._generate(s, prompt.ids, self.sampling.parse(body, len(prompt.ids)))
+        headers = self._override_headers(body)
         choices = chat_choices(completions)
         for choice, c in zip(choices, completions):
             s.trajectory.record(prompt, c, template_message(choice["message"], 0))
@@ -141,9 +148,9 @@ class OpenAIRoutes:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name}
         if not stream:
-            return web.json_response({**head, "choices": choices, "usage": usage})
+            return web.json_response({**head, "choices": choices, "usage": usage}, headers=headers)
         chunks = chat_chunks({**head, "object": "chat.completion.chunk"}, choices, usage if include_usage else None)
-        return await _sse(request, chunks)
+        return await _sse(request, chunks, headers)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
@@ -153,6 +160,7 @@ class OpenAIRoutes:
         sampling = self.sampling.parse(body, len(prompt))
         recorded = s.trajectory.token_prompt(prompt)
         completions = await self._generate(s, prompt, sampling)
+        headers = self._override_headers(body)
         for c in completions:
             s.trajectory.record(recorded, c)
         self.calls += 1
@@ -160,8 +168,9 @@ class OpenAIRoutes:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if not stream:
-            return web.json_response({**head, "choices": choices, "usage": token_usage(prompt, completions)})
-        return await _sse(request, [{**head, "choices": [ch]} for ch in choices])
+            return web.json_response({**head, "choices": choices, "usage": token_usage(prompt, completions)},
+                                     headers=headers)
+        return await _sse(request, [{**head, "choices": [ch]} for ch in choices], headers)
 
     def _session(self, request: web.Request) -> Session:
         """The open session a generation call is made in."""
@@ -173,7 +182,26 @@ class OpenAIRoutes:
             raise HTTPError(409, f"session {sid!r} is closed", kind="conflict_error")
         return s
 
+    def _override_headers(self, body: dict[str, Any]) -> dict[str, str]:
+        """The signal (and count) that the run's temperature replaced the agent's."""
+        override = self.sampling.temperature_override(body)
+        if override is None:
+            return {}
+        self.store.counts.temperature_overrides += 1
+        return {TEMPERATURE_HEADER: override}
+
     async def _generate(self, s: Session, prompt: list[int], sampling: dict[str, Any]) -> list[Completion]:
+        """The backend's completions, each trimmed to the text the agent gets when a stop string cut it."""
+        completions = await self._backend(s, prompt, sampling)
+        out, counts = [], self.store.counts
+        for c in completions:
+            c, trim = trim_at_stop(c, self.tokenizer)
+            counts.stop_trimmed += trim == "trimmed"
+            counts.stop_untrimmed += trim == "untrimmed"
+            out.append(c)
+        return out
+
+    async def _backend(self, s: Session, prompt: list[int], sampling: dict[str, Any]) -> list[Completion]:
         with self.store.generating(s):
             try:
                 return await self.client.generate(prompt, **sampling)
@@ -183,8 +211,8 @@ class OpenAIRoutes:
                 raise HTTPError(502, f"inference backend: {e}", None, "api_error") from None
 
 
-async def _sse(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _sse(request: web.Request, chunks: list[dict[str, Any]], headers: dict[str, str]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     for c in chunks:
         await resp.write(f"data: {json.dumps(c)}\n\n".encode())

@@ -5,11 +5,17 @@ through it (arbor.orchestrator.trajectory), is closed by a reward, and is finish
 no call is still generating. At most `max_open_sessions` are held; closed sessions opened over HTTP, which no
 in-process owner will finish, are evicted to make room. Pull mode queues tasks here for remote agents to claim.
 Refusals are `HTTPError`s (404 unknown, 409 closed or existing, 429 full) so the HTTP routes answer them as they are.
+
+`GatewayCounts` is what the gateway reports in metrics.jsonl (`gateway/...`, arbor.orchestrator.figures): the
+requests it refused by status class, the sessions finished without a posted reward by why they ended, the
+temperature overrides and the completions cut at a stop string. An agent's mistakes never vanish: each is a
+count there, beside the log line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import uuid
@@ -48,6 +54,36 @@ class Session:
                                         episode_id=episode_id)
 
 
+UNREWARDED = ("scored_by_env", "timed_out", "agent_failed", "abandoned")
+"""Why a session ended without a posted reward: its agent exited cleanly without posting one (the environment
+scored its answer), outlived its timeout (remote: no reward arrived in time), exited non-zero or raised, or its
+owner finished it for another reason (a cancelled group)."""
+
+
+@dataclasses.dataclass
+class GatewayCounts:
+    """Cumulative counters of the gateway, reported as `gateway/...` figures."""
+
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Refused requests by status class ("4xx": the agent's error; "5xx": the backend's or the gateway's)."""
+    unrewarded: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Sessions finished without a posted reward, by UNREWARDED reason."""
+    temperature_overrides: int = 0
+    """Calls whose own temperature was replaced by the run's (`override_sampling`)."""
+    stop_trimmed: int = 0
+    """Completions cut at a stop string whose tokens were trimmed to what the agent saw."""
+    stop_untrimmed: int = 0
+    """Completions cut at a stop string inside a token: trained with the stop string's tokens."""
+
+    def figures(self) -> dict[str, int]:
+        out = {f"gateway/rejected_{c}": self.rejected[c] for c in ("4xx", "5xx")}
+        out.update({f"gateway/unrewarded/{r}": self.unrewarded[r] for r in UNREWARDED})
+        out["gateway/temperature_overrides"] = self.temperature_overrides
+        out["gateway/stop_trimmed"] = self.stop_trimmed
+        out["gateway/stop_untrimmed"] = self.stop_untrimmed
+        return out
+
+
 class SessionStore:
     """The open sessions by id, with the events their waiters need; lives on the caller's event loop."""
 
@@ -61,6 +97,12 @@ class SessionStore:
         self._rewarded: dict[str, asyncio.Event] = {}
         # (session id, task text) offered to remote agents, claimed in order.
         self._work: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self.counts = GatewayCounts()
+
+    @property
+    def open_count(self) -> int:
+        """Sessions not yet closed (a session closed by its reward waits for its owner, but is not open)."""
+        return sum(not s.closed for s in self.sessions.values())
 
     def open(self, session_id: str | None = None, task_id: int | str = -1, group_id: int = -1) -> Session:
         if len(self.sessions) >= self.max_open_sessions:
@@ -92,13 +134,29 @@ class SessionStore:
         self._rewarded[session_id].set()
         return s
 
-    async def finish(self, session_id: str) -> Session:
-        """Closes (if open), waits for calls still generating, and forgets the session; returns it."""
+    async def finish(self, session_id: str, ended: str = "abandoned") -> Session:
+        """Closes (if open), waits for calls still generating, and forgets the session; returns it. A session
+        without a posted reward is counted under `ended` (one of UNREWARDED: why it ended)."""
+        if ended not in UNREWARDED:
+            raise ValueError(f"ended must be one of {UNREWARDED}, got {ended!r}")
         s = self.get(session_id)
+        if s.reward is None:
+            self.counts.unrewarded[ended] += 1
         s.closed = True
         await self._idle[session_id].wait()
         self._forget(session_id)
         return s
+
+    def abandon(self, session_id: str) -> None:
+        """Forgets a session at once, without waiting for its calls (its owner was cancelled); counted as
+        "abandoned" when it had no reward. A call still generating in it finishes unrecorded by anyone."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return
+        if s.reward is None:
+            self.counts.unrewarded["abandoned"] += 1
+        s.closed = True
+        self._forget(session_id)
 
     async def wait_reward(self, session_id: str, timeout: float) -> bool:
         """Waits until the session is closed by a reward POST; False on timeout."""

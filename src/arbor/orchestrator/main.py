@@ -19,11 +19,17 @@ The parts, one job each:
 
 Groups still in flight (or parked, or finished but not taken) when a run stops lose their generation, but not
 their tasks: the saved state lists them and a resumed run launches them first, so no task is skipped.
+
+A run stopped by the trainer's `max_minutes` (arbor.run_dir.stopped_path names the checkpoint S it wrote last) is
+stopped here too: the step being produced (>= S: the trainer has trained S - 1) is cancelled, the figures of steps
+>= S are dropped (no trainer half will come) and the orchestrator exits 0 once the rows before S are written.
+Each row of orchestrator.jsonl carries `time` and `elapsed_s` (arbor.monitor.metrics.RunClock).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -32,7 +38,7 @@ from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import load_environment
 from arbor.models import build_tokenizer
 from arbor.monitor.heartbeat import beat, install
-from arbor.monitor.metrics import MetricsWriter, init_wandb
+from arbor.monitor.metrics import MetricsWriter, RunClock, init_wandb
 from arbor.orchestrator.assembler import StepAssembler, open_buffer
 from arbor.orchestrator.buffer import ExperienceBuffer
 from arbor.orchestrator.client import InferenceClient
@@ -46,9 +52,12 @@ from arbor.orchestrator.state import OrchestratorState, load_state
 from arbor.orchestrator.step_writer import StepWriter
 from arbor.orchestrator.tasks import TaskSource
 from arbor.orchestrator.weights import WeightSync
-from arbor.run_dir import latest_checkpoint
+from arbor.run_dir import latest_checkpoint, stopped_path
 
 log = logging.getLogger("arbor.orchestrator")
+
+STOP_POLL = 0.5
+"""Seconds between two looks for the trainer's `stopped.json` while a step is produced."""
 
 
 class Orchestrator:
@@ -72,6 +81,9 @@ class Orchestrator:
         self.figures = StepFigures(cfg, self.env, self.source, self.pool, self.counts, self.env_stats)
         self.buffer: ExperienceBuffer | None = None
         """Opened by `run` when `[orchestrator.buffer]` is on."""
+        self.clock = RunClock(cfg.output_dir, self.start)
+        self.stopped_at: int | None = None
+        """The trainer's last checkpoint when its `max_minutes` stopped the run early."""
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -82,10 +94,14 @@ class Orchestrator:
         try:
             if cfg.buffer.train_only:
                 await self._run_steps(metrics, None, None)
-                log.info("orchestrator done after %d steps (train-only from %s)", cfg.max_steps, self.buffer.path)
             else:
                 await self._run_with_fleet(metrics)
-                log.info("orchestrator done after %d steps", cfg.max_steps)
+            if self.stopped_at is not None:
+                log.info("orchestrator stopped after %d of %d steps: the trainer reached max_minutes",
+                         self.stopped_at, cfg.max_steps)
+            else:
+                log.info("orchestrator done after %d steps%s", cfg.max_steps,
+                         f" (train-only from {self.buffer.path})" if cfg.buffer.train_only else "")
         finally:
             polling.cancel()
             metrics.close()
@@ -115,10 +131,41 @@ class Orchestrator:
 
     async def _run_steps(self, metrics: MetricsWriter, client: InferenceClient | None,
                          weights: WeightSync | None) -> None:
-        """Steps start..max_steps (train-only: without a fleet), then the trainer's figures of the last ones."""
+        """Steps start..max_steps (train-only: without a fleet), then the trainer's figures of the last ones;
+        fewer when the trainer stops the run early (`max_minutes`)."""
         for step in range(self.start, self.cfg.max_steps):
-            await self._step(step, client, weights, metrics)
+            if not await self._step_unless_stopped(step, client, weights, metrics):
+                metrics.forget_from(self.stopped_at)  # steps the trainer will not train: no half will come
+                break
         await drain_metrics(metrics, weights, self.cfg.weight_update_timeout)
+
+    async def _step_unless_stopped(self, step: int, client: InferenceClient | None, weights: WeightSync | None,
+                                   metrics: MetricsWriter) -> bool:
+        """Produces the step, looking for the trainer's stop meanwhile; False (the step cancelled) when the
+        trainer stopped at or before it. A step before the stop is finished: the trainer trained it."""
+        if self.stopped_at is None:
+            self.stopped_at = self._trainer_stop()
+        if self.stopped_at is not None and step >= self.stopped_at:
+            return False
+        stepping = asyncio.create_task(self._step(step, client, weights, metrics))
+        while not stepping.done():
+            await asyncio.wait([stepping], timeout=STOP_POLL)
+            if self.stopped_at is None:
+                self.stopped_at = self._trainer_stop()
+            if self.stopped_at is not None and step >= self.stopped_at:
+                stepping.cancel()
+                await asyncio.gather(stepping, return_exceptions=True)
+                return False
+        stepping.result()
+        return True
+
+    def _trainer_stop(self) -> int | None:
+        """The step the trainer stopped at (its last checkpoint) when it wrote `stopped.json` for this run."""
+        path = stopped_path(self.cfg.output_dir)
+        if not path.exists():
+            return None
+        step = int(json.loads(path.read_text())["step"])
+        return step if step > self.start else None  # one left by an earlier attempt is not this run's
 
     async def _step(self, step: int, client: InferenceClient | None, weights: WeightSync | None,
                     metrics: MetricsWriter) -> None:
@@ -145,7 +192,7 @@ class Orchestrator:
             figures["time/eval"] = time.perf_counter() - t_eval
         if self.buffer is not None:
             figures.update(self.buffer.counts())
-        metrics.add(step, figures)
+        metrics.add(step, {**figures, **self.clock.stamp()})
 
 
 def setup_logging(level: str) -> None:

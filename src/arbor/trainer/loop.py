@@ -13,7 +13,11 @@ the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time
 trainer starved of rollouts), `time/compute`, `time/publish`,
 `time/checkpoint` (of the previous checkpoint), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
 figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
-`build_reference` builds from the initial weights).
+`build_reference` builds from the initial weights), and `time` / `elapsed_s` (arbor.monitor.metrics.RunClock).
+
+`max_minutes`: the first step that ends with `elapsed_s` past the budget is checkpointed, rank 0 writes
+`stopped.json` (arbor.run_dir.stopped_path: the checkpoint's step, which tells the orchestrator to stop), logs one
+line and training returns normally (exit 0). Rank 0's clock decides, broadcast, so that every rank stops together.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from arbor.config.loader import ConfigError
 from arbor.config.trainer import TrainerConfig
 from arbor.models import build_model, build_tokenizer
 from arbor.monitor.heartbeat import beat
-from arbor.run_dir import latest_checkpoint, prune_rollouts, trainer_metrics_path
+from arbor.monitor.metrics import RunClock
+from arbor.run_dir import latest_checkpoint, prune_rollouts, stopped_path, trainer_metrics_path, write_text_atomic
 from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
@@ -107,6 +112,9 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
             load_checkpoint(cfg.output_dir, start, model, optimizer)
             publish(cfg, model, start, tokenizer)
             log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
+    clock = RunClock(cfg.output_dir, start)
+    if rank == 0:
+        stopped_path(cfg.output_dir).unlink(missing_ok=True)  # an earlier attempt's stop is not this one's
     last_checkpoint_seconds = 0.0  # reported with the step after the checkpoint
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
@@ -129,6 +137,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         if rank == 0:  # publish is collective: every rank has read this step's rollouts (and all before it)
             prune_rollouts(cfg.output_dir, cfg.keep_rollouts, step)
         t3 = time.perf_counter()
+        stamp = clock.stamp()  # the row's time; max_minutes decides on the same elapsed_s
         # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
         # and its figures must already be on disk (metrics.jsonl may miss no step).
         if rank == 0:
@@ -145,13 +154,37 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
+                **stamp,
             }
             write_metrics(cfg.output_dir, record)
             log(rank, f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
                       f"{record['tokens/s']:.0f} tok/s")
-        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps:
+        out_of_time = step + 1 < cfg.max_steps and over_budget(cfg, stamp["elapsed_s"])  # the last step ends anyway
+        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps or out_of_time:
             save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
             last_checkpoint_seconds = time.perf_counter() - t3
+        if out_of_time:
+            stop_for_time(cfg, rank, step + 1, clock)
+            return
+
+
+def over_budget(cfg: TrainerConfig, elapsed: float) -> bool:
+    """Whether `max_minutes` has run out at `elapsed` seconds; collective when set (rank 0's clock decides for
+    every rank)."""
+    if cfg.max_minutes is None:
+        return False
+    decision = [elapsed >= cfg.max_minutes * 60]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def stop_for_time(cfg: TrainerConfig, rank: int, step: int, clock: RunClock) -> None:
+    """After checkpoint `step`: tells the orchestrator where the run stopped (`stopped.json`), logs one line."""
+    if rank == 0:
+        write_text_atomic(stopped_path(cfg.output_dir), json.dumps({"step": step, "reason": "max_minutes",
+                                                                     "elapsed_s": round(clock.elapsed(), 3)}))
+    log(rank, f"max_minutes ({cfg.max_minutes:g}) reached after {clock.elapsed() / 60:.1f} min: stopped at step "
+              f"{step} of {cfg.max_steps} with a checkpoint; continue with --resume and a larger --max-minutes")
 
 
 def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.Module | None:

@@ -27,6 +27,7 @@ from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.sft import SFTConfig
 from arbor.environments import env_prompt_ids, load_environment
 from arbor.environments.tools import tool_schema
+from arbor.monitor.heartbeat import install
 from arbor.models.tokenizer import Tokenizer
 
 Example = tuple[list[int], list[bool]]
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(SFTConfig, argv, prog="sft")  # before torch: a bad config fails in milliseconds
     if cfg.steps == 0:
         raise ConfigError("steps is 0: nothing to train (set --steps N)")
+    # A heartbeat from here on: `rl` names what the warm-up does before its first figures (loading torch takes seconds).
+    install(cfg.output_dir, "sft", "loading torch")
     from arbor.trainer.sft_train import run_sft  # torch loads here, once the config is known to be valid
 
     run_sft(cfg)

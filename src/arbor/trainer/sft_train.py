@@ -21,6 +21,7 @@ from arbor.models.attention import position_ids_for
 from arbor.models.fp8 import apply_fp8
 from arbor.models.hf import save_checkpoint_dir
 from arbor.models.tokenizer import Tokenizer
+from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
 from arbor.trainer.sft import Example, batches, load_examples
 from arbor.trainer.step import packed_logprobs
@@ -49,6 +50,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = build_tokenizer(cfg.model)
     examples = load_examples(cfg, tokenizer)
+    beat("building the model")
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
     apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -60,6 +62,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     window: list[float] = []
     start = time.perf_counter()
     for step, batch in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
+        beat(f"training step {step + 1}")
         rows = pack(batch, cfg.seq_len)
         targets = sum(int(mask.sum()) for _, mask, _ in rows)
         total = torch.zeros((), device=device)
@@ -80,6 +83,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
             _append(metrics, record)
             print(f"[sft] step {step + 1}/{cfg.steps}: loss {record['sft/loss']:.4f}", file=sys.stderr, flush=True)
             final_loss, window = record["sft/loss"], []
+    beat("saving the model")
     out = save(cfg, model, tokenizer)
     final = {"sft/loss": final_loss, "sft/steps": cfg.steps, "sft/examples": len(examples), "sft/dir": str(out)}
     _append(metrics, final)
