@@ -55,6 +55,25 @@ def test_multi_node_script_places_inference_trainer_and_orchestrator(tmp_path):
     assert (out / "configs" / "trainer.toml").exists() and (out / "configs" / "orchestrator.toml").exists()
 
 
+def test_multi_node_script_hands_a_job_token_to_the_servers_it_binds_on_0000(tmp_path):
+    out = tmp_path / "run"
+    res = _rl("--output-dir", str(out), *TINY, "--slurm.inference-nodes", "1", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    script = (out / "rl.sbatch").read_text()
+    lines = script.splitlines()
+    token_line = next(line for line in lines if line.startswith("admin_token="))
+    server = next(i for i, line in enumerate(lines) if "arbor.inference.server" in line)
+    orchestrator = next(i for i, line in enumerate(lines) if "arbor.orchestrator.main" in line)
+    assert "--host 0.0.0.0" in lines[server + 1]
+    assert lines[server - 1].strip().startswith('ARBOR_ADMIN_TOKEN="$admin_token" srun ')
+    assert lines[orchestrator - 1].startswith('ARBOR_CLIENT__ADMIN_TOKEN="$admin_token" srun ')
+    assert lines.index(token_line) < server  # generated after the ARBOR_ variables are cleared, before use
+    assert lines.index(token_line) > next(i for i, line in enumerate(lines) if "unset" in line)
+    token = subprocess.run(["bash", "-c", f"{token_line}; printf %s \"$admin_token\""], capture_output=True, text=True)
+    assert len(token.stdout) == 64 and token.stdout not in script  # 256 bits, made when the job runs
+    assert subprocess.run(["bash", "-n", str(out / "rl.sbatch")]).returncode == 0
+
+
 def test_bad_slurm_layout_is_one_line():
     res = _rl("--slurm.trainer-nodes", "2", "--dry-run")
     assert res.returncode != 0 and "inference_nodes" in res.stderr and len(res.stderr.strip().splitlines()) == 1

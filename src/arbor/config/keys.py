@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from arbor.config.base import ConfigError, warn_deprecated
 
@@ -67,7 +67,7 @@ def replacements(cls: type[BaseModel], path: list[str], value: Any) -> list[tupl
 def coerce(raw: str, ann: Any) -> Any:
     """A flag's or variable's text as a TOML value (numbers, booleans, lists, inline tables); text fields keep it."""
     kinds = members(ann)
-    if any(t in (str, Path) for t in kinds) and not {int, float, bool} & {*kinds}:
+    if any(t in (str, Path, SecretStr) for t in kinds) and not {int, float, bool} & {*kinds}:
         return raw
     try:
         return tomllib.loads(f"v = {raw}")["v"]

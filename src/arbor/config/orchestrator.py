@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from arbor.config.admin import AdminToken
 from arbor.config.base import (Config, Count, FilePath, Float, Int, Port, Ranks, Seconds, Seed, Temperature, Tokens,
                                warn_deprecated)
 from arbor.config.environment import EnvironmentConfig
@@ -33,6 +34,9 @@ class ClientConfig(Config):
     admin_urls: list[str] = []
     """Where weight updates, pause and resume go when not to `base_urls` (e.g. every backend behind a router
     without admin fan-out, such as vllm-router); empty means `base_urls`. `rl` fills this in."""
+    admin_token: AdminToken | None = Field(None, exclude=True)
+    """Bearer token sent with admin calls (the servers' `admin_token`). Secret: never written out
+    (`ARBOR_CLIENT__ADMIN_TOKEN` sets it; `rl` passes the run's token that way)."""
     timeout: Seconds = Field(600.0, gt=0)
     """Seconds one generation request may take."""
     max_retries: Count = Field(3, ge=0)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from arbor.config.admin import AdminToken, token_value
 from arbor.config.base import Config, FilePath, Float, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.inference import InferenceConfig
@@ -52,6 +53,10 @@ class RLConfig(Config):
     """Check the config and run the whole preflight (model and tokenizer files, environment, its arguments, agent
     files and dataset, loss and advantage paths, backends, GPUs, ports, disk), then exit without starting
     anything. `rl` runs the same preflight before it starts a run."""
+    admin_token: AdminToken | None = Field(None, exclude=True)
+    """Bearer token of the admin routes of the inference servers and the router, sent by the orchestrator;
+    `rl` generates one per run when a server binds beyond loopback and none is given. Secret: never written
+    out; `ARBOR_ADMIN_TOKEN` sets it (a section's own `admin_token` must then agree)."""
     inference_startup_timeout: Seconds = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
     stall_timeout: Seconds = Field(1800.0, gt=0)
@@ -138,7 +143,18 @@ class RLConfig(Config):
             batching.normalization = "sequence"  # GSPO's objective is a mean over sequences
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
+        self.run_admin_token()
         return self
+
+    def run_admin_token(self) -> SecretStr | None:
+        """The run's one admin token: the top-level one, or the one a section sets; two different ones fail."""
+        places = {"admin_token": self.admin_token, "inference.admin_token": self.inference.admin_token,
+                  "inference.router.admin_token": self.inference.router.admin_token,
+                  "orchestrator.client.admin_token": self.orchestrator.client.admin_token}
+        given = {k: v for k, v in places.items() if v is not None}
+        if len({token_value(v) for v in given.values()}) > 1:
+            raise ValueError(f"{' and '.join(given)} differ: set admin_token once, at the top level")
+        return next(iter(given.values()), None)
 
 
 def _default(cls: type[Config], key: str) -> Any:

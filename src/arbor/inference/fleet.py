@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from arbor.config.inference import RouterConfig
+from arbor.transport.admin import bearer_headers
 
 log = logging.getLogger("arbor.inference.router")
 
@@ -49,6 +50,8 @@ class Fleet:
         self.ejections = self.readmissions = 0
         self.last_update: dict[str, Any] | None = None  # replayed on re-admission
         self.paused = False
+        self.auth = bearer_headers(cfg.admin_token)
+        """The admin header the replays carry: the router's token, else the last accepted call's own header."""
         self._rr = itertools.count()
 
     def pick(self, key: str | None, exclude: set[str]) -> Backend | None:
@@ -76,8 +79,10 @@ class Fleet:
             self.ejections += 1
             log.warning("ejected %s (%s)", b.url, "connection refused" if refused else f"{b.fails} failures")
 
-    def remember(self, path: str, body: bytes) -> None:
-        """Records an admin call every backend accepted, to replay it on re-admission."""
+    def remember(self, path: str, body: bytes, auth: dict[str, str]) -> None:
+        """Records an admin call every backend accepted (and the admin header it went with), to replay it on
+        re-admission."""
+        self.auth = auth
         if path == "/update_weights":
             self.last_update = json.loads(body)
         elif path in ("/pause", "/resume"):
@@ -118,22 +123,26 @@ class Fleet:
     async def _catch_up(self, session: aiohttp.ClientSession, b: Backend) -> bool:
         """Brings a recovering backend to the fleet's state (weights, pause) before it serves again."""
         if self.last_update is not None and b.policy_version != self.last_update.get("version"):
-            status, data = await post_json(session, b, "/update_weights", json.dumps(self.last_update).encode())
+            status, data = await post_json(session, b, "/update_weights", json.dumps(self.last_update).encode(),
+                                           self.auth)
             if status != 200:
                 log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
                 return False
             b.policy_version = int(self.last_update.get("version", b.policy_version))
         if self.paused:
-            status, _ = await post_json(session, b, "/pause", b"{}")
+            status, _ = await post_json(session, b, "/pause", b"{}", self.auth)
             if status != 200:
                 return False
         return True
 
 
-async def post_json(session: aiohttp.ClientSession, b: Backend, path: str, body: bytes) -> tuple[int, Any]:
-    """POSTs a JSON body to one backend: (status, parsed JSON or text), or (0, the error) if it is unreachable."""
+async def post_json(session: aiohttp.ClientSession, b: Backend, path: str, body: bytes,
+                    headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """POSTs a JSON body to one backend (with `headers`, e.g. the admin token): (status, parsed JSON or text), or
+    (0, the error) if it is unreachable."""
     try:
-        async with session.post(b.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+        async with session.post(b.url + path, data=body,
+                                headers={"Content-Type": "application/json", **(headers or {})}) as r:
             text = await r.read()
             try:
                 return r.status, json.loads(text)

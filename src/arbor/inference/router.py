@@ -19,7 +19,10 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
   have the fleet's JSON error shape (arbor.transport.http), and so do aiohttp's.
 - admin fan-out: POST /update_weights, /pause, /resume, /abort_requests go to every backend and answer
   per-backend results (an abort names request ids, and the router does not track which backend holds which,
-  so every backend gets it; one that never saw an id remembers it as aborted, which is harmless).
+  so every backend gets it; one that never saw an id remembers it as aborted, which is harmless). With an
+  `admin_token`, these and every other route outside `/v1/` (bar GET /health and /metrics) need it as a bearer
+  header (401 otherwise), and the router sends it to the backends (which, under `rl`, share it); without one,
+  the client's own Authorization header is passed on.
 - GET /metrics: Prometheus text with retries, ejections, re-admissions and per-backend outstanding counts;
   GET /health: 200 while any backend is in rotation, with the lowest policy version among them.
 
@@ -45,9 +48,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from arbor.config.admin import require_admin_token
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.fleet import Backend, Fleet, post_json, rendezvous
+from arbor.transport.admin import ADMIN_ROUTES, admin_guard, bearer_headers
 from arbor.transport.http import (
     BadRequest,
     error_middleware,
@@ -62,7 +67,7 @@ from arbor.transport.router import METRIC_PREFIX, use_vllm_router, vllm_router_a
 log = logging.getLogger("arbor.inference.router")
 
 RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
-ADMIN = ("/update_weights", "/pause", "/resume", "/abort_requests")
+ADMIN = ADMIN_ROUTES
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 POISON_AFTER = 2
 """A request that failed this many times (5xx, timeout or hang-up, each on its own backend) is not retried."""
@@ -157,7 +162,8 @@ class Router:
             await self._session.close()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware(log)], client_max_size=256 * 1024 * 1024)
+        app = web.Application(middlewares=[admin_guard(self.cfg.admin_token), error_middleware(log)],
+                              client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
@@ -277,7 +283,9 @@ class Router:
         body = await request.read()
         if body.strip():  # refused here, once, rather than by every backend (a pause may come with no body)
             await read_json_object(request)
-        results = await asyncio.gather(*(post_json(self._session, b, request.path, body) for b in self.backends))
+        auth = bearer_headers(self.cfg.admin_token) if self.cfg.admin_token is not None else {
+            k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        results = await asyncio.gather(*(post_json(self._session, b, request.path, body, auth) for b in self.backends))
         report = {b.url: {"status": s, "in_rotation": b.healthy, "body": d} for b, (s, d) in zip(self.backends, results)}
         live = [(b, s, d) for b, (s, d) in zip(self.backends, results) if b.healthy]
         for b, (s, d) in zip(self.backends, results):
@@ -294,7 +302,7 @@ class Router:
         else:
             status = 502 if ok or any(s for _, s, _ in live) else 503
         if status == 200:
-            self.fleet.remember(request.path, body)
+            self.fleet.remember(request.path, body, auth)
         message = None if status == 200 else f"{request.path} failed on some backends: " + json.dumps(report)[:2000]
         versions = [d.get("policy_version") for _, s, d in live if s == 200 and isinstance(d, dict)]
         out: dict[str, Any] = {"results": report}
@@ -352,6 +360,7 @@ async def serve(cfg: RouterConfig) -> None:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(RouterConfig, argv, prog="router")
+    require_admin_token(cfg.host, cfg.admin_token, "admin_token")
     if not cfg.backends:
         raise ConfigError("backends: give at least one backend URL (--backends '[\"http://host:port\"]')")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -4,8 +4,10 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, pl
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
 array with its dtype and shape, see arbor.transport.routes.encode_routes), GET /health, GET /v1/models, GET /metrics
-(Prometheus text), POST /update_weights {"path", "version"}, POST /pause, POST /resume, and
-POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts): a generation request may carry a
+(Prometheus text), and the admin routes POST /update_weights {"path", "version"}, POST /pause, POST /resume,
+POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts), which need `Authorization: Bearer
+<admin_token>` when the config sets one (required beyond loopback; see arbor.transport.admin, which also holds
+the weight-update policy: allowed roots, symlinks resolved, versions only upwards). A generation request may carry a
 client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
 with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
 so far. An id aborted before its request arrives is remembered, so that request ends at once (empty). The vLLM
@@ -31,10 +33,13 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from pydantic import SecretStr
 
+from arbor.config.admin import require_admin_token
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.inference.sampling import (
@@ -45,6 +50,7 @@ from arbor.inference.sampling import (
     WeightUpdateError,
 )
 from arbor.monitor.heartbeat import beat, install
+from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import (
     BadRequest,
@@ -52,7 +58,6 @@ from arbor.transport.http import (
     Handler,
     error_middleware,
     get_field,
-    get_int,
     read_json_object,
     start_site,
     write_ready_file,
@@ -66,8 +71,6 @@ log = logging.getLogger("arbor.inference.server")
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
 MAX_REQUEST_ID_CHARS = 256
-MAX_VERSION = 2**31 - 1
-"""Largest policy version `/update_weights` takes: the batch files store versions as int32."""
 
 
 # ---- request parsing ----
@@ -197,15 +200,19 @@ async def _engine_unavailable(request: web.Request, handler: Handler) -> web.Str
 
 
 class InferenceServer:
-    """The aiohttp application around one started engine."""
+    """The aiohttp application around one started engine. `admin_token` guards the admin routes (None: open);
+    `weights` is the /update_weights policy (default: any directory, for an in-process server)."""
 
-    def __init__(self, engine: "Engine", tokenizer: Any, model_name: str) -> None:
+    def __init__(self, engine: "Engine", tokenizer: Any, model_name: str, admin_token: SecretStr | None = None,
+                 weights: WeightUpdates | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.admin_token = admin_token
+        self.weights = weights or WeightUpdates(None)
         self.started = time.time()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware(log, (InvalidRequest,)), _engine_unavailable],
-                              client_max_size=256 * 1024 * 1024)
+        middlewares = [admin_guard(self.admin_token), error_middleware(log, (InvalidRequest,)), _engine_unavailable]
+        app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -339,18 +346,13 @@ class InferenceServer:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request)
-        path = get_field(body, "path", (str,), None)
-        version = get_int(body, "version", None, 0, MAX_VERSION)
-        if path is None:
-            raise BadRequest("path (a checkpoint directory) is required", "path")
-        if version is None:
-            raise BadRequest(f"version (an int in [0, {MAX_VERSION}]) is required", "version")
+        return await self.weights.handle(request, lambda: self.engine.version, self._load)
+
+    async def _load(self, update: WeightUpdate) -> int:
         try:
-            applied = await asyncio.wrap_future(self.engine.update_weights(path, version))
-        except WeightUpdateError as e:  # a bad directory: the engine kept its old weights
+            return await asyncio.wrap_future(self.engine.update_weights(update.path, update.version))
+        except WeightUpdateError as e:  # an allowed directory whose weights do not fit: the old ones stay
             raise BadRequest(str(e), "path") from None
-        return web.json_response({"policy_version": applied})
 
     async def pause(self, request: web.Request) -> web.Response:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})
@@ -369,11 +371,11 @@ class BackgroundServer:
     """Serves an engine from an event loop in a daemon thread (tests, notebooks); `url` once constructed."""
 
     def __init__(self, engine: "Engine", tokenizer: Any, model_name: str = "arbor", host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, admin_token: SecretStr | None = None, weight_roots: list[Path] | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-http", daemon=True)
         self._thread.start()
-        app = InferenceServer(engine, tokenizer, model_name).app()
+        app = InferenceServer(engine, tokenizer, model_name, admin_token, WeightUpdates(weight_roots)).app()
         try:
             self._runner, self.url = asyncio.run_coroutine_threadsafe(start_site(app, host, port), self._loop).result()
         except BaseException:
@@ -403,7 +405,8 @@ async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner, url = await start_site(InferenceServer(engine, tokenizer, cfg.model.name).app(), cfg.host, cfg.port)
+    server = InferenceServer(engine, tokenizer, cfg.model.name, cfg.admin_token, WeightUpdates.of(cfg))
+    runner, url = await start_site(server.app(), cfg.host, cfg.port)
     tasks: list[asyncio.Task] = []
     try:
         if cfg.ready_file:
@@ -445,6 +448,7 @@ async def _heartbeats(cfg: InferenceConfig, engine: "Engine") -> None:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
+    require_admin_token(cfg.host, cfg.admin_token, "admin_token")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.backend == "vllm":

@@ -14,8 +14,9 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
   is being applied is tagged with the older version (conservative: it can only overstate staleness).
   Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
-- /update_weights {path, version}: `collective_rpc` of the worker extension's `arbor_load_dir` (files, checksum
-  checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
+- /update_weights {path, version}: checked as on the local engine (arbor.transport.admin: allowed roots, symlinks
+  resolved, versions only upwards), then `collective_rpc` of the worker extension's `arbor_load_dir` (files,
+  checksum checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
   collective RPC between engine steps, so requests in flight continue on the new weights, as on the local
   engine; unlike the local engine, vLLM keeps the KV already computed by the old weights for them.
 - /abort_requests {"request_ids": [...] | "all"} (partial rollouts): the proxy stops reading the named requests'
@@ -25,6 +26,9 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   aborted before its request arrives is remembered, and that request is answered at once, empty.
 - /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
   vLLM is healthy, with the served policy version.
+- Any other route is forwarded to vLLM. With `admin_token` set, the admin routes and every forwarded route but
+  the OpenAI ones and the read-only pages need the bearer token: vLLM's dev-mode routes (`/collective_rpc`
+  runs any worker method) are reachable through the proxy only with it.
 
 Why a proxy plus collective_rpc rather than vLLM's own endpoints: its sleep/wake/reload endpoints reload from
 the original model path or need the engine idle, and its weight-transfer endpoints (`/init_weight_transfer_engine`,
@@ -56,10 +60,11 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
-from arbor.inference.server import start_site, write_ready_file
 from arbor.inference.vllm_launch import materialized_path, serve_argv, serve_env, vllm_build
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
 from arbor.models.hf import save_checkpoint_dir
+from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file
 
 log = logging.getLogger("arbor.inference.vllm")
 
@@ -189,13 +194,14 @@ class VLLMProxy:
         self.version = 0
         self._open = asyncio.Event()
         self._open.set()
-        self._update_lock = asyncio.Lock()
+        self.weights = WeightUpdates.of(cfg)
         self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str | None, set[asyncio.Event]] = {}  # request id -> its abort signals
         self._aborted_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(middlewares=[admin_guard(self.cfg.admin_token), error_middleware(log)],
+                              client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.completions),
             web.get("/health", self.health), web.post("/update_weights", self.update_weights),
@@ -301,24 +307,21 @@ class VLLMProxy:
             return await r.json()
 
     async def update_weights(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        path, version = body.get("path"), body.get("version")
-        if not isinstance(path, str) or not isinstance(version, int) or version < 0:
-            return web.json_response({"error": {"message": "path (str) and version (int >= 0) are required", "param": "path"}}, status=400)
-        if not Path(path).is_dir():
-            return web.json_response({"error": {"message": f"weights directory {path} does not exist", "param": "path"}}, status=400)
+        return await self.weights.handle(request, lambda: self.version, self._load)
+
+    async def _load(self, update: WeightUpdate) -> int:
         w = self.cfg.weights
+        path = str(update.path)
         args: list[Any] = [path, w.verify_checksums, w.timeout] if w.kind == "filesystem" else [
             path, w.nccl_host, w.nccl_port, 1 + self.cfg.replica * self.workers(), w.nccl_inference_ranks + 1, w.timeout]
-        async with self._update_lock:
-            try:
-                await self._rpc(WORKER_METHODS[w.kind], args)
-                async with self._session.post(self.upstream + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
-                    await r.read()
-            except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return web.json_response({"error": {"message": str(e), "type": "internal_error", "param": None}}, status=500)
-            self.version = version
-        return web.json_response({"policy_version": version})
+        try:
+            await self._rpc(WORKER_METHODS[w.kind], args)
+            async with self._session.post(self.upstream + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
+                await r.read()
+        except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise HTTPError(500, str(e), None, "internal_error") from None
+        self.version = update.version
+        return update.version
 
     def workers(self) -> int:
         return self.cfg.vllm.tensor_parallel_size * self.cfg.vllm.data_parallel_size

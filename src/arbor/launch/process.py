@@ -56,11 +56,12 @@ class Supervisor:
         self.log_dir, self.env = log_dir, env
         self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: list[str]) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        """Starts `name`; `env` adds variables for this child only (a secret only it may read)."""
         if name in self.children:  # a restart: the old process is gone, its log stays open until now
             self.children[name].proc.wait()
             self.children[name].close()
-        child = Child(name, argv, self.log_dir / f"{name}.log", self.env)
+        child = Child(name, argv, self.log_dir / f"{name}.log", {**self.env, **(env or {})})
         self.children[name] = child
         return child
 

@@ -19,6 +19,10 @@ one replica is not fatal: the router ejects it and retries its requests elsewher
 `inference.router.restart_dead_replicas`) the launcher restarts it on the same port, at most once per
 `RESTART_BACKOFF` seconds; the router re-admits it once healthy, after replaying the current weights. The run
 fails only when every replica is dead at once (with one replica, its death is fatal, as before).
+
+Admin token: when a server (an inference replica or the router) binds beyond loopback and the config gives no
+`admin_token`, `rl` generates one for the run. It reaches the servers and the orchestrator through their
+environment only (`ARBOR_ADMIN_TOKEN`, `ARBOR_CLIENT__ADMIN_TOKEN`), never through argv or the written configs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 from tomli_w import dumps
 
 from arbor import run_dir
+from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm_launch import dry_run_command
@@ -95,6 +100,11 @@ def resolve(cfg: RLConfig) -> RLConfig:
         cfg.orchestrator.client.base_urls = [f"http://{rhost}:{inf.router.port}"]
         # vllm-router has no admin routes: weight updates then go to every backend directly.
         cfg.orchestrator.client.admin_urls = inf.router.backends if use_vllm_router(inf.router) else []
+    token = cfg.run_admin_token()
+    public = [inf.host] + ([inf.router.host] if inf.replicas > 1 else [])
+    if token is None and not all(is_loopback(h) for h in public):
+        token = new_admin_token()
+    inf.admin_token = inf.router.admin_token = cfg.orchestrator.client.admin_token = token
     if cfg.sft.steps:
         warm = cfg.model.model_copy(update={"name": str(run_dir.sft_model_dir(cfg.output_dir)), "tokenizer": None})
         for section in (cfg.trainer, cfg.orchestrator, cfg.inference):
@@ -135,6 +145,12 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def token_env(cfg: RLConfig, variable: str) -> dict[str, str]:
+    """The run's admin token as `variable` (set by `resolve`), for the one child that reads it; none: empty."""
+    token = token_value(cfg.inference.admin_token)
+    return {} if token is None else {variable: token}
+
+
 def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
     n = cfg.trainer.parallel.nproc
     if n == 1:
@@ -159,13 +175,14 @@ class Fleet:
             self.argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
                          for i, url in enumerate(inf.router.backends)}
             self.urls = dict(zip(self.argv, inf.router.backends))
+        self.env = token_env(cfg, ADMIN_TOKEN_ENV)
         self.restart = inf.replicas > 1 and inf.router.restart_dead_replicas
         self.last_start: dict[str, float] = {}
         self.reported: set[str] = set()
         self.deaths = 0
 
     def start(self, name: str) -> None:
-        self.sup.start(name, self.argv[name])
+        self.sup.start(name, self.argv[name], self.env)
         self.last_start[name] = time.monotonic()
 
     def on_death(self, name: str, rc: int, console: Console | None) -> None:
@@ -218,7 +235,8 @@ def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> Fleet:
     for name in fleet.argv:
         fleet.start(name)
     sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
-    sup.start("orchestrator", [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")])
+    orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
+    sup.start("orchestrator", orchestrator, token_env(cfg, CLIENT_TOKEN_ENV))
     return fleet
 
 
@@ -281,7 +299,7 @@ def run(cfg: RLConfig) -> int:
         for name, url in fleet.urls.items():
             wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
         if cfg.inference.replicas > 1:
-            sup.start("router", router_argv(cfg, conf))
+            sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
             wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet,
                          on_wait=waits)
         finished = {"sft"}

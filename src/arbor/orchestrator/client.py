@@ -3,8 +3,8 @@
 Speaks the vLLM field names (`return_token_ids`, `logprobs`), so it works against arbor's local engine, a vLLM
 server, or a router in front of either. Requests rotate over `base_urls`; a connection error, timeout or 5xx
 is retried on the next server with backoff, a 4xx is a bug in the request and raised at once with the server's
-message. Admin calls (update weights) go to every server in `admin_urls` (default: `base_urls`; a router fans
-them out itself).
+message. Admin calls (update weights, aborts) go to every server in `admin_urls` (default: `base_urls`; a router
+fans them out itself), with `Authorization: Bearer <admin_token>` when the fleet has one.
 
 Every generation request carries `cache_salt = "policy-{version}"` (a vLLM request field), the newest policy
 version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
@@ -25,7 +25,9 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from pydantic import SecretStr
 
+from arbor.transport.admin import bearer_headers
 from arbor.transport.routes import decode_routes
 from arbor.transport.router import parse_router_metrics
 
@@ -56,11 +58,12 @@ class Completion:
 
 class InferenceClient:
     def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor",
-                 admin_urls: list[str] | None = None) -> None:
+                 admin_urls: list[str] | None = None, admin_token: SecretStr | None = None) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.admin_urls = [u.rstrip("/") for u in admin_urls] if admin_urls else self.base_urls
+        self._admin_headers = bearer_headers(admin_token)
         self.policy_version = 0  # the cache salt's version; WeightSync raises it after each fleet update
         self.timeout, self.max_retries, self.model = timeout, max_retries, model
         self._next = itertools.cycle(range(len(self.base_urls)))
@@ -76,13 +79,14 @@ class InferenceClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _post(self, path: str, body: dict[str, Any], url: str | None = None) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], url: str | None = None,
+                    headers: dict[str, str] | None = None) -> dict[str, Any]:
         assert self._session is not None, "use InferenceClient as an async context manager"
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
             base = url or self.base_urls[next(self._next)]
             try:
-                async with self._session.post(base + path, json=body) as resp:
+                async with self._session.post(base + path, json=body, headers=headers) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
                         return data
@@ -147,13 +151,14 @@ class InferenceClient:
 
     async def update_weights(self, path: str, version: int) -> None:
         """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
-        await asyncio.gather(*(self._post("/update_weights", {"path": path, "version": version}, url=u) for u in self.admin_urls))
+        body = {"path": path, "version": version}
+        await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers) for u in self.admin_urls))
         self.policy_version = max(self.policy_version, version)
 
     async def abort_requests(self, request_ids: list[str] | None) -> None:
         """Finishes these requests (None: every request) on every server in `admin_urls` (a router fans out)."""
         body = {"request_ids": "all" if request_ids is None else list(request_ids)}
-        await asyncio.gather(*(self._post("/abort_requests", body, url=u) for u in self.admin_urls))
+        await asyncio.gather(*(self._post("/abort_requests", body, u, self._admin_headers) for u in self.admin_urls))
 
     async def router_stats(self) -> dict[str, float]:
         """The router's fleet counters (retries, ejections, re-admissions) when `base_urls` is one router."""
