@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 CHUNK_BYTES = 256 * 2**20
-"""Default size of one chunk's fp32 logits: `CHUNK_BYTES / (4 V)` rows (431 at V = 151,936). Large enough that
+"""Default size of one chunk's fp32 logits: `CHUNK_BYTES / (4 V)` rows (441 at V = 151,936). Large enough that
 each chunk's matmul runs at full speed, small enough that the few buffers of a chunk stay well under a GB."""
 
 
