@@ -8,7 +8,8 @@ pair and, if asked, each row's entropy; it keeps only its inputs. Its backward r
 `log_softmax` and applies the softmax gradient `scatter(g) - p * sum(g)` (what `log_softmax`'s own backward does
 with a gather's sparse gradient), then the two matmuls of the head's backward, so the gradients of the hidden
 states and of the weight are exactly those of the full-logits path; the weight's is accumulated over chunks in
-at least fp32. Peak memory is a few `[chunk, V]` fp32 buffers instead of several `[T, V]` ones, at the cost of
+at least fp32. Rows whose every logprob has a zero gradient (tokens outside the loss mask) are skipped in
+backward, their gradient being exactly 0. Peak memory is a few `[chunk, V]` fp32 buffers instead of several `[T, V]` ones, at the cost of
 one more matmul (the recompute).
 
 Rows and pairs are separate so that one function serves the packed rows (row t predicts token t + 1) and the
@@ -64,35 +65,43 @@ class VocabChunkedLogprobs(torch.autograd.Function):
                 if with_entropy:
                     p = logp.exp()
                     entropy[start: start + chunk] = -(p.mul_(logp)).sum(-1)
-        ctx.save_for_backward(hidden, weight, rows, targets, order)
-        ctx.bounds = bounds
+        ctx.save_for_backward(hidden, weight, rows, targets)
         ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     def backward(ctx, grad_out, _grad_entropy):
-        hidden, weight, rows, targets, order = ctx.saved_tensors
+        hidden, weight, rows, targets = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_out = grad_out.float()
-        # sum over each row's pairs of their gradients: the softmax term of log_softmax's backward
-        row_sum = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        row_sum.index_add_(0, rows, grad_out)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        # Rows none of whose pairs has a gradient (prompt tokens and padding, outside the loss mask) contribute
+        # exactly 0: only the others are recomputed, renumbered 0..live-1 (one host sync for their count).
+        active = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        active[rows[grad_out != 0]] = True
+        live = active.nonzero().squeeze(1)
+        slot = torch.cumsum(active, 0) - 1
+        keep = active[rows]
+        p_rows, p_targets, p_grad = slot[rows[keep]], targets[keep], grad_out[keep]
+        # the sum of each row's pair gradients: the softmax term of log_softmax's backward
+        row_sum = torch.zeros(live.shape[0], dtype=torch.float32, device=hidden.device).index_add_(0, p_rows, p_grad)
+        chunk, temperature = ctx.chunk, ctx.temperature
+        order, bounds = _pairs_by_chunk(p_rows, live.shape[0], chunk)
+        grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        chunk, temperature = ctx.chunk, ctx.temperature
         with torch.autocast(hidden.device.type, enabled=False):
-            for i, start in enumerate(range(0, hidden.shape[0], chunk)):
-                h = hidden[start: start + chunk]
+            for i, start in enumerate(range(0, live.shape[0], chunk)):
+                idx = live[start: start + chunk]
+                h = hidden[idx]
                 grad = _chunk_logp(h, weight, temperature).exp_()
-                grad.mul_(-row_sum[start: start + h.shape[0], None])
-                mine = order[ctx.bounds[i]: ctx.bounds[i + 1]]
-                grad.index_put_((rows[mine] - start, targets[mine]), grad_out[mine], accumulate=True)
+                grad.mul_(-row_sum[start: start + idx.shape[0], None])
+                mine = order[bounds[i]: bounds[i + 1]]
+                grad.index_put_((p_rows[mine] - start, p_targets[mine]), p_grad[mine], accumulate=True)
                 if temperature > 0:
                     grad.div_(temperature)
                 grad = grad.to(hidden.dtype)
                 if need_h:
-                    torch.mm(grad, weight, out=grad_h[start: start + h.shape[0]])
+                    grad_h[idx] = grad.mm(weight)
                 if need_w and acc == weight.dtype:
                     grad_w.addmm_(grad.t(), h)
                 elif need_w:  # a low-precision head: each chunk's product is summed in fp32
