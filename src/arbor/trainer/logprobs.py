@@ -9,8 +9,8 @@ pair and, if asked, each row's entropy; it keeps only its inputs. Its backward r
 with a gather's sparse gradient), then the two matmuls of the head's backward, so the gradients of the hidden
 states and of the weight are exactly those of the full-logits path; the weight's is accumulated over chunks in
 at least fp32. Rows whose every logprob has a zero gradient (tokens outside the loss mask) are skipped in
-backward, their gradient being exactly 0. Peak memory is a few `[chunk, V]` fp32 buffers instead of several `[T, V]` ones, at the cost of
-one more matmul (the recompute).
+backward, their gradient being exactly 0. Peak memory is two `[chunk, V]` fp32 buffers (and the weight's
+gradient) instead of five `[T, V]` ones, at the cost of one more matmul per backward row (the recompute).
 
 Rows and pairs are separate so that one function serves the packed rows (row t predicts token t + 1) and the
 prefix-tree merged rows (a node's distribution is normalised once and read by every sample token it predicts).

@@ -135,14 +135,8 @@ def tree_logprobs(
 
 
 def unmerged_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    token_nodes: torch.Tensor,
-    predictors: torch.Tensor,
-    temperature: float,
-    with_entropy: bool = True,
-    chunk: int = 0,
+    hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, token_nodes: torch.Tensor,
+    predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` applied
     to the node hidden states `[M, H]` (0 where predictors[t] < 0). Each node's distribution is normalised
