@@ -120,11 +120,12 @@ def run_child(arm: str, a: argparse.Namespace, out: Path) -> dict:
 
 
 def max_differences(out: Path) -> dict[str, float]:
-    """Per output, the largest `|chunked - full| / max(1, |full|)`: absolute below magnitude 1, relative above
-    (a weight gradient of magnitude 10 summed in another order differs by a few fp32 ulps, ~1e-6 each)."""
+    """Per output, the largest `|chunked - full|` over `max(1, max |full|)`: absolute below magnitude 1, else
+    relative to the output's scale (the weight gradient sums T products per element; summed in another order,
+    fp32 gives a few ulps of the largest term, ~1e-6 absolute at T = 2048)."""
     full = torch.load(out / "full.pt")
     chunked = torch.load(out / "chunked.pt")
-    return {k: float(((full[k].double() - chunked[k].double()).abs() / full[k].double().abs().clamp(min=1)).max())
+    return {k: float((full[k].double() - chunked[k].double()).abs().max() / max(1.0, float(full[k].abs().max())))
             for k in OUTPUTS}
 
 
@@ -160,7 +161,7 @@ def main() -> None:
     diff = max(diffs.values())
     print(f"peak memory chunked/full: {memory:.4f} (target <= {TARGET_MEMORY})")
     print(f"time chunked/full: {seconds:.4f} (target <= {TARGET_TIME})")
-    print("max |chunked - full| / max(1, |full|): " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+    print("max |chunked - full| / max(1, max |full|): " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
           + f" (target <= {TARGET_DIFF:g})")
     print(json.dumps({
         "benchmark": "logprobs_memory",
