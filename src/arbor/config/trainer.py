@@ -223,6 +223,10 @@ class TrainerConfig(Config):
     epochs: Count = Field(1, ge=1)
     """Passes over each batch (each pass takes mini_batches optimizer steps). With mini_batches x epochs > 1 the
     proximal policy's logprobs are computed once per batch, before the first step, with no gradient."""
+    logprob_chunk_tokens: Tokens = Field(0, ge=0)
+    """Tokens whose logits the trainer computes at a time when scoring a micro-batch (the lm_head is applied
+    chunk by chunk and recomputed in backward, so `[tokens, vocab]` logits never exist at once); 0 = as many
+    as fit one chunk's fp32 logits in 256 MiB (441 tokens at a vocabulary of 151,936)."""
 
     deprecated_aliases = {"scheduler": "lr_schedule"}
 

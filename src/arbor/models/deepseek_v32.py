@@ -35,7 +35,7 @@ from torch import nn
 
 from arbor.models.args import DSAArgs
 from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
-from arbor.models.qwen3 import MLP, RMSNorm, RotaryEmbedding, apply_rope, embed, lm_logits
+from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, RotaryEmbedding, apply_rope, embed, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
@@ -306,6 +306,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         cache_slots: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         routed_experts: torch.Tensor | None = None,
+        head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
@@ -316,7 +317,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             if idx is not None:
                 chosen.append(idx)
         self.last_routed_experts = torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
-        return lm_logits(self, x, logits_to_keep)
+        return lm_logits(self, x, logits_to_keep, head_fn)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic initialisation from `seed`: norms 1 (LayerNorm biases and router biases 0), the rest

@@ -8,6 +8,9 @@ position ids, as transformers does, which is what keeps trainer and inference lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,10 +137,20 @@ def embed(backbone: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tens
     return backbone.embed_tokens(input_ids), backbone.rotary_emb(position_ids), position_ids
 
 
-def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+HeadFn = Callable[[torch.Tensor, torch.Tensor], Any]
+"""Replaces the language-model head in a forward: `head_fn(hidden [B, T, H] after the final norm, lm_head weight
+[V, H])`, and the forward returns what it returns. The trainer passes its vocabulary-chunked logprobs
+(arbor.trainer.logprobs) so that `[T, V]` logits never exist; calling it inside the forward is what keeps the
+weight usable under FSDP2 (the root module's parameters are gathered only around its forward and backward)."""
+
+
+def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int, head_fn: HeadFn | None = None) -> Any:
     """The forward epilogue: final norm and language-model head, on the last `logits_to_keep` positions only
-    when it is > 0 (prefill). `model` has `model.norm` and `lm_head`."""
+    when it is > 0 (prefill); with `head_fn`, its result instead of logits. `model` has `model.norm` and
+    `lm_head` (a bias-free nn.Linear)."""
     x = model.model.norm(x)
+    if head_fn is not None:
+        return head_fn(x, model.lm_head.weight)
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return model.lm_head(x)
@@ -166,14 +179,15 @@ class Qwen3ForCausalLM(nn.Module):
         kv_cache: KVCache | None = None,
         cache_slots: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
         """`attn_mask` `[B, 1, T, T]` (True = attend) or a FlexAttention `BlockMask` (arbor.models.attention)
         overrides plain causal attention; with `kv_cache` the mask comes from the cache. `logits_to_keep > 0`
-        computes logits for the last positions only (prefill)."""
+        computes logits for the last positions only (prefill). `head_fn` replaces the head (`HeadFn`)."""
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
         for layer in self.model.layers:
             x = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots)
-        return lm_logits(self, x, logits_to_keep)
+        return lm_logits(self, x, logits_to_keep, head_fn)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic initialisation from `seed` (same weights in every process that calls it)."""

@@ -27,7 +27,7 @@ from torch.distributed.nn.functional import all_reduce
 
 from arbor.models.args import ModelArgs
 from arbor.models.attention import KVCache
-from arbor.models.qwen3 import MLP, Attention, Qwen3Backbone, Qwen3ForCausalLM, RMSNorm, embed, lm_logits
+from arbor.models.qwen3 import MLP, Attention, HeadFn, Qwen3Backbone, Qwen3ForCausalLM, RMSNorm, embed, lm_logits
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -196,6 +196,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         cache_slots: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         routed_experts: torch.Tensor | None = None,
+        head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
         n_moe = len(self.args.moe_layers)
@@ -218,7 +219,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.aux_loss = None
         if self.training and all_logits:
             self.aux_loss = load_balancing_loss(all_logits, all_idx, self.args, self.aux_valid, self.aux_group)
-        return lm_logits(self, x, logits_to_keep)
+        return lm_logits(self, x, logits_to_keep, head_fn)
 
 
 def load_balancing_loss(

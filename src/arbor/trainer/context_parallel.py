@@ -16,8 +16,9 @@ the collectives are `all_to_all_single` through `torch.distributed.nn.functional
 back along the reverse route) and the block math is plain PyTorch. Padding: rows are padded to a multiple of
 2 x cp with single-token documents whose outputs the loss mask ignores.
 
-The trainer computes each local token's next-token logprob and all-gathers them (differentiably), so every cp
-rank sees the full row's logprobs and the loss is unchanged; see `packed_logprobs_cp`.
+The trainer computes each local token's next-token logprob (vocabulary-chunked, arbor.trainer.logprobs) and
+all-gathers them (differentiably), so every cp rank sees the full row's logprobs and the loss is unchanged; see
+`packed_logprobs_cp`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -240,17 +243,19 @@ def packed_logprobs_cp(
         kwargs["routed_experts"] = re[idx][None]
     if hasattr(model, "aux_valid"):  # MoE: the load-balancing loss of the whole row, cp padding excluded
         model.aux_valid, model.aux_group = idx < T, ctx.group
-    logits = model(ids[idx][None], pos[idx][None], None, **kwargs)[0].float()
-    if temperature > 0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
     nxt = ids[(idx + 1).clamp(max=Tp - 1)]
-    picked = logp.gather(-1, nxt[:, None]).squeeze(-1)
+    rows = torch.arange(idx.shape[0], device=device)
+    chunk = logprob_chunk(model)
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk)
+
+    picked, ent = model(ids[idx][None], pos[idx][None], None, head_fn=head, **kwargs)
     full = gather_tokens(ctx, picked)  # full[t] = logprob of token t+1
     logprobs = torch.cat([full.new_zeros(1), full[: T - 1]])
     entropy = None
-    if with_entropy:
+    if ent is not None:
         with torch.no_grad():
-            ent = gather_tokens(ctx, -(logp.exp() * logp).sum(-1))
+            ent = gather_tokens(ctx, ent)
             entropy = torch.cat([ent.new_zeros(1), ent[: T - 1]])
     return logprobs, entropy

@@ -169,9 +169,11 @@ def parallelize(
     3. context parallel installs the CP attention in every attention module (no parameters change);
     4. FSDP2 last: it replaces the remaining parameters with DTensors sharded over dp_shard x cp (HSDP with
        dp_replicate) and registers its hooks around the already-rewritten modules.
-    With one rank nothing is sharded and the model stays a plain module.
+    With one rank nothing is sharded and the model stays a plain module. The model also records
+    `trainer.logprob_chunk_tokens` for the chunked logprobs (arbor.trainer.logprobs).
     """
     pc = config.parallel
+    model._arbor_logprob_chunk = config.logprob_chunk_tokens  # read by arbor.trainer.logprobs.logprob_chunk
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
     apply_fp8(model, config.model)
     if pc.activation_checkpointing:

@@ -2,9 +2,14 @@
 AdamW; then the step's figures reduced over ranks. The RL loop, the tests and the benchmark call these same
 functions, so what is measured is what trains.
 
+Logprobs never materialise `[T, V]` logits: the model's forward hands its final hidden states and lm_head weight
+to arbor.trainer.logprobs, which applies the head a chunk of tokens at a time with an exact custom backward
+(chunk: `trainer.logprob_chunk_tokens`, set on the model by `parallelize`). `shifted_logprobs` is the
+full-logits reference it equals.
+
 Prefix-tree merged rows (their wire format is arbor.transport.batch's) forward the trie's nodes once under
-their tree mask and unmerge: each original sample token's logprob is read from the logits of the node that
-predicts it (`tree_logprobs`), so everything after the forward sees the unmerged per-token arrays.
+their tree mask and unmerge: each original sample token's logprob is read from the distribution of the node
+that predicts it (`tree_logprobs`), so everything after the forward sees the unmerged per-token arrays.
 
 Normalisation: each micro-batch's loss is `loss_sum / normaliser * dp_size`, the normaliser being the step's
 loss-token count with one optimizer step per batch. FSDP2 averages gradients over the `dp_size` ranks, so the
@@ -25,7 +30,9 @@ from torch import nn
 
 from arbor.config.trainer import LossConfig
 from arbor.models.attention import row_attention_mask, subtree_end_for
+from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
+from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk, shifted_chunked_logprobs
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.trainer.parallel import clip_grad_norm
 from arbor.transport.batch import MicroBatch, StepBatch
@@ -35,7 +42,8 @@ def shifted_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs `[T]` of `input_ids` under `logits` `[T, V]` (token t scored by the logits at t-1; token
-    0 gets 0) and, optionally, the entropy of the distribution that predicted each token (no gradient)."""
+    0 gets 0) and, optionally, the entropy of the distribution that predicted each token (no gradient).
+    The full-logits reference of the trainer's chunked path (arbor.trainer.logprobs); tests compare the two."""
     logits = logits.float()
     if temperature > 0:  # greedy rollouts (temperature 0) are scored untempered
         logits = logits / temperature
@@ -68,8 +76,12 @@ def packed_logprobs(
                                   routed_experts)
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
-    logits = _row_forward(model, input_ids, position_ids, end, device, routed_experts)
-    return shifted_logprobs(logits, input_ids, temperature, with_entropy)
+    chunk = logprob_chunk(model)
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk)
+
+    return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head)
 
 
 def _row_forward(
@@ -79,12 +91,14 @@ def _row_forward(
     subtree_end: torch.Tensor,
     device: torch.device,
     routed_experts: torch.Tensor | None,
-) -> torch.Tensor:
-    """Logits `[T, V]` of one row under its tree mask (a packed row is a forest of chains): one mask per row,
-    shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
+    head_fn: HeadFn,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_fn`'s (logprobs, entropy) for one row forwarded under its tree mask (a packed row is a forest of
+    chains): one mask per row, shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
     mask = row_attention_mask(subtree_end, device, getattr(model, "accepts_block_mask", False))
     kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
-    return model(input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask, **kwargs)[0]
+    return model(input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask,
+                 head_fn=head_fn, **kwargs)
 
 
 def tree_logprobs(
@@ -106,43 +120,38 @@ def tree_logprobs(
             "orchestrator.batching.prefix_merge = false or trainer.parallel.cp = 1"
         )
     nodes = mb.token_nodes.to(device, torch.long)
+    input_ids = mb.input_ids.to(device)
+    predictors = mb.predictor_nodes().to(device)
+    chunk = logprob_chunk(model)
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return unmerged_logprobs(hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk)
+
     moe = hasattr(model, "aux_valid")
     if moe:
         model.aux_valid = torch.bincount(nodes, minlength=mb.num_tokens)
     try:
-        logits = _row_forward(model, mb.input_ids, mb.position_ids, mb.subtree_end, device, routed_experts)
+        return _row_forward(model, mb.input_ids, mb.position_ids, mb.subtree_end, device, routed_experts, head)
     finally:
         if moe:
             model.aux_valid = None
-    return unmerged_logprobs(logits, mb.input_ids.to(device), nodes, mb.predictor_nodes().to(device), temperature,
-                             with_entropy)
 
 
 def unmerged_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    token_nodes: torch.Tensor,
-    predictors: torch.Tensor,
-    temperature: float,
-    with_entropy: bool = True,
+    hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, token_nodes: torch.Tensor,
+    predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) from node logits `[M, V]`
-    (0 where predictors[t] < 0). The softmax normaliser is computed once per node, then gathered, so a node
-    shared by many samples costs one row of the vocabulary, not one per sample."""
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
+    """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` applied
+    to the node hidden states `[M, H]` (0 where predictors[t] < 0). Each node's distribution is normalised
+    once, chunk by chunk (arbor.trainer.logprobs), then read by every sample token it predicts, so a node shared
+    by many samples costs one row of the vocabulary, not one per sample."""
     has = predictors >= 0
     src = predictors.clamp(min=0)
-    picked = logits[src, input_ids[token_nodes]] - lse[src]
-    logprobs = torch.where(has, picked, torch.zeros_like(picked))
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            logp = logits - lse[:, None]
-            ent = -(logp.exp() * logp).sum(-1)
-            entropy = torch.where(has, ent[src], torch.zeros_like(picked))
+    picked, ent = chunked_token_logprobs(hidden, weight, src, input_ids[token_nodes], temperature, with_entropy,
+                                         chunk)
+    zero = torch.zeros_like(picked)
+    logprobs = torch.where(has, picked, zero)
+    entropy = None if ent is None else torch.where(has, ent[src], zero)
     return logprobs, entropy
 
 

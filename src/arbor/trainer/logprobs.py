@@ -1,0 +1,157 @@
+"""Token logprobs and entropy straight from the final hidden states and the lm_head weight, a chunk of tokens at a
+time, so that `[T, V]` logits never exist at once (issue 14, "vocabulary-flat logprobs").
+
+`VocabChunkedLogprobs` is a custom autograd function: its forward computes, per chunk of `chunk` rows, the
+logits `h W^T` (in the head's compute dtype, upcast to fp32, divided by the temperature as
+`arbor.trainer.step.shifted_logprobs` does), their `log_softmax`, the logprob of each requested (row, target)
+pair and, if asked, each row's entropy; it keeps only its inputs. Its backward recomputes each chunk's
+`log_softmax` and applies the softmax gradient `scatter(g) - p * sum(g)` (what `log_softmax`'s own backward does
+with a gather's sparse gradient), then the two matmuls of the head's backward, so the gradients of the hidden
+states and of the weight are exactly those of the full-logits path; the weight's is accumulated over chunks in
+at least fp32. Rows whose every logprob has a zero gradient (tokens outside the loss mask) are skipped in
+backward, their gradient being exactly 0. Peak memory is two `[chunk, V]` fp32 buffers (and the weight's
+gradient) instead of five `[T, V]` ones, at the cost of one more matmul per backward row (the recompute).
+
+Rows and pairs are separate so that one function serves the packed rows (row t predicts token t + 1) and the
+prefix-tree merged rows (a node's distribution is normalised once and read by every sample token it predicts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 256 * 2**20
+"""Default size of one chunk's fp32 logits: `CHUNK_BYTES / (4 V)` rows (441 at V = 151,936). Large enough that
+each chunk's matmul runs at full speed, small enough that the few buffers of a chunk stay well under a GB."""
+
+
+def default_chunk(vocab_size: int) -> int:
+    """Rows per chunk when `trainer.logprob_chunk_tokens` is 0: one chunk's fp32 logits take `CHUNK_BYTES`."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def logprob_chunk(model: torch.nn.Module) -> int:
+    """Rows per chunk for `model`'s logprobs: `trainer.logprob_chunk_tokens` as `parallelize` set it on the
+    model (`_arbor_logprob_chunk`), 0 (the default from V) on a model the trainer did not prepare."""
+    return getattr(model, "_arbor_logprob_chunk", 0)
+
+
+def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`log_softmax` of one chunk's tempered logits `[C, V]` in fp32: the same ops, in the same order, as
+    `shifted_logprobs` applies to the full logits."""
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    if temperature > 0:  # greedy rollouts (temperature 0) are scored untempered
+        logits.div_(temperature)  # in place: the buffer is this function's own, and no autograd runs here
+    return torch.log_softmax(logits, dim=-1)
+
+
+class VocabChunkedLogprobs(torch.autograd.Function):
+    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy)` ->
+    `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`;
+    entropy (no gradient) is empty unless `with_entropy`. `hidden` and `weight` share a dtype (autocast is
+    applied by the caller, see `chunked_token_logprobs`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy):
+        ctx.temperature, ctx.chunk = temperature, chunk
+        order, bounds = _pairs_by_chunk(rows, hidden.shape[0], chunk)
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for i, start in enumerate(range(0, hidden.shape[0], chunk)):
+                logp = _chunk_logp(hidden[start: start + chunk], weight, temperature)
+                mine = order[bounds[i]: bounds[i + 1]]
+                out[mine] = logp[rows[mine] - start, targets[mine]]
+                if with_entropy:
+                    p = logp.exp()
+                    entropy[start: start + chunk] = -(p.mul_(logp)).sum(-1)
+        ctx.save_for_backward(hidden, weight, rows, targets)
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_entropy):
+        hidden, weight, rows, targets = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_out = grad_out.float()
+        # Rows none of whose pairs has a gradient (prompt tokens and padding, outside the loss mask) contribute
+        # exactly 0: only the others are recomputed, renumbered 0..live-1 (one host sync for their count).
+        active = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        active[rows[grad_out != 0]] = True
+        live = active.nonzero().squeeze(1)
+        slot = torch.cumsum(active, 0) - 1
+        keep = active[rows]
+        p_rows, p_targets, p_grad = slot[rows[keep]], targets[keep], grad_out[keep]
+        # the sum of each row's pair gradients: the softmax term of log_softmax's backward
+        row_sum = torch.zeros(live.shape[0], dtype=torch.float32, device=hidden.device).index_add_(0, p_rows, p_grad)
+        chunk, temperature = ctx.chunk, ctx.temperature
+        order, bounds = _pairs_by_chunk(p_rows, live.shape[0], chunk)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for i, start in enumerate(range(0, live.shape[0], chunk)):
+                idx = live[start: start + chunk]
+                h = hidden[idx]
+                grad = _chunk_logp(h, weight, temperature).exp_()
+                grad.mul_(-row_sum[start: start + idx.shape[0], None])
+                mine = order[bounds[i]: bounds[i + 1]]
+                grad.index_put_((p_rows[mine] - start, p_targets[mine]), p_grad[mine], accumulate=True)
+                if temperature > 0:
+                    grad.div_(temperature)
+                grad = grad.to(hidden.dtype)
+                if need_h:
+                    grad_h[idx] = grad.mm(weight)
+                if need_w and acc == weight.dtype:
+                    grad_w.addmm_(grad.t(), h)
+                elif need_w:  # a low-precision head: each chunk's product is summed in fp32
+                    grad_w += grad.t().mm(h)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _pairs_by_chunk(rows: torch.Tensor, n_rows: int, chunk: int) -> tuple[torch.Tensor, list[int]]:
+    """Pair indices sorted by row, and where each chunk's pairs begin and end in that order (one host sync)."""
+    order = torch.argsort(rows, stable=True)
+    n_chunks = -(-n_rows // chunk)
+    starts = (torch.arange(n_chunks + 1, device=rows.device) * chunk).clamp(max=n_rows)
+    bounds = torch.searchsorted(rows[order], starts).tolist()
+    return order, bounds
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head applied to `hidden [N, H]` rows
+    `rows`; `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's matmuls run in the autocast
+    dtype, as `nn.Linear` would; the casts are outside the function so autograd carries their gradients."""
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    chunk = chunk or default_chunk(weight.shape[0])
+    rows, targets = rows.to(hidden.device, torch.long), targets.to(hidden.device, torch.long)
+    logprobs, entropy = VocabChunkedLogprobs.apply(
+        hidden.to(dtype), weight.to(dtype), rows, targets, temperature, chunk, with_entropy
+    )
+    return logprobs, entropy if with_entropy else None
+
+
+def shifted_chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, temperature: float,
+    with_entropy: bool = True, chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`shifted_logprobs` from hidden states `[T, H]` and the head weight: per-token logprobs `[T]` (token t
+    scored by row t-1, token 0 gets 0) and, optionally, the entropy of the distribution that predicted each."""
+    T = hidden.shape[0]
+    rows = torch.arange(T - 1, device=hidden.device)
+    lp, ent = chunked_token_logprobs(hidden[:-1], weight, rows, input_ids[1:], temperature, with_entropy, chunk)
+    logprobs = torch.cat([lp.new_zeros(1), lp])
+    entropy = None if ent is None else torch.cat([ent.new_zeros(1), ent])
+    return logprobs, entropy
