@@ -60,3 +60,16 @@ def resolve_dir(name: str, key: str = "model.name") -> Path:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise HubError(f"{key} {name!r} is not in the Hugging Face cache ({cache}) and could not be downloaded "
                        f"({reason}): download it where the hub is reachable, or give a local directory") from None
+
+
+def cached_config(name: str) -> Path | None:
+    """`config.json` of `name` (a directory, or a hub id's snapshot already in the cache) without any network
+    access or download; None when it is not on this machine (the config check then leaves the shape to the
+    process that loads the model)."""
+    if not is_hub_id(name):
+        path = Path(name) / "config.json"
+        return path if path.is_file() else None
+    from huggingface_hub import try_to_load_from_cache  # as in resolve_dir: only hub ids pay for the import
+
+    found = try_to_load_from_cache(name, "config.json")
+    return Path(found) if isinstance(found, str) else None
