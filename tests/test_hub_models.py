@@ -140,6 +140,7 @@ def test_real_shapes_build_on_meta_with_the_published_parameter_counts(name):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # an SFT warm-up and 30 RL steps: about 2 minutes on 2 idle cores
 def test_a_raw_prompt_run_from_a_template_less_checkpoint_learns(tmp_path):
     """The quick start with a base-model checkpoint (a Hugging Face tokenizer without a chat template) and
     `prompt_format = "raw"`: SFT warm-up and RL on the raw task text; the reward rises."""
@@ -147,7 +148,8 @@ def test_a_raw_prompt_run_from_a_template_less_checkpoint_learns(tmp_path):
     out = tmp_path / "run"
     res = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "@", "examples/reverse_text/rl.toml", "--model.name", str(base),
-         "--orchestrator.environment.prompt-format", "raw", "--max-steps", "30", "--output-dir", str(out)],
+         "--orchestrator.environment.prompt-format", "raw", "--max-steps", "30", "--orchestrator.batch-size", "64",
+         "--output-dir", str(out)],
         capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parent.parent,
     )
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]

@@ -2,14 +2,15 @@
 
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
-port free (when set explicitly), model and tokenizer files present, the GPUs a config asks for present, requested
-backends importable (vllm, DeepEP), the SFT dataset readable, the environment importable with arguments its
-built-in takes and the black-box agent it names present, any loss or advantage function given by dotted path
-importable, and, last, the orchestrator's tokenizer and environment built as the orchestrator builds them, with
-at least one task of the dataset short enough to leave room for a completion (else the orchestrator could only
-skip tasks). `rl` runs these before starting anything, and `rl --check` runs them alone. Nothing here imports
-torch or the backends themselves: GPUs are counted with `nvidia-smi -L` (or /proc/driver/nvidia), modules are
-found with `importlib.util.find_spec`.
+port free (when set explicitly), model and tokenizer files present (a Hugging Face hub id is fetched into the
+cache once, here), the GPUs a config asks for present, requested backends importable (vllm, DeepEP), the SFT
+dataset readable, the environment importable with arguments its built-in takes and the black-box agent it names
+present, any loss or advantage function given by dotted path importable, and, last, the orchestrator's tokenizer
+and environment built as the orchestrator builds them, with the chat template a chat prompt needs
+(`prompt_format`) and at least one task of the dataset short enough to leave room for a completion (else the
+orchestrator could only skip tasks). `rl` runs these before starting anything, and `rl --check` runs them alone.
+Nothing here imports torch or the backends themselves: GPUs are counted with `nvidia-smi -L` (or
+/proc/driver/nvidia), modules are found with `importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from arbor.config.rl import RLConfig
 from arbor.environments.base import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
 from arbor.inference.vllm_launch import vllm_build
 from arbor.models import build_tokenizer
-from arbor.models.tokenizer import tokenizer_has_template
 from arbor.models.args import ModelArgs
 from arbor.models.hub import HubError, resolve_dir
 from arbor.models.presets import PRESETS
+from arbor.models.tokenizer import tokenizer_has_template
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Config values that name a backend -> the module it needs (a key named `backend` or ending in `_backend`).
