@@ -140,21 +140,21 @@ def test_real_shapes_build_on_meta_with_the_published_parameter_counts(name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # an SFT warm-up and 30 RL steps: about 2 minutes on 2 idle cores
+@pytest.mark.timeout(1200)  # the quick start: about 2 minutes on 2 idle cores
 def test_a_raw_prompt_run_from_a_template_less_checkpoint_learns(tmp_path):
     """The quick start with a base-model checkpoint (a Hugging Face tokenizer without a chat template) and
-    `prompt_format = "raw"`: SFT warm-up and RL on the raw task text; the reward rises."""
+    `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text; the reward rises (measured: from
+    0.45 over the first five steps to 0.57 over the last five)."""
     base = tiny_checkpoint(tmp_path / "base", preset="qwen3-tiny", chat_template=False)
     out = tmp_path / "run"
     res = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "@", "examples/reverse_text/rl.toml", "--model.name", str(base),
-         "--orchestrator.environment.prompt-format", "raw", "--max-steps", "30", "--orchestrator.batch-size", "64",
-         "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parent.parent,
+         "--orchestrator.environment.prompt-format", "raw", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=1100, cwd=Path(__file__).resolve().parent.parent,
     )
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
-    assert len(rewards) == 30
+    assert len(rewards) == 60
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.05, rewards
 
