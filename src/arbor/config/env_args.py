@@ -47,6 +47,11 @@ class MathArgs(EnvArgs):
     difficulty: Int = Field(1, ge=1, le=3)
     system_prompt: str | None = "Solve the problem. Put the final answer in \\boxed{}."
     format_weight: Float = 0.0
+    dataset: str | None = Field(None, min_length=1)
+    split: str = Field("train", min_length=1)
+    dataset_config: str | None = Field(None, min_length=1)
+    columns: dict[Literal["question", "answer"], str] | None = None
+    answer_format: Literal["auto", "gsm8k", "math", "plain"] = "auto"
 
 
 class ToolUseArgs(EnvArgs):
@@ -74,6 +79,10 @@ class CodeArgs(EnvArgs):
     file_size_mb: Int = Field(16, ge=1)
     max_processes: Count = Field(32, ge=1)
     max_output_bytes: Int = Field(64 * 1024, ge=1)
+    dataset: str | None = Field(None, min_length=1)
+    split: str = Field("train", min_length=1)
+    dataset_config: str | None = Field(None, min_length=1)
+    columns: dict[Literal["question", "entry", "tests", "answer"], str] | None = None
 
 
 class VerifiersArgs(EnvArgs):

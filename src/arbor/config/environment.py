@@ -37,6 +37,11 @@ class EnvironmentConfig(Config):
     args: dict[str, Any] = Field({}, validate_default=True)  # validated when absent too: black_box needs an agent
     """Keyword arguments for the environment's constructor (a built-in's are checked against its arguments,
     arbor.config.env_args)."""
+    prompt_format: Literal["chat", "raw"] = "chat"
+    """How a task's prompt becomes tokens. "chat": the environment's messages through the tokenizer's chat
+    template (preflight refuses a tokenizer without one). "raw": the messages' contents joined by blank lines
+    and tokenised as they are, no template and no special tokens, as base-model RL recipes do (the completion
+    ends at the tokenizer's end-of-text token or `max_tokens`); single-turn environments only."""
     reward_weights: dict[str, Float] = {}
     """Weights of named reward components (default 1.0 each); the reward is their weighted sum."""
     timeout: Seconds = Field(60.0, gt=0)

@@ -3,18 +3,18 @@
 The mesh (`world = dp_replicate x dp_shard x cp`, ep folded into `dp_shard x cp`) must use exactly the ranks
 `rl` starts; the model must split the way the layout asks (experts over ep, attention heads over cp for
 Ulysses). The shape comes from a preset (arbor.models.presets) or the checkpoint's `config.json`
-(arbor.models.args); a checkpoint that is not on this machine (a cluster path checked on a laptop) is checked by
-the trainer when it builds the model. The trainer applies the same rules again at start-up
+(arbor.models.args; a hub id's from the Hugging Face cache, never downloaded here); a checkpoint that is not on
+this machine (a cluster path checked on a laptop) is checked by the trainer when it builds the model. The trainer applies the same rules again at start-up
 (arbor.trainer.parallel), so a standalone trainer gets them too.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from arbor.config.model import ModelConfig
 from arbor.models.args import DSAArgs, ModelArgs, check_cp_style
+from arbor.models.hub import cached_config
 from arbor.models.presets import PRESETS
 
 if TYPE_CHECKING:  # an annotation only: the trainer's table imports this module
@@ -26,10 +26,11 @@ def model_shape(model: ModelConfig) -> ModelArgs | DSAArgs | None:
     checkpoint directory has no config.json here."""
     if model.name in PRESETS:
         return PRESETS[model.name]
-    if not (Path(model.name) / "config.json").is_file():
+    config = cached_config(model.name)
+    if config is None:
         return None
     try:
-        return ModelArgs.from_dir(model.name)
+        return ModelArgs.from_dir(config.parent)
     except (ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors; a missing field a KeyError
         raise ValueError(f"model.name {model.name}: its config.json cannot be read ({type(e).__name__}: {e})") from None
 

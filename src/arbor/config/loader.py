@@ -1,6 +1,11 @@
 """Layered configuration on pydantic-settings: defaults < `@ file.toml` layers (left to right) < `ARBOR_` variables
 (`ARBOR_ORCHESTRATOR__BATCH_SIZE`: tables joined by `__`) < `--key value` flags, each layer a settings source.
 
+A TOML file may start with `layers = ["a.toml", ...]`: those files (paths relative to the file that names them,
+expanded recursively) are read just before it, so an example is a thin file on top of reusable `configs/`
+layers and `rl @ examples/x/rl.toml` alone still runs it; every other path in a file is relative to the working
+directory, as on the command line.
+
 Every layer's keys are checked as it is read (arbor.config.keys), so a misspelt key fails with a "did you mean"
 hint naming its source (the TOML file, the variable, the flag) before anything is validated; a validation error
 is one line, a clause per field (`orchestrator.batch_size: Input should be greater than or equal to 1 (got -3)`).
@@ -32,6 +37,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, env: Mapping[str, s
         print(render_help(cls, prog))
         raise SystemExit(0)
     files, flags = parse_argv(cls, argv)
+    files = expand_layers(files)
     variables: dict[str, Any] = {}
     for name, raw in sorted((os.environ if env is None else env).items()):
         if name.startswith(ENV_PREFIX):
@@ -70,10 +76,38 @@ class TomlLayers(TomlConfigSettingsSource):
             data = super()._read_file(path)
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        data.pop(LAYERS_KEY, None)  # already expanded into the file list (expand_layers)
         out: dict[str, Any] = {}
         for keys, value in _leaves(data):
             put(self.root, out, *resolve(self.root, keys, f"{path}: ", False), value, f"{path}: ", False)
         return out
+
+
+LAYERS_KEY = "layers"
+"""The top-level key of a TOML file naming the files it is layered on."""
+
+
+def expand_layers(files: list[str], seen: tuple[Path, ...] = ()) -> list[str]:
+    """`files` with each one's `layers` (relative to it, recursively) put before it, left to right."""
+    out: list[str] = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigError(f"config file {f} does not exist")
+        if path.resolve() in seen:
+            raise ConfigError(f"{f}: layers include the file itself ({' -> '.join(str(p) for p in seen)})")
+        try:
+            layers = tomllib.loads(path.read_text()).get(LAYERS_KEY, [])
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{f}: invalid TOML: {e}") from None
+        if not (isinstance(layers, list) and all(isinstance(x, str) for x in layers)):
+            raise ConfigError(f"{f}: {LAYERS_KEY} must be a list of TOML file paths (relative to {f})")
+        nested = [str(path.parent / x) for x in layers]
+        for layer, given in zip(nested, layers):
+            if not Path(layer).is_file():
+                raise ConfigError(f"{f}: {LAYERS_KEY} names {given}, which does not exist (at {layer})")
+        out += expand_layers(nested, (*seen, path.resolve())) + [f]
+    return out
 
 
 def _leaves(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[list[str], Any]]:

@@ -10,10 +10,12 @@ from arbor.config.base import Config, Seed
 class ModelConfig(Config):
     name: str = "qwen3-tiny"
     """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse
-    attention: dsa-test, dsa-tiny, dsa-moe-test) or a local Hugging Face checkpoint directory (Qwen3, Qwen3-MoE,
-    DeepSeek-V3.2)."""
+    attention: dsa-test, dsa-tiny, dsa-moe-test), a local Hugging Face checkpoint directory, or a Hugging Face hub
+    id such as "Qwen/Qwen3-4B" (Qwen3, Qwen3-MoE, DeepSeek-V3.2, GLM-5): taken from the Hugging Face cache
+    (HF_HOME), downloaded into it by preflight when missing and the hub is reachable (HF_HUB_OFFLINE unset)."""
     tokenizer: str | None = None
-    """Tokenizer directory; default: the checkpoint's own, or the built-in byte tokenizer for presets."""
+    """Tokenizer directory or hub id, or "byte"; default: the checkpoint's own, or the built-in byte tokenizer for
+    presets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype. On CPU keep float32 so trainer and inference logprobs match."""
     router_replay: bool = False

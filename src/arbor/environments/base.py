@@ -105,8 +105,19 @@ def is_multi_turn(env: Any) -> bool:
     return isinstance(env, MultiTurnEnvironment)
 
 
-def env_prompt_ids(env: Any, task: Task, tokenizer: Any) -> list[int]:
-    """The first prompt's token ids, with the task's tool schemas for a multi-turn environment."""
+def raw_prompt(messages: list[dict[str, Any]]) -> str:
+    """A prompt without a chat template (`prompt_format = "raw"`): the messages' contents, blank-line separated."""
+    return "\n\n".join(m["content"] for m in messages if m.get("content"))
+
+
+def env_prompt_ids(env: Any, task: Task, tokenizer: Any, prompt_format: str = "chat") -> list[int]:
+    """The first prompt's token ids: through the chat template, with the task's tool schemas for a multi-turn
+    environment, or (`prompt_format = "raw"`) the raw prompt's text tokenised as it is."""
+    if prompt_format == "raw":
+        if is_multi_turn(env):
+            raise ValueError(f"environment {env.name!r} is multi-turn: prompt_format = 'raw' suits single-turn "
+                             "environments only (turns need the chat template)")
+        return tokenizer.encode(raw_prompt(env.prompt(task)))
     tools = None
     if is_multi_turn(env):
         tools = [tool_schema(fn) for fn in env.tools(task)] or None
@@ -117,7 +128,8 @@ class NoTaskFits(ConfigError):
     """No task of the dataset leaves room for a completion: the run could only skip tasks forever."""
 
 
-def check_some_task_fits(env: Any, tasks: list[Task], tokenizer: Any, seq_len: int, max_tokens: int) -> None:
+def check_some_task_fits(env: Any, tasks: list[Task], tokenizer: Any, seq_len: int, max_tokens: int,
+                         prompt_format: str = "chat") -> None:
     """Raises NoTaskFits unless some task's first prompt plus `max_tokens` fits in `seq_len` (stops at the first
     that does; when none does, the message names the shortest prompt). The orchestrator skips (and counts) the
     tasks that cannot fit; preflight and the task source call this so that a dataset of them all fails at once."""
@@ -125,7 +137,7 @@ def check_some_task_fits(env: Any, tasks: list[Task], tokenizer: Any, seq_len: i
         raise NoTaskFits(f"environment {env.name!r} has no tasks")
     shortest = None
     for task in tasks:
-        n = len(env_prompt_ids(env, task, tokenizer))
+        n = len(env_prompt_ids(env, task, tokenizer, prompt_format))
         if n + max_tokens <= seq_len:
             return
         shortest = n if shortest is None else min(shortest, n)

@@ -7,6 +7,11 @@ test inputs; the expected outputs come from running the (trusted) reference in-p
 `arbor.environments.sandbox`, so a fork bomb, an infinite loop, a huge allocation or a flood of output scores 0
 and never stops the run; a sandbox error is logged and scores 0 too.
 
+With `dataset` (arbor.environments.datasets: a hub id or a parquet/jsonl/arrow file, `split`, `dataset_config`)
+the tasks are the dataset's rows: `columns` maps the task fields `question` (the problem statement), `entry`
+(the function's name), `tests` (a list, or its JSON text, of `{"args": [...], "expected": ...}`) and the optional
+`answer` (a reference solution, for SFT warm-up) to the dataset's columns.
+
 Reward components: `pass` (the fraction of tests passed, or 0/1 with `partial_credit = false`) and `format` (1
 when a fenced code block was found). Departures: unlike HumanEval-style harnesses (and prime-rl's code envs, which
 use remote sandboxes), the harness is the main program and imports the solution after reading a per-call nonce
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from arbor.environments.base import Task
+from arbor.environments.datasets import DatasetError, load_rows, map_columns
 from arbor.environments.sandbox import Sandbox, SandboxLimits
 
 log = logging.getLogger(__name__)
@@ -176,23 +182,34 @@ class CodeEnv:
     def __init__(self, num_tasks: int = 48, tests_per_task: int = 6, partial_credit: bool = True,
                  system_prompt: str | None = None, max_concurrency: int = 4, cpu_seconds: int = 5,
                  wall_seconds: float = 10.0, memory_mb: int = 1024, file_size_mb: int = 16,
-                 max_processes: int = 32, max_output_bytes: int = 64 * 1024) -> None:
+                 max_processes: int = 32, max_output_bytes: int = 64 * 1024, dataset: str | None = None,
+                 split: str = "train", dataset_config: str | None = None,
+                 columns: dict[str, str] | None = None) -> None:
         if num_tasks < 1 or tests_per_task < 1:
             raise ValueError(f"need num_tasks >= 1 and tests_per_task >= 1, got {num_tasks}, {tests_per_task}")
         self.num_tasks, self.tests_per_task = num_tasks, tests_per_task
         self.partial_credit, self.system_prompt = partial_credit, system_prompt
+        self.source, self.split, self.dataset_config, self.columns = dataset, split, dataset_config, columns
         self.sandbox = Sandbox(SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds,
                                              memory_mb=memory_mb, file_size_mb=file_size_mb,
                                              max_processes=max_processes, max_output_bytes=max_output_bytes),
                                max_concurrency=max_concurrency)
 
     def dataset(self, seed: int) -> list[Task]:
+        if self.source is not None:
+            rows = load_rows(self.source, self.split, self.dataset_config)
+            tasks = map_columns(rows, self.columns, ("question", "entry", "tests"), self.source, optional=("answer",))
+            return [{**t, "tests": _dataset_tests(t["tests"], t["id"], self.source)} for t in tasks]
         rng = random.Random(seed)
         return [make_task(i, FAMILIES[i % len(FAMILIES)], rng, self.tests_per_task) for i in range(self.num_tasks)]
 
     def prompt(self, task: Task) -> list[dict[str, str]]:
-        text = (f"Write a Python function `{task['entry']}` that {task['description']}. Answer with the complete "
-                "function in a ```python code block.")
+        if "question" in task:  # a dataset's problem statement, as written
+            text = (f"{task['question']}\nAnswer with the complete Python function `{task['entry']}` in a ```python "
+                    "code block.")
+        else:
+            text = (f"Write a Python function `{task['entry']}` that {task['description']}. Answer with the "
+                    "complete function in a ```python code block.")
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return messages + [{"role": "user", "content": text}]
 
@@ -219,7 +236,21 @@ class CodeEnv:
         return fraction if self.partial_credit else float(fraction == 1.0)
 
     def reference(self, task: Task) -> str | None:
-        return f"```python\n{task['answer']}```"
+        return f"```python\n{task['answer']}```" if task.get("answer") else None
+
+
+def _dataset_tests(tests: Any, row: int, source: str) -> list[dict[str, Any]]:
+    """A dataset row's test cases, checked: a list (or its JSON text) of {"args": [...], "expected": ...}."""
+    if isinstance(tests, str):
+        try:
+            tests = json.loads(tests)
+        except ValueError:
+            raise DatasetError(f"dataset {source!r} row {row}: the tests column is not JSON") from None
+    if not (isinstance(tests, list) and tests and all(
+            isinstance(t, dict) and isinstance(t.get("args"), list) and "expected" in t for t in tests)):
+        raise DatasetError(f"dataset {source!r} row {row}: tests must be a non-empty list of "
+                           '{"args": [...], "expected": ...}')
+    return tests
 
 
 def _parse_result(stdout: str, nonce: str, num_tests: int) -> list[bool] | None:

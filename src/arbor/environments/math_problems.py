@@ -1,15 +1,24 @@
-"""math: arithmetic and algebra word problems with verifiable answers, generated locally from a seed.
+"""math: arithmetic and algebra word problems with verifiable answers, generated locally from a seed, or the
+problems of a dataset (GSM8K, MATH and their kind) given by hub id or local file.
 
 Problem kinds (`kinds` selects among them): `arithmetic` (integer expressions with precedence and brackets),
 `fraction` (sums and products of fractions, answer reduced), `linear` (solve a*x + b = c, answer possibly a
 fraction), `word` (multi-step shopping / sharing stories) and `percent`. `difficulty` (1..3) scales the numbers
 and the number of operations. No download: the dataset is a pure function of the seed.
 
+With `dataset` (arbor.environments.datasets: hub id or parquet/jsonl/arrow file, `split`, `dataset_config`,
+`columns` mapping the task fields `question` and `answer` to columns) the tasks are the dataset's rows instead.
+The reference is read from the answer column by `answer_format`: "gsm8k" takes the text after the last `####`
+(GSM8K's solutions end `#### 72`), "math" the last `\\boxed{...}` of a worked solution (MATH), "plain" the column
+as it is, and "auto" (default) picks by what each answer holds.
+
 Answer checking: the answer is the content of the last `\\boxed{...}` (nested braces allowed), or else the last
 number of the completion's final non-empty line ("... the answer is 7/2."). It is parsed exactly (integers,
 decimals, `a/b`, `\\frac{a}{b}` / `\\dfrac`, a leading minus, thousands separators) into a `Fraction` and compared
-exactly with the reference: 0.5 matches 1/2, 0.333 does not match 1/3. Reward components: `correct` (1 or 0)
-and, with `format_weight > 0`, `format` (that weight when a boxed answer is present) for early shaping.
+exactly with the reference: 0.5 matches 1/2, 0.333 does not match 1/3. A reference that is not one number (MATH's
+`\\frac{\\sqrt{3}}{2}`, `(1, 2)`, `x^2+1`) is compared as TeX after normalisation (spacing, `\\left`/`\\right`,
+`\\dfrac`/`\\tfrac`, degree marks, `\\text{}` wrappers and a trailing period removed). Reward components:
+`correct` (1 or 0) and, with `format_weight > 0`, `format` (that weight when a boxed answer is present) for early shaping.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import re
 from fractions import Fraction
 
 from arbor.environments.base import Task
+from arbor.environments.datasets import DatasetError, load_rows, map_columns
 
 KINDS = ("arithmetic", "fraction", "linear", "word", "percent")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*-?\d+)?")
@@ -70,10 +80,46 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def normalize_tex(text: str) -> str:
+    """An answer's TeX with the spellings that do not change its value removed (for non-numeric answers)."""
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""),
+                     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("^{\\circ}", ""), ("^\\circ", "")):
+        s = s.replace(old, new)
+    return re.sub(r"\s+", "", s).rstrip(".")
+
+
 def is_correct(completion: str, answer: str) -> bool:
     got = extract_answer(completion)
-    value = parse_number(got) if got is not None else None
-    return value is not None and value == parse_number(answer)
+    if got is None:
+        return False
+    want = parse_number(answer)
+    if want is None:  # a symbolic reference: equal as normalised TeX
+        return normalize_tex(got) == normalize_tex(answer)
+    value = parse_number(got)
+    if value is None:  # a number in TeX dress: `90^\\circ`, `\\text{12}`
+        value = parse_number(normalize_tex(got))
+    return value is not None and value == want
+
+
+ANSWER_FORMATS = ("auto", "gsm8k", "math", "plain")
+
+
+def reference_answer(text: str, answer_format: str = "auto") -> str:
+    """The final answer held by a dataset's answer column (see the module docstring for the formats)."""
+    text = str(text)
+    if answer_format == "auto":
+        answer_format = "gsm8k" if "####" in text else "math" if last_boxed(text) is not None else "plain"
+    if answer_format == "gsm8k":
+        if "####" not in text:
+            raise DatasetError(f"answer_format 'gsm8k': no '####' in the answer {text[:60]!r}")
+        return text.rsplit("####", 1)[1].strip().replace(",", "")
+    if answer_format == "math":
+        boxed = last_boxed(text)
+        if boxed is None:
+            raise DatasetError(f"answer_format 'math': no \\boxed{{}} in the answer {text[:60]!r}")
+        return boxed.strip()
+    return text.strip()
 
 
 def fmt(x: Fraction) -> str:
@@ -142,6 +188,11 @@ class MathEnv:
         difficulty: int = 1,
         system_prompt: str | None = "Solve the problem. Put the final answer in \\boxed{}.",
         format_weight: float = 0.0,
+        dataset: str | None = None,
+        split: str = "train",
+        dataset_config: str | None = None,
+        columns: dict[str, str] | None = None,
+        answer_format: str = "auto",
     ) -> None:
         kinds = list(kinds or KINDS)
         unknown = sorted(set(kinds) - set(KINDS))
@@ -150,9 +201,17 @@ class MathEnv:
         if not 1 <= difficulty <= 3:
             raise ValueError(f"math: difficulty must be 1, 2 or 3, got {difficulty}")
         self.num_tasks, self.kinds, self.difficulty = num_tasks, kinds, difficulty
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"math: answer_format must be one of {list(ANSWER_FORMATS)}, got {answer_format!r}")
         self.system_prompt, self.format_weight = system_prompt, format_weight
+        self.source, self.split, self.dataset_config = dataset, split, dataset_config
+        self.columns, self.answer_format = columns, answer_format
 
     def dataset(self, seed: int) -> list[Task]:
+        if self.source is not None:
+            rows = load_rows(self.source, self.split, self.dataset_config)
+            tasks = map_columns(rows, self.columns, ("question", "answer"), self.source)
+            return [{**t, "answer": reference_answer(t["answer"], self.answer_format)} for t in tasks]
         rng = random.Random(seed)
         tasks = []
         for i in range(self.num_tasks):

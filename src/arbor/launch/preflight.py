@@ -2,14 +2,15 @@
 
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
-port free (when set explicitly), model and tokenizer files present, the GPUs a config asks for present, requested
-backends importable (vllm, DeepEP), the SFT dataset readable, the environment importable with arguments its
-built-in takes and the black-box agent it names present, any loss or advantage function given by dotted path
-importable, and, last, the orchestrator's tokenizer and environment built as the orchestrator builds them, with
-at least one task of the dataset short enough to leave room for a completion (else the orchestrator could only
-skip tasks). `rl` runs these before starting anything, and `rl --check` runs them alone. Nothing here imports
-torch or the backends themselves: GPUs are counted with `nvidia-smi -L` (or /proc/driver/nvidia), modules are
-found with `importlib.util.find_spec`.
+port free (when set explicitly), model and tokenizer files present (a Hugging Face hub id is fetched into the
+cache once, here), the GPUs a config asks for present, requested backends importable (vllm, DeepEP), the SFT
+dataset readable, the environment importable with arguments its built-in takes and the black-box agent it names
+present, any loss or advantage function given by dotted path importable, and, last, the orchestrator's tokenizer
+and environment built as the orchestrator builds them, with the chat template a chat prompt needs
+(`prompt_format`) and at least one task of the dataset short enough to leave room for a completion (else the
+orchestrator could only skip tasks). `rl` runs these before starting anything, and `rl --check` runs them alone.
+Nothing here imports torch or the backends themselves: GPUs are counted with `nvidia-smi -L` (or
+/proc/driver/nvidia), modules are found with `importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from arbor.config.environment import EnvironmentConfig
 from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
-from arbor.environments.base import BUILTINS, check_some_task_fits, load_environment
+from arbor.environments.base import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
 from arbor.inference.vllm_launch import vllm_build
 from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
+from arbor.models.hub import HubError, resolve_dir
 from arbor.models.presets import PRESETS
+from arbor.models.tokenizer import tokenizer_has_template
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Config values that name a backend -> the module it needs (a key named `backend` or ending in `_backend`).
@@ -72,7 +75,7 @@ def estimate_run_bytes(cfg: RLConfig) -> int:
 
 
 def model_params(model: ModelConfig) -> int:
-    args = PRESETS.get(model.name) or ModelArgs.from_dir(model.name)
+    args = PRESETS.get(model.name) or ModelArgs.from_dir(resolve_dir(model.name))
     return args.num_params()
 
 
@@ -105,18 +108,30 @@ def check_port(cfg: RLConfig) -> None:
 
 
 def check_model_files(model: ModelConfig) -> None:
-    if model.tokenizer not in (None, "byte") and not Path(model.tokenizer).is_dir():
-        raise PreflightError(f"model.tokenizer {model.tokenizer} is not a directory (a Hugging Face tokenizer "
-                             "directory, or \"byte\" for the built-in byte tokenizer)")
+    """Model and tokenizer present: a preset, a checkpoint directory, or a hub id (fetched into the Hugging Face
+    cache here, once, so that no process downloads it)."""
+    if model.tokenizer not in (None, "byte"):
+        tokenizer = _resolve(model.tokenizer, "model.tokenizer")
+        if not tokenizer.is_dir():
+            raise PreflightError(f"model.tokenizer {model.tokenizer} is not a directory (a Hugging Face tokenizer "
+                                 "directory or hub id, or \"byte\" for the built-in byte tokenizer)")
     if model.name in PRESETS:
         return
-    path = Path(model.name)
+    path = _resolve(model.name, "model.name")
     if not path.is_dir():
-        raise PreflightError(f"model.name {model.name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+        raise PreflightError(f"model.name {model.name!r} is neither a preset ({', '.join(PRESETS)}), a directory "
+                             "nor a Hugging Face hub id (org/name)")
     if not (path / "config.json").is_file():
         raise PreflightError(f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)")
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
+
+
+def _resolve(name: str, key: str) -> Path:
+    try:
+        return resolve_dir(name, key)
+    except HubError as e:
+        raise PreflightError(str(e)) from None
 
 
 def check_environments(cfg: RLConfig) -> None:
@@ -185,7 +200,22 @@ def check_tasks_fit(cfg: RLConfig) -> None:
         tasks = env.dataset(orch.seed)
     except Exception as e:  # a plugin environment can fail any way: the user needs the key and the reason
         raise PreflightError(f"orchestrator.environment {orch.environment.id!r} cannot be built ({_one_line(e)})") from None
-    check_some_task_fits(env, tasks, tokenizer, orch.seq_len, orch.sampling.max_tokens)
+    check_prompt_format(orch.environment, env, tokenizer, "orchestrator.environment")
+    if orch.eval.interval:
+        for i, eval_env in enumerate(orch.eval.environments):  # the template alone: these are built by the run
+            check_prompt_format(eval_env, None, tokenizer, f"orchestrator.eval.environments.{i}")
+    check_some_task_fits(env, tasks, tokenizer, orch.seq_len, orch.sampling.max_tokens, orch.environment.prompt_format)
+
+
+def check_prompt_format(cfg: EnvironmentConfig, env: Any, tokenizer: Any, where: str) -> None:
+    """A chat prompt needs the tokenizer's chat template; a raw prompt, a single-turn environment."""
+    if cfg.prompt_format == "chat" and not tokenizer_has_template(tokenizer):
+        raise PreflightError(f"{where}.prompt_format = 'chat' but the tokenizer {getattr(tokenizer, 'name', '')} has no "
+                             f"chat template (a base model's): set {where}.prompt_format = 'raw' or use a tokenizer "
+                             "with a template")
+    if cfg.prompt_format == "raw" and is_multi_turn(env):
+        raise PreflightError(f"{where}.prompt_format = 'raw' but environment {cfg.id!r} is multi-turn (its turns "
+                             "need a chat template): use 'chat'")
 
 
 def check_plugins(cfg: RLConfig) -> None:

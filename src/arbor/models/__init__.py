@@ -1,17 +1,17 @@
 """Model definitions, tiny presets, tokenizers and Hugging Face checkpoint loading.
 
 `build_model(cfg)` is the one way every process gets its model: a preset name builds a tiny model initialised
-deterministically from `cfg.init_seed` (identical in trainer and inference), a directory loads a Hugging Face
-checkpoint.
+deterministically from `cfg.init_seed` (identical in trainer and inference), a directory or a Hugging Face hub
+id (resolved to its cached snapshot, downloaded when missing: arbor.models.hub) loads a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from arbor.config.model import ModelConfig
 from arbor.models.args import ModelArgs
+from arbor.models.hub import resolve_dir
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -24,15 +24,15 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def model_args(cfg: ModelConfig) -> ModelArgs:
     if cfg.name in PRESETS:
         return PRESETS[cfg.name]
-    return ModelArgs.from_dir(cfg.name)
+    return ModelArgs.from_dir(resolve_dir(cfg.name))
 
 
 def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     if cfg.tokenizer is not None:
-        return load_tokenizer(cfg.tokenizer)
+        return load_tokenizer(cfg.tokenizer if cfg.tokenizer == "byte" else resolve_dir(cfg.tokenizer, "model.tokenizer"))
     if cfg.name in PRESETS:
         return ByteTokenizer()
-    return load_tokenizer(cfg.name)
+    return load_tokenizer(resolve_dir(cfg.name))
 
 
 def build_model(cfg: ModelConfig, device: str = "cpu", load: bool = True) -> "Qwen3ForCausalLM":
@@ -55,8 +55,8 @@ def build_model(cfg: ModelConfig, device: str = "cpu", load: bool = True) -> "Qw
         if cfg.name in PRESETS:
             model.init_weights(cfg.init_seed)
         else:
-            load_weights(model, Path(cfg.name))
+            load_weights(model, resolve_dir(cfg.name))
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
 
 
-__all__ = ["ModelArgs", "PRESETS", "Tokenizer", "build_model", "build_tokenizer", "load_tokenizer", "model_args"]
+__all__ = ["ModelArgs", "PRESETS", "Tokenizer", "build_model", "build_tokenizer", "load_tokenizer", "model_args", "resolve_dir"]

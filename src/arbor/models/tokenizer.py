@@ -127,6 +127,7 @@ class ByteTokenizer:
 
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
     name = "byte"
+    has_chat_template = True
 
     def __init__(self) -> None:
         self.special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIALS)}
@@ -203,7 +204,10 @@ class HFTokenizer:
         self.name = self.path
         self.tok = AutoTokenizer.from_pretrained(self.path)
         self.vocab_size = len(self.tok)
-        eos = self.tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in self.tok.get_vocab() else None
+        self.has_chat_template = bool(self.tok.chat_template)
+        # A chat model's turns end at ChatML's <|im_end|>; a base model without a template ends text at its own eos.
+        chatml = self.has_chat_template and "<|im_end|>" in self.tok.get_vocab()
+        eos = self.tok.convert_tokens_to_ids("<|im_end|>") if chatml else None
         self.eos_token_id = eos if eos is not None else self.tok.eos_token_id
         if self.eos_token_id is None:
             raise ValueError(f"tokenizer at {self.path} has no eos token")
@@ -234,6 +238,12 @@ class HFTokenizer:
 
     def save(self, path: str | Path) -> None:
         self.tok.save_pretrained(str(path))
+
+
+def tokenizer_has_template(tokenizer: Tokenizer) -> bool:
+    """Whether `tokenizer` can render chat messages (a base model's Hugging Face tokenizer often cannot); a
+    tokenizer that does not say is taken to have one."""
+    return bool(getattr(tokenizer, "has_chat_template", True))
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

@@ -40,7 +40,7 @@ async def evaluate(generate: Generate, tokenizer: Any, cfg: EvalSettings, max_pr
             seed = zlib.crc32(f"eval/{cfg.seed}/{name}/{i}".encode()) & 0x7FFFFFFF
             if is_multi_turn(env):
                 return await _episodes(generate, env, env_cfg, task, tokenizer, cfg, seq_len, seed, i)
-            prompt = env_prompt_ids(env, task, tokenizer)
+            prompt = env_prompt_ids(env, task, tokenizer, env_cfg.prompt_format)
             if max_prompt is not None and len(prompt) > max_prompt:
                 raise ValueError(f"eval task {i} of {env_cfg.id}: prompt of {len(prompt)} tokens exceeds {max_prompt}")
             completions = await generate(prompt, cfg.k, cfg.max_tokens, cfg.temperature, cfg.top_p, seed)

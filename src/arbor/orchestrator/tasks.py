@@ -34,7 +34,8 @@ class TaskSource:
         self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
         self.tasks: list[Task] = env.dataset(cfg.seed)
         # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.
-        check_some_task_fits(env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens)
+        check_some_task_fits(env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens,
+                             cfg.environment.prompt_format)
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
         self.curriculum: CurriculumSampler | None = (
             CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum) if cfg.curriculum.enabled
@@ -59,7 +60,7 @@ class TaskSource:
                 task = self.relaunch.popleft()
             else:
                 task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
-            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer)
+            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer, cfg.environment.prompt_format)
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 break
             self.skipped_long += 1

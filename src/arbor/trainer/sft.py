@@ -72,7 +72,7 @@ def _environment_examples(cfg: SFTConfig, tokenizer: Tokenizer) -> list[Example]
         reference = env.reference(task)
         if reference is None:
             continue
-        prompt = env_prompt_ids(env, task, tokenizer)
+        prompt = env_prompt_ids(env, task, tokenizer, cfg.environment.prompt_format)
         out.append(_single(prompt, tokenizer.encode(reference) + [tokenizer.eos_token_id]))
     if not out:
         raise ValueError(f"environment {cfg.environment.id!r} has no reference answers to fine-tune on")
