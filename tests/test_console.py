@@ -99,7 +99,7 @@ def test_trainer_and_orchestrator_start_beside_the_fleet(tmp_path: Path) -> None
         def __init__(self) -> None:
             self.started: list[str] = []
 
-        def start(self, name: str, argv: list[str]) -> None:
+        def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
             self.started.append(name)
 
     cfg = rl.resolve(RLConfig(output_dir=tmp_path, model={"name": "qwen3-test"}))
