@@ -15,6 +15,8 @@ from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
 from arbor.config.trainer import LossConfig, OptimConfig
 from arbor.models import build_model
+from arbor.orchestrator.batcher import build_step_batches
+from arbor.orchestrator.rollout import Rollout
 from arbor.trainer.loss import LossOutput, build_loss, ppo_clip
 from arbor.trainer.optim import build_optimizer
 from arbor.trainer.step import micro_batch_logprobs, mini_batch_normalisers, split_mini_batches, train_step
@@ -124,8 +126,9 @@ def test_proximal_logprobs_are_the_policy_before_the_first_step() -> None:
 
 
 def test_a_mini_batch_count_the_batch_cannot_hold_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"trainer.mini_batches = 5 needs at least 5 micro-batches"):
-        split_mini_batches(4, 5, 3)
+    # A step that holds fewer micro-batches than mini-batches takes one step per micro-batch (never a crash
+    # mid-run); a config whose batch cannot hold them is refused up front.
+    assert split_mini_batches(4, 5, 3) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
     assert split_mini_batches(5, 2, 0) == [range(0, 2), range(2, 5)]
     with pytest.raises((ValueError, ConfigError), match="trainer.mini_batches"):
         load_config(RLConfig, ["--trainer.mini-batches", "65", "--orchestrator.batch-size", "64"], env={})
@@ -159,3 +162,26 @@ def test_two_rank_mini_batches_match_one_rank(tmp_path) -> None:
         assert r1["mismatch_kl"] == pytest.approx(r2["mismatch_kl"], abs=1e-6)
     for version in (1, 2):
         assert_same_weights(broadcast_dir(one, version), broadcast_dir(two, version), atol=1e-5)
+
+
+def _rollout(prompt: list[int], completion: list[int]) -> Rollout:
+    n = len(completion)
+    return Rollout(0, prompt, completion, [-0.5] * n, [0] * n, "x", "stop", 1.0)
+
+
+def test_the_batcher_packs_a_micro_batch_per_mini_batch_where_the_samples_allow() -> None:
+    """With prefix merging a whole step often fits one row: `rl` sets `batching.min_micro_batches` from
+    `trainer.mini_batches` and the batcher shrinks the row budget until every rank holds that many."""
+    cfg = load_config(RLConfig, ["--trainer.mini-batches", "2"], env={})
+    assert cfg.orchestrator.batching.min_micro_batches == 2
+    prompt = list(range(40))
+    rollouts = [_rollout(prompt, [50 + i, 60 + i]) for i in range(8)]
+    for merge in (True, False):
+        (one,) = build_step_batches(rollouts, 0, 1, 4096, 1.0, 0, prefix_merge=merge)
+        assert len(one.micro_batches) == 1
+        (two,) = build_step_batches(rollouts, 0, 1, 4096, 1.0, 0, prefix_merge=merge, min_micro_batches=2)
+        assert len(two.micro_batches) >= 2
+        assert sum(int(mb.loss_mask.sum()) for mb in two.micro_batches) == sum(
+            int(mb.loss_mask.sum()) for mb in one.micro_batches)
+    few = build_step_batches(rollouts[:1], 0, 1, 4096, 1.0, 0, min_micro_batches=2)
+    assert len(few[0].micro_batches) == 1  # one sample: one row, no endless halving

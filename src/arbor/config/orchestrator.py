@@ -67,6 +67,10 @@ class BatchingConfig(Config):
     """Token budget of one packed micro-batch row; a longer sample gets a row of its own."""
     trainer_ranks: Ranks = Field(1, ge=1)
     """Trainer data-parallel ranks to write a file for; `rl` sets it from the trainer's world size."""
+    min_micro_batches: Count = Field(1, ge=1)
+    """Micro-batches each rank's file holds at least (rows are packed to a smaller budget until they are, as far
+    as the step's samples allow); `rl` sets it from `trainer.mini_batches`, since each optimizer step of a
+    batch takes micro-batches of its own."""
     normalization: Literal["token", "sequence", "group"] = "token"
     """Loss normalisation, written into the batch as per-token weights: "token" = mean over the step's loss
     tokens (DAPO), "sequence" = mean over samples of each sample's token mean (GRPO, GSPO), "group" = mean over

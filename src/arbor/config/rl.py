@@ -133,6 +133,8 @@ class RLConfig(Config):
                 f"the trainer's data-parallel ranks ({ranks} = parallel.nproc / parallel.cp); leave it unset"
             )
         self.orchestrator.batching.trainer_ranks = ranks
+        self.orchestrator.batching.min_micro_batches = max(self.orchestrator.batching.min_micro_batches,
+                                                           self.trainer.mini_batches)
         if self.trainer.mini_batches > self.orchestrator.batch_size // ranks:
             raise ValueError(
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the rollouts per trainer rank "

@@ -106,6 +106,15 @@ def _empty_micro_batch(pad_id: int) -> MicroBatch:
     return _micro_batch([one])
 
 
+def _pack(samples: list[dict[str, np.ndarray]], lengths: list[int], ranks: int, budget: int,
+          prefix_merge: bool) -> list[list[MicroBatch]]:
+    """Per rank, its micro-batches at this row budget (prefix-tree merged or plainly packed)."""
+    if prefix_merge:
+        return merged_rank_rows(samples, ranks, budget)
+    return [[_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, budget)]
+            for idx in assign_ranks(lengths, ranks)]
+
+
 def build_step_batches(
     rollouts: list[Rollout],
     step: int,
@@ -115,16 +124,21 @@ def build_step_batches(
     pad_id: int,
     normalization: str = "token",
     prefix_merge: bool = False,
+    min_micro_batches: int = 1,
 ) -> list[StepBatch]:
+    """One StepBatch per rank. Each rank gets at least `min_micro_batches` micro-batches where the step's
+    samples allow it (the row budget is halved until they do: mini-batch steps need micro-batches of their
+    own), and every rank the same count (short ranks are padded with empty ones)."""
     samples = [sample_arrays(r, w) for r, w in zip(rollouts, loss_weights(rollouts, normalization))]
     lengths = [len(s["input_ids"]) for s in samples]
-    if prefix_merge:
-        per_rank = merged_rank_rows(samples, ranks, micro_batch_tokens)
-    else:
-        per_rank = [
-            [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, micro_batch_tokens)]
-            for idx in assign_ranks(lengths, ranks)
-        ]
+    budget = micro_batch_tokens
+    per_rank = _pack(samples, lengths, ranks, budget, prefix_merge)
+    while min(len(m) for m in per_rank) < min_micro_batches and budget > 1:
+        budget //= 2
+        repacked = _pack(samples, lengths, ranks, budget, prefix_merge)
+        if sum(map(len, repacked)) == sum(map(len, per_rank)) and budget < min(lengths, default=1):
+            break  # every row already holds one sample: fewer samples than mini-batches
+        per_rank = repacked
     most = max(len(m) for m in per_rank)
     for mbs in per_rank:
         mbs += [_empty_micro_batch(pad_id) for _ in range(most - len(mbs))]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk, shifte
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.trainer.parallel import clip_grad_norm
 from arbor.transport.batch import MicroBatch, StepBatch
+
+log = logging.getLogger(__name__)
 
 
 def shifted_logprobs(
@@ -257,12 +260,14 @@ def train_step(
 def split_mini_batches(n_micro: int, k: int, step: int) -> list[range]:
     """Indices of the micro-batches of each of the `k` mini-batches: contiguous, in order, counts differing by at
     most one. Every rank holds the same number of micro-batches (arbor.orchestrator.batcher), so every rank
-    takes the same optimizer steps."""
+    takes the same optimizer steps. The orchestrator packs at least `k` per rank where the step's samples allow
+    (`orchestrator.batching.min_micro_batches`); a step that still holds fewer (fewer samples than `k`, or a
+    batch written without the setting) takes one optimizer step per micro-batch, with a warning, rather than
+    failing a run mid-way."""
     if k > max(n_micro, 1):
-        raise ValueError(
-            f"trainer.mini_batches = {k} needs at least {k} micro-batches per trainer rank, but step {step} has "
-            f"{n_micro}: lower it, or orchestrator.batching.micro_batch_tokens to pack more rows"
-        )
+        log.warning("step %d holds %d micro-batches per rank, fewer than trainer.mini_batches = %d: it takes %d "
+                    "optimizer steps", step, n_micro, k, max(n_micro, 1))
+        k = max(n_micro, 1)
     bounds = [round(j * n_micro / k) for j in range(k + 1)]
     return [range(bounds[j], bounds[j + 1]) for j in range(k)]
 
