@@ -135,7 +135,7 @@ class RLConfig(Config):
         self.orchestrator.batching.trainer_ranks = ranks
         self.orchestrator.batching.min_micro_batches = max(self.orchestrator.batching.min_micro_batches,
                                                            self.trainer.mini_batches)
-        if self.trainer.mini_batches > self.orchestrator.batch_size // ranks:
+        if self.trainer.mini_batches > max(1, self.orchestrator.batch_size // ranks):
             raise ValueError(
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the rollouts per trainer rank "
                 f"({self.orchestrator.batch_size} / {ranks}): each mini-batch needs samples of its own"
