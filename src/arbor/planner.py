@@ -9,7 +9,7 @@ A roofline model, no measurement (docs/planner.md states its assumptions and com
   whose memory holds the weights with room for a KV cache), concurrency is bounded by the KV cache, by the
   server's sequence cap and by the rollouts the orchestrator keeps in flight; a decode step costs the larger of
   reading weights + KV cache at `plan.decode_bandwidth` of HBM bandwidth and its FLOPs at `plan.inference_mfu`;
-  prefill is compute-bound; environment seconds hold a slot;
+  prefill is compute-bound; environment seconds hold a slot; `plan.acceptance` of the rollouts reach the trainer;
 - disaggregated pools run at the slower pool's rate, the faster one idles the rest; a colocated layout (trainer and
   vLLM on the same GPUs) alternates, so the rate is the harmonic combination of the two.
 Nothing here imports torch: `rl plan` answers in well under a second.
@@ -153,7 +153,7 @@ def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float, leng
     step = max(memory_s, compute_s)
     prefill = forward_flops(m, prompt) / flops
     cycle = completion * step + plan.env_seconds + slots * prefill
-    return {"rate": instances * slots / cycle, "instance_gpus": size, "instances": instances, "slots": slots,
+    return {"rate": plan.acceptance * instances * slots / cycle, "instance_gpus": size, "instances": instances, "slots": slots,
             "slots_by_memory": by_memory, "decode_tok_s": instances * slots / step, "decode_bound":
             "memory" if memory_s >= compute_s else "compute"}
 

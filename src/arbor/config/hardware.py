@@ -33,6 +33,9 @@ class PlanConfig(Config):
     """Mean tokens sampled per rollout; default: sampling.max_tokens (every rollout runs to its cap: an upper bound)."""
     env_seconds: Seconds = Field(0.0, ge=0)
     """Seconds a rollout spends in its environment (tools, sandbox, verifier), holding its inference slot."""
+    acceptance: Float = Field(1.0, gt=0, le=1)
+    """Share of dispatched rollouts the trainer gets (oversampling, filters and errors discard the rest;
+    SemiAnalysis discarded 60 % on Qwen3-235B)."""
     train_mfu: Float = Field(0.3, gt=0, le=1)
     """Fraction of peak FLOP/s the trainer achieves (forward + backward). SemiAnalysis measured 10.5 % on
     Qwen3-235B with CPU-offloaded optimizer states; dense models on FSDP reach 30-45 %."""
