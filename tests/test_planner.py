@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from arbor.config.hardware import HardwareConfig, PlanConfig
+from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
-from arbor.launch.rl import main
+from arbor.launch.rl import main, write_configs
 from arbor.models.args import ModelArgs
+from arbor.monitor.report import planner_lines
 from arbor.planner import attended, balance, forward_flops, model_figures, plan, trainer_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +99,16 @@ def test_a_config_without_a_hardware_layer_is_a_one_line_error(capsys):
     assert main(["plan", "@", str(ROOT / "configs/models/qwen3-4b.toml")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "[hardware]" in err
+
+
+def test_arbor_report_puts_the_planners_estimates_next_to_the_measured_figures(tmp_path):
+    write_configs(load_config(RLConfig, ["@", str(ROOT / "configs/models/qwen3-tiny.toml"), "@",
+                                         str(ROOT / "configs/hardware/cpu-laptop.toml"), "--output-dir", str(tmp_path)]))
+    rows = [{"step": 0, "throughput/trainer_wait_frac": 0.25, "throughput/queue_depth": 3.0}]
+    lines = planner_lines(tmp_path, rows)
+    assert lines[0].startswith("- trainer wait: 0.25 measured (mean), planner 0.00")
+    assert "not recorded (no `throughput/generator_idle_frac`)" in lines[1]
+    assert lines[2].startswith("- queue depth: 3.00 measured")
+    assert lines[3].startswith("- planner advice for the next run: trainer-bound")
+    (tmp_path / "configs" / "rl.toml").write_text("")
+    assert planner_lines(tmp_path, rows)[-1].startswith("- planner: n/a (rl plan needs a [hardware] table")
