@@ -30,6 +30,8 @@ WEIGHT_SHARE = 0.8
 """Largest share of an instance's usable memory the weights may take (the rest is KV cache and activations)."""
 DEFAULT_CONCURRENCY = 256
 """vLLM's default `max_num_seqs`."""
+TRAIN_BYTES = 16
+"""Trainer memory per parameter: bfloat16 weights and gradients, float32 master weights and two Adam moments."""
 
 
 @dataclasses.dataclass
@@ -142,7 +144,9 @@ def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float, leng
     by_memory = kv_room / (m.kv_elems * plan.kv_bytes * held)
     cap = plan.max_concurrency or cfg.inference.vllm.max_num_seqs or DEFAULT_CONCURRENCY
     in_flight = cfg.orchestrator.batch_size * (cfg.orchestrator.max_off_policy_steps + 1) / instances
-    slots = max(1.0, min(by_memory, cap, in_flight))
+    bounds = {"KV cache": by_memory, "server's max_num_seqs": cap, "rollouts in flight": in_flight}
+    bound = min(bounds, key=bounds.__getitem__)
+    slots = max(1.0, bounds[bound])
     touched = min(1.0, slots * m.top_k / m.experts)  # share of routed experts a decode step reads
     ctx = min(held, m.window or held)
     read = (m.total_params - m.routed_params * (1 - touched)) * plan.weight_bytes
@@ -154,7 +158,7 @@ def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float, leng
     prefill = forward_flops(m, prompt) / flops
     cycle = completion * step + plan.env_seconds + slots * prefill
     return {"rate": plan.acceptance * instances * slots / cycle, "instance_gpus": size, "instances": instances, "slots": slots,
-            "slots_by_memory": by_memory, "decode_tok_s": instances * slots / step, "decode_bound":
+            "slots_by_memory": by_memory, "slots_bound": bound, "decode_tok_s": instances * slots / step, "decode_bound":
             "memory" if memory_s >= compute_s else "compute"}
 
 
@@ -178,10 +182,13 @@ def balance(cfg: RLConfig, m: ModelFigures, trainer_gpus: int, inference_gpus: i
 
 
 def matched_split(cfg: RLConfig, m: ModelFigures, lay: Layout) -> tuple[int, int, dict[str, Any]] | None:
-    """The trainer/inference split of the same GPUs (trainer in whole units) with the highest rate."""
+    """The trainer/inference split of the same GPUs (trainer in whole units, enough of them to hold the trainer's
+    state) with the highest rate."""
     total = lay.trainer_gpus + (0 if lay.colocated else lay.inference_gpus)
     best = None
     for trainer in range(lay.unit, total, lay.unit):
+        if m.total_params * TRAIN_BYTES / trainer > cfg.hardware.hbm_gb * 1e9:
+            continue
         try:
             b = balance(cfg, m, trainer, total - trainer, 0.9 if lay.colocated else lay.memory_share, False)
         except DoesNotFit:  # the inference side of this split cannot hold the model
@@ -208,8 +215,7 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
     prompt, completion = lengths(cfg)
     tokens_s = now["rate"] * (prompt + completion) if now else 0.0
     price = cfg.cost.gpu_hour_usd
-    # bfloat16 weights and gradients, float32 master weights and Adam moments, sharded over the trainer's GPUs
-    train_gb = m.total_params * 16 / lay.trainer_gpus / 1e9
+    train_gb = m.total_params * TRAIN_BYTES / lay.trainer_gpus / 1e9  # sharded over the trainer's GPUs
     return {"model": cfg.model.name, "figures": m, "layout": lay, "gpus": gpus, "now": now, "misfit": misfit,
             "prompt": prompt, "completion": completion, "tokens_s": tokens_s, "train_gb": train_gb,
             "hbm_gb": cfg.hardware.hbm_gb, "usd_per_mtok": price * gpus / 3600 / tokens_s * 1e6 if price and now else None,
@@ -237,14 +243,15 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
         ("model", f"{p['model']}: {m.total_params / 1e9:.3g}B parameters, {m.active_params / 1e9:.3g}B per token"),
         ("sequence", f"{p['prompt']:.0f} prompt + {p['completion']:.0f} completion tokens"),
         ("GPUs", pools),
-        ("trainer state", f"{p['train_gb']:.4g} GB per GPU (16 bytes/parameter), {fits}"),
+        ("trainer state", f"{p['train_gb']:.4g} GB per GPU ({TRAIN_BYTES} bytes/parameter), {fits}"),
     ]
     if now is None:
         return rows + [("inference", f"does not fit: {p['misfit']}"), _matched_row(p)]
     gen = now["generator"]
     rows += [
         ("inference instance", f"{gen['instance_gpus']} GPU(s) x {gen['instances']}, "
-                               f"{gen['slots']:.0f} rollouts each (KV cache holds {gen['slots_by_memory']:.0f})"),
+                               f"{gen['slots']:.0f} rollouts each, bound by the {gen['slots_bound']} "
+                               f"(KV cache holds {gen['slots_by_memory']:.0f})"),
         ("decode", f"{gen['decode_tok_s']:.4g} tokens/s, {gen['decode_bound']}-bound"),
         ("trainer samples/s", f"{now['trainer']:.4g}"),
         ("generator samples/s", f"{gen['rate']:.4g}"),
@@ -260,7 +267,7 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
 def _matched_row(p: dict[str, Any]) -> tuple[str, str]:
     if p["matched"] is None:
         why = ("one GPU cannot be split" if p["gpus"] < 2 else
-               "no split of these GPUs holds the model on the inference side")
+               "no split of these GPUs holds both the trainer's state and the inference weights")
         return ("matched split", f"none: {why}")
     t, i, b = p["matched"]
     split = "disaggregated: " if p["layout"].colocated else ""
@@ -282,6 +289,9 @@ def advice(p: dict[str, Any]) -> str:
     if p["layout"].colocated:
         return (f"colocated: the GPUs train {_pct(1 - now['trainer_wait'])} and generate "
                 f"{_pct(1 - now['generator_idle'])} of the time; keep it")
+    if now["trainer_wait"] > 0.1 and now["generator"]["slots_bound"] == "rollouts in flight":
+        return ("generation-bound by the rollouts in flight: raise orchestrator.max_off_policy_steps (or batch_size) "
+                "so that the inference GPUs have more to decode")
     if now["trainer_wait"] > 0.1:
         return "generation-bound: give inference more GPUs or shorter completions"
     if now["generator_idle"] > 0.1:
