@@ -9,7 +9,8 @@ A roofline model, no measurement (docs/planner.md states its assumptions and com
   whose memory holds the weights with room for a KV cache), concurrency is bounded by the KV cache, by the
   server's sequence cap and by the rollouts the orchestrator keeps in flight; a decode step costs the larger of
   reading weights + KV cache at `plan.decode_bandwidth` of HBM bandwidth and its FLOPs at `plan.inference_mfu`;
-  prefill is compute-bound; environment seconds hold a slot; `plan.acceptance` of the rollouts reach the trainer;
+  prefill is compute-bound; a group ends with its longest rollout (`sampling.max_tokens`), so the rollouts in
+  flight over that latency bound the rate too; environment seconds hold a slot; `plan.acceptance` of the rollouts reach the trainer;
 - disaggregated pools run at the slower pool's rate, the faster one idles the rest; a colocated layout (trainer and
   vLLM on the same GPUs) alternates, so the rate is the harmonic combination of the two.
 Nothing here imports torch: `rl plan` answers in well under a second.
@@ -157,7 +158,12 @@ def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float, leng
     step = max(memory_s, compute_s)
     prefill = forward_flops(m, prompt) / flops
     cycle = completion * step + plan.env_seconds + slots * prefill
-    return {"rate": plan.acceptance * instances * slots / cycle, "instance_gpus": size, "instances": instances, "slots": slots,
+    # A group is done when its longest rollout is (sampling.max_tokens): the rollouts in flight, spread over the
+    # off-policy window, bound the rate by that latency however many slots are free.
+    straggler = cfg.orchestrator.sampling.max_tokens * step + plan.env_seconds + slots * prefill
+    by_slots, by_stragglers = instances * slots / cycle, instances * in_flight / straggler
+    return {"rate": plan.acceptance * min(by_slots, by_stragglers),
+            "rate_bound": "free slots" if by_slots <= by_stragglers else "longest rollouts (stragglers)", "instance_gpus": size, "instances": instances, "slots": slots,
             "slots_by_memory": by_memory, "slots_bound": bound, "decode_tok_s": instances * slots / step, "decode_bound":
             "memory" if memory_s >= compute_s else "compute"}
 
@@ -254,7 +260,7 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
                                f"(KV cache holds {gen['slots_by_memory']:.0f})"),
         ("decode", f"{gen['decode_tok_s']:.4g} tokens/s, {gen['decode_bound']}-bound"),
         ("trainer samples/s", f"{now['trainer']:.4g}"),
-        ("generator samples/s", f"{gen['rate']:.4g}"),
+        ("generator samples/s", f"{gen['rate']:.4g}, bound by the {gen['rate_bound']}"),
         ("run samples/s", f"{now['rate']:.4g} ({p['tokens_s']:.4g} tokens/s)"),
         ("step time", f"{now['step_s']:.4g} s"),
         ("trainer wait", _pct(now["trainer_wait"])),
@@ -289,7 +295,11 @@ def advice(p: dict[str, Any]) -> str:
     if p["layout"].colocated:
         return (f"colocated: the GPUs train {_pct(1 - now['trainer_wait'])} and generate "
                 f"{_pct(1 - now['generator_idle'])} of the time; keep it")
-    if now["trainer_wait"] > 0.1 and now["generator"]["slots_bound"] == "rollouts in flight":
+    gen = now["generator"]
+    if now["trainer_wait"] > 0.1 and gen["rate_bound"].startswith("longest"):
+        return ("generation-bound by the longest rollouts: raise orchestrator.max_off_policy_steps (more rollouts in "
+                "flight) or lower sampling.max_tokens; more inference GPUs would not help")
+    if now["trainer_wait"] > 0.1 and gen["slots_bound"] == "rollouts in flight":
         return ("generation-bound by the rollouts in flight: raise orchestrator.max_off_policy_steps (or batch_size) "
                 "so that the inference GPUs have more to decode")
     if now["trainer_wait"] > 0.1:
