@@ -112,3 +112,27 @@ def test_arbor_report_puts_the_planners_estimates_next_to_the_measured_figures(t
     assert lines[3].startswith("- planner advice for the next run: trainer-bound")
     (tmp_path / "configs" / "rl.toml").write_text("")
     assert planner_lines(tmp_path, rows)[-1].startswith("- planner: n/a (rl plan needs a [hardware] table")
+
+
+# docs/planner.md writes these estimates next to the references' published figures: a change to the model must
+# change the doc with them.
+REFERENCES = [
+    ("qwen3-235b-a22b", "semianalysis_qwen3_235b", [], {"trainer": 1.67, "generator": 3.18, "step_s": 306, "usd": 3.70}),
+    ("qwen3-235b-a22b", "semianalysis_qwen3_235b", ["--plan.train-mfu", "0.3"],
+     {"trainer": 4.65, "generator": 3.18, "step_s": 161, "usd": 1.95, "trainer_wait": 0.32}),
+    ("qwen3-235b-a22b", "semianalysis_slime_qwen3_235b", [], {"step_s": 182, "usd": 5.99, "trainer_wait": 0.50}),
+    ("glm-5", "primerl_glm5", [], {"step_s": 144}),
+    ("glm-5", "primerl_glm5", ["--plan.train-mfu", "0.3"], {"step_s": 134}),
+]
+
+
+@pytest.mark.parametrize("model, setup, flags, figures", REFERENCES, ids=lambda x: x if isinstance(x, str) else None)
+def test_the_estimates_docs_planner_md_compares_with_the_references(model, setup, flags, figures):
+    cfg = load_config(RLConfig, ["@", str(ROOT / f"configs/models/{model}.toml"), "@",
+                                 str(ROOT / f"benchmarks/planner/{setup}.toml"), *flags], env={})
+    p = plan(cfg)
+    now = p["now"]
+    got = {"trainer": now["trainer"], "generator": now["generator"]["rate"], "step_s": now["step_s"],
+           "usd": p["usd_per_mtok"], "trainer_wait": now["trainer_wait"]}
+    for key, value in figures.items():
+        assert got[key] == pytest.approx(value, rel=0.01, abs=0.005), key

@@ -128,16 +128,18 @@ def instance_gpus(cfg: RLConfig, m: ModelFigures, share: float, gpus: int) -> in
     size = cfg.inference.vllm.tensor_parallel_size
     while weights > WEIGHT_SHARE * size * hw.hbm_gb * 1e9 * share:
         size *= 2
-        if size > gpus:
-            raise DoesNotFit(f"the model's weights ({weights / 1e9:.0f} GB at plan.weight_bytes = "
-                              f"{cfg.plan.weight_bytes:g}) do not fit the {gpus} inference GPU(s) of "
-                              f"{hw.hbm_gb:g} GB (at {share:g} of their memory)")
+    if size > gpus:
+        raise DoesNotFit(f"the model's weights ({weights / 1e9:.0f} GB at plan.weight_bytes = "
+                         f"{cfg.plan.weight_bytes:g}) need {size} GPU(s) of {hw.hbm_gb:g} GB (at {share:g} of their "
+                         f"memory, from tensor_parallel_size {cfg.inference.vllm.tensor_parallel_size} up in powers "
+                         f"of two); the inference pool has {gpus}")
     return size
 
 
-def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float, lengths: tuple[float, float]) -> dict[str, float]:
-    """Samples/s of `gpus` inference GPUs, with the instance size and concurrency that bound it."""
-    hw, plan, (prompt, completion) = _hardware(cfg), cfg.plan, lengths
+def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float,
+                   tokens: tuple[float, float]) -> dict[str, Any]:
+    """Samples/s of `gpus` inference GPUs (`tokens`: mean prompt and completion), with what bounds it."""
+    hw, plan, (prompt, completion) = _hardware(cfg), cfg.plan, tokens
     size = instance_gpus(cfg, m, share, gpus)
     instances = gpus // size
     kv_room = size * hw.hbm_gb * 1e9 * share - m.total_params * plan.weight_bytes
