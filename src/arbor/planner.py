@@ -164,10 +164,13 @@ def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float,
     # off-policy window, bound the rate by that latency however many slots are free.
     straggler = cfg.orchestrator.sampling.max_tokens * step + plan.env_seconds + slots * prefill
     by_slots, by_stragglers = instances * slots / cycle, instances * in_flight / straggler
-    return {"rate": plan.acceptance * min(by_slots, by_stragglers),
-            "rate_bound": "free slots" if by_slots <= by_stragglers else "longest rollouts (stragglers)", "instance_gpus": size, "instances": instances, "slots": slots,
-            "slots_by_memory": by_memory, "slots_bound": bound, "decode_tok_s": instances * slots / step, "decode_bound":
-            "memory" if memory_s >= compute_s else "compute"}
+    return {
+        "rate": plan.acceptance * min(by_slots, by_stragglers),
+        "rate_bound": "free slots" if by_slots <= by_stragglers else "longest rollouts (stragglers)",
+        "instance_gpus": size, "instances": instances, "slots": slots, "slots_by_memory": by_memory,
+        "slots_bound": bound, "decode_tok_s": instances * slots / step,
+        "decode_bound": "memory" if memory_s >= compute_s else "compute",
+    }
 
 
 def lengths(cfg: RLConfig) -> tuple[float, float]:
@@ -224,10 +227,12 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
     tokens_s = now["rate"] * (prompt + completion) if now else 0.0
     price = cfg.cost.gpu_hour_usd
     train_gb = m.total_params * TRAIN_BYTES / lay.trainer_gpus / 1e9  # sharded over the trainer's GPUs
-    return {"model": cfg.model.name, "figures": m, "layout": lay, "gpus": gpus, "now": now, "misfit": misfit,
-            "prompt": prompt, "completion": completion, "tokens_s": tokens_s, "train_gb": train_gb,
-            "hbm_gb": cfg.hardware.hbm_gb, "usd_per_mtok": price * gpus / 3600 / tokens_s * 1e6 if price and now else None,
-            "matched": matched_split(cfg, m, lay)}
+    return {
+        "model": cfg.model.name, "figures": m, "layout": lay, "gpus": gpus, "now": now, "misfit": misfit,
+        "prompt": prompt, "completion": completion, "tokens_s": tokens_s, "train_gb": train_gb,
+        "hbm_gb": cfg.hardware.hbm_gb, "matched": matched_split(cfg, m, lay),
+        "usd_per_mtok": price * gpus / 3600 / tokens_s * 1e6 if price and now else None,
+    }
 
 
 def _hardware(cfg: RLConfig):
