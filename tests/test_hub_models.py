@@ -19,7 +19,8 @@ from arbor.environments import env_prompt_ids, load_environment
 from arbor.launch import preflight
 from arbor.launch.preflight import PreflightError
 from arbor.models import build_model, build_tokenizer, model_args, resolve_dir
-from arbor.models.args import DSAArgs, ModelArgs
+from arbor.models.args import DSAArgs
+from arbor.models.published import PUBLISHED_SHAPES
 from arbor.models.deepseek_v32 import DeepseekV32ForCausalLM
 from arbor.models.hub import HubError, is_hub_id
 from arbor.models.qwen3 import Qwen3ForCausalLM
@@ -89,36 +90,12 @@ def test_a_raw_prompt_is_the_task_text_and_ends_at_the_base_models_eos(tmp_path)
 # 4,022,468,096; 30B-A3B: 30,532,122,624; 235B-A22B: 235,093,634,560); DeepSeek-V3.2's model card gives 685B
 # including its multi-token-prediction module (counted here from the built model's last MoE layer, see below);
 # GLM-5's gives 744B.
-def _qwen3(**kw) -> ModelArgs:
-    return ModelArgs(vocab_size=151936, head_dim=128, rope_theta=1e6, max_position_embeddings=40960, **kw)
-
-
-SHAPES = {
-    "Qwen/Qwen3-0.6B": (_qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                               num_key_value_heads=8, tie_word_embeddings=True), 596_049_920),
-    "Qwen/Qwen3-4B": (_qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                             num_key_value_heads=8, tie_word_embeddings=True), 4_022_468_096),
-    "Qwen/Qwen3-30B-A3B": (_qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                                  num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
-                                  architecture="Qwen3MoeForCausalLM", num_experts=128, num_experts_per_tok=8,
-                                  moe_intermediate_size=768), 30_532_122_624),
-    "Qwen/Qwen3-235B-A22B": (_qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
-                                    num_attention_heads=64, num_key_value_heads=4, tie_word_embeddings=False,
-                                    architecture="Qwen3MoeForCausalLM", num_experts=128, num_experts_per_tok=8,
-                                    moe_intermediate_size=1536), 235_093_634_560),
-    "deepseek-ai/DeepSeek-V3.2": (DSAArgs(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
-        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        index_n_heads=64, index_head_dim=128, index_topk=2048, n_routed_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4,
-        routed_scaling_factor=2.5, num_nextn_predict_layers=1), 685_000_000_000),
-    "zai-org/GLM-5": (DSAArgs(
-        vocab_size=154880, hidden_size=6144, intermediate_size=12288, num_hidden_layers=78, num_attention_heads=64,
-        kv_lora_rank=512, q_lora_rank=2048, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-        index_n_heads=32, index_head_dim=128, index_topk=2048, n_routed_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
-        architecture="GlmMoeDsaForCausalLM"), 744_000_000_000),
-}
+# The shapes themselves live in arbor.models.published (rl plan sizes these models without a download).
+SHAPES = {name: (PUBLISHED_SHAPES[name], count) for name, count in {
+    "Qwen/Qwen3-0.6B": 596_049_920, "Qwen/Qwen3-4B": 4_022_468_096, "Qwen/Qwen3-30B-A3B": 30_532_122_624,
+    "Qwen/Qwen3-235B-A22B": 235_093_634_560, "deepseek-ai/DeepSeek-V3.2": 685_000_000_000,
+    "zai-org/GLM-5": 744_000_000_000,
+}.items()}
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

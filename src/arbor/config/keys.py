@@ -102,7 +102,8 @@ def render_help(cls: type[BaseModel], prog: str) -> str:
                 lines.append(f"\n[{'.'.join([*prefix, name])}]  {doc}".rstrip())
                 table(sub, [*prefix, name])
                 continue
-            lines.append(f"  {spell([*prefix, name], True)}  (default: {info.get_default(call_default_factory=True)!r})")
+            default = "required" if info.is_required() else f"default: {info.get_default(call_default_factory=True)!r}"
+            lines.append(f"  {spell([*prefix, name], True)}  ({default})")
             lines.extend(f"      {line}" for line in doc.splitlines())
 
     table(cls, [])

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, model_validator
 from arbor.config.admin import AdminToken, token_value
 from arbor.config.base import Config, FilePath, Float, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
+from arbor.config.hardware import HardwareConfig, PlanConfig
 from arbor.config.inference import InferenceConfig
 from arbor.config.layout import check_mesh
 from arbor.config.model import ModelConfig
@@ -74,6 +75,10 @@ class RLConfig(Config):
     """Log to Weights & Biases (trainer and orchestrator figures in one run)."""
     cost: CostConfig = CostConfig()
     """GPU-hour price and pool sizes for the cost figure of `arbor-report`."""
+    hardware: HardwareConfig | None = None
+    """The accelerators' peak figures, for `rl plan` (a configs/hardware/ layer sets them)."""
+    plan: PlanConfig = PlanConfig()
+    """The workload and efficiency assumptions of `rl plan` (mean lengths, MFU, bytes per weight)."""
     slurm: SlurmConfig | None = None
     """Submit the run to SLURM (writes `<output_dir>/rl.sbatch` and calls `sbatch`) instead of running it here."""
 

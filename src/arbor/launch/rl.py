@@ -11,7 +11,8 @@ log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143.
 process is stopped, no checkpoint or batch is left half-written (both are written atomically) and `--resume`
 continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on time with a checkpoint
 of its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This module never imports
-torch, so `--dry-run` and config errors answer in well under a second.
+torch, so `--dry-run` and config errors answer in well under a second. `rl plan @ config.toml` prints the
+throughput planner's estimates for the config instead (arbor.planner) and starts nothing.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
@@ -50,6 +51,7 @@ from arbor.launch.process import Supervisor, tail
 from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import truncate_jsonl
+from arbor.planner import plan, render
 from arbor.transport.router import use_vllm_router, vllm_router_argv
 
 
@@ -340,8 +342,18 @@ def run(cfg: RLConfig) -> int:
         record_timings(cfg.output_dir, sup)
 
 
+def plan_main(argv: list[str]) -> int:
+    """`rl plan @ config.toml`: prints the throughput planner's table for the config and starts nothing."""
+    cfg = load_config(RLConfig, argv, prog="rl plan")
+    print(render(plan(cfg)))
+    return 0
+
+
 @main_guard
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     cfg = load_config(RLConfig, argv, prog="rl")
     if cfg.check:
         run_checks(cfg)

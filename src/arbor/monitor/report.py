@@ -4,7 +4,9 @@ Reads `OUT/metrics.jsonl` (one merged row per step), `OUT/timings.jsonl` (each p
 written by `rl`) and the `[cost]` table of `OUT/configs/rl.toml`. Writes into `OUT/report/`: reward.png,
 staleness.png, throughput.png, wait_ratio.png (trainer `time/wait / time/step`: near 1 the trainer starves and
 generation is the bottleneck, near 0 the trainer is), mismatch.png (`mismatch_kl`, trainer vs inference
-logprobs) and report.md (steps, wall time from the last row's `elapsed_s`, reward, staleness, throughput, cost).
+logprobs) and report.md (steps, wall time from the last row's `elapsed_s`, reward, staleness, throughput, cost,
+and the measured throughput match, `throughput/trainer_wait_frac`, `throughput/generator_idle_frac` and
+`throughput/queue_depth`, next to `rl plan`'s estimates for the run's config with its advice for the next run).
 
 Cost = gpu_hour_usd x (inference GPUs x inference-pool hours + trainer GPUs x trainer-pool hours), where a pool's
 hours are the measured wall-clock of its processes summed over launches (a resumed run counts every attempt: the
@@ -23,8 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from pydantic import ValidationError
 
+from arbor.config.base import ConfigError
+from arbor.config.loader import format_validation_error
+from arbor.config.rl import RLConfig
 from arbor.monitor.metrics import read_jsonl
+from arbor.planner import advice, plan
 from arbor.run_dir import configs_dir, metrics_path, timings_path
 
 PLOTS = {
@@ -129,6 +136,32 @@ def _fmt(v: float | None, spec: str = ".3g") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+MEASURED = {"throughput/trainer_wait_frac": ("trainer wait", "trainer_wait"),
+            "throughput/generator_idle_frac": ("generator idle", "generator_idle"),
+            "throughput/queue_depth": ("queue depth", None)}
+"""Run-time figures of the throughput match (metrics.jsonl keys) -> (label, the planner's matching estimate)."""
+
+
+def planner_lines(out: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """The measured throughput-match figures next to `rl plan`'s estimates for the run's config, and its advice."""
+    try:
+        p = plan(RLConfig.model_validate(run_config(out)))
+    except ValidationError as e:  # a config written by another arbor version
+        p, why = None, format_validation_error(e)
+    except ConfigError as e:  # no [hardware] layer
+        p, why = None, str(e)
+    lines = []
+    for key, (label, estimate) in MEASURED.items():
+        mean = _mean(rows, key)
+        measured = f"{_fmt(mean, '.2f')} measured (mean)" if mean is not None else f"not recorded (no `{key}`)"
+        planned = (f", planner {_fmt(p['now'][estimate], '.2f')}" if p is not None and p["now"] is not None
+                   and estimate is not None else "")
+        lines.append(f"- {label}: {measured}{planned}")
+    lines.append(f"- planner advice for the next run: {advice(p)}" if p is not None
+                 else f"- planner: n/a ({why})")
+    return lines
+
+
 def summary(out: Path, rows: list[dict[str, Any]], c: dict[str, Any] | None) -> str:
     first, last = rows[0], rows[-1]
     wait = _mean(rows, "wait_ratio")
@@ -156,6 +189,7 @@ def summary(out: Path, rows: list[dict[str, Any]], c: dict[str, Any] | None) -> 
             f"- ${_fmt(c['usd_per_m_trained'], '.4g')} per million trained tokens ({c['trained_tokens']:.0f} tokens), "
             f"${_fmt(c['usd_per_m_generated'], '.4g')} per million generated tokens ({c['generated_tokens']:.0f})",
         ]
+    lines += planner_lines(out, rows)
     lines += ["", *(f"![{name}]({name}.png)" for name in PLOTS), ""]
     return "\n".join(lines)
 
