@@ -4,10 +4,8 @@ controller's limit."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from orch_fakes import Fleet, make_cfg, make_pool, seed_of
+from orch_fakes import Fleet, admit_once, make_cfg, make_pool, seed_of
 
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.orchestrator import OrchestratorConfig
@@ -83,11 +81,4 @@ def test_the_pool_admits_under_the_adapted_limit() -> None:
     fleet = Fleet()
     fleet.slow = {seed_of(pool.cfg, s, k) for s in range(3) for k in range(4)}
     pool.max_in_flight = 1  # what the controller chose
-
-    async def go():
-        pool.use(fleet)
-        n = pool.admit(0, 0, 2, 0, 0)
-        await pool.stop()
-        return n
-
-    assert asyncio.run(go()) == 1
+    assert admit_once(pool, fleet) == 1
