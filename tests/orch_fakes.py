@@ -106,3 +106,15 @@ def make_pool(**over: Any) -> GenerationPool:
     env, tokenizer = FakeEnv([4] * 10), FakeTokenizer()
     source = TaskSource(cfg, env, tokenizer, OrchestratorState())
     return GenerationPool(cfg, SchedulePolicy.from_config(cfg), env, tokenizer, source, Counts(), EpisodeStats())
+
+
+def admit_once(pool: GenerationPool, fleet: Fleet, need: int = 2) -> int:
+    """How many groups `pool` launches for a fresh step 0 on `fleet` (then stops them)."""
+
+    async def go() -> int:
+        pool.use(fleet)
+        n = pool.admit(0, 0, need, 0, 0)
+        await pool.stop()
+        return n
+
+    return asyncio.run(go())

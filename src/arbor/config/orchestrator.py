@@ -160,6 +160,17 @@ class RolloutScheduleConfig(Config):
     max_in_flight: Count | None = Field(None, ge=1)
     """Groups generating at once. Default: two steps' worth for the continuous modes (async, greedy,
     windowed_fifo), max_concurrent_groups (or one step) for the per-step ones (times `oversample`)."""
+    adaptive: bool = True
+    """Live throughput matching (arbor.orchestrator.concurrency): after each step the in-flight limit rises
+    while the trainer waits for rollouts and falls while finished groups queue up beyond the staleness budget,
+    within [adaptive_min, adaptive_max]. Off when `max_in_flight` or `max_concurrent_groups` is set by hand (the
+    user's figure is kept) or here with false."""
+    adaptive_min: Count = Field(1, ge=1)
+    """Lowest in-flight limit the adaptation may choose (groups)."""
+    adaptive_max: Count | None = Field(None, ge=1)
+    """Highest in-flight limit the adaptation may choose (groups). Default: the most the mode can use, i.e. one
+    step's launches in the per-step modes, (max_off_policy_steps - slack + 1) steps' groups in the continuous
+    ones (the staleness rule admits no more)."""
     oversample: Float = Field(1.0, ge=1.0)
     """Per-step modes (sync, one_step_off): launch ceil(oversample x groups per step) groups; once the batch is
     full, the surplus still generating is cancelled (counted as partial/cancelled) or, with
@@ -170,6 +181,8 @@ class RolloutScheduleConfig(Config):
     def _lag_is_continuous(self) -> "RolloutScheduleConfig":
         if self.lag is not None and self.mode in ("sync", "one_step_off"):
             raise ValueError(f"lag applies to the continuous modes (async, greedy, windowed_fifo), not to {self.mode!r}")
+        if self.adaptive_max is not None and self.adaptive_max < self.adaptive_min:
+            raise ValueError(f"adaptive_max ({self.adaptive_max}) is below adaptive_min ({self.adaptive_min})")
         return self
 
 

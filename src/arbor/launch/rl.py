@@ -2,7 +2,8 @@
 
 Order: validate the whole config (a bad one fails here, before any process starts) -> preflight (files,
 environment and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
-`<output_dir>/configs/` (`--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
+`<output_dir>/configs/`, with the trainer's and the engine's torch threads split between the cores where the user
+set none (arbor.launch.cores; `--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
 resume) -> optional SFT warm-up (with its own progress lines) -> inference, trainer and orchestrator, started
 at once (each builds its model while the others start; the orchestrator waits for the fleet's /health itself)
 -> wait for /health, printing what each process is doing until the first step -> print one line per step from
@@ -46,6 +47,7 @@ from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm_launch import dry_run_command
 from arbor.launch.console import Console
+from arbor.launch.cores import split_cores
 from arbor.launch.preflight import run_checks
 from arbor.launch.process import Supervisor, tail
 from arbor.launch.slurm import submit
@@ -284,12 +286,15 @@ def record_timings(output_dir: Path, sup: Supervisor) -> None:
         f.write(json.dumps({"time": time.time(), "seconds": row}) + "\n")
 
 
-def run(cfg: RLConfig) -> int:
+def run(cfg: RLConfig, note: str | None = None) -> int:
+    """Runs the resolved config; `note` (the core split, arbor.launch.cores) is printed after the first line."""
     start = prepare_run_dir(cfg)
     conf = run_dir.configs_dir(cfg.output_dir)
     sup = Supervisor(run_dir.logs_dir(cfg.output_dir), child_env())
     console = Console(cfg.output_dir, cfg.max_steps, start, cfg.sft.steps)
     console.say(f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})")
+    if note:
+        console.say(note)
     try:
         if cfg.sft.steps and not (run_dir.sft_model_dir(cfg.output_dir) / "config.json").exists():
             warm_up(cfg, conf, sup, console)
@@ -365,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.dry_run:
         run_checks(cfg)  # before resolve(): an explicitly set port is still marked as set
     cfg = resolve(cfg)
+    cores = split_cores(cfg)  # before write_configs: a resumed run reads the threads its last attempt ran with
     write_configs(cfg)
     if cfg.dry_run:
         print(f"resolved configs written to {run_dir.configs_dir(cfg.output_dir)}")
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run as Ctrl-C does, but exits 143, not 130.
     signal.signal(signal.SIGTERM, on_sigterm)
-    return run(cfg)
+    return run(cfg, cores)
 
 
 if __name__ == "__main__":

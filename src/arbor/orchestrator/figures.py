@@ -3,7 +3,10 @@
 Per step: rewards, completion lengths, truncation, staleness (max, mean, histogram), drop and skip counts,
 black-box agent and environment counters, policy version and weight updates, timings, the prefix-merge ratio,
 the router's cumulative fleet counters; the throughput match between two batch writes (groups produced by the
-generator vs rollouts consumed by the trainer, the share of the interval the loop spent waiting for weights);
+generator vs rollouts consumed by the trainer, the share of the interval the loop spent waiting for weights,
+the share with no group generating `throughput/generator_idle_frac`, the finished groups left waiting
+`throughput/queue_depth` and the in-flight limit in force `throughput/groups_in_flight`; the trainer reports
+`throughput/trainer_wait_frac` itself);
 the batch's difficulty mix with the cumulative filter counts; and the partial-rollout counts (resumed
 groups/rollouts of this batch, and what the scheduler aborted, parked, moved, retried or cancelled since the last
 batch). The trainer's figures are merged in by `MetricsWriter` as they arrive: `poll_metrics` runs in the
@@ -119,6 +122,9 @@ class StepFigures:
             "scheduler/ready": q.ready,
             "scheduler/head": q.head,
             "accepted/frac": taken / max(taken + dropped, 1),
+            "throughput/queue_depth": q.waiting,
+            "throughput/groups_in_flight": self.pool.max_in_flight,
+            "throughput/generator_idle_frac": self.pool.idle.lap(time.monotonic()),
         }
         finished = self.counts.finished_groups
         if self._last_write is not None:

@@ -6,7 +6,8 @@ finished groups under the queue's window rule (windowed FIFO: only positions in 
 advances as the group at H is consumed; arbor.orchestrator.scheduler).
 
 Admission (`admit`): per-step modes (sync, one_step_off) launch exactly the step's groups (ceil(oversample x
-need), replacements for dropped ones, parked ones resumed first), at most max_in_flight at once. Continuous
+need), replacements for dropped ones, parked ones resumed first), at most `max_in_flight` at once (the policy's,
+adapted per step by arbor.orchestrator.concurrency). Continuous
 modes (async, greedy, windowed_fifo) keep up to max_in_flight groups generating across step boundaries, but
 launch only groups the staleness bound will still admit when their step comes (AReaL's rule): the outstanding
 groups fill the rest of this step's batch, then the next steps, in order; windowed_fifo keeps `policy.slack`
@@ -27,6 +28,7 @@ from typing import Any
 
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.concurrency import IdleClock
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
 from arbor.orchestrator.gateway import Gateway
@@ -53,6 +55,10 @@ class GenerationPool:
         """The partial-rollout controller for the current client (`use`)."""
         self.gateway: Gateway | None = None
         """The OpenAI-compatible gateway black-box agents call (`start_gateway`)."""
+        self.max_in_flight = policy.max_in_flight
+        """Groups generating at once: the policy's, then what arbor.orchestrator.concurrency chooses per step."""
+        self.idle = IdleClock(time.monotonic())
+        """Wall time with no group generating (the generator-idle fraction)."""
 
     def use(self, client: InferenceClient) -> None:
         """Generates on `client` from now on."""
@@ -83,13 +89,13 @@ class GenerationPool:
         cfg, pol, q = self.cfg, self.policy, self.queue
         n = 0
         if pol.continuous:
-            while q.in_flight < pol.max_in_flight and (
+            while q.in_flight < self.max_in_flight and (
                 step + (kept + q.outstanding) // need - version <= cfg.max_off_policy_steps - pol.slack
             ):
                 self._launch(step, launched + n, version)
                 n += 1
         else:
-            while kept + q.in_flight + q.ready < pol.per_step and q.in_flight < pol.max_in_flight:
+            while kept + q.in_flight + q.ready < pol.per_step and q.in_flight < self.max_in_flight:
                 if not self.parking.unpark(step):
                     self._launch(step, launched + n, version)
                     n += 1
@@ -144,12 +150,15 @@ class GenerationPool:
                                   generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
                                   seq_len=cfg.seq_len, stats=self.env_stats)
         now = time.monotonic()
+        self.idle.busy(now)
         flight = Flight(self.queue.launch(), asyncio.create_task(coro), handle, now, now, version)
         self.flights[spec.group_id] = flight
         flight.task.add_done_callback(lambda t, f=flight, key=spec.group_id: self._finished(key, f, t))
 
     def _finished(self, key: int, flight: Flight, task: asyncio.Task) -> None:
         self.flights.pop(key, None)
+        if all(f.parked for f in self.flights.values()):
+            self.idle.idle(time.monotonic())
         cancelled = task.cancelled()
         self.source.closed(key, cancelled)
         if self.partial is not None:

@@ -16,6 +16,8 @@ The parts, one job each:
   train-only from the buffer).
 - arbor.orchestrator.step_writer: the resume state before the batch, then the batch.
 - arbor.orchestrator.figures: the per-step figures and the metrics plumbing.
+- arbor.orchestrator.concurrency: after each step, the in-flight limit from the trainer's newest wait fraction
+  and the queue left waiting (live throughput matching).
 
 Groups still in flight (or parked, or finished but not taken) when a run stops lose their generation, but not
 their tasks: the saved state lists them and a resumed run launches them first, so no task is skipped.
@@ -42,6 +44,7 @@ from arbor.monitor.metrics import MetricsWriter, RunClock, init_wandb
 from arbor.orchestrator.assembler import StepAssembler, open_buffer
 from arbor.orchestrator.buffer import ExperienceBuffer
 from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.concurrency import ConcurrencyController
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
 from arbor.orchestrator.eval import client_generator, evaluate
@@ -84,6 +87,9 @@ class Orchestrator:
         self.clock = RunClock(cfg.output_dir, self.start)
         self.stopped_at: int | None = None
         """The trainer's last checkpoint when its `max_minutes` stopped the run early."""
+        self.matching = ConcurrencyController.from_config(cfg, self.policy)
+        self._trainer_seen: int | None = None  # the trainer row the controller last read
+        self._dropped_before = 0  # stale drops counted before the current step
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -193,6 +199,17 @@ class Orchestrator:
         if self.buffer is not None:
             figures.update(self.buffer.counts())
         metrics.add(step, {**figures, **self.clock.stamp()})
+        self.pool.max_in_flight = self.matching.decide(self._new_trainer_wait(metrics), self.pool.queue.waiting,
+                                                       self.counts.dropped_stale - self._dropped_before)
+        self._dropped_before = self.counts.dropped_stale
+
+    def _new_trainer_wait(self, metrics: MetricsWriter) -> float | None:
+        """The newest trainer row's wait fraction, once: None when no row arrived since the last call."""
+        newest = max(metrics.trainer, default=None)
+        if newest is None or newest == self._trainer_seen:
+            return None
+        self._trainer_seen = newest
+        return metrics.trainer[newest].get("throughput/trainer_wait_frac")
 
 
 def setup_logging(level: str) -> None:

@@ -11,7 +11,8 @@ trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 es
 trainer) per loss token, before the update), `entropy`, `grad_norm` (the largest over the step's optimizer
 steps: `trainer.mini_batches` x `trainer.epochs`), `lr`, `tokens/s` (non-padding tokens over
 the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
-trainer starved of rollouts), `time/compute`, `time/publish`,
+trainer starved of rollouts; also as `throughput/trainer_wait_frac`, which the orchestrator's concurrency control
+reads), `time/compute`, `time/publish`,
 `time/checkpoint` (of the previous checkpoint), `weights/bytes_moved` (bytes the weight update moved: less than
 `weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
 figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
@@ -155,6 +156,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/step": t3 - t0,
                 "time/wait": t1 - t0,
                 "time/wait_ratio": (t1 - t0) / max(t3 - t0, 1e-9),  # throughput matching: trainer starved?
+                "throughput/trainer_wait_frac": (t1 - t0) / max(t3 - t0, 1e-9),  # the orchestrator adapts on it
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
