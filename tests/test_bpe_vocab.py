@@ -19,6 +19,7 @@ from arbor.inference.sampler import Sampler, scaled_logprobs
 from arbor.inference.sampling import SamplingParams
 from arbor.orchestrator.batcher import sample_arrays
 from arbor.orchestrator.client import Completion
+from arbor.orchestrator.gateway_openai import trim_at_stop
 from arbor.orchestrator.trajectory import Trajectory
 
 TEXTS = [
@@ -123,3 +124,42 @@ def test_sampler_is_unchanged_when_the_model_has_no_padding_rows(qwen_bpe):
     logits = torch.randn(1, qwen_bpe.vocab_size)
     Sampler(qwen_bpe).sample([s], logits, version=0)
     assert s.tokens == [int(logits.argmax())] and s.top[0][0][0] == s.tokens[0]
+
+
+def test_a_special_token_sampled_mid_reply_stays_in_the_tokens_and_out_of_the_text(qwen_bpe):
+    """Both paths (episode driver and gateway) hand the caller the reply's text with special tokens skipped, and
+    both record the turn with one `Trajectory`: the echoed text matches the recorded reply, so the next prompt
+    holds the sampled ids, special token included, and one sample trains exactly them."""
+    tok = qwen_bpe
+    sampled = tok.encode("ok") + [tok.encode("<|im_start|>")[0]] + tok.encode(" done") + [tok.eos_token_id]
+    text = tok.decode(sampled)
+    assert text == "ok done"
+    traj = Trajectory(tok)
+    messages = [{"role": "user", "content": "go"}]
+    first = traj.prompt_ids(messages)
+    traj.add_completion(Completion(sampled, [-0.5] * len(sampled), [1] * len(sampled), text, "stop"))
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    second = traj.prompt_ids(messages)
+    assert second[: len(first) + len(sampled)] == first + sampled and second != tok.apply_chat_template(messages)
+    final = tok.encode("fine") + [tok.eos_token_id]
+    traj.add_completion(Completion(final, [-0.5] * len(final), [2] * len(final), "fine", "stop"))
+    (sample,) = traj.samples()
+    assert sample.completion_ids[: len(sampled)] == sampled and sample.completion_mask[: len(sampled)] == [1] * len(
+        sampled)
+    assert sample.prompt_ids + sample.completion_ids == second + final
+
+
+def test_stop_strings_are_trimmed_at_token_boundaries_only(qwen_bpe):
+    """The gateway's `trim_at_stop` on BPE tokens: a stop string that starts a token is dropped with its tokens
+    (what trains is what the agent saw); one that starts inside a merged token keeps the completion whole."""
+    tok = qwen_bpe
+    ids = tok.encode("The answer is 42. Observation: x")
+    at = tok.encode("The answer is 42.")
+    assert ids[: len(at)] == at  # " Observation" starts a token
+    cut = Completion(ids, [-0.5] * len(ids), [1] * len(ids), "The answer is 42.", "stop")
+    trimmed, how = trim_at_stop(cut, tok)
+    assert how == "trimmed" and trimmed.token_ids == at and len(trimmed.logprobs) == len(at)
+    inside = tok.encode("hello")  # one token: a stop string "llo" starts inside it
+    assert len(inside) == 1
+    kept, how = trim_at_stop(Completion(inside, [-0.5], [1], "he", "stop"), tok)
+    assert how == "untrimmed" and kept.token_ids == inside
