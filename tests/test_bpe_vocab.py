@@ -5,6 +5,7 @@ embedding's padding rows (ids from the tokenizer's size up to the model's 151,68
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import tiktoken
@@ -14,12 +15,15 @@ from tiktoken.load import load_tiktoken_bpe
 
 import qwen_bpe_tokenizer
 from arbor.environments.tools import parse_tool_calls
+from arbor.inference.engine import Engine
 from arbor.inference.requests import Request, Seq
 from arbor.inference.sampler import Sampler, scaled_logprobs
 from arbor.inference.sampling import SamplingParams
 from arbor.orchestrator.batcher import sample_arrays
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway_openai import trim_at_stop
+from arbor.models.presets import PRESETS
+from arbor.models.qwen3 import Qwen3ForCausalLM
 from arbor.orchestrator.trajectory import Trajectory
 
 TEXTS = [
@@ -117,6 +121,31 @@ def test_sampler_never_picks_a_padding_row(qwen_bpe):
             assert s.tokens[-1] < vocab and s.logprobs[-1] == float(full[b, s.tokens[-1]])
             assert all(i < vocab for i, _ in (s.top[-1] if s.top else []))
     assert seqs[0].tokens[-1] == int(logits[0, :vocab].argmax())
+
+
+def test_engine_with_a_151680_row_model_samples_only_tokenizer_ids(qwen_bpe):
+    """The local engine end to end on a Qwen3 with Qwen3's padded embedding size and a tiny hidden size, whose head
+    puts nearly all mass on the padding rows (real rows zero, padding rows large): every token is a real id."""
+    torch.manual_seed(0)
+    args = dataclasses.replace(PRESETS["qwen3-test"], vocab_size=qwen_bpe_tokenizer.MODEL_VOCAB,
+                               tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(args).eval()
+    with torch.no_grad():
+        model.lm_head.weight[: qwen_bpe.vocab_size] = 0.0
+        model.lm_head.weight[qwen_bpe.vocab_size:] = 10.0 * torch.randn(args.vocab_size - qwen_bpe.vocab_size,
+                                                                       args.hidden_size)
+    engine = Engine(model, qwen_bpe, seq_len=64, max_batch_size=4, seed=0).start()
+    try:
+        prompt = qwen_bpe.apply_chat_template([{"role": "user", "content": "hi"}])
+        futures = [engine.submit(prompt, SamplingParams(max_tokens=12, temperature=t, n=2, top_logprobs=2))
+                   for t in (0.0, 1.0)]
+        outputs = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.stop()
+    completions = [c for out in outputs for c in out.completions]
+    assert sum(len(c.token_ids) for c in completions) >= 4 * 12 - 3  # eos has ~1/151669 of the mass per token
+    assert all(t < qwen_bpe.vocab_size for c in completions for t in c.token_ids)
+    assert all(i < qwen_bpe.vocab_size for c in completions for top in c.top_logprobs for i, _ in top)
 
 
 def test_sampler_is_unchanged_when_the_model_has_no_padding_rows(qwen_bpe):
