@@ -66,6 +66,17 @@ def test_template_renders_tools_tool_calls_and_results(qwen_bpe):
     assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def _reply_then_prompt(tok, question: str, sampled: list[int], text: str, then: dict):
+    """A record of one sampled reply to `question`, and the prompt of the call that echoes it and adds `then`:
+    (trajectory, first prompt ids, next prompt ids, the messages of the next call)."""
+    traj = Trajectory(tok)
+    messages = [{"role": "user", "content": question}]
+    first = traj.prompt_ids(messages)
+    traj.add_completion(Completion(sampled, [-0.5] * len(sampled), [4] * len(sampled), text, "stop"))
+    messages += [{"role": "assistant", "content": text}, then]
+    return traj, first, traj.prompt_ids(messages), messages
+
+
 def test_a_retokenised_history_differs_from_the_sampled_tokens_and_the_sampled_ones_train(qwen_bpe):
     """The model wrote a tool call in pieces BPE would merge ("calcul"+"ator", "1"+" +"...); rendering the history
     and tokenising it again gives other ids for the same text. The record keeps the sampled ids, trained with
@@ -77,12 +88,8 @@ def test_a_retokenised_history_differs_from_the_sampled_tokens_and_the_sampled_o
     assert "".join(pieces) == reply
     sampled = [i for p in pieces for i in tok.encode(p)] + [tok.eos_token_id]
     assert tok.decode(sampled) == reply and sampled[:-1] != tok.encode(reply)
-    traj = Trajectory(tok)
-    messages = [{"role": "user", "content": "what is 1 + 2?"}]
-    first = traj.prompt_ids(messages)
-    traj.add_completion(Completion(sampled, [-0.5] * len(sampled), [4] * len(sampled), reply, "stop"))
-    messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": "3"}]
-    exact = traj.prompt_ids(messages)
+    traj, first, exact, messages = _reply_then_prompt(tok, "what is 1 + 2?", sampled, reply,
+                                                      {"role": "tool", "content": "3"})
     retokenised = tok.apply_chat_template(messages)
     assert exact != retokenised  # a different training sequence...
     assert tok.decode(exact, skip_special_tokens=False) == tok.render_chat(messages)  # ...for the same text
@@ -165,12 +172,7 @@ def test_a_special_token_sampled_mid_reply_stays_in_the_tokens_and_out_of_the_te
     sampled = tok.encode("ok") + [tok.encode("<|im_start|>")[0]] + tok.encode(" done") + [tok.eos_token_id]
     text = tok.decode(sampled)
     assert text == "ok done"
-    traj = Trajectory(tok)
-    messages = [{"role": "user", "content": "go"}]
-    first = traj.prompt_ids(messages)
-    traj.add_completion(Completion(sampled, [-0.5] * len(sampled), [1] * len(sampled), text, "stop"))
-    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
-    second = traj.prompt_ids(messages)
+    traj, first, second, messages = _reply_then_prompt(tok, "go", sampled, text, {"role": "user", "content": "more"})
     assert second[: len(first) + len(sampled)] == first + sampled and second != tok.apply_chat_template(messages)
     final = tok.encode("fine") + [tok.eos_token_id]
     traj.add_completion(Completion(final, [-0.5] * len(final), [2] * len(final), "fine", "stop"))
