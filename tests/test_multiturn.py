@@ -30,17 +30,17 @@ class Scripted:
     """A generate function that answers each call with the next scripted text (as the engine would: its bytes
     plus eos, logprob -0.5, policy version 7), recording every prompt it was sent."""
 
-    def __init__(self, *texts: str) -> None:
-        self.texts, self.prompts = list(texts), []
+    def __init__(self, *texts: str, tok=TOK) -> None:
+        self.texts, self.prompts, self.tok = list(texts), [], tok
 
     async def __call__(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None):
         assert n == 1
         self.prompts.append(list(prompt_ids))
         text = self.texts.pop(0)
-        ids = TOK.encode(text) + [TOK.eos_token_id]
+        ids = self.tok.encode(text) + [self.tok.eos_token_id]
         finish = "stop" if len(ids) <= max_tokens else "length"
         ids = ids[:max_tokens]
-        return [Completion(ids, [-0.5] * len(ids), [7] * len(ids), TOK.decode(ids), finish)]
+        return [Completion(ids, [-0.5] * len(ids), [7] * len(ids), self.tok.decode(ids), finish)]
 
 
 def _settings(seq_len: int = 1024, **env) -> EpisodeSettings:
@@ -50,25 +50,26 @@ def _settings(seq_len: int = 1024, **env) -> EpisodeSettings:
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
 
-def test_tool_use_episode_end_to_end_with_a_scripted_agent():
+def test_tool_use_episode_end_to_end_with_a_scripted_agent(chat_tokenizer):
+    tok = chat_tokenizer
     env = ToolUseEnv(num_tasks=3, kinds=["calc"])
     task = env.dataset(0)[0]
     expr = task["question"].removeprefix("What is ").removesuffix("?")
-    agent = Scripted(CALL % expr, "<tool_call>{broken</tool_call>", f"The answer is \\boxed{{{task['answer']}}}")
+    agent = Scripted(CALL % expr, "<tool_call>{broken</tool_call>", f"The answer is \\boxed{{{task['answer']}}}", tok=tok)
     stats = EpisodeStats()
-    (r,) = asyncio.run(run_episode(agent, env, task, TOK, _settings(), seed=1, group_id=3, episode_id=9, stats=stats))
+    (r,) = asyncio.run(run_episode(agent, env, task, tok, _settings(), seed=1, group_id=3, episode_id=9, stats=stats))
     # every turn's prompt extended the previous prompt + the sampled tokens
     for before, after in zip(agent.prompts, agent.prompts[1:]):
         assert after[: len(before)] == before
-    assert r.prompt_ids == agent.prompts[0] and r.prompt_ids + r.completion_ids == agent.prompts[-1] + TOK.encode(
-        f"The answer is \\boxed{{{task['answer']}}}") + [TOK.eos_token_id]
+    assert r.prompt_ids == agent.prompts[0] and r.prompt_ids + r.completion_ids == agent.prompts[-1] + tok.encode(
+        f"The answer is \\boxed{{{task['answer']}}}") + [tok.eos_token_id]
     assert r.components == {"correct": 1.0, "tool_penalty": pytest.approx(-0.1)}
     assert r.reward == pytest.approx(0.9) and r.group_id == 3 and r.episode_id == 9 and not r.score_failed
-    tool_text = TOK.decode([t for t, m in zip(r.completion_ids, r.completion_mask) if m == 0])
+    tool_text = tok.decode([t for t, m in zip(r.completion_ids, r.completion_mask) if m == 0])
     assert f"<tool_response>\n{calculator(expr)}\n</tool_response>" in tool_text
     assert "malformed tool call" in tool_text
-    assert sum(r.completion_mask) == sum(len(TOK.encode(t)) + 1 for t in (CALL % expr, "<tool_call>{broken</tool_call>")) + len(
-        TOK.encode(f"The answer is \\boxed{{{task['answer']}}}")) + 1
+    assert sum(r.completion_mask) == sum(len(tok.encode(t)) + 1 for t in (CALL % expr, "<tool_call>{broken</tool_call>")) + len(
+        tok.encode(f"The answer is \\boxed{{{task['answer']}}}")) + 1
     assert all(v == -1 for v, m in zip(r.policy_versions, r.completion_mask) if m == 0)
     assert stats.episodes == 1 and stats.turns == 3 and stats.finished == {"done": 1}
 
@@ -86,29 +87,30 @@ def test_episode_stops_at_max_turns_and_at_the_token_budget():
     assert stats.finished == {"budget": 1} and rollouts[0].num_tokens <= first + 300
 
 
-def test_truncating_context_branches_and_each_branch_shares_the_episode_reward():
+def test_truncating_context_branches_and_each_branch_shares_the_episode_reward(chat_tokenizer):
+    tok = chat_tokenizer
     env = ToolUseEnv(num_tasks=2, kinds=["calc"], max_turns=6)
     task = env.dataset(0)[0]
-    agent = Scripted(CALL % "1+1", CALL % "2+2", CALL % "3+3", CALL % "4+4", f"\\boxed{{{task['answer']}}}")
+    agent = Scripted(CALL % "1+1", CALL % "2+2", CALL % "3+3", CALL % "4+4", f"\\boxed{{{task['answer']}}}", tok=tok)
     stats = EpisodeStats()
     settings = _settings(context=ContextConfig(strategy="truncate", keep_turns=2))
-    rollouts = asyncio.run(run_episode(agent, env, task, TOK, settings, episode_id=4, stats=stats))
+    rollouts = asyncio.run(run_episode(agent, env, task, tok, settings, episode_id=4, stats=stats))
     assert stats.context_edits == 2 and len(rollouts) == 3 == stats.branches
     assert {r.reward for r in rollouts} == {1.0} and {r.episode_id for r in rollouts} == {4}
     # edits before turns 4 and 5 (3 turns seen, 2 kept): each branch restarts from the trimmed view, rendered
     # fresh: system + question + the last 2 turns
     for r, dropped, kept in zip(rollouts[1:], ("1+1", "2+2"), ("2+2", "3+3")):
-        text = TOK.decode(r.prompt_ids, skip_special_tokens=False)
+        text = tok.decode(r.prompt_ids, skip_special_tokens=False)
         assert task["question"] in text and dropped not in text and kept in text
     # the samples hold exactly what the agent was prompted with
     assert [r.prompt_ids for r in rollouts] == [agent.prompts[0], agent.prompts[3], agent.prompts[4]]
-    assert rollouts[0].prompt_ids + rollouts[0].completion_ids == agent.prompts[2] + TOK.encode(CALL % "3+3") + [TOK.eos_token_id]
+    assert rollouts[0].prompt_ids + rollouts[0].completion_ids == agent.prompts[2] + tok.encode(CALL % "3+3") + [tok.eos_token_id]
     # advantages count the episode once: with one other episode of reward 0, all 3 branches get +0.5
-    other = asyncio.run(run_episode(Scripted("\\boxed{0}"), env, task, TOK, _settings(), episode_id=5))
+    other = asyncio.run(run_episode(Scripted("\\boxed{0}", tok=tok), env, task, tok, _settings(), episode_id=5))
     group = rollouts + other
     compute_advantages([group], AdvantageConfig())
     assert [r.advantage for r in group] == pytest.approx([0.5, 0.5, 0.5, -0.5])
-    (batch,) = build_step_batches(group, 0, 1, 4096, 1.0, TOK.pad_token_id)
+    (batch,) = build_step_batches(group, 0, 1, 4096, 1.0, tok.pad_token_id)
     assert batch.loss_tokens_total == sum(r.num_trained for r in group)
 
 

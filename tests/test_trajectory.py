@@ -17,6 +17,13 @@ def _hf(tmp_path, **kw) -> HFTokenizer:
     return HFTokenizer(tiny_chat_tokenizer.build(tmp_path / "tok", **kw))
 
 
+def _tokenizer(kind: str, tmp_path, request):
+    """The byte tokenizer, the tiny trained BPE, or Qwen's 151k BPE vocabulary (the session's `qwen_bpe`)."""
+    if kind == "qwen_bpe":
+        return request.getfixturevalue("qwen_bpe")
+    return ByteTokenizer() if kind == "byte" else _hf(tmp_path)
+
+
 def _sampled(tok, text: str, eos: bool = True, version: int = 3, per_char: bool = False) -> Completion:
     """A completion as the engine returns it; `per_char` samples one token per character, a non-canonical
     tokenisation that re-tokenising the text would silently change."""
@@ -39,9 +46,9 @@ def _tools():
     return [tool_schema(calculator)]
 
 
-@pytest.mark.parametrize("kind", ["byte", "hf"])
-def test_each_turn_extends_the_previous_tokens_exactly(kind, tmp_path):
-    tok = ByteTokenizer() if kind == "byte" else _hf(tmp_path)
+@pytest.mark.parametrize("kind", ["byte", "hf", "qwen_bpe"])
+def test_each_turn_extends_the_previous_tokens_exactly(kind, tmp_path, request):
+    tok = _tokenizer(kind, tmp_path, request)
     traj = Trajectory(tok, tools=_tools())
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 12 + 30?"}]
     p1 = traj.prompt_ids(messages)
@@ -90,9 +97,9 @@ def test_per_char_tokens_differ_from_a_retokenisation(tmp_path):
     assert tok.decode(exact, skip_special_tokens=False) == tok.render_chat(messages)  # ...from the same text
 
 
-@pytest.mark.parametrize("kind", ["byte", "hf"])
-def test_truncated_history_branches_with_exact_tokens(kind, tmp_path):
-    tok = ByteTokenizer() if kind == "byte" else _hf(tmp_path)
+@pytest.mark.parametrize("kind", ["byte", "hf", "qwen_bpe"])
+def test_truncated_history_branches_with_exact_tokens(kind, tmp_path, request):
+    tok = _tokenizer(kind, tmp_path, request)
     traj = Trajectory(tok)
     system = {"role": "system", "content": "be brief"}
     messages = [system, {"role": "user", "content": "hello world"}]

@@ -2,6 +2,12 @@
 logprob, top alternatives and policy version, then the sample's stop conditions (eos, stop strings, max_tokens).
 
 Logprobs follow the convention in `arbor.inference.sampling` (temperature-scaled, before top-p truncation).
+
+Padding rows: a model's embedding is often larger than its tokenizer (Qwen3: 151,936 rows, 151,669 tokens; the
+presets: 264 rows, 259 byte-tokenizer ids). Ids from the tokenizer's `vocab_size` upwards decode to nothing and
+were never trained as targets, so they are never drawn or chosen greedily; like top-p (whose nucleus is still
+measured on the whole distribution), this only restricts the choice: the reported logprob and the listed top
+alternatives stay those of the full-vocabulary distribution the trainer computes.
 """
 
 from __future__ import annotations
@@ -19,16 +25,23 @@ def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.T
     return torch.log_softmax(logits.float() / t[:, None], dim=-1)
 
 
-def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
-    """Samples one token id from a row of (temperature-scaled) logprobs, keeping the smallest top-p nucleus."""
-    probs = logprobs.exp()
+def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator, vocab: int | None = None) -> int:
+    """Samples one token id from a row of (temperature-scaled) logprobs, keeping the smallest top-p nucleus; with
+    `vocab`, only ids below it (the nucleus is still measured on the whole row, then padding rows leave it)."""
+    vocab = logprobs.shape[-1] if vocab is None else vocab
+    real = logprobs[:vocab]
+    # Renormalised in log space: padding rows may hold nearly all the mass, real ids' probabilities underflow.
+    weights = (real - real.logsumexp(-1)).exp() if vocab < logprobs.shape[-1] else real.exp()
     if top_p >= 1.0:
-        return int(torch.multinomial(probs, 1, generator=generator))
-    sorted_p, order = probs.sort(descending=True)
-    # Keep a token if the mass strictly before it is below top_p: the most likely token always survives.
-    keep = (sorted_p.cumsum(0) - sorted_p) < top_p
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    return int(order[int(torch.multinomial(kept, 1, generator=generator))])
+        return int(torch.multinomial(weights, 1, generator=generator))
+    sorted_p, order = logprobs.exp().sort(descending=True)
+    # Keep a token if the mass strictly before it is below top_p (the most likely token always would), then drop
+    # padding rows; the most likely real id is the first real one in this order, so it survives if any does.
+    nucleus = order[(sorted_p.cumsum(0) - sorted_p) < top_p]
+    nucleus = nucleus[nucleus < vocab]
+    if nucleus.numel() == 0:  # padding rows took the whole nucleus: the most likely real id
+        return int(weights.argmax())
+    return int(nucleus[int(torch.multinomial(weights[nucleus], 1, generator=generator))])
 
 
 class Sampler:
@@ -37,19 +50,21 @@ class Sampler:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id: int = tokenizer.eos_token_id
+        self.vocab_size: int = tokenizer.vocab_size
 
     def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int) -> None:
         """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version`."""
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
         logp = scaled_logprobs(logits, temps)
-        greedy = logp.argmax(-1).tolist()
+        # Only the tokenizer's ids are candidates (padding rows are the trailing columns, so ids are unchanged).
+        greedy = logp[:, :self.vocab_size].argmax(-1).tolist()
         k = max(s.req.params.top_logprobs for s in seqs)
         top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
         top_vals = top_vals.tolist() if k else None
         top_ids = top_ids.tolist() if k else None
         for b, s in enumerate(seqs):
             p = s.req.params
-            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator)
+            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size)
             s.tokens.append(tok)
             s.logprobs.append(float(logp[b, tok]))
             s.versions.append(version)
