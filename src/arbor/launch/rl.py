@@ -344,7 +344,8 @@ def run(cfg: RLConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(RLConfig, argv, prog="rl")
     if cfg.check:
-        run_checks(cfg)
+        for line in run_checks(cfg):
+            print(f"skipped: {line}")
         print(f"preflight passed: {cfg.output_dir} is ready for the run (nothing was started)")
         return 0
     if cfg.slurm is not None:

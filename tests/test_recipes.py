@@ -1,0 +1,87 @@
+"""Recipes for the references' workloads (examples/gsm8k, glm5_swe, qwen3_235b): the large ones render their
+sbatch scripts and pass `rl --check` on a machine without GPUs or their model (those checks reported as
+skipped); the GSM8K data file is what its generator writes; the GSM8K CPU twin learns (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arbor.config.loader import load_config
+from arbor.config.rl import RLConfig
+from arbor.launch.preflight import PreflightError, run_checks
+from arbor.monitor.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+LARGE = {"glm5_swe": (28, 16, 12, 24), "qwen3_235b": (32, 24, 8, 64)}
+"""recipe -> (nodes, inference nodes, trainer nodes, data-parallel trainer ranks)."""
+
+
+def _rl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "arbor.launch.rl", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("recipe", sorted(LARGE))
+def test_large_recipe_renders_its_multi_node_sbatch_script(recipe, tmp_path):
+    nodes, inference, trainer, ranks = LARGE[recipe]
+    out = tmp_path / "run"
+    res = _rl("@", f"examples/{recipe}/rl.toml", "--output-dir", str(out), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    script = (out / "rl.sbatch").read_text()
+    assert f"#SBATCH --nodes={nodes}" in script and "#SBATCH --gpus-per-node=8" in script
+    assert f'inference_nodes=("${{nodes[@]:0:{inference}}}")' in script
+    assert f"--nnodes={trainer} --nproc-per-node=8" in script and f"--batching.trainer-ranks {ranks} " in script
+    assert subprocess.run(["bash", "-n", str(out / "rl.sbatch")]).returncode == 0
+
+
+@pytest.mark.parametrize("recipe", sorted(LARGE))
+def test_large_recipe_passes_check_on_a_laptop_with_gpu_checks_skipped(recipe, tmp_path):
+    """No GPU, an empty offline Hugging Face cache: what only the job's nodes have is reported, nothing fails
+    and nothing is downloaded."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("HF_HUB_CACHE", None)
+    res = _rl("@", f"examples/{recipe}/rl.toml", "--output-dir", str(tmp_path / "run"), "--check", env=env)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert any(line.startswith("skipped: GPU checks") for line in lines), res.stdout
+    assert any(line.startswith("skipped: model files") for line in lines), res.stdout
+    assert lines[-1].startswith("preflight passed"), res.stdout
+    assert not (tmp_path / "hf" / "hub").exists() or not any((tmp_path / "hf" / "hub").iterdir())
+
+
+def test_without_slurm_the_same_config_fails_where_it_would_run(tmp_path, monkeypatch):
+    """The skips are for a machine that only submits: run here, the uncached model is a one-line failure."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(RLConfig, ["@", "examples/qwen3_235b/rl.toml", "--output-dir", str(tmp_path / "run")], env={})
+    with pytest.raises(PreflightError, match="model.name 'Qwen/Qwen3-235B-A22B'"):
+        run_checks(cfg.model_copy(update={"slurm": None}))
+
+
+def test_gsm8k_data_is_the_generators_output_in_gsm8k_format():
+    problems = runpy.run_path(str(ROOT / "examples" / "gsm8k" / "make_data.py"))["problems"]()
+    path = ROOT / "examples" / "gsm8k" / "data" / "train.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == problems and len(rows) == 400
+    assert len({r["question"] for r in rows}) == 400
+    assert all(r["answer"].rsplit("#### ", 1)[1].isdigit() for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gsm8k_cpu_twin_learns(tmp_path):
+    """examples/gsm8k/cpu.toml as it is: SFT warm-up on the references, then 40 RL steps; the reward rises."""
+    out = tmp_path / "run"
+    res = _rl("@", "examples/gsm8k/cpu.toml", "--output-dir", str(out))
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.05, rewards
