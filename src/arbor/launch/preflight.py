@@ -72,7 +72,7 @@ def run_checks(cfg: RLConfig) -> list[str]:
     check_extras(cfg)
     if cluster and count_gpus() == 0:
         gpu_backends = sorted({v for _, v in _backend_values(cfg) if v in BACKEND_NEEDS_GPU})
-        skipped.append(f"GPU checks (GPUs per node, backends {', '.join(gpu_backends) or 'none'} installed): no GPU on "
+        skipped.append(f"GPU checks (GPUs per node; GPU backends installed: {', '.join(gpu_backends) or 'none'}): no GPU on "
                        f"this machine; the job's {cfg.slurm.nodes} node(s) have them (`srun rl --check ...` there checks them)")
     else:
         check_backends(cfg)
