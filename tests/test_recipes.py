@@ -1,9 +1,11 @@
-"""Recipes for the references' workloads (examples/gsm8k, glm5_swe, qwen3_235b): the large ones render their
+"""Recipes for the references' workloads (examples/gsm8k, swe_agent, glm5_swe, qwen3_235b): the large ones render their
 sbatch scripts and pass `rl --check` on a machine without GPUs or their model (those checks reported as
-skipped); the GSM8K data file is what its generator writes; the GSM8K CPU twin learns (slow)."""
+skipped); the GSM8K data file is what its generator writes; the swe_agent tasks fail as shipped and pass with
+their solutions; the GSM8K CPU twin learns and the swe_agent recipe runs (slow)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import runpy
@@ -15,6 +17,7 @@ import pytest
 
 from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
+from arbor.environments.swe_agent import SweAgentEnv
 from arbor.launch.preflight import PreflightError, run_checks
 from arbor.monitor.metrics import read_jsonl
 
@@ -85,3 +88,44 @@ def test_gsm8k_cpu_twin_learns(tmp_path):
     assert len(rewards) == 40
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.05, rewards
+
+
+def test_swe_agent_tasks_fail_as_shipped_and_pass_with_their_solution(monkeypatch):
+    """Every shipped repository has a failing test, its solution passes them all, and a `run_tests` call in an
+    episode runs them in the sandbox on that episode's own files."""
+    monkeypatch.chdir(ROOT)
+    env = SweAgentEnv()
+
+    async def scores(task):
+        state = await env.setup(task)
+        before = await env.score_episode(task, state, [])
+        state.extra["files"].update(task["solution"])
+        return before["passed"], (await env.score_episode(task, state, []))["passed"]
+
+    for task in env.dataset(0):
+        before, after = asyncio.run(scores(task))
+        assert before < 1.0 and after == 1.0, task["repo"]
+
+    async def episode(task):
+        state = await env.setup(task)
+        call = '<tool_call>{"name": "write_file", "arguments": {"path": "stats.py", "content": "def mean(xs):\\n    return 0\\n"}}</tool_call>'
+        await env.step(task, state, env.prompt(task) + [{"role": "assistant", "content": call}])
+        run = '<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>'
+        result = await env.step(task, state, env.prompt(task) + [{"role": "assistant", "content": run}])
+        return state, task["files"]["stats.py"], result.messages[0]["content"]
+
+    state, shipped, reply = asyncio.run(episode(next(t for t in env.dataset(0) if t["repo"] == "stats-mean")))
+    assert reply.startswith("0/2 tests pass") and "return 0" in state.extra["files"]["stats.py"]
+    assert "len(xs) - 1" in shipped  # the task's own files are untouched
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_swe_agent_recipe_runs_on_cpu(tmp_path):
+    """examples/swe_agent/rl.toml as it is: 3 multi-turn RL steps with the sandboxed tools; rewards may stay low."""
+    out = tmp_path / "run"
+    res = _rl("@", "examples/swe_agent/rl.toml", "--output-dir", str(out))
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
