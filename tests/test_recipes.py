@@ -26,9 +26,16 @@ LARGE = {"glm5_swe": (28, 16, 12, 24), "qwen3_235b": (32, 24, 8, 64)}
 """recipe -> (nodes, inference nodes, trainer nodes, data-parallel trainer ranks)."""
 
 
-def _rl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _rl(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "arbor.launch.rl", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def _run_recipe(recipe: str, out: Path) -> list[dict]:
+    """Runs `rl @ <recipe>` as it is into `out`; its metrics rows."""
+    res = _rl("@", recipe, "--output-dir", str(out), timeout=1100)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    return read_jsonl(out / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("recipe", sorted(LARGE))
@@ -81,10 +88,7 @@ def test_gsm8k_data_is_the_generators_output_in_gsm8k_format():
 @pytest.mark.timeout(1200)
 def test_gsm8k_cpu_twin_learns(tmp_path):
     """examples/gsm8k/cpu.toml as it is: SFT warm-up on the references, then 40 RL steps; the reward rises."""
-    out = tmp_path / "run"
-    res = _rl("@", "examples/gsm8k/cpu.toml", "--output-dir", str(out))
-    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
-    rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
+    rewards = [r["reward/mean"] for r in _run_recipe("examples/gsm8k/cpu.toml", tmp_path / "run")]
     assert len(rewards) == 40
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.05, rewards
@@ -123,9 +127,6 @@ def test_swe_agent_tasks_fail_as_shipped_and_pass_with_their_solution(monkeypatc
 @pytest.mark.timeout(900)
 def test_swe_agent_recipe_runs_on_cpu(tmp_path):
     """examples/swe_agent/rl.toml as it is: 3 multi-turn RL steps with the sandboxed tools; rewards may stay low."""
-    out = tmp_path / "run"
-    res = _rl("@", "examples/swe_agent/rl.toml", "--output-dir", str(out))
-    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
-    rows = read_jsonl(out / "metrics.jsonl")
+    rows = _run_recipe("examples/swe_agent/rl.toml", tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
