@@ -119,6 +119,15 @@ class BlackBoxArgs(EnvArgs):
         return self
 
 
+class SweAgentArgs(EnvArgs):
+    tasks: str = Field("examples/swe_agent/tasks.jsonl", min_length=1)
+    max_turns: Count = Field(6, ge=1)
+    invalid_penalty: Float = 0.05
+    wall_seconds: Seconds = Field(10.0, gt=0)
+    max_concurrency: Count = Field(4, ge=1, le=64)  # the sandbox's slots, as for `code`
+    system_prompt: str | None = "Fix the repository. Tools: list_files, read_file, write_file, run_tests."
+
+
 ENV_ARGS: dict[str, type[EnvArgs]] = {
     "reverse_text": ReverseTextArgs,
     "math": MathArgs,
@@ -126,6 +135,7 @@ ENV_ARGS: dict[str, type[EnvArgs]] = {
     "code": CodeArgs,
     "verifiers": VerifiersArgs,
     "black_box": BlackBoxArgs,
+    "swe_agent": SweAgentArgs,
 }
 """The built-ins' argument models, by environment id (arbor.environments.base.BUILTINS)."""
 

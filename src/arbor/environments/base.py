@@ -154,6 +154,7 @@ BUILTINS = {
     "code": "arbor.environments.code:CodeEnv",
     "verifiers": "arbor.environments.verifiers_adapter:load_verifiers_env",
     "black_box": "arbor.environments.black_box:BlackBoxEnv",
+    "swe_agent": "arbor.environments.swe_agent:SweAgentEnv",
 }
 
 

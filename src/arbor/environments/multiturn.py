@@ -42,6 +42,10 @@ class ToolEnv(abc.ABC):
     def tools(self, task: Task) -> list[Callable[..., Any]]:
         return []
 
+    def episode_tools(self, task: Task, state: ToolState) -> list[Callable[..., Any]]:
+        """The tools one episode calls: `tools(task)` unless they act on the episode's own state."""
+        return self.tools(task)
+
     def reference(self, task: Task) -> str | None:
         return None
 
@@ -53,7 +57,7 @@ class ToolEnv(abc.ABC):
         if not calls and not errors:
             state.turns += 1
             return StepResult(done=True)
-        by_name = {fn.__name__: fn for fn in self.tools(task)}
+        by_name = {fn.__name__: fn for fn in self.episode_tools(task, state)}
         replies: list[dict[str, Any]] = []
         invalid = len(errors)
         for e in errors:

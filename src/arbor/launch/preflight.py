@@ -9,6 +9,8 @@ present, any loss or advantage function given by dotted path importable, and, la
 and environment built as the orchestrator builds them, with the chat template a chat prompt needs
 (`prompt_format`) and at least one task of the dataset short enough to leave room for a completion (else the
 orchestrator could only skip tasks). `rl` runs these before starting anything, and `rl --check` runs them alone.
+A config with a `[slurm]` table is checked where it is submitted (a laptop, a login node): what only the job's
+nodes have (GPUs, GPU backends, a hub model not cached here) is reported as skipped, not failed.
 Nothing here imports torch or the backends themselves: GPUs are counted with `nvidia-smi -L` (or
 /proc/driver/nvidia), modules are found with `importlib.util.find_spec`.
 """
@@ -36,7 +38,7 @@ from arbor.environments.base import BUILTINS, check_some_task_fits, is_multi_tur
 from arbor.inference.vllm_launch import vllm_build
 from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
-from arbor.models.hub import HubError, resolve_dir
+from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import tokenizer_has_template
 
@@ -50,18 +52,37 @@ class PreflightError(ConfigError):
     """A preflight check failed; the message is one line."""
 
 
-def run_checks(cfg: RLConfig) -> None:
-    """Runs every check; raises PreflightError (or NoTaskFits, also a ConfigError) with the first failure."""
-    check_model_files(cfg.model)
+def run_checks(cfg: RLConfig) -> list[str]:
+    """Runs every check; raises PreflightError (or NoTaskFits, also a ConfigError) with the first failure.
+    Returns the checks skipped, one line each: with a `[slurm]` table the processes run on the allocated nodes,
+    so checks of what only those nodes have (GPUs and GPU backends when this machine has no GPU, a hub model
+    not in this machine's cache: its files, the prompt lengths its tokenizer measures, the disk its checkpoints
+    take) are reported instead of failing on a laptop or login node."""
+    skipped: list[str] = []
+    cluster = cfg.slurm is not None
+    model_here = not (cluster and is_hub_id(cfg.model.name) and cached_config(cfg.model.name) is None)
+    if model_here:
+        check_model_files(cfg.model)
+    else:
+        skipped.append(f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
+                       "this machine's Hugging Face cache (the job's nodes fetch it; nothing is downloaded here)")
     check_environments(cfg)
     check_plugins(cfg)
     check_dataset(cfg)
     check_extras(cfg)
-    check_backends(cfg)
-    check_gpus(cfg)
-    check_port(cfg)
-    check_output_dir(cfg)
-    check_tasks_fit(cfg)
+    if cluster and count_gpus() == 0:
+        gpu_backends = sorted({v for _, v in _backend_values(cfg) if v in BACKEND_NEEDS_GPU})
+        skipped.append(f"GPU checks (GPUs per node; GPU backends installed: {', '.join(gpu_backends) or 'none'}): no GPU on "
+                       f"this machine; the job's {cfg.slurm.nodes} node(s) have them (`srun rl --check ...` there checks them)")
+    else:
+        check_backends(cfg)
+        check_gpus(cfg)
+    if not cluster:  # a job's ports are bound on its nodes
+        check_port(cfg)
+    check_output_dir(cfg, disk=model_here)
+    if model_here:
+        check_tasks_fit(cfg)
+    return skipped
 
 
 def estimate_run_bytes(cfg: RLConfig) -> int:
@@ -79,7 +100,8 @@ def model_params(model: ModelConfig) -> int:
     return args.num_params()
 
 
-def check_output_dir(cfg: RLConfig) -> None:
+def check_output_dir(cfg: RLConfig, disk: bool = True) -> None:
+    """Writable, and (with `disk`) room for what the run keeps (`estimate_run_bytes`)."""
     out = cfg.output_dir
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -87,6 +109,8 @@ def check_output_dir(cfg: RLConfig) -> None:
             pass
     except OSError as e:
         raise PreflightError(f"output_dir {out} is not writable: {e.strerror or e}") from None
+    if not disk:
+        return
     need = estimate_run_bytes(cfg)
     free = shutil.disk_usage(out).free
     if free < need:

@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     cfg = load_config(RLConfig, argv, prog="rl")
     if cfg.check:
-        run_checks(cfg)
+        for line in run_checks(cfg):
+            print(f"skipped: {line}")
         print(f"preflight passed: {cfg.output_dir} is ready for the run (nothing was started)")
         return 0
     if cfg.slurm is not None:

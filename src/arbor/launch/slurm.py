@@ -96,7 +96,8 @@ def render(cfg: RLConfig, project: Path = PROJECT, python: str = sys.executable)
         raise ConfigError(f"trainer.parallel.nproc ({nproc}) must equal slurm.gpus_per_node ({s.gpus_per_node}) in the multi-node layout")
     values.update(
         nodes=s.nodes, inference_nodes=s.inference_nodes, trainer_nodes=s.trainer_nodes, nproc=nproc,
-        world=nproc * s.trainer_nodes, inference_port=s.inference_port, rdzv_port=s.rdzv_port,
+        # the orchestrator splits each batch over the data-parallel ranks: context-parallel ranks share rows
+        world=nproc * s.trainer_nodes // cfg.trainer.parallel.cp, inference_port=s.inference_port, rdzv_port=s.rdzv_port,
         sft_steps=cfg.sft.steps, startup_timeout=int(cfg.inference_startup_timeout),
     )
     return _Template((template_dir() / "multi_node.sbatch").read_text()).substitute(values)
