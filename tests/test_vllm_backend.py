@@ -35,7 +35,7 @@ from arbor.transport.weights import FilesystemTransport
 pytestmark = pytest.mark.vllm
 
 MODEL = "qwen3-tiny"
-SEQ_LEN = 256
+SEQ_LEN = 512  # room for a greedy request long enough (~490 tokens) that an abort lands mid-decode
 KL_TARGET = 1e-3
 PROMPTS = [ByteTokenizer().encode(t) for t in ("reverse: abcdef", "hello vllm", "x", "0123456789 tokens")]
 
