@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from arbor.models.presets import PRESETS
 from arbor.models.qwen3 import Qwen3ForCausalLM
@@ -74,7 +75,6 @@ def child(mode: str, layers: int, bucket_mb: float, repeats: int, root: Path) ->
             stream_publish(model, transport, root, version, torch.bfloat16, False, None, DeltaTracker(False),
                            torch.device("cpu"))
         else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # old path only
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             transport.publish(root, version, {k: v.to(torch.bfloat16) for k, v in state.items()}, model.args)
