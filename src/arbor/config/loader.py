@@ -1,10 +1,8 @@
 """Layered configuration on pydantic-settings: defaults < `@ file.toml` layers (left to right) < `ARBOR_` variables
 (`ARBOR_ORCHESTRATOR__BATCH_SIZE`: tables joined by `__`) < `--key value` flags, each layer a settings source.
 
-A TOML file may start with `layers = ["a.toml", ...]`: those files (paths relative to the file that names them,
-expanded recursively) are read just before it, so an example is a thin file on top of reusable `configs/`
-layers and `rl @ examples/x/rl.toml` alone still runs it; every other path in a file is relative to the working
-directory, as on the command line.
+A file's `layers = [...]` are read just before it (arbor.config.layers); every other path in a file is
+relative to the working directory, as on the command line.
 
 Every layer's keys are checked as it is read (arbor.config.keys), so a misspelt key fails with a "did you mean"
 hint naming its source (the TOML file, the variable, the flag) before anything is validated; a validation error
@@ -25,6 +23,7 @@ from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDi
 
 from arbor.config.base import Config, ConfigDeprecationWarning, ConfigError
 from arbor.config.keys import ENV_PREFIX, coerce, members, render_help, replacements, resolve, spell, sub_model
+from arbor.config.layers import LAYERS_KEY, expand_layers
 
 __all__ = ["ConfigError", "load_config", "main_guard", "render_help"]
 C = TypeVar("C", bound=Config)
@@ -81,33 +80,6 @@ class TomlLayers(TomlConfigSettingsSource):
         for keys, value in _leaves(data):
             put(self.root, out, *resolve(self.root, keys, f"{path}: ", False), value, f"{path}: ", False)
         return out
-
-
-LAYERS_KEY = "layers"
-"""The top-level key of a TOML file naming the files it is layered on."""
-
-
-def expand_layers(files: list[str], seen: tuple[Path, ...] = ()) -> list[str]:
-    """`files` with each one's `layers` (relative to it, recursively) put before it, left to right."""
-    out: list[str] = []
-    for f in files:
-        path = Path(f)
-        if not path.is_file():
-            raise ConfigError(f"config file {f} does not exist")
-        if path.resolve() in seen:
-            raise ConfigError(f"{f}: layers include the file itself ({' -> '.join(str(p) for p in seen)})")
-        try:
-            layers = tomllib.loads(path.read_text()).get(LAYERS_KEY, [])
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{f}: invalid TOML: {e}") from None
-        if not (isinstance(layers, list) and all(isinstance(x, str) for x in layers)):
-            raise ConfigError(f"{f}: {LAYERS_KEY} must be a list of TOML file paths (relative to {f})")
-        nested = [str(path.parent / x) for x in layers]
-        for layer, given in zip(nested, layers):
-            if not Path(layer).is_file():
-                raise ConfigError(f"{f}: {LAYERS_KEY} names {given}, which does not exist (at {layer})")
-        out += expand_layers(nested, (*seen, path.resolve())) + [f]
-    return out
 
 
 def _leaves(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[list[str], Any]]:

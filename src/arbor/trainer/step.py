@@ -259,7 +259,7 @@ def train_step(
 
 def split_mini_batches(n_micro: int, k: int, step: int) -> list[range]:
     """Indices of the micro-batches of each of the `k` mini-batches: contiguous, in order, counts differing by at
-    most one. Every rank holds the same number of micro-batches (arbor.orchestrator.batcher), so every rank
+    most one. Every rank holds the same number of micro-batches (the orchestrator's batcher sees to it), so every rank
     takes the same optimizer steps. The orchestrator packs at least `k` per rank where the step's samples allow
     (`orchestrator.batching.min_micro_batches`); a step that still holds fewer (fewer samples than `k`, or a
     batch written without the setting) takes one optimizer step per micro-batch, with a warning, rather than
