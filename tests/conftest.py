@@ -20,6 +20,10 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    unexplained = [item.nodeid for item in items
+                   if (m := item.get_closest_marker("gpu")) is not None and not m.kwargs.get("reason")]
+    if unexplained:  # the marker is for CUDA-only paths: each test says which, so a skip tells the reader why
+        raise pytest.UsageError(f"@pytest.mark.gpu needs reason=\"...\" (what needs CUDA): {unexplained[0]}")
     if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda():
         for item in items:
             marker = item.get_closest_marker("gpu")
