@@ -32,7 +32,16 @@ On a saturated machine the compute-bound scorings cannot overlap anything (no co
 extra groups in flight add CPU work at the same moments, so asynchrony loses; the ratio is the figure to take
 on an idle machine, where the latency-bound share overlaps training.
 
-    uv run python benchmarks/async_vs_sync.py [--steps 20] [--repeats 1] [--async-mode greedy]
+The regime is chosen by measurement. Asynchrony can at best hide the shorter of generation and training behind
+the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal, 1 + short/long
+otherwise), so a benchmark whose environment waits far longer than the trainer computes measures nothing but
+the environment. Unless `--median-s` is given, a short sync calibration run measures the trainer's time per step
+(compute and publish) and the orchestrator's generation time per step at the environment's `median_s`, and the
+environment's latency scale is set so that generation takes about as long as training; both arms then run with
+that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
+its orchestrator for weights (`weights_wait_s`): an async arm that overlaps has a trainer that rarely waits.
+
+    uv run python benchmarks/async_vs_sync.py [--steps 20] [--repeats 1] [--async-mode greedy] [--median-s S]
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 from arbor.monitor.metrics import read_jsonl
@@ -90,10 +100,32 @@ def run(out: Path, steps: int, mode: str, args: list[str], tail: int) -> dict:
         raise RuntimeError(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     rows = read_jsonl(out / "metrics.jsonl")
     # The first step's wait holds the other processes' start-up: the loop is timed from its end.
+    later = rows[1:] or rows
     return {"wall_s": wall, "loop_s": sum(r["time/step"] for r in rows[1:]), "steps": len(rows),
             "samples": len(rows) * BATCH,
             "reward": statistics.fmean(r["reward/mean"] for r in rows[-tail:]),
-            "staleness_max": max(r["staleness/max"] for r in rows)}
+            "staleness_max": max(r["staleness/max"] for r in rows),
+            "train_s": statistics.median(r["time/compute"] + r["time/publish"] for r in later),
+            "generate_s": statistics.median(r["time/generate"] for r in later),
+            "trainer_wait_frac": statistics.fmean(r["time/wait_ratio"] for r in later),
+            "weights_wait_s": sum(r["time/wait_weights"] for r in later)}
+
+
+def env_table(text: str, **changes: float) -> str:
+    """The environment's args (a TOML inline table) with `changes` applied, as an inline table again."""
+    args = {**tomllib.loads(f"args = {text}")["args"], **changes}
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in args.items()) + " }"
+
+
+def calibrate(root: Path, a: argparse.Namespace) -> float:
+    """The environment's `median_s` at which a sync step's generation takes about as long as its training: one
+    short sync run at the given median_s, then the latency scaled by training time over generation time."""
+    median = float(tomllib.loads(f"args = {a.env_args}")["args"].get("median_s", 0.2))
+    res = run(root / "calibration", a.calibration_steps, "sync", shared_args(a) + arm_args("sync", a), 1)
+    chosen = median * res["train_s"] / max(res["generate_s"], 1e-3)
+    print(f"calibration (sync, {a.calibration_steps} steps, median_s {median:g}): training {res['train_s']:.3f}s "
+          f"and generation {res['generate_s']:.3f}s per step -> median_s {chosen:.4f}", flush=True)
+    return chosen
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -110,17 +142,23 @@ def main() -> None:
     p.add_argument("--oversample", type=float, default=2.0, help="groups in flight / groups per step, both arms")
     p.add_argument("--env-args", default="{ min_len = 2, max_len = 6, num_tasks = 200, median_s = 0.15, "
                                          "sigma = 0.8, straggler_p = 0.03, straggler_x = 20.0, compute_p = 0.2 }")
+    p.add_argument("--median-s", type=float, default=None,
+                   help="the environment's latency scale for both arms; default: calibrated (module docstring)")
+    p.add_argument("--calibration-steps", type=int, default=6, help="steps of the sync calibration run")
     p.add_argument("--keep", default=None, help="write the runs here (kept) instead of a temporary directory")
     a = p.parse_args()
-    shared = shared_args(a)
     arms: dict[str, list[dict]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.keep or tmp)
+        median = a.median_s if a.median_s is not None else calibrate(root, a)
+        a.env_args = env_table(a.env_args, median_s=round(median, 4))
+        shared = shared_args(a)
         for i in range(a.repeats):
             for arm, mode in (("sync", "sync"), ("async", a.async_mode)):
                 res = run(root / f"{arm}{i}", a.steps, mode, shared + arm_args(mode, a), a.tail)
-                print(f"{arm} #{i}: {res['loop_s']:.1f}s loop, {res['wall_s']:.1f}s wall, reward {res['reward']:.3f}",
-                      flush=True)
+                print(f"{arm} #{i}: {res['loop_s']:.1f}s loop, {res['wall_s']:.1f}s wall, reward {res['reward']:.3f}; "
+                      f"per step training {res['train_s']:.3f}s, generation {res['generate_s']:.3f}s, trainer "
+                      f"waiting {res['trainer_wait_frac']:.0%}, weight waits {res['weights_wait_s']:.1f}s", flush=True)
                 arms[arm].append(res)
     sync, asyn = median_of(arms["sync"]), median_of(arms["async"])
     ratio = sync["loop_s"] / asyn["loop_s"]
@@ -134,7 +172,7 @@ def main() -> None:
         "wall_ratio_including_startup": round(sync["wall_s"] / asyn["wall_s"], 3), "async_mode": a.async_mode,
         "sync_wall_s": round(sync["loop_s"], 2), "async_wall_s": round(asyn["loop_s"], 2),
         "sync_reward": round(sync["reward"], 4), "async_reward": round(asyn["reward"], 4),
-        "sync": sync, "async": asyn, "steps": a.steps, "repeats": a.repeats,
+        "sync": sync, "async": asyn, "steps": a.steps, "repeats": a.repeats, "env_args": a.env_args,
     }))
 
 
