@@ -39,7 +39,8 @@ the environment. Unless `--median-s` is given, a short sync calibration run meas
 (compute and publish) and the orchestrator's generation time per step at the environment's `median_s`, and the
 environment's latency scale is set so that generation takes about as long as training; both arms then run with
 that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
-its orchestrator for weights (`weights_wait_s`): an async arm that overlaps has a trainer that rarely waits.
+its orchestrator for weights (`weights_wait_s`, median per step): an async arm that overlaps has a trainer that
+rarely waits.
 
     uv run python benchmarks/async_vs_sync.py [--steps 20] [--repeats 1] [--async-mode greedy] [--median-s S]
 """
@@ -108,7 +109,7 @@ def run(out: Path, steps: int, mode: str, args: list[str], tail: int) -> dict:
             "train_s": statistics.median(r["time/compute"] + r["time/publish"] for r in later),
             "generate_s": statistics.median(r["time/generate"] for r in later),
             "trainer_wait_frac": statistics.fmean(r["time/wait_ratio"] for r in later),
-            "weights_wait_s": sum(r["time/wait_weights"] for r in later)}
+            "weights_wait_s": statistics.median(r["time/wait_weights"] for r in later)}
 
 
 def env_table(text: str, **changes: float) -> str:
@@ -158,7 +159,8 @@ def main() -> None:
                 res = run(root / f"{arm}{i}", a.steps, mode, shared + arm_args(mode, a), a.tail)
                 print(f"{arm} #{i}: {res['loop_s']:.1f}s loop, {res['wall_s']:.1f}s wall, reward {res['reward']:.3f}; "
                       f"per step training {res['train_s']:.3f}s, generation {res['generate_s']:.3f}s, trainer "
-                      f"waiting {res['trainer_wait_frac']:.0%}, weight waits {res['weights_wait_s']:.1f}s", flush=True)
+                      f"waiting {res['trainer_wait_frac']:.0%}, orchestrator waiting for weights {res['weights_wait_s']:.3f}s",
+                      flush=True)
                 arms[arm].append(res)
     sync, asyn = median_of(arms["sync"]), median_of(arms["async"])
     ratio = sync["loop_s"] / asyn["loop_s"]
