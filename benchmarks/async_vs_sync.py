@@ -35,10 +35,11 @@ on an idle machine, where the latency-bound share overlaps training.
 The regime is chosen by measurement. Asynchrony can at best hide the shorter of generation and training behind
 the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal, 1 + short/long
 otherwise), so a benchmark whose environment waits far longer than the trainer computes measures nothing but
-the environment. Unless `--median-s` is given, a short sync calibration run measures the trainer's time per step
-(compute and publish) and the orchestrator's generation time per step at the environment's `median_s`, and the
-environment's latency scale is set so that generation takes about as long as training; both arms then run with
-that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
+the environment. Unless `--median-s` is given, two short sync calibration runs (no environment latency, and the
+environment's `median_s`) measure the trainer's time per step (compute and publish) and fit the orchestrator's
+generation time per step as the fleet's fixed share plus the environment's, proportional to `median_s`; the
+latency scale is set so that generation takes about as long as training, and both arms then run with that one
+environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
 its orchestrator for weights (`weights_wait_s`, median per step): an async arm that overlaps has a trainer that
 rarely waits.
 
@@ -119,13 +120,23 @@ def env_table(text: str, **changes: float) -> str:
 
 
 def calibrate(root: Path, a: argparse.Namespace) -> float:
-    """The environment's `median_s` at which a sync step's generation takes about as long as its training: one
-    short sync run at the given median_s, then the latency scaled by training time over generation time."""
+    """The environment's `median_s` at which a sync step's generation takes about as long as its training. Two
+    short sync runs, with no environment latency and at the given median_s, fit generation time per step as
+    `fixed + slope * median_s` (the fleet's own work, then the environment's waits); the median_s that makes it
+    equal the training time is chosen (0 when generation alone already takes longer)."""
     median = float(tomllib.loads(f"args = {a.env_args}")["args"].get("median_s", 0.2))
-    res = run(root / "calibration", a.calibration_steps, "sync", shared_args(a) + arm_args("sync", a), 1)
-    chosen = median * res["train_s"] / max(res["generate_s"], 1e-3)
-    print(f"calibration (sync, {a.calibration_steps} steps, median_s {median:g}): training {res['train_s']:.3f}s "
-          f"and generation {res['generate_s']:.3f}s per step -> median_s {chosen:.4f}", flush=True)
+    measured = []
+    for m in (0.0, median):
+        args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=m)})
+        res = run(root / f"calibration_{m:g}", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1)
+        measured.append(res)
+        print(f"calibration (sync, {a.calibration_steps} steps, median_s {m:g}): training {res['train_s']:.3f}s, "
+              f"generation {res['generate_s']:.3f}s per step", flush=True)
+    train = statistics.fmean(r["train_s"] for r in measured)
+    fixed, slope = measured[0]["generate_s"], (measured[1]["generate_s"] - measured[0]["generate_s"]) / median
+    chosen = max(0.0, (train - fixed) / slope) if slope > 0 else median
+    print(f"calibration: generation = {fixed:.3f}s + {slope:.2f} x median_s, training {train:.3f}s per step -> "
+          f"median_s {chosen:.4f}", flush=True)
     return chosen
 
 
@@ -159,7 +170,8 @@ def main() -> None:
                 res = run(root / f"{arm}{i}", a.steps, mode, shared + arm_args(mode, a), a.tail)
                 print(f"{arm} #{i}: {res['loop_s']:.1f}s loop, {res['wall_s']:.1f}s wall, reward {res['reward']:.3f}; "
                       f"per step training {res['train_s']:.3f}s, generation {res['generate_s']:.3f}s, trainer "
-                      f"waiting {res['trainer_wait_frac']:.0%}, orchestrator waiting for weights {res['weights_wait_s']:.3f}s",
+                      f"waiting {res['trainer_wait_frac']:.0%}, orchestrator waiting for weights "
+                      f"{res['weights_wait_s']:.3f}s",
                       flush=True)
                 arms[arm].append(res)
     sync, asyn = median_of(arms["sync"]), median_of(arms["async"])
