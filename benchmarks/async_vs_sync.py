@@ -32,6 +32,13 @@ On a saturated machine the compute-bound scorings cannot overlap anything (no co
 extra groups in flight add CPU work at the same moments, so asynchrony loses; the ratio is the figure to take
 on an idle machine, where the latency-bound share overlaps training.
 
+With the calibrated regime (below), measured under the same kind of load (load average 16-22; 20 steps):
+calibration: generation = 0.011 s + 63.9 x median_s per step, training 0.41 s -> median_s 0.0062; sync 20.4 s
+loop (135.0 s wall), reward 0.011, per step training 0.39 s and generation 0.44 s, trainer waiting 55%;
+greedy 14.3 s loop (122.6 s wall), reward 0.013, trainer waiting 34% -> ratio 1.43x, reward gap +0.002
+(parity). An earlier 20-step run (load 18-19, median_s 0.0044) measured 1.21x, gap -0.004: on a saturated
+machine the generation that overlaps training competes with it for the cores.
+
 The regime is chosen by measurement. Asynchrony can at best hide the shorter of generation and training behind
 the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal, 1 + short/long
 otherwise), so a benchmark whose environment waits far longer than the trainer computes measures nothing but
