@@ -114,6 +114,15 @@ def warn_deprecated(message: str) -> None:
     warnings.warn_explicit(message, ConfigDeprecationWarning, filename="arbor.config", lineno=0)
 
 
+class ConfigWarning(UserWarning):
+    """A valid configuration with a known pitfall; the message names the keys and what goes wrong."""
+
+
+def warn_config(message: str) -> None:
+    """Warns the user about their config: one line, not a location in arbor's source."""
+    warnings.warn_explicit(message, ConfigWarning, filename="arbor.config", lineno=0)
+
+
 class Config(BaseModel):
     """One TOML table. Each field's attribute docstring is its `--help` text."""
 

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from arbor.config.admin import AdminToken
 from arbor.config.base import (Config, Count, FilePath, Float, Int, Port, Ranks, Seconds, Seed, Temperature, Tokens,
-                               warn_deprecated)
+                               warn_config, warn_deprecated)
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
@@ -20,12 +20,10 @@ class SamplingConfig(Config):
     max_tokens: Tokens = Field(64, ge=1)
     """Most tokens generated per completion."""
     top_p: Float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass. Below 1 the two backends report different logprobs: vLLM those of the truncated,
-    renormalised distribution (`processed_logprobs`), the local engine those of the untruncated one; the trainer
-    always scores the untruncated distribution (temperature-scaled, full vocabulary). So with top_p < 1 the
-    local engine's logprobs match the trainer's and vLLM's exceed them on every token (by -log of the nucleus
-    mass), which `mismatch_kl` shows and a mismatch correction (`trainer.loss.mismatch_correction`) reads as
-    off-policyness."""
+    """Nucleus sampling mass (ignored at temperature 0). Below 1 the tokens come from the truncated, renormalised
+    distribution, and that is the one whose logprobs both backends report (vLLM's `processed_logprobs`, the
+    local engine alike) and the trainer scores (it renormalises its own distribution over its top-p nucleus), so
+    importance ratios compare the same kind of probability and the policy trained is the one sampled."""
 
 
 class ClientConfig(Config):
@@ -337,4 +335,8 @@ class OrchestratorConfig(Config):
             # A black-box agent calls the gateway itself: arbor cannot park and resume its requests mid-way.
             raise ValueError("partial.enabled cannot be used with environment.id = 'black_box' (agents drive their "
                              "own generation through the gateway); set partial.enabled = false")
+        if self.sampling.top_p < 1 and not self.gateway.override_sampling:
+            warn_config(f"orchestrator.gateway.override_sampling = false with orchestrator.sampling.top_p = "
+                        f"{self.sampling.top_p}: an agent that asks for another top_p or temperature samples a "
+                        "distribution the trainer does not score (it truncates at the run's top_p)")
         return self

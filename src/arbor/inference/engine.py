@@ -53,6 +53,8 @@ class Engine:
     `pause()` / `resume()` -> Future[bool] (resolved once the engine thread has applied them);
     `abort(request_ids)` -> Future[int]; `stats()`.
     Call `start()` once and `stop()` at the end (also usable as a context manager).
+    `nucleus_logprobs`: with top_p < 1, report the truncated distribution's logprobs (arbor.inference.sampler);
+    the server's engine (`build_engine`) does, like vLLM's `processed_logprobs`, so the trainer's match.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class Engine:
         seed: int = 0,
         version: int = 0,
         weights: Any = None,
+        nucleus_logprobs: bool = False,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -76,7 +79,7 @@ class Engine:
         self.runner = ModelRunner(self.model, seq_len=seq_len, max_batch_size=max_batch_size,
                                   weights=weights if weights is not None else FilesystemTransport())
         self._inbox = Inbox(seed)
-        self._scheduler = SlotScheduler(self.runner, Sampler(tokenizer), self._inbox,
+        self._scheduler = SlotScheduler(self.runner, Sampler(tokenizer, nucleus_logprobs), self._inbox,
                                         max_batch_size=max_batch_size, version=version)
         self._loop = _EngineLoop(self._inbox, self._scheduler)
         self._thread = threading.Thread(target=self._loop.run, name="arbor-engine", daemon=True)
@@ -252,12 +255,14 @@ class _EngineLoop:
 
 
 def build_engine(cfg: Any) -> tuple[Engine, Any]:
-    """The engine and tokenizer described by an `InferenceConfig` (not started)."""
+    """The engine and tokenizer described by an `InferenceConfig` (not started). Its logprobs under top_p < 1
+    are the nucleus-truncated distribution's, as vLLM's and the trainer's are."""
     model = build_model(cfg.model)
     apply_fp8(model, cfg.model)  # the trainer's FP8 forward, so both sides compute alike
     tokenizer = build_tokenizer(cfg.model)
     w = cfg.weights
     engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
                     weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
-                                                checksum=w.checksum))
+                                                checksum=w.checksum),
+                    nucleus_logprobs=True)
     return engine, tokenizer

@@ -1,13 +1,17 @@
 """Token choice for the local engine: one token per running sample from a batch of logits, recorded with its
 logprob, top alternatives and policy version, then the sample's stop conditions (eos, stop strings, max_tokens).
 
-Logprobs follow the convention in `arbor.inference.sampling` (temperature-scaled, before top-p truncation).
+Logprobs follow the convention in `arbor.inference.sampling`: temperature-scaled; with top-p (at a temperature
+above 0) a sampler built with `nucleus_logprobs` reports the truncated, renormalised distribution's logprob
+`log p(x) - log sum_{j in nucleus} p(j)`, as vLLM's `processed_logprobs` do and as the trainer scores it
+(arbor.trainer.logprobs), and its listed alternatives are that distribution's too (-9999 outside the nucleus,
+vLLM's floor for -inf); without it (the library default) both stay the full distribution's.
 
 Padding rows: a model's embedding is often larger than its tokenizer (Qwen3: 151,936 rows, 151,669 tokens; the
 presets: 264 rows, 259 byte-tokenizer ids). Ids from the tokenizer's `vocab_size` upwards decode to nothing and
 were never trained as targets, so they are never drawn or chosen greedily; like top-p (whose nucleus is still
 measured on the whole distribution), this only restricts the choice: the reported logprob and the listed top
-alternatives stay those of the full-vocabulary distribution the trainer computes.
+alternatives stay those of the full-vocabulary distribution (or its nucleus) the trainer computes.
 """
 
 from __future__ import annotations
@@ -25,32 +29,46 @@ def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.T
     return torch.log_softmax(logits.float() / t[:, None], dim=-1)
 
 
-def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator, vocab: int | None = None) -> int:
-    """Samples one token id from a row of (temperature-scaled) logprobs, keeping the smallest top-p nucleus; with
-    `vocab`, only ids below it (the nucleus is still measured on the whole row, then padding rows leave it)."""
+FLOOR_LOGPROB = -9999.0
+"""What a listed alternative outside the nucleus reports (its logprob is -inf; vLLM's OpenAI server says -9999)."""
+
+
+def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Ids of a row's top-p nucleus, most likely first: a token is kept if the mass strictly before it is below
+    top_p (the most likely token always is). The trainer's `nucleus_mask` applies the same rule."""
+    sorted_p, order = logprobs.exp().sort(descending=True)
+    return order[(sorted_p.cumsum(0) - sorted_p) < top_p]
+
+
+def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator, vocab: int | None = None,
+         kept: torch.Tensor | None = None) -> int:
+    """Samples one token id from a row of (temperature-scaled) logprobs, keeping the smallest top-p nucleus
+    (`kept`, when the caller has it already); with `vocab`, only ids below it (the nucleus is still measured on
+    the whole row, then padding rows leave it)."""
     vocab = logprobs.shape[-1] if vocab is None else vocab
     real = logprobs[:vocab]
     # Renormalised in log space: padding rows may hold nearly all the mass, real ids' probabilities underflow.
     weights = (real - real.logsumexp(-1)).exp() if vocab < logprobs.shape[-1] else real.exp()
     if top_p >= 1.0:
         return int(torch.multinomial(weights, 1, generator=generator))
-    sorted_p, order = logprobs.exp().sort(descending=True)
-    # Keep a token if the mass strictly before it is below top_p (the most likely token always would), then drop
-    # padding rows; the most likely real id is the first real one in this order, so it survives if any does.
-    nucleus = order[(sorted_p.cumsum(0) - sorted_p) < top_p]
-    nucleus = nucleus[nucleus < vocab]
-    if nucleus.numel() == 0:  # padding rows took the whole nucleus: the most likely real id
+    # Padding rows leave the nucleus; the most likely real id is the first real one in its order, so it survives
+    # if any does.
+    nucleus_ids = nucleus(logprobs, top_p) if kept is None else kept
+    nucleus_ids = nucleus_ids[nucleus_ids < vocab]
+    if nucleus_ids.numel() == 0:  # padding rows took the whole nucleus: the most likely real id
         return int(weights.argmax())
-    return int(nucleus[int(torch.multinomial(weights[nucleus], 1, generator=generator))])
+    return int(nucleus_ids[int(torch.multinomial(weights[nucleus_ids], 1, generator=generator))])
 
 
 class Sampler:
     """Appends one sampled token to each sequence and marks the ones that finished (their `finish_reason`)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, nucleus_logprobs: bool = False) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id: int = tokenizer.eos_token_id
         self.vocab_size: int = tokenizer.vocab_size
+        self.nucleus_logprobs = nucleus_logprobs
+        """Report the top-p nucleus' renormalised logprobs (the module docstring)."""
 
     def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int) -> None:
         """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version`."""
@@ -64,13 +82,29 @@ class Sampler:
         top_ids = top_ids.tolist() if k else None
         for b, s in enumerate(seqs):
             p = s.req.params
-            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size)
+            truncated = self.nucleus_logprobs and p.top_p < 1 and p.temperature > 0
+            kept = nucleus(logp[b], p.top_p) if truncated else None
+            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size, kept)
             s.tokens.append(tok)
-            s.logprobs.append(float(logp[b, tok]))
             s.versions.append(version)
-            if p.top_logprobs:
-                s.top.append(list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])))
+            if kept is None:
+                s.logprobs.append(float(logp[b, tok]))
+                if p.top_logprobs:
+                    s.top.append(list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])))
+            else:
+                self._record_truncated(s, logp[b], kept, tok, top_ids[b] if p.top_logprobs else [])
             self._check_finished(s)
+
+    @staticmethod
+    def _record_truncated(s: Seq, logp: torch.Tensor, kept: torch.Tensor, tok: int, top_ids: list[int]) -> None:
+        """The token's logprob (and its alternatives') under the nucleus, renormalised: the choice is always in
+        the nucleus (padding rows only leave it)."""
+        log_mass = float(logp[kept].logsumexp(0))
+        s.logprobs.append(float(logp[tok]) - log_mass)
+        if top_ids:
+            inside = set(kept.tolist())
+            n = s.req.params.top_logprobs
+            s.top.append([(i, float(logp[i]) - log_mass if i in inside else FLOOR_LOGPROB) for i in top_ids[:n]])
 
     def abort(self, s: Seq) -> None:
         """Ends an unfinished sequence with what it has generated so far."""

@@ -1,9 +1,11 @@
 """Sampling parameters of the local engine and their validation (no torch here: the server imports it early).
 
 Logprob convention (shared with the trainer): the logprob reported for a generated token is taken from the
-temperature-scaled distribution `log_softmax(logits / T)` *before* top-p truncation; at T = 0 (greedy) it is
-`log_softmax(logits)`. The trainer scales its logits by the same T, so importance ratios compare like with like,
-and top-p only changes which token is drawn, never the reported probability.
+temperature-scaled distribution `log_softmax(logits / T)`; at T = 0 (greedy) it is `log_softmax(logits)` and
+top_p is ignored. With top_p < 1 the server's engine reports the distribution the token was drawn from, the
+top-p nucleus renormalised (as vLLM's `processed_logprobs`), and the trainer scores the same truncated
+distribution (arbor.trainer.logprobs), so importance ratios compare like with like; an `Engine` built without
+`nucleus_logprobs` (the library default) reports the full distribution's logprob instead.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Shape: vLLM's OpenAI server runs as a child process on a private loopback port, 
 `arbor.inference.vllm_launch`, for the CUDA or the CPU build) with the options of `[inference.vllm]`,
 `--worker-extension-cls arbor.inference.vllm_worker.WeightUpdateExtension`,
 `--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
-top_p < 1 vLLM's processed logprobs are also truncated, arbor's local engine's are not) and
+top_p < 1 those of the truncated nucleus, as the local engine's and the trainer's are) and
 VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
 thin aiohttp proxy on the configured host/port serves arbor's API:
 

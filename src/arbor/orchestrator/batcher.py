@@ -125,6 +125,7 @@ def build_step_batches(
     normalization: str = "token",
     prefix_merge: bool = False,
     min_micro_batches: int = 1,
+    top_p: float = 1.0,
 ) -> list[StepBatch]:
     """One StepBatch per rank. Each rank gets at least `min_micro_batches` micro-batches where the step's
     samples allow it (the row budget is halved until they do: mini-batch steps need micro-batches of their
@@ -147,6 +148,7 @@ def build_step_batches(
         StepBatch(
             step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts),
             temperature=temperature, metadata={"normalization": normalization, "prefix_merge": prefix_merge},
+            top_p=top_p,
         )
         for mbs in per_rank
     ]

@@ -36,7 +36,7 @@ class StepWriter:
         batches = build_step_batches(
             rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.temperature,
             self.pad_token_id, cfg.batching.normalization, cfg.batching.prefix_merge,
-            cfg.batching.min_micro_batches,
+            cfg.batching.min_micro_batches, cfg.sampling.top_p,
         )
         write_step(cfg.output_dir, step, batches)
         return batches

@@ -226,6 +226,7 @@ def packed_logprobs_cp(
     device: torch.device,
     with_entropy: bool = True,
     routed_experts: torch.Tensor | None = None,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`packed_logprobs` under context parallelism: this rank forwards its slice of the row; each local token
     scores the token after it; the per-token results are all-gathered so every cp rank returns the whole row's
@@ -248,7 +249,7 @@ def packed_logprobs_cp(
     chunk = logprob_chunk(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk)
+        return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk, top_p)
 
     picked, ent = model(ids[idx][None], pos[idx][None], None, head_fn=head, **kwargs)
     full = gather_tokens(ctx, picked)  # full[t] = logprob of token t+1

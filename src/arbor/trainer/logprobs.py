@@ -14,6 +14,16 @@ gradient) instead of five `[T, V]` ones, at the cost of one more matmul per back
 
 Rows and pairs are separate so that one function serves the packed rows (row t predicts token t + 1) and the
 prefix-tree merged rows (a node's distribution is normalised once and read by every sample token it predicts).
+
+Nucleus sampling (`top_p < 1` at a temperature above 0): the tokens were drawn from the top-p nucleus of each
+tempered distribution, renormalised, and both inference backends report that distribution's logprob (vLLM's
+`processed_logprobs`; the local engine, arbor.inference.sampler). So the trainer scores the same truncated
+distribution: `log q(x) = log p(x) - log sum_{j in S} p(j)` with S the nucleus of the row's own distribution
+(`nucleus_mask`: the most likely tokens until their mass reaches top_p, the rule both engines apply), and its
+gradient flows through the renormalisation. A target outside the trainer's nucleus (the two policies disagree at
+the nucleus' edge) joins its support, S plus the target, so its logprob stays finite: the exact truncated one
+would be -inf, a ratio of 0 that a loss such as CISPO's `A log pi` cannot take. The entropy stays the full
+distribution's.
 """
 
 from __future__ import annotations
@@ -36,6 +46,31 @@ def logprob_chunk(model: torch.nn.Module) -> int:
     return getattr(model, "_arbor_logprob_chunk", 0)
 
 
+def effective_top_p(temperature: float, top_p: float) -> float:
+    """The nucleus mass that applies: greedy rollouts (temperature 0) ignore top_p, as both engines do."""
+    return top_p if temperature > 0 else 1.0
+
+
+def nucleus_mask(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`[..., V]` bool: each row's top-p nucleus, the tokens whose more likely predecessors (in descending order)
+    hold less than `top_p` of the mass; the most likely token is always kept."""
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    p = sorted_logp.exp()
+    kept = (p.cumsum(-1) - p) < top_p
+    return torch.zeros_like(kept).scatter_(-1, order, kept)
+
+
+def _nucleus_pairs(logp: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For (row, target) pairs of one chunk: the logprob under the row's nucleus plus the target, the log of
+    the nucleus' share of that support's mass (0 when the target is in the nucleus) and whether it is outside."""
+    lse_nuc = torch.where(keep, logp, torch.full_like(logp, -torch.inf)).logsumexp(-1)[rows]
+    lp = logp[rows, targets]
+    outside = ~keep[rows, targets]
+    norm = torch.where(outside, torch.logaddexp(lse_nuc, lp), lse_nuc)
+    return lp - norm, lse_nuc - norm, outside
+
+
 def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """`log_softmax` of one chunk's tempered logits `[C, V]` in fp32: the same ops, in the same order, as
     `shifted_logprobs` applies to the full logits."""
@@ -46,34 +81,43 @@ def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) 
 
 
 class VocabChunkedLogprobs(torch.autograd.Function):
-    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy)` ->
-    `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`;
-    entropy (no gradient) is empty unless `with_entropy`. `hidden` and `weight` share a dtype (autocast is
-    applied by the caller, see `chunked_token_logprobs`)."""
+    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy, top_p)` ->
+    `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`,
+    renormalised over the row's nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty
+    unless `with_entropy`. `hidden` and `weight` share a dtype (autocast is applied by the caller, see
+    `chunked_token_logprobs`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy):
-        ctx.temperature, ctx.chunk = temperature, chunk
+    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy, top_p=1.0):
+        ctx.temperature, ctx.chunk, ctx.top_p = temperature, chunk, top_p
         order, bounds = _pairs_by_chunk(rows, hidden.shape[0], chunk)
         out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+        # with a nucleus: per pair, log of the nucleus' share of its support, and whether the target is outside
+        shift = torch.zeros(rows.shape[0] if top_p < 1 else 0, dtype=torch.float32, device=hidden.device)
+        outside = torch.zeros(shift.shape[0], dtype=torch.bool, device=hidden.device)
         entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, hidden.shape[0], chunk)):
                 logp = _chunk_logp(hidden[start: start + chunk], weight, temperature)
                 mine = order[bounds[i]: bounds[i + 1]]
-                out[mine] = logp[rows[mine] - start, targets[mine]]
+                if top_p < 1:
+                    out[mine], shift[mine], outside[mine] = _nucleus_pairs(
+                        logp, nucleus_mask(logp, top_p), rows[mine] - start, targets[mine])
+                else:
+                    out[mine] = logp[rows[mine] - start, targets[mine]]
                 if with_entropy:
                     p = logp.exp()
                     entropy[start: start + chunk] = -(p.mul_(logp)).sum(-1)
-        ctx.save_for_backward(hidden, weight, rows, targets)
+        ctx.save_for_backward(hidden, weight, rows, targets, out, shift, outside)
         ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     def backward(ctx, grad_out, _grad_entropy):
-        hidden, weight, rows, targets = ctx.saved_tensors
+        hidden, weight, rows, targets, out, shift, outside = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_out = grad_out.float()
+        top_p = ctx.top_p
         # Rows none of whose pairs has a gradient (prompt tokens and padding, outside the loss mask) contribute
         # exactly 0: only the others are recomputed, renumbered 0..live-1 (one host sync for their count).
         active = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
@@ -82,8 +126,14 @@ class VocabChunkedLogprobs(torch.autograd.Function):
         slot = torch.cumsum(active, 0) - 1
         keep = active[rows]
         p_rows, p_targets, p_grad = slot[rows[keep]], targets[keep], grad_out[keep]
-        # the sum of each row's pair gradients: the softmax term of log_softmax's backward
-        row_sum = torch.zeros(live.shape[0], dtype=torch.float32, device=hidden.device).index_add_(0, p_rows, p_grad)
+        # the sum of each row's pair gradients: the softmax term of log_softmax's backward. Under a nucleus a
+        # pair's support holds the nucleus with share exp(shift) of its mass, and a target outside it takes the
+        # rest, exp(logprob): that part of the softmax term is subtracted at the target itself.
+        p_coef, p_target_grad = p_grad, p_grad
+        if top_p < 1:
+            p_coef = p_grad * shift[keep].exp()
+            p_target_grad = p_grad * (1 - outside[keep] * out[keep].exp())
+        row_sum = torch.zeros(live.shape[0], dtype=torch.float32, device=hidden.device).index_add_(0, p_rows, p_coef)
         chunk, temperature = ctx.chunk, ctx.temperature
         order, bounds = _pairs_by_chunk(p_rows, live.shape[0], chunk)
         grad_h = torch.zeros_like(hidden) if need_h else None
@@ -93,10 +143,14 @@ class VocabChunkedLogprobs(torch.autograd.Function):
             for i, start in enumerate(range(0, live.shape[0], chunk)):
                 idx = live[start: start + chunk]
                 h = hidden[idx]
-                grad = _chunk_logp(h, weight, temperature).exp_()
+                logp = _chunk_logp(h, weight, temperature)
+                if top_p < 1:  # the softmax over the nucleus
+                    nuc = nucleus_mask(logp, top_p)
+                    logp = torch.where(nuc, logp, torch.full_like(logp, -torch.inf)).log_softmax(-1)
+                grad = logp.exp_()
                 grad.mul_(-row_sum[start: start + idx.shape[0], None])
                 mine = order[bounds[i]: bounds[i + 1]]
-                grad.index_put_((p_rows[mine] - start, p_targets[mine]), p_grad[mine], accumulate=True)
+                grad.index_put_((p_rows[mine] - start, p_targets[mine]), p_target_grad[mine], accumulate=True)
                 if temperature > 0:
                     grad.div_(temperature)
                 grad = grad.to(hidden.dtype)
@@ -108,7 +162,7 @@ class VocabChunkedLogprobs(torch.autograd.Function):
                     grad_w += grad.t().mm(h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _pairs_by_chunk(rows: torch.Tensor, n_rows: int, chunk: int) -> tuple[torch.Tensor, list[int]]:
@@ -128,9 +182,11 @@ def chunked_token_logprobs(
     temperature: float,
     with_entropy: bool = True,
     chunk: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head applied to `hidden [N, H]` rows
-    `rows`; `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's matmuls run in the autocast
+    `rows` (renormalised over each row's top-p nucleus when `top_p < 1` and the temperature is above 0);
+    `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's matmuls run in the autocast
     dtype, as `nn.Linear` would; the casts are outside the function so autograd carries their gradients."""
     dtype = weight.dtype
     if torch.is_autocast_enabled(hidden.device.type):
@@ -138,20 +194,22 @@ def chunked_token_logprobs(
     chunk = chunk or default_chunk(weight.shape[0])
     rows, targets = rows.to(hidden.device, torch.long), targets.to(hidden.device, torch.long)
     logprobs, entropy = VocabChunkedLogprobs.apply(
-        hidden.to(dtype), weight.to(dtype), rows, targets, temperature, chunk, with_entropy
+        hidden.to(dtype), weight.to(dtype), rows, targets, temperature, chunk, with_entropy,
+        effective_top_p(temperature, top_p),
     )
     return logprobs, entropy if with_entropy else None
 
 
 def shifted_chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, temperature: float,
-    with_entropy: bool = True, chunk: int = 0,
+    with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`shifted_logprobs` from hidden states `[T, H]` and the head weight: per-token logprobs `[T]` (token t
     scored by row t-1, token 0 gets 0) and, optionally, the entropy of the distribution that predicted each."""
     T = hidden.shape[0]
     rows = torch.arange(T - 1, device=hidden.device)
-    lp, ent = chunked_token_logprobs(hidden[:-1], weight, rows, input_ids[1:], temperature, with_entropy, chunk)
+    lp, ent = chunked_token_logprobs(hidden[:-1], weight, rows, input_ids[1:], temperature, with_entropy, chunk,
+                                     top_p)
     logprobs = torch.cat([lp.new_zeros(1), lp])
     entropy = None if ent is None else torch.cat([ent.new_zeros(1), ent])
     return logprobs, entropy

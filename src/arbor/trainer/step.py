@@ -33,7 +33,8 @@ from arbor.config.trainer import LossConfig
 from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
-from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk, shifted_chunked_logprobs
+from arbor.trainer.logprobs import (chunked_token_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
+                                    shifted_chunked_logprobs)
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.trainer.parallel import clip_grad_norm
 from arbor.transport.batch import MicroBatch, StepBatch
@@ -42,16 +43,24 @@ log = logging.getLogger(__name__)
 
 
 def shifted_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool = True
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool = True,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs `[T]` of `input_ids` under `logits` `[T, V]` (token t scored by the logits at t-1; token
     0 gets 0) and, optionally, the entropy of the distribution that predicted each token (no gradient).
+    With `top_p < 1` (and a temperature above 0) each logprob is renormalised over the row's nucleus plus the
+    target, by masking the other logits (arbor.trainer.logprobs' rule; the entropy stays the full one's).
     The full-logits reference of the trainer's chunked path (arbor.trainer.logprobs); tests compare the two."""
     logits = logits.float()
     if temperature > 0:  # greedy rollouts (temperature 0) are scored untempered
         logits = logits / temperature
     logp = torch.log_softmax(logits[:-1], dim=-1)
-    picked = logp.gather(-1, input_ids[1:, None]).squeeze(-1)
+    targets = input_ids[1:, None]
+    if effective_top_p(temperature, top_p) < 1:
+        support = nucleus_mask(logp.detach(), top_p).scatter(-1, targets, True)
+        picked = torch.where(support, logits[:-1], -torch.inf).log_softmax(-1).gather(-1, targets).squeeze(-1)
+    else:
+        picked = logp.gather(-1, targets).squeeze(-1)
     logprobs = torch.cat([picked.new_zeros(1), picked])
     entropy = None
     if with_entropy:
@@ -70,19 +79,21 @@ def packed_logprobs(
     device: torch.device,
     with_entropy: bool = True,
     routed_experts: torch.Tensor | None = None,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`.
-    `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models). Under context
-    parallelism the row is split over the cp ranks (arbor.trainer.context_parallel) with the same result."""
+    `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models); `top_p < 1` scores
+    the nucleus-truncated distribution (arbor.trainer.logprobs). Under context parallelism the row is split over
+    the cp ranks (arbor.trainer.context_parallel) with the same result."""
     if getattr(model, "_arbor_cp", None) is not None:
         return packed_logprobs_cp(model, input_ids, position_ids, seq_lens, temperature, device, with_entropy,
-                                  routed_experts)
+                                  routed_experts, top_p)
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
     chunk = logprob_chunk(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk)
+        return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p)
 
     return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head)
 
@@ -111,6 +122,7 @@ def tree_logprobs(
     device: torch.device,
     with_entropy: bool = True,
     routed_experts: torch.Tensor | None = None,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward a prefix-tree merged row once over its M nodes; (logprobs, entropy) `[N]` per ORIGINAL sample
     token (0 at each sample's first token), equal to the unmerged samples' within float rounding.
@@ -128,7 +140,8 @@ def tree_logprobs(
     chunk = logprob_chunk(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return unmerged_logprobs(hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk)
+        return unmerged_logprobs(hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk,
+                                 top_p)
 
     moe = hasattr(model, "aux_valid")
     if moe:
@@ -142,7 +155,7 @@ def tree_logprobs(
 
 def unmerged_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, token_nodes: torch.Tensor,
-    predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0,
+    predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` applied
     to the node hidden states `[M, H]` (0 where predictors[t] < 0). Each node's distribution is normalised
@@ -151,7 +164,7 @@ def unmerged_logprobs(
     has = predictors >= 0
     src = predictors.clamp(min=0)
     picked, ent = chunked_token_logprobs(hidden, weight, src, input_ids[token_nodes], temperature, with_entropy,
-                                         chunk)
+                                         chunk, top_p)
     zero = torch.zeros_like(picked)
     logprobs = torch.where(has, picked, zero)
     entropy = None if ent is None else torch.where(has, ent[src], zero)
@@ -160,13 +173,15 @@ def unmerged_logprobs(
 
 def micro_batch_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True,
-    router_replay: bool = False,
+    router_replay: bool = False, top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged)."""
+    """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged), of
+    the distribution the tokens were sampled from (`top_p`: its nucleus; see arbor.trainer.logprobs)."""
     replay = mb.routed_experts if router_replay else None
     if mb.merged:
-        return tree_logprobs(model, mb, temperature, device, with_entropy, replay)
-    return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay)
+        return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p)
+    return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay,
+                           top_p)
 
 
 @dataclasses.dataclass
@@ -238,7 +253,7 @@ def train_step(
     proximal: list[torch.Tensor | None] = [None] * len(batch.micro_batches)
     if mini_batches * epochs > 1:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            proximal = [micro_batch_logprobs(model, mb, batch.temperature, device, False, router_replay)[0]
+            proximal = [micro_batch_logprobs(model, mb, batch.temperature, device, False, router_replay, batch.top_p)[0]
                         for mb in batch.micro_batches]
     for epoch in range(epochs):
         for group, normaliser in zip(groups, normalisers):
@@ -300,7 +315,8 @@ def _micro_batch_backward(
     """Forward, loss and backward of one micro-batch (its loss times `scale`); adds the loss figures to `acc`
     (each epoch's share 1/epochs). Returns the detached logprobs, the entropy and the loss mask."""
     with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-        logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay)
+        logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay,
+                                                 top_p=batch.top_p)
     mask = mb.loss_mask.to(device, non_blocking=True)
     ctx = LossContext(
         mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True), proximal_logprobs=proximal,
@@ -308,7 +324,8 @@ def _micro_batch_backward(
     )
     if ref_model is not None:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay)
+            ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay,
+                                                       batch.top_p)
     out = loss_fn(logprobs, mb.inference_logprobs.to(device, non_blocking=True),
                   mb.advantages.to(device, non_blocking=True), mask, loss_cfg, ctx)
     total = out.loss_sum * scale

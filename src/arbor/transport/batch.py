@@ -140,6 +140,9 @@ class StepBatch:
     temperature: float
     """Sampling temperature the tokens were generated with; the trainer scales its logits by it."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    top_p: float = 1.0
+    """Nucleus mass the tokens were sampled with; below 1 the trainer scores the truncated distribution (as the
+    engines report it). Files written without it read as 1."""
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors: dict[str, torch.Tensor] = {}
@@ -160,6 +163,7 @@ class StepBatch:
             "loss_tokens_total": self.loss_tokens_total,
             "num_samples_total": self.num_samples_total,
             "temperature": self.temperature,
+            "top_p": self.top_p,
             "metadata": self.metadata,
         }
         return tensors, {"arbor": json.dumps(header)}
@@ -178,4 +182,5 @@ class StepBatch:
             num_samples_total=header["num_samples_total"],
             temperature=header["temperature"],
             metadata=header.get("metadata", {}),
+            top_p=header.get("top_p", 1.0),
         )
