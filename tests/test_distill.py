@@ -25,6 +25,7 @@ from arbor.config.rl import RLConfig
 from arbor.config.trainer import LossConfig
 from arbor.inference.engine import Engine
 from arbor.inference.server import BackgroundServer
+from arbor.launch.preflight import PreflightError, run_checks
 from arbor.launch.rl import resolve
 from arbor.models import build_model, build_tokenizer
 from arbor.orchestrator.batcher import build_step_batches
@@ -391,3 +392,10 @@ def test_rl_launches_a_teacher_section_on_a_free_port():
     cfg = resolve(cfg)
     assert cfg.orchestrator.teacher.url == f"http://127.0.0.1:{cfg.teacher.port}"
     assert cfg.teacher.port != cfg.inference.port and cfg.orchestrator.teacher.model == "qwen3-tiny"
+
+
+def test_preflight_checks_the_teacher_model_files(tmp_path):
+    cfg = load_config(RLConfig, [*TINY, "--trainer.loss.name", "distill", "--teacher.model.name",
+                                 str(tmp_path / "nope"), "--output-dir", str(tmp_path / "run")], env={})
+    with pytest.raises(PreflightError, match=r"^teacher\.model\.name .*nope"):
+        run_checks(cfg)
