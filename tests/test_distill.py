@@ -366,6 +366,7 @@ TINY = ["@", "examples/tiny/rl.toml"]
       "qwen3-tiny"], r"orchestrator\.teacher\.url = 'http://t:1' and a \[teacher\] section"),
     (["--teacher.model.name", "qwen3-tiny", "--teacher.seq-len", "48", "--trainer.loss.name", "distill"],
      r"teacher\.seq_len \(48\) must exceed seq_len \(48\)"),
+    (["--teacher.backend", "vllm", "--trainer.loss.name", "distill"], r"teacher\.backend = 'vllm' is not served"),
     (["--orchestrator.teacher.url", "http://t", "--trainer.loss.name", "distill", "--orchestrator.teacher.timeout",
       "0"], r"orchestrator\.teacher\.timeout"),
 ])

@@ -70,9 +70,10 @@ class RLConfig(Config):
     inference: InferenceConfig = InferenceConfig()
     """The inference server."""
     teacher: InferenceConfig | None = None
-    """On-policy distillation: a teacher inference server `rl` launches (its own `model`, backend and settings;
-    seq_len defaults to the run's + 1) and points `orchestrator.teacher.url` at. Leave it out to use a running
-    server named by `orchestrator.teacher.url` instead. The teacher must share the policy's tokenizer."""
+    """On-policy distillation: a teacher inference server `rl` launches (arbor's local engine with its own `model`
+    and settings; seq_len defaults to the run's + 1) and points `orchestrator.teacher.url` at. Leave it out to use
+    a running server (arbor's `inference`, or `vllm serve`) named by `orchestrator.teacher.url` instead. The
+    teacher must share the policy's tokenizer."""
     sft: SFTConfig = SFTConfig()
     """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
     wandb: WandbConfig | None = None
@@ -168,6 +169,10 @@ class RLConfig(Config):
             if self.slurm is not None:
                 raise ValueError("[teacher] is launched by a local rl only: under slurm serve the teacher yourself "
                                  "and set orchestrator.teacher.url")
+            if self.teacher.backend != "local":
+                # arbor's vLLM proxy streams and reassembles completions without vLLM's prompt_logprobs
+                raise ValueError("teacher.backend = 'vllm' is not served with prompt logprobs by rl: run `vllm serve` "
+                                 "for the teacher and set orchestrator.teacher.url (or use the local backend)")
             orch.teacher = orch.teacher or TeacherConfig()
             if "seq_len" not in self.teacher.model_fields_set:
                 self.teacher.seq_len = self.seq_len + 1  # the scoring request asks for one token past a sample
