@@ -1,7 +1,7 @@
-"""examples/distill end to end, shortened: the teacher (qwen3-tiny) is fine-tuned on reverse_text and scored, then
-`rl` serves it beside the student (qwen3-test, from its random initialisation) and distils it with the pure
-reverse-KL loss. The student's reverse KL to the teacher falls by at least half over the run, and its reward
-moves towards the teacher's."""
+"""examples/distill end to end, shortened: the teacher (qwen3-tiny) is fine-tuned on reverse_text and scored as
+the example does, then `rl` serves it beside the student (qwen3-test, from its random initialisation) and distils
+it with the pure reverse-KL loss for 32 of the example's 40 steps. The student's reverse KL to the teacher (the
+step's mean k1 estimate) falls by at least half, and its reward moves towards the teacher's."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from arbor.monitor.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "distill"
-TEACHER_SFT_STEPS = 60
-STUDENT_STEPS = 10
+STUDENT_STEPS = 32
 
 
 def _run(module: str, *args: str) -> None:
@@ -30,8 +29,7 @@ def _run(module: str, *args: str) -> None:
 @pytest.mark.timeout(3000)
 def test_distillation_example_halves_the_reverse_kl_and_moves_the_reward_towards_the_teachers(tmp_path):
     teacher_dir, student_dir = tmp_path / "teacher", tmp_path / "student"
-    _run("arbor.trainer.sft", "@", str(EXAMPLE / "teacher.toml"), "--output-dir", str(teacher_dir),
-         "--steps", str(TEACHER_SFT_STEPS))
+    _run("arbor.trainer.sft", "@", str(EXAMPLE / "teacher.toml"), "--output-dir", str(teacher_dir))
     teacher_model = str(teacher_dir / "sft")
     _run("arbor.eval", "@", str(EXAMPLE / "eval_teacher.toml"), "--output-dir", str(teacher_dir),
          "--model.name", teacher_model)
@@ -44,7 +42,7 @@ def test_distillation_example_halves_the_reverse_kl_and_moves_the_reward_towards
     kl = [r["distill/reverse_kl"] for r in rows]
     reward = [r["reward/mean"] for r in rows]
     figures = f"reverse KL {kl}, reward {reward}, teacher's reward {teacher_reward}"
-    assert kl[0] > 0 and sum(kl[-2:]) / 2 <= kl[0] / 2, figures
-    start, end = sum(reward[:2]) / 2, sum(reward[-2:]) / 2
+    assert kl[0] > 0 and sum(kl[-3:]) / 3 <= kl[0] / 2, figures
+    start, end = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
     assert abs(teacher_reward - end) < abs(teacher_reward - start), figures
     assert all(r["time/teacher"] > 0 for r in rows)
