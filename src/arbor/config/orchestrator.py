@@ -239,6 +239,31 @@ class GatewayConfig(Config):
         return self
 
 
+class TeacherConfig(Config):
+    """`[orchestrator.teacher]`: the teacher of on-policy distillation (arbor.orchestrator.teacher). After a step's
+    groups are collected, each sample's prompt + completion goes to the teacher as token ids and its logprob of
+    every completion token (vLLM's `prompt_logprobs` of /v1/completions) ships in the batch, for the trainer's
+    reverse-KL term (`trainer.loss.distill_weight`, or `trainer.loss.name = "distill"`). The teacher must use the
+    policy's tokenizer (the same token ids), and its context must hold seq_len + 1 tokens."""
+
+    url: str | None = None
+    """Base URL of an OpenAI-compatible server that returns prompt logprobs: arbor's `inference` (local engine) or
+    vLLM (`vllm serve`), or a router in front of either. `rl` fills it in when its `[teacher]` section launches
+    the teacher; otherwise required."""
+    model: str | None = None
+    """The model name sent with each request (vLLM checks it against its served name); unset: none is sent (the
+    server's only model)."""
+    timeout: Seconds = Field(600.0, gt=0)
+    """Seconds one scoring request may take."""
+    max_retries: Count = Field(3, ge=0)
+    """Retries of a failed scoring request (connection errors, timeouts, 5xx) before the run fails."""
+    max_concurrent: Count = Field(64, ge=1)
+    """Scoring requests in flight at once."""
+    api_key: AdminToken | None = Field(None, exclude=True)
+    """Bearer token sent with every scoring request (vLLM's `--api-key`). Secret: never written out
+    (`ARBOR_TEACHER__API_KEY` sets it for the orchestrator)."""
+
+
 class OrchestratorConfig(Config):
     """Samples tasks, generates rollouts through the inference API, scores them and writes training batches."""
 
@@ -293,6 +318,8 @@ class OrchestratorConfig(Config):
     """Packing into micro-batches."""
     gateway: GatewayConfig = GatewayConfig()
     """The OpenAI-compatible gateway for black-box agents."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: the teacher whose logprobs of the samples ship in the batch (off when absent)."""
     wandb: WandbConfig | None = None
     """Log to Weights & Biases when present."""
     log_level: Literal["debug", "info", "warning"] = "info"

@@ -15,7 +15,7 @@ from arbor.config.inference import InferenceConfig
 from arbor.config.layout import check_mesh
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import OrchestratorConfig, TeacherConfig
 from arbor.config.sft import SFTConfig
 from arbor.config.slurm import SlurmConfig
 from arbor.config.trainer import TrainerConfig
@@ -69,6 +69,11 @@ class RLConfig(Config):
     """The orchestrator."""
     inference: InferenceConfig = InferenceConfig()
     """The inference server."""
+    teacher: InferenceConfig | None = None
+    """On-policy distillation: a teacher inference server `rl` launches (arbor's local engine with its own `model`
+    and settings; seq_len defaults to the run's + 1) and points `orchestrator.teacher.url` at. Leave it out to use
+    a running server (arbor's `inference`, or `vllm serve`) named by `orchestrator.teacher.url` instead. The
+    teacher must share the policy's tokenizer."""
     sft: SFTConfig = SFTConfig()
     """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
     wandb: WandbConfig | None = None
@@ -150,8 +155,39 @@ class RLConfig(Config):
             batching.normalization = "sequence"  # GSPO's objective is a mean over sequences
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
+        self._check_teacher()
         self.run_admin_token()
         return self
+
+    def _check_teacher(self) -> None:
+        """Distillation needs a teacher and a teacher needs the loss term; `[teacher]` fills in the orchestrator's."""
+        orch, coef = self.orchestrator, self.trainer.loss.distill_coef
+        if self.teacher is not None:
+            if orch.teacher is not None and orch.teacher.url is not None:
+                raise ValueError(f"orchestrator.teacher.url = {orch.teacher.url!r} and a [teacher] section to launch "
+                                 "one: keep one of them")
+            if self.slurm is not None:
+                raise ValueError("[teacher] is launched by a local rl only: under slurm serve the teacher yourself "
+                                 "and set orchestrator.teacher.url")
+            if self.teacher.backend != "local":
+                # arbor's vLLM proxy streams and reassembles completions without vLLM's prompt_logprobs
+                raise ValueError("teacher.backend = 'vllm' is not served with prompt logprobs by rl: run `vllm serve` "
+                                 "for the teacher and set orchestrator.teacher.url (or use the local backend)")
+            orch.teacher = orch.teacher or TeacherConfig()
+            if "seq_len" not in self.teacher.model_fields_set:
+                self.teacher.seq_len = self.seq_len + 1  # the scoring request asks for one token past a sample
+            elif self.teacher.seq_len <= self.seq_len:
+                raise ValueError(f"teacher.seq_len ({self.teacher.seq_len}) must exceed seq_len ({self.seq_len}): "
+                                 "the teacher scores whole samples and generates one token past them")
+        elif orch.teacher is not None and orch.teacher.url is None:
+            raise ValueError("orchestrator.teacher.url is not set: give the teacher server's URL, or add a [teacher] "
+                             "section for rl to launch one")
+        if coef > 0 and orch.teacher is None:
+            raise ValueError("trainer.loss.distill_weight > 0 (or loss.name = 'distill') needs a teacher: set "
+                             "orchestrator.teacher.url or add a [teacher] section")
+        if coef == 0 and orch.teacher is not None:
+            raise ValueError("a teacher is set but trainer.loss.distill_weight is 0: set trainer.loss.distill_weight "
+                             "(or loss.name = 'distill'), or remove the teacher")
 
     def run_admin_token(self) -> SecretStr | None:
         """The run's one admin token: the top-level one, or the one a section sets; two different ones fail."""

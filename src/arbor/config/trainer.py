@@ -53,7 +53,8 @@ class LossConfig(Config):
     name: str = "ppo_clip"
     """Policy loss: "ppo_clip" (token-level clipped ratio, DAPO clip-higher when clip_high > clip_low),
     "is_mask" (trust-region mask), "gspo" (sequence-level ratio), "cispo" (clipped stop-gradient IS weight times
-    logprob), "opmd" (off-policy mirror descent, Trinity-RFT A.3), "cross_entropy" (SFT), or a dotted path
+    logprob), "opmd" (off-policy mirror descent, Trinity-RFT A.3), "cross_entropy" (SFT), "distill" (pure
+    on-policy distillation: the reverse KL to `[orchestrator.teacher]` alone, see distill_weight), or a dotted path
     `module:function` implementing arbor.trainer.loss.LossFn."""
     clip_low: Float = Field(0.2, ge=0, le=1)
     """Lower bound of the trust region: ratio >= 1 - clip_low."""
@@ -111,6 +112,17 @@ class LossConfig(Config):
     kl_coef: Float = Field(0.0, ge=0)
     """Weight of a k3-estimated KL(policy || reference) penalty per token; > 0 keeps a frozen copy of the initial
     weights as the reference model (one more forward pass per micro-batch)."""
+    distill_weight: Float | None = Field(None, ge=0)
+    """On-policy distillation: weight of the per-token reverse KL to a teacher (its logprobs on the policy's own
+    samples, from `[orchestrator.teacher]`; see arbor.trainer.loss), added to the policy loss. Unset: 1 with
+    name = "distill" (pure distillation: that term alone, rewards unused), else 0 (off)."""
+
+    @property
+    def distill_coef(self) -> float:
+        """The reverse-KL term's weight (distill_weight resolved)."""
+        if self.distill_weight is not None:
+            return self.distill_weight
+        return 1.0 if self.name == "distill" else 0.0
 
     @model_validator(mode="after")
     def _bounds(self) -> "LossConfig":
@@ -120,6 +132,8 @@ class LossConfig(Config):
             raise ValueError(
                 f"ratio_mask_low ({self.ratio_mask_low}) must be below ratio_mask_high ({self.ratio_mask_high})"
             )
+        if self.name == "distill" and self.distill_coef == 0:
+            raise ValueError("distill_weight = 0 with name = 'distill' trains nothing: leave it unset (1) or raise it")
         if self.trust_region == "behaviour" and self.mismatch_correction != "none":
             raise ValueError(
                 f"trust_region = 'behaviour' with mismatch_correction = {self.mismatch_correction!r} corrects the "

@@ -39,10 +39,17 @@ class Completion:
     fed to the model, so its row repeats the previous one (its output predicts nothing that is trained)."""
 
 
+PromptLogprobs = list[dict[int, tuple[float, int]] | None]
+"""Per prompt token, None for the first (nothing predicts it), else {token id: (logprob, rank)} holding the
+prompt token itself and the requested alternatives; rank 1 is the most likely token (vLLM's `Logprob`)."""
+
+
 @dataclasses.dataclass
 class RequestOutput:
     prompt_token_ids: list[int]
     completions: list[Completion]
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set when the request asked for `prompt_logprobs` (arbor.inference.sampling.SamplingParams)."""
 
 
 @dataclasses.dataclass
@@ -68,13 +75,14 @@ class Request:
         self.request_id = request_id
         self.future: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
         self.seqs: list[Seq] = []
+        self.prompt_logprobs: PromptLogprobs | None = None  # written by the prefill when params ask for them
 
     @property
     def abandoned(self) -> bool:
         return self.future.done()  # cancelled by the caller, or already failed
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.prompt, [s.completion() for s in self.seqs])
+        return RequestOutput(self.prompt, [s.completion() for s in self.seqs], self.prompt_logprobs)
 
     def aborted_output(self) -> RequestOutput:
         """The output of a request aborted before it was admitted: every sample empty."""

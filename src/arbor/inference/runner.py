@@ -13,9 +13,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from arbor.inference.requests import Seq
+from arbor.inference.requests import PromptLogprobs, Seq
 from arbor.models.fp8 import dequantize_state
 from arbor.models.hf import copy_state_into, fuse_experts
+
+
+def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int) -> PromptLogprobs:
+    """vLLM's prompt logprobs from the logits `[L, V]` of every prompt position: None for the first token, then
+    each token's raw logprob `log_softmax(logits)` (temperature 1, the full vocabulary as the trainer scores it)
+    and rank, with the `top` most likely alternatives."""
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    target = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, target[:, None])
+    ranks = ((logp > chosen).sum(-1) + 1).tolist()
+    alt_lps, alt_ids = logp.topk(top, dim=-1) if top else (None, None)
+    alt_lps = [[]] * len(ranks) if alt_lps is None else alt_lps.tolist()
+    alt_ids = [[]] * len(ranks) if alt_ids is None else alt_ids.tolist()
+    out: PromptLogprobs = [None]
+    for t, lp, rank, ids, lps in zip(prompt[1:], chosen[:, 0].tolist(), ranks, alt_ids, alt_lps):
+        entry = {a: (v, r + 1) for r, (a, v) in enumerate(zip(ids, lps))}
+        entry[t] = (lp, rank)
+        out.append(entry)
+    return out
 
 
 class ModelRunner:
@@ -35,8 +54,14 @@ class ModelRunner:
     def prefill(self, seqs: list[Seq]) -> torch.Tensor:
         """Writes the prompt of the request `seqs` belong to into their slots (computed once, copied to the
         others); returns fp32 logits `[1, V]` of its last position."""
-        prompt = seqs[0].req.prompt
-        logits = self.forward(prompt, 0, seqs[0].slot)
+        req = seqs[0].req
+        prompt = req.prompt
+        if req.params.prompt_logprobs is None:
+            logits = self.forward(prompt, 0, seqs[0].slot)
+        else:  # every position's logits, scored against the next prompt token
+            every = self.forward(prompt, 0, seqs[0].slot, keep=0)
+            req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs)
+            logits = every[-1:]
         self._record_routes(seqs, 0, len(prompt))
         if len(seqs) > 1:
             self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], len(prompt))
@@ -72,12 +97,13 @@ class ModelRunner:
         # requantise them to the same values; MoE experts fused; checked in full before any copy
         copy_state_into(self.model, fuse_experts(dequantize_state(self.weights.load(path))), path)
 
-    def forward(self, ids: list[int], start: int, slot: int) -> torch.Tensor:
-        """Writes `ids` at positions start.. of `slot`; returns fp32 logits `[1, V]` of the last position."""
+    def forward(self, ids: list[int], start: int, slot: int, keep: int = 1) -> torch.Tensor:
+        """Writes `ids` at positions start.. of `slot`; returns fp32 logits `[keep, V]` of the last `keep`
+        positions (0: of every position)."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         slots = torch.tensor([slot], dtype=torch.long, device=self.device)
-        return self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=1)[:, -1].float()
+        return self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=keep)[0].float()
 
     def _record_routes(self, seqs: list[Seq], start: int, length: int) -> None:
         """Copies the last one-row forward's routing (positions start..start+length) into every sequence in

@@ -48,6 +48,10 @@ class SamplingParams:
     top_logprobs: int = 0
     """Alternatives reported per generated token (the chosen token's logprob is always recorded)."""
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """vLLM's `prompt_logprobs`: report each prompt token's logprob (after the first token) with this many
+    alternatives; None reports none. These are the raw model's, `log_softmax(logits)` at temperature 1 whatever
+    the request's temperature (as vLLM's default `logprobs_mode`): a teacher's scores in on-policy distillation."""
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -62,6 +66,9 @@ class SamplingParams:
             raise InvalidRequest(f"n must be at least 1, got {self.n}", "n")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+                                 "prompt_logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", "stop")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:

@@ -1,6 +1,7 @@
 """The `inference` process: an OpenAI/vLLM-compatible HTTP server (aiohttp) in front of the local engine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
+Endpoints: POST /v1/completions (with vLLM's `prompt_logprobs`: the raw model's logprob of every prompt token,
+what a distillation teacher serves), POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
 array with its dtype and shape, see arbor.transport.routes.encode_routes), GET /health, GET /v1/models, GET /metrics
@@ -27,6 +28,7 @@ engine loop dies the process exits 1, so that `rl` restarts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -58,6 +60,7 @@ from arbor.transport.http import (
     Handler,
     error_middleware,
     get_field,
+    get_int,
     read_json_object,
     start_site,
     write_ready_file,
@@ -66,6 +69,7 @@ from arbor.transport.routes import encode_routes
 
 if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
     from arbor.inference.engine import Engine, RequestOutput
+    from arbor.inference.requests import PromptLogprobs
 
 log = logging.getLogger("arbor.inference.server")
 
@@ -165,6 +169,14 @@ def _completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]
     return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def _prompt_logprobs(tokenizer: Any, entries: "PromptLogprobs") -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or {token id: Logprob}."""
+    def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
+        return {"logprob": lp, "rank": rank, "decoded_token": _token_str(tokenizer, token_id, False)}
+
+    return [None if e is None else {str(i): logprob(i, *v) for i, v in e.items()} for e in entries]
+
+
 def _token_bytes(tokenizer: Any, token_id: int) -> list[int]:
     # The byte tokenizer's ids below 256 are raw bytes: a lone UTF-8 continuation byte has no text of its own.
     if getattr(tokenizer, "name", None) == "byte" and token_id < 256:
@@ -247,6 +259,8 @@ class InferenceServer:
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
         params = _sampling(body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
+        prompt_lps = get_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        params = dataclasses.replace(params, prompt_logprobs=prompt_lps)
         return_ids = get_field(body, "return_token_ids", (bool,), False)
         as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
         get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
@@ -262,6 +276,8 @@ class InferenceServer:
                 if return_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                     choice["token_ids"] = c.token_ids
+                if prompt_lps is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, out.prompt_logprobs or [])
                 choice["policy_versions"] = c.policy_versions
                 if c.routed_experts is not None:  # arbor extension: router replay (MoE)
                     choice["routed_experts"] = encode_routes(c.routed_experts)

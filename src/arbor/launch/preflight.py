@@ -66,6 +66,11 @@ def run_checks(cfg: RLConfig) -> list[str]:
     else:
         skipped.append(f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
                        "this machine's Hugging Face cache (the job's nodes fetch it; nothing is downloaded here)")
+    if cfg.teacher is not None:  # `[teacher]` is local only (RLConfig): its files must be here
+        try:
+            check_model_files(cfg.teacher.model)
+        except PreflightError as e:
+            raise PreflightError(f"teacher.{e}") from None
     check_environments(cfg)
     check_plugins(cfg)
     check_dataset(cfg)

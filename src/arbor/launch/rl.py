@@ -15,6 +15,10 @@ of its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0
 torch, so `--dry-run` and config errors answer in well under a second. `rl plan @ config.toml` prints the
 throughput planner's estimates for the config instead (arbor.planner) and starts nothing.
 
+With a `[teacher]` section (on-policy distillation) one more inference server, `teacher`, serves the teacher model
+on a free port; the orchestrator scores each step's samples with it (`orchestrator.teacher.url` is set to it) and
+its death stops the run like any child's.
+
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
 one replica is not fatal: the router ejects it and retries its requests elsewhere, and (with
@@ -109,6 +113,15 @@ def resolve(cfg: RLConfig) -> RLConfig:
     if token is None and not all(is_loopback(h) for h in public):
         token = new_admin_token()
     inf.admin_token = inf.router.admin_token = cfg.orchestrator.client.admin_token = token
+    if cfg.teacher is not None and cfg.orchestrator.teacher is not None:  # on-policy distillation's teacher
+        teacher = cfg.teacher
+        if teacher.port == 0 or "port" not in teacher.model_fields_set:
+            teacher.port = free_port()
+        teacher.admin_token = token if token is not None or is_loopback(teacher.host) else new_admin_token()
+        thost = "127.0.0.1" if teacher.host in ("0.0.0.0", "::") else teacher.host
+        cfg.orchestrator.teacher.url = f"http://{thost}:{teacher.port}"
+        if cfg.orchestrator.teacher.model is None:
+            cfg.orchestrator.teacher.model = teacher.model.name
     if cfg.sft.steps:
         warm = cfg.model.model_copy(update={"name": str(run_dir.sft_model_dir(cfg.output_dir)), "tokenizer": None})
         for section in (cfg.trainer, cfg.orchestrator, cfg.inference):
@@ -124,6 +137,8 @@ def write_configs(cfg: RLConfig) -> Path:
         for name in ("trainer", "orchestrator", "inference", "sft"):
             (out / f"{name}.toml").write_text(dumps(getattr(cfg, name).to_toml_dict()))
         (out / "router.toml").write_text(dumps(cfg.inference.router.to_toml_dict()))
+        if cfg.teacher is not None:
+            (out / "teacher.toml").write_text(dumps(cfg.teacher.to_toml_dict()))
     except OSError as e:  # `--dry-run` reaches here without preflight's writability check
         raise ConfigError(f"output_dir {cfg.output_dir} is not writable: {e.strerror or e}") from None
     return out
@@ -153,6 +168,12 @@ def token_env(cfg: RLConfig, variable: str) -> dict[str, str]:
     """The run's admin token as `variable` (set by `resolve`), for the one child that reads it; none: empty."""
     token = token_value(cfg.inference.admin_token)
     return {} if token is None else {variable: token}
+
+
+def teacher_key_env(cfg: RLConfig) -> dict[str, str]:
+    """The teacher's API key for the orchestrator (never written to its config): `ARBOR_TEACHER__API_KEY`."""
+    key = None if cfg.orchestrator.teacher is None else token_value(cfg.orchestrator.teacher.api_key)
+    return {} if key is None else {"ARBOR_TEACHER__API_KEY": key}
 
 
 def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
@@ -238,9 +259,13 @@ def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> Fleet:
     fleet = Fleet(cfg, conf, sup)
     for name in fleet.argv:
         fleet.start(name)
+    if cfg.teacher is not None:
+        token = token_value(cfg.teacher.admin_token)
+        sup.start("teacher", [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")],
+                  {} if token is None else {ADMIN_TOKEN_ENV: token})
     sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
     orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
-    sup.start("orchestrator", orchestrator, token_env(cfg, CLIENT_TOKEN_ENV))
+    sup.start("orchestrator", orchestrator, {**token_env(cfg, CLIENT_TOKEN_ENV), **teacher_key_env(cfg)})
     return fleet
 
 
@@ -305,6 +330,9 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
 
         for name, url in fleet.urls.items():
             wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
+        if cfg.teacher is not None and cfg.orchestrator.teacher is not None:
+            wait_healthy(sup, str(cfg.orchestrator.teacher.url), cfg.inference_startup_timeout, "teacher",
+                         on_wait=waits)
         if cfg.inference.replicas > 1:
             sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
             wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet,

@@ -41,6 +41,9 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
         "policy_versions": np.concatenate([np.full(P, -1, np.int32), np.asarray(r.policy_versions, np.int32)]),
         "loss_weights": np.concatenate([np.zeros(P, np.float32), np.where(trained, weight, 0.0).astype(np.float32)]),
     }
+    if r.teacher_logprobs is not None:  # on-policy distillation (arbor.orchestrator.teacher)
+        teacher = np.where(trained, np.asarray(r.teacher_logprobs, np.float32), 0)
+        out["teacher_logprobs"] = np.concatenate([np.zeros(P, np.float32), teacher]).astype(np.float32)
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts
     return out
@@ -87,7 +90,8 @@ def pack_rows(indices: list[int], lengths: list[int], budget: int) -> list[list[
 
 
 def _micro_batch(samples: list[dict[str, np.ndarray]]) -> MicroBatch:
-    # Routed experts only when every sample of the row has them (a row is replayed whole or not at all).
+    # Routed experts (teacher logprobs) only when every sample of the row has them (a row is replayed whole or
+    # not at all; a run has a teacher for every sample or for none).
     keys = [k for k in samples[0] if all(k in s for s in samples)]
     cat = {k: torch.from_numpy(np.concatenate([s[k] for s in samples])) for k in keys}
     lens = [len(s["input_ids"]) for s in samples]

@@ -14,6 +14,8 @@ The parts, one job each:
   (parked surplus, straggler resume/retry).
 - arbor.orchestrator.assembler: a step's groups (staleness drops, advantages, filters, the experience buffer,
   train-only from the buffer).
+- arbor.orchestrator.teacher: with `[orchestrator.teacher]`, the teacher's logprobs of each kept sample's
+  completion (on-policy distillation), fetched once the step's groups are in and shipped in the batch.
 - arbor.orchestrator.step_writer: the resume state before the batch, then the batch.
 - arbor.orchestrator.figures: the per-step figures and the metrics plumbing.
 - arbor.orchestrator.concurrency: after each step, the in-flight limit from the trainer's newest wait fraction
@@ -31,6 +33,7 @@ Each row of orchestrator.jsonl carries `time` and `elapsed_s` (arbor.monitor.met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -54,6 +57,7 @@ from arbor.orchestrator.scheduler import SchedulePolicy
 from arbor.orchestrator.state import OrchestratorState, load_state
 from arbor.orchestrator.step_writer import StepWriter
 from arbor.orchestrator.tasks import TaskSource
+from arbor.orchestrator.teacher import Teacher
 from arbor.orchestrator.weights import WeightSync
 from arbor.run_dir import latest_checkpoint, stopped_path
 
@@ -84,6 +88,8 @@ class Orchestrator:
         self.figures = StepFigures(cfg, self.env, self.source, self.pool, self.counts, self.env_stats)
         self.buffer: ExperienceBuffer | None = None
         """Opened by `run` when `[orchestrator.buffer]` is on."""
+        self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
+        """On-policy distillation's teacher (arbor.orchestrator.teacher), opened by `run`."""
         self.clock = RunClock(cfg.output_dir, self.start)
         self.stopped_at: int | None = None
         """The trainer's last checkpoint when its `max_minutes` stopped the run early."""
@@ -98,10 +104,14 @@ class Orchestrator:
         self.buffer = open_buffer(cfg, self.start)
         polling = asyncio.create_task(poll_metrics(metrics))
         try:
-            if cfg.buffer.train_only:
-                await self._run_steps(metrics, None, None)
-            else:
-                await self._run_with_fleet(metrics)
+            async with contextlib.AsyncExitStack() as stack:
+                if self.teacher is not None:
+                    await stack.enter_async_context(self.teacher)
+                    await self.teacher.wait_ready()
+                if cfg.buffer.train_only:
+                    await self._run_steps(metrics, None, None)
+                else:
+                    await self._run_with_fleet(metrics)
             if self.stopped_at is not None:
                 log.info("orchestrator stopped after %d of %d steps: the trainer reached max_minutes",
                          self.stopped_at, cfg.max_steps)
@@ -187,6 +197,9 @@ class Orchestrator:
         gen_seconds = time.perf_counter() - t_gen
         if self.buffer is not None:
             groups = self.assembler.through_buffer(step, groups, self.buffer)
+        if self.teacher is not None:
+            beat(f"scoring step {step} with the teacher")
+            await self.teacher.score([r for g in groups for r in g])
         self.writer.save_state(step, self.source)  # before the batch (arbor.orchestrator.step_writer)
         batches = self.writer.write(step, [r for g in groups for r in g])
         times = StepTimes(gen_seconds, waited, time.perf_counter() - t0)
@@ -198,6 +211,8 @@ class Orchestrator:
             figures["time/eval"] = time.perf_counter() - t_eval
         if self.buffer is not None:
             figures.update(self.buffer.counts())
+        if self.teacher is not None:
+            figures["time/teacher"] = self.teacher.seconds
         metrics.add(step, {**figures, **self.clock.stamp()})
         self.pool.max_in_flight = self.matching.decide(self._new_trainer_wait(metrics), self.pool.queue.waiting,
                                                        self.counts.dropped_stale - self._dropped_before)

@@ -82,6 +82,7 @@ def merge_row(ordered: list[dict[str, np.ndarray]]) -> MicroBatch:
     if replay:
         node["routed_experts"] = np.concatenate([s["routed_experts"][p:] for s, p in zip(ordered, lcps)])
     per_token = ("loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights")
+    per_token += ("teacher_logprobs",) if all("teacher_logprobs" in s for s in ordered) else ()
     cat = {k: np.concatenate([s[k] for s in ordered]) for k in per_token}
     return MicroBatch(
         **{k: torch.from_numpy(v) for k, v in {**node, **cat}.items()},

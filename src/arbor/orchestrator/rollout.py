@@ -56,6 +56,9 @@ class Rollout:
     (tool results, user turns, template glue: no loss, logprob 0, policy version -1). None means all ones."""
     episode_id: int = -1
     """Multi-turn: the episode a rollout came from; a branched episode gives several rollouts with one id."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of each completion token given the tokens before it
+    (arbor.orchestrator.teacher); None without a teacher."""
 
     @property
     def num_tokens(self) -> int:

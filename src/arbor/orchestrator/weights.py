@@ -52,7 +52,10 @@ class WeightSync:
                 t0 = time.perf_counter()
                 paused = await self.pause_generation() if self.pause_generation is not None else None
                 try:
-                    await self.client.update_weights(str(broadcast_dir(self.output_dir, newest)), newest)
+                    # Absolute: the servers load only absolute paths (arbor.transport.admin), and a run's output_dir
+                    # may be relative (the examples' default).
+                    path = broadcast_dir(self.output_dir, newest).resolve()
+                    await self.client.update_weights(str(path), newest)
                 except InferenceError:
                     # The directory may have been pruned after a newer one appeared; retry with the newest.
                     if (latest_published(self.output_dir) or -1) > newest:

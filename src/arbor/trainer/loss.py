@@ -42,13 +42,18 @@ The losses f (per token t; the sum over loss tokens of `ctx.loss_weights[t] * lo
 - opmd (Trinity-RFT, Pan et al. 2025, appendix A.3): `-A log pi_theta / (1 + tau)` with A the group-mean
   baselined reward; no ratio (valid off-policy by its mirror-descent derivation).
 - cross_entropy (SFT): `-log pi_theta`.
+- distill (on-policy distillation; also added to any loss above with `distill_weight > 0`): the reverse KL to a
+  teacher, `distill_coef * k1` in value with the gradient `distill_coef * sg(k1) * grad log pi_theta`, k1 = log
+  pi_theta - log pi_teacher on the policy's own samples (see `reverse_kl_to_teacher`).
 - the reference KL (`kl_coef > 0`) adds `kl_coef * k3`, k3 = `exp(d) - d - 1` with d = log pi_ref - log
   pi_theta (Schulman's k3 estimator of KL(pi_theta || pi_ref), as in GRPO, Shao et al. 2024).
 
 Metric convention: every value in `LossOutput.metrics` is a 0-d tensor. A key ending in `_max` (`_min`) is
 reduced by maximum (minimum) over micro-batches and ranks; any other key is a SUM over loss tokens that the loop
 divides by the step's loss-token count (so `clip_frac` reports the fraction of clipped tokens), renaming a
-trailing `_sum` to `_mean`. The loop logs them as `loss/<key>` (`loss/clip_frac`, `loss/ratio_mean`, ...).
+trailing `_sum` to `_mean`. The loop logs them as `loss/<key>` (`loss/clip_frac`, `loss/ratio_mean`, ...); a key
+with a namespace of its own (`distill/reverse_kl_sum`) is logged under it, as the per-token mean without the
+suffix (`distill/reverse_kl`).
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ class LossContext:
     """`[T]` the policy version that sampled each token (-1: none); needed by `loss.max_staleness`."""
     step: int = 0
     """The step being trained (the age of a sample is `step` minus its first token's version)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """`[T]` a distillation teacher's logprobs of the tokens (present with `[orchestrator.teacher]`)."""
 
     @classmethod
     def single(cls, n: int, device: torch.device | str = "cpu") -> "LossContext":
@@ -228,6 +235,57 @@ def cross_entropy(logprobs, inference_logprobs, advantages, loss_mask, cfg: Loss
     return LossOutput(_reduce(-logprobs, mask, ctx))
 
 
+def reverse_kl_to_teacher(logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
+                          ctx: LossContext) -> LossOutput:
+    """`distill_coef` times the per-token reverse KL(pi_theta || pi_teacher) on the policy's own samples.
+
+    The estimator is k1 = log pi_theta - log pi_teacher, used as a score-function (REINFORCE) term: the value per
+    token is k1 and its gradient `sg(k1) * grad log pi_theta`, the per-token (no credit to later tokens) gradient
+    of the reverse KL, as on-policy distillation does (Agarwal et al. 2024, GKD; Thinking Machines 2025). Why k1
+    and not k3 = exp(-k1) + k1 - 1: on samples of pi_theta, differentiating k3 through log pi_theta gives
+    `(1 - pi_teacher / pi_theta) grad log pi_theta`, whose expectation is the gradient of the FORWARD KL
+    (mode-covering), and differentiating k1 directly gives `grad log pi_theta`, zero in expectation; only k1
+    with its value held as a weight follows the reverse KL (mode-seeking). Both are reported: `reverse_kl` (k1,
+    unbiased, a token may be negative) and `reverse_kl_k3` (non-negative, lower variance). The samples are
+    taken as the policy's own: with an async lag the behaviour gap is what `mismatch_kl` shows, and a mismatch
+    correction (under `with_off_policy`) weighs this term's tokens as it weighs the policy loss's."""
+    if ctx.teacher_logprobs is None:
+        if bool(loss_mask.any()):
+            raise ValueError("loss.distill_weight > 0 (or loss.name = 'distill') needs the teacher's logprobs in the "
+                             "batch: set [orchestrator.teacher] (or rl's [teacher])")
+        return LossOutput(logprobs.sum() * 0.0)  # an empty padding row: nothing to distil
+    mask = loss_mask.bool()
+    teacher = ctx.teacher_logprobs.to(logprobs.dtype)
+    k1 = torch.where(mask, logprobs - teacher, torch.zeros_like(logprobs)).detach()
+    per_token = k1 * (logprobs - logprobs.detach()) + k1  # value k1, gradient k1 * grad log pi_theta
+    k3 = torch.expm1(-k1) + k1
+    return LossOutput(cfg.distill_coef * _reduce(per_token, mask, ctx), {
+        "distill/reverse_kl_sum": torch.where(mask, k1, torch.zeros_like(k1)).sum(),
+        "distill/reverse_kl_k3_sum": torch.where(mask, k3, torch.zeros_like(k3)).sum(),
+    })
+
+
+def distill(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+    """Pure on-policy distillation: the reverse KL to the teacher alone (`reverse_kl_to_teacher`); advantages
+    and rewards unused."""
+    return reverse_kl_to_teacher(logprobs, loss_mask, cfg, _ctx(ctx, logprobs))
+
+
+def with_distill(inner: LossFn) -> LossFn:
+    """Adds the reverse KL to the teacher (`reverse_kl_to_teacher`, weight `distill_weight`) to any loss."""
+
+    def distilled(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:
+        ctx = _ctx(ctx, logprobs)
+        out = inner(logprobs, inference_logprobs, advantages, loss_mask, cfg, ctx)
+        term = reverse_kl_to_teacher(logprobs, loss_mask, cfg, ctx)
+        out.loss_sum = out.loss_sum + term.loss_sum
+        out.metrics.update(term.metrics)
+        return out
+
+    distilled.__name__ = f"{getattr(inner, '__name__', 'loss')}+distill"
+    return distilled
+
+
 def with_off_policy(inner: LossFn) -> LossFn:
     """Wraps any loss in the decoupled objective (see the module docstring): the inner loss's ratio is taken
     against the proximal policy when `cfg.decoupled`, else against the behaviour policy, and the behaviour
@@ -286,6 +344,7 @@ LOSSES: dict[str, Callable[..., LossOutput]] = {
     "cispo": cispo,
     "opmd": opmd,
     "cross_entropy": cross_entropy,
+    "distill": distill,
 }
 
 
@@ -336,9 +395,12 @@ def resolve_loss(name: str) -> LossFn:
 
 
 def build_loss(cfg: LossConfig) -> LossFn:
-    """The configured loss with its wrappers: the off-policy objective inside (unless the loss is the coupled
-    objective with no weight to apply: then it sees the behaviour logprobs directly), then the reference KL."""
+    """The configured loss with its wrappers: the distillation term innermost (so a mismatch correction weighs
+    it too), then the off-policy objective (unless the loss is the coupled objective with no weight to apply:
+    then it sees the behaviour logprobs directly), then the reference KL."""
     fn = resolve_loss(cfg.name)
+    if cfg.name != "distill" and cfg.distill_coef > 0:
+        fn = with_distill(fn)
     if cfg.decoupled or cfg.ratio_mask != "none" or cfg.max_staleness is not None:
         fn = with_off_policy(fn)
     if cfg.kl_coef > 0:

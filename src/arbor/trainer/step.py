@@ -321,6 +321,7 @@ def _micro_batch_backward(
     ctx = LossContext(
         mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True), proximal_logprobs=proximal,
         policy_versions=mb.policy_versions.to(device, non_blocking=True), step=batch.step,
+        teacher_logprobs=None if mb.teacher_logprobs is None else mb.teacher_logprobs.to(device, non_blocking=True),
     )
     if ref_model is not None:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
@@ -335,8 +336,9 @@ def _micro_batch_backward(
         acc.add("aux_loss_sum", aux / n_mb * mask.sum() / epochs)  # reported per loss token like the loss metrics
     total.backward()
     acc.add("loss_sum", out.loss_sum / epochs)
-    for key, value in out.metrics.items():
-        acc.add(f"loss/{key}", value if key.endswith(("_max", "_min")) else value / epochs)
+    for key, value in out.metrics.items():  # a namespaced key (distill/...) keeps its own namespace
+        name = key if "/" in key else f"loss/{key}"
+        acc.add(name, value if key.endswith(("_max", "_min")) else value / epochs)
     return logprobs.detach(), entropy, mask
 
 
@@ -368,6 +370,14 @@ def _account(
     acc.add("staleness_max", torch.where(sampled, stale, torch.full_like(stale, -1.0)).max())
 
 
+def _mean_name(key: str) -> str:
+    """A per-token sum's name as a mean: `loss/ratio_sum` -> `loss/ratio_mean`; a loss term's own namespace drops
+    the suffix (`distill/reverse_kl_sum` -> `distill/reverse_kl`, arbor.trainer.loss)."""
+    if not key.endswith("_sum"):
+        return key
+    return key[: -len("_sum")] + ("" if "/" in key and not key.startswith("loss/") else "_mean")
+
+
 def _figures(acc: _Accumulator, world_size: int, normaliser: int) -> dict[str, float]:
     sums, maxes, mins = acc.reduce(world_size)
     loss_tokens = max(sums.pop("loss_tokens"), 1.0)
@@ -386,8 +396,7 @@ def _figures(acc: _Accumulator, world_size: int, normaliser: int) -> dict[str, f
         out["policy_staleness/max"] = maxes["staleness_max"]
     maxes.pop("staleness_max")
     for key, value in sums.items():  # loss metrics: sums over loss tokens -> per-token means
-        name = key[: -len("_sum")] + "_mean" if key.endswith("_sum") else key
-        out[name] = value / loss_tokens
+        out[_mean_name(key)] = value / loss_tokens
     for key, value in {**maxes, **mins}.items():
         if abs(value) != float("inf"):  # +-inf: no loss token anywhere, nothing to report
             out[key] = value

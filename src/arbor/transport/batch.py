@@ -7,7 +7,10 @@ one. `policy_versions[t]` is the trainer step whose weights sampled token `t` (-
 `loss_weights[t]` multiplies token `t`'s loss: it makes the step's normalisation explicit (token: 1; sequence
 and group: see arbor.orchestrator.batcher). A file written without it (an older writer) reads as all ones. The
 optional `routed_experts [T, moe_layers, top_k]` (uint8 or int16) holds the experts the inference engine routed
-each token to (router replay); absent for dense models or with replay off.
+each token to (router replay); absent for dense models or with replay off. The optional `teacher_logprobs [N]`
+(float32, per original sample token like `inference_logprobs`) holds a distillation teacher's logprob of each
+completion token given its prefix (`[orchestrator.teacher]`; 0 on prompt and inserted tokens); absent without a
+teacher.
 
 Plain rows: every per-token array has the length of `input_ids`.
 
@@ -54,6 +57,7 @@ DTYPES = {
     "loss_weights": torch.float32,
     "subtree_end": torch.int32,
     "token_nodes": torch.int32,
+    "teacher_logprobs": torch.float32,
 }
 
 
@@ -74,6 +78,8 @@ class MicroBatch:
     """Tree mask `[T]`: token i attends to j iff j <= i < subtree_end[j]; None means packed causal (seq_lens)."""
     token_nodes: torch.Tensor | None = None
     """Merged row: the row token (trie node) holding each original sample token `[N]`; None for a plain row."""
+    teacher_logprobs: torch.Tensor | None = None
+    """On-policy distillation: the teacher's logprob of each sample token `[N]`; None without a teacher."""
 
     def __post_init__(self) -> None:
         m = self.input_ids.shape[0]
@@ -90,6 +96,9 @@ class MicroBatch:
                 t = getattr(self, name)
                 if t.dim() != 1 or t.shape[0] != size:
                     raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({size},)")
+        t = self.teacher_logprobs
+        if t is not None and (t.dim() != 1 or t.shape[0] != n):
+            raise ValueError(f"micro-batch field teacher_logprobs has shape {tuple(t.shape)}, expected ({n},)")
         if self.subtree_end is not None and (self.subtree_end.dim() != 1 or self.subtree_end.shape[0] != m):
             shape = tuple(self.subtree_end.shape)
             raise ValueError(f"micro-batch field subtree_end has shape {shape}, expected ({m},)")

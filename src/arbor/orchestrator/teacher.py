@@ -1,0 +1,108 @@
+"""The distillation teacher's side of the orchestrator: each sample's completion scored by a teacher model.
+
+On-policy distillation (`[orchestrator.teacher]`): the policy (the student) samples as usual, then the teacher
+gives its logprob of every completion token given the tokens before it, and the trainer's reverse-KL term
+(arbor.trainer.loss.reverse_kl_to_teacher) pulls the student towards it. The request is vLLM's: POST
+/v1/completions with the prompt + completion as token ids, `prompt_logprobs = 0` and `max_tokens = 1` (vLLM
+generates at least one token; it is ignored), answered by a `prompt_logprobs` list with, per token after the
+first, a map from token id to `{"logprob", "rank", ...}` that holds the token itself. arbor's local engine
+(arbor.inference.server) answers the same; both report the raw model's logprobs (temperature 1).
+
+Retries and errors are the inference client's (arbor.orchestrator.client): a connection error, timeout or 5xx is
+retried with backoff, a 4xx (a token id outside the teacher's vocabulary, a sample longer than its context) is
+raised at once with the teacher's message, and a reply that does not cover the sample is an error naming it.
+Multi-turn samples are scored whole; tokens the environment inserted carry no loss, so their scores go unused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from arbor.config.orchestrator import TeacherConfig
+from arbor.orchestrator.client import InferenceClient, InferenceError
+from arbor.orchestrator.rollout import Rollout
+from arbor.transport.admin import bearer_headers
+
+log = logging.getLogger("arbor.orchestrator.teacher")
+
+
+class TeacherError(RuntimeError):
+    """The teacher could not score a sample (after retries, or it rejected the request)."""
+
+
+def completion_logprobs(prompt_logprobs: Any, token_ids: list[int], start: int) -> list[float]:
+    """The logprobs of `token_ids[start:]` from a vLLM `prompt_logprobs` list over `token_ids` (entries keyed by
+    the token id as a string, as JSON carries vLLM's int keys)."""
+    if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(token_ids):
+        got = len(prompt_logprobs) if isinstance(prompt_logprobs, list) else type(prompt_logprobs).__name__
+        raise TeacherError(f"the teacher's prompt_logprobs cover {got} tokens, expected {len(token_ids)} (does the "
+                           "server support prompt_logprobs?)")
+    out = []
+    for i in range(start, len(token_ids)):
+        entry = prompt_logprobs[i]
+        item = entry.get(str(token_ids[i])) if isinstance(entry, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("logprob"), (int, float)):
+            raise TeacherError(f"the teacher's prompt_logprobs lack token {token_ids[i]} at position {i}")
+        out.append(float(item["logprob"]))
+    return out
+
+
+class Teacher(InferenceClient):
+    """Scores rollouts with the teacher at `cfg.url` (use as an async context manager, like its base)."""
+
+    def __init__(self, cfg: TeacherConfig) -> None:
+        if cfg.url is None:
+            raise ValueError("orchestrator.teacher.url is not set: give the teacher server's URL (or, under rl, a "
+                             "[teacher] section to launch one)")
+        super().__init__([cfg.url], cfg.timeout, cfg.max_retries, model=cfg.model or "")
+        self.cfg = cfg
+        self._headers = bearer_headers(cfg.api_key)
+        self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        self.seconds = 0.0
+        """Wall-clock seconds the last `score` call took."""
+
+    async def wait_ready(self) -> None:
+        """Waits until the teacher's /health answers 200 (vLLM's has no body), at most `cfg.timeout` seconds."""
+        assert self._session is not None, "use Teacher as an async context manager"
+        deadline = time.monotonic() + self.cfg.timeout
+        while True:
+            try:
+                async with self._session.get(self.base_urls[0] + "/health", headers=self._headers) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TeacherError(f"teacher {self.cfg.url} is not healthy after {self.cfg.timeout:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        """The teacher's logprob of each completion token given the prompt and the completion before it."""
+        ids = list(prompt_ids) + list(completion_ids)
+        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        async with self._slots:
+            try:
+                data = await self._post("/v1/completions", body, headers=self._headers)
+            except InferenceError as e:
+                raise TeacherError(f"teacher {self.cfg.url}: {e}") from None
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not choices:
+            raise TeacherError(f"teacher {self.cfg.url} answered without choices: {str(data)[:200]}")
+        return completion_logprobs(choices[0].get("prompt_logprobs"), ids, len(prompt_ids))
+
+    async def score(self, rollouts: list[Rollout]) -> None:
+        """Sets `teacher_logprobs` of every rollout (all requests at once, `max_concurrent` in flight)."""
+        t0 = time.perf_counter()
+        scored = await asyncio.gather(*(self.logprobs(r.prompt_ids, r.completion_ids) for r in rollouts
+                                        if r.completion_ids))
+        it = iter(scored)
+        for r in rollouts:
+            r.teacher_logprobs = next(it) if r.completion_ids else []
+        self.seconds = time.perf_counter() - t0
