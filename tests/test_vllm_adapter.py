@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from arbor.config.loader import ConfigError
 from arbor.inference import vllm_adapter, vllm_launch
 from arbor.inference.vllm_adapter import VLLMProxy, render_request, rpc_request
 from arbor.inference.vllm_launch import dry_run_command, render_extra, serve_argv, serve_env
+from arbor.models import PRESETS
+from arbor.models.hf import hf_config
+from arbor.models.tokenizer import ByteTokenizer
 from arbor.run_dir import broadcast_dir, broadcasts_root
 from arbor.transport.http import start_site
 
@@ -90,6 +94,23 @@ def test_cpu_build_defaults_and_dry_run(monkeypatch) -> None:
     assert line.startswith("VLLM_CPU_KVCACHE_SPACE=3 ") and "vllm.entrypoints.openai.api_server --model " in line
     assert str(vllm_launch.materialized_path(cfg, False)) in line and "--enforce-eager" in line
     assert importlib.import_module("arbor.inference.vllm_worker").WeightUpdateExtension.__name__ in line
+
+
+def test_padding_rows_are_masked_when_the_head_outgrows_the_tokenizer(tmp_path) -> None:
+    """A preset's head has 264 rows for the byte tokenizer's 259 ids: the server gets the padding mask and its
+    bound; a checkpoint whose head matches its tokenizer, or one served on ids only, gets neither."""
+    preset = InferenceConfig.model_validate({"model": {"name": "qwen3-tiny"}})
+    assert vllm_adapter.padding_bound(preset, skip_tokenizer=False) == 259
+    argv = serve_argv(preset, "/m", 1, mask_padding=True)
+    assert _flags(argv)["--logits-processors"] == vllm_launch.PADDING_MASK == "arbor.inference.vllm_logits:PaddingRowsMask"
+    assert serve_env({}, preset, vocab=259)[vllm_launch.VOCAB_ENV] == "259"
+    assert "--logits-processors" not in serve_argv(preset, "/m", 1) and vllm_launch.VOCAB_ENV not in serve_env({})
+    exact = tmp_path / "exact"  # a checkpoint directory whose head has exactly the tokenizer's rows
+    exact.mkdir()
+    (exact / "config.json").write_text(json.dumps(hf_config(dataclasses.replace(PRESETS["qwen3-test"], vocab_size=259))))
+    ByteTokenizer().save(exact)
+    assert vllm_adapter.padding_bound(InferenceConfig.model_validate({"model": {"name": str(exact)}}), False) is None
+    assert vllm_adapter.padding_bound(preset, skip_tokenizer=True) is None
 
 
 def test_config_errors_name_the_field() -> None:

@@ -1,9 +1,14 @@
-"""Writes examples/gsm8k/data/train.jsonl: grade-school word problems in GSM8K's format (a `question`, and an
-`answer` holding a short worked solution that ends `#### <number>`), generated from a fixed seed so the file is
-the same on every machine. The numbers are small and each problem takes one or two operations, so that the
-CPU twin's ~1M-parameter model can learn some of them within minutes.
+"""Writes the CPU twin's data, generated from fixed seeds so the files are the same on every machine:
 
-    uv run python examples/gsm8k/make_data.py        # rewrites the file (byte-identical)
+- `data/train.jsonl`: 400 one-step grade-school word problems in GSM8K's format (a `question`, and an `answer`
+  holding the worked step and `#### <number>`), the RL tasks;
+- `data/sft.jsonl`: 300 other problems of the same kinds as SFT rows (`prompt` the question, `completion` the
+  worked step then `\\boxed{<number>}`), the warm-up's demonstrations; none of their questions is a train question.
+
+The numbers are single digits and each problem takes one addition, subtraction or multiplication (GSM8K's
+problems take two to eight steps), the easiest curriculum in GSM8K's format.
+
+    uv run python examples/gsm8k/make_data.py        # rewrites both files (byte-identical)
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "data" / "train.jsonl"
+DATA = Path(__file__).resolve().parent / "data"
 NAMES = ["Ann", "Ben", "Cai", "Dev", "Eva", "Finn", "Gus", "Ida", "Jo", "Kim", "Lea", "Max"]
 ITEMS = ["apples", "pens", "books", "cards", "eggs", "cups", "coins", "toys"]
 
@@ -29,34 +34,44 @@ def _loss(rng: random.Random) -> tuple[str, str, int]:
 
 
 def _groups(rng: random.Random) -> tuple[str, str, int]:
-    item, a, b = rng.choice(ITEMS), rng.randint(2, 5), rng.randint(1, 4)
-    return f"There are {a} boxes with {b} {item} each. How many {item} in all?", f"{a} * {b} = {a * b}", a * b
+    name, item, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 5), rng.randint(1, 5)
+    question = f"{name} has {a} boxes with {b} {item} in each. How many {item} does {name} have?"
+    return question, f"{a} * {b} = {a * b}", a * b
 
 
-def _two_steps(rng: random.Random) -> tuple[str, str, int]:
-    name, item, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 6), rng.randint(1, 3)
-    c = rng.randint(1, a + b)
-    question = f"{name} has {a} {item}, buys {b} more, then loses {c}. How many {item} now?"
-    return question, f"{a} + {b} = {a + b}\n{a + b} - {c} = {a + b - c}", a + b - c
+MAKERS = [_gain, _loss, _groups]
 
 
-def problems(n: int = 400, seed: int = 0) -> list[dict[str, str]]:
-    """`n` distinct problems (GSM8K's columns), the four kinds in turn."""
-    rng, seen, rows = random.Random(seed), set(), []
-    makers = [_gain, _loss, _groups, _two_steps]
-    while len(rows) < n:
-        question, work, answer = makers[len(rows) % len(makers)](rng)
+def _generate(n: int, seed: int, exclude: set[str]) -> list[tuple[str, str, int]]:
+    """`n` distinct (question, worked step, answer) triples, the kinds in turn, none of whose questions is in
+    `exclude`."""
+    rng, seen, out = random.Random(seed), set(exclude), []
+    while len(out) < n:
+        question, work, answer = MAKERS[len(out) % len(MAKERS)](rng)
         if question in seen:
             continue
         seen.add(question)
-        rows.append({"question": question, "answer": f"{work}\n#### {answer}"})
-    return rows
+        out.append((question, work, answer))
+    return out
+
+
+def problems(n: int = 400, seed: int = 0) -> list[dict[str, str]]:
+    """`n` distinct problems (GSM8K's columns), the kinds in turn: the RL tasks."""
+    return [{"question": q, "answer": f"{work}\n#### {answer}"} for q, work, answer in _generate(n, seed, set())]
+
+
+def demonstrations(n: int = 300, seed: int = 1) -> list[dict[str, str]]:
+    """`n` SFT rows on problems that are not RL tasks: the worked step, then the answer boxed as the verifier
+    reads it."""
+    train = {row["question"] for row in problems()}
+    return [{"prompt": q, "completion": f"{work}\n\\boxed{{{answer}}}"} for q, work, answer in _generate(n, seed, train)]
 
 
 def main() -> None:
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("".join(json.dumps(row) + "\n" for row in problems()))
-    print(f"wrote {OUT}")
+    DATA.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train.jsonl", problems()), ("sft.jsonl", demonstrations())):
+        (DATA / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"wrote {DATA / name}")
 
 
 if __name__ == "__main__":

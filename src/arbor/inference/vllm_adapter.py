@@ -1,11 +1,15 @@
 """The vLLM backend (`inference.backend = "vllm"`): every vLLM touch of arbor's server side lives here and in
-`arbor.inference.vllm_worker` (the worker extension vLLM imports by dotted path).
+`arbor.inference.vllm_worker` (the worker extension vLLM imports by dotted path) and
+`arbor.inference.vllm_logits` (the padding-row mask, a logits processor it imports by name).
 
 Shape: vLLM's OpenAI server runs as a child process on a private loopback port, started (by
 `arbor.inference.vllm_launch`, for the CUDA or the CPU build) with the options of `[inference.vllm]`,
 `--worker-extension-cls arbor.inference.vllm_worker.WeightUpdateExtension`,
 `--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
-top_p < 1 those of the truncated nucleus, as the local engine's and the trainer's are) and
+top_p < 1 those of the truncated nucleus, as the local engine's and the trainer's are), when the model's head
+has more rows than the tokenizer has ids `--logits-processors` with `arbor.inference.vllm_logits`'s mask, which
+keeps every request off those padding rows (`padding_bound`; its logprobs are then renormalised over the real
+ids), and
 VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
 thin aiohttp proxy on the configured host/port serves arbor's API:
 
@@ -390,17 +394,28 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
     return _materialize(cfg, fp8=True)
 
 
+def padding_bound(cfg: InferenceConfig, skip_tokenizer: bool) -> int | None:
+    """The tokenizer's id count when the model's head has more rows (vLLM is then kept off the rest by
+    `arbor.inference.vllm_logits`), else None. A directory served on ids only (`skip_tokenizer`) with no
+    `model.tokenizer` has no tokenizer to bound it: every row is an id."""
+    if skip_tokenizer and cfg.model.tokenizer is None:
+        return None
+    vocab = build_tokenizer(cfg.model).vocab_size
+    return vocab if vocab < model_args(cfg.model).vocab_size else None
+
+
 def run(cfg: InferenceConfig) -> int:
     """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
     require_vllm()
     cpu = vllm_build() == "cpu"
     path, skip_tok = model_dir(cfg)
+    vocab = padding_bound(cfg, skip_tok)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu)
+    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None)
     log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
-    proc = subprocess.Popen(argv, env=serve_env(cfg=cfg, cpu=cpu), start_new_session=True)
+    proc = subprocess.Popen(argv, env=serve_env(cfg=cfg, cpu=cpu, vocab=vocab), start_new_session=True)
     upstream = f"http://127.0.0.1:{port}"
 
     async def main() -> None:

@@ -28,6 +28,10 @@ from arbor.config.inference import InferenceConfig
 Build = Literal["cpu", "gpu"]
 ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
 """The OpenAI server module, run with `python -m` (works for the CUDA and CPU distributions alike)."""
+PADDING_MASK = "arbor.inference.vllm_logits:PaddingRowsMask"
+"""The logits processor that keeps vLLM off the head's padding rows (`--logits-processors`)."""
+VOCAB_ENV = "ARBOR_VLLM_VOCAB_SIZE"
+"""Environment variable telling `PADDING_MASK` the tokenizer's id count (rows from it upwards are masked)."""
 
 
 def vllm_build() -> Build | None:
@@ -63,9 +67,11 @@ def render_extra(extra: dict[str, Any]) -> list[str]:
 
 
 def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer: bool = False,
-               cpu: bool = False) -> list[str]:
+               cpu: bool = False, mask_padding: bool = False) -> list[str]:
     """The vLLM server command line for this config (vLLM listens on loopback `port`; the proxy is public).
-    `cpu`: the CPU build serves it (eager mode and the model's dtype unless the config says otherwise)."""
+    `cpu`: the CPU build serves it (eager mode and the model's dtype unless the config says otherwise).
+    `mask_padding`: the head has rows beyond the tokenizer's ids, which `PADDING_MASK` keeps vLLM from
+    sampling (the bound travels in the environment: `serve_env`'s `vocab`)."""
     v = cfg.vllm
     eager = v.enforce_eager if v.enforce_eager is not None else cpu
     dtype = cfg.model.dtype if (cpu and v.dtype == "auto") else v.dtype
@@ -100,13 +106,19 @@ def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer:
         argv.append("--no-enable-chunked-prefill")
     if skip_tokenizer:  # a directory without any tokenizer files: vLLM then works on token ids only
         argv.append("--skip-tokenizer-init")
+    if mask_padding:
+        argv += ["--logits-processors", PADDING_MASK]
     return argv + render_extra(v.extra_args)
 
 
-def serve_env(base: dict[str, str] | None = None, cfg: InferenceConfig | None = None, cpu: bool = False) -> dict[str, str]:
-    """The server's environment: vLLM's dev routes on, and with the CPU build its KV space and thread binding."""
+def serve_env(base: dict[str, str] | None = None, cfg: InferenceConfig | None = None, cpu: bool = False,
+              vocab: int | None = None) -> dict[str, str]:
+    """The server's environment: vLLM's dev routes on, with the CPU build its KV space and thread binding, and
+    with `vocab` (the tokenizer's id count, below the head's rows) the bound of the padding mask."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    if vocab is not None:
+        env[VOCAB_ENV] = str(vocab)
     if cpu:
         v = (cfg or InferenceConfig()).vllm
         env["VLLM_CPU_KVCACHE_SPACE"] = str(v.cpu_kvcache_space)
