@@ -65,12 +65,26 @@ class Sampler:
         for b, s in enumerate(seqs):
             p = s.req.params
             tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size)
-            s.tokens.append(tok)
-            s.logprobs.append(float(logp[b, tok]))
-            s.versions.append(version)
-            if p.top_logprobs:
-                s.top.append(list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])))
-            self._check_finished(s)
+            top = list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])) if p.top_logprobs else None
+            self._append(s, tok, float(logp[b, tok]), version, top)
+
+    def record(self, s: Seq, tok: int, logprobs: torch.Tensor, version: int) -> None:
+        """Appends `tok`, chosen elsewhere (speculative decoding), with its logprob and top alternatives from the
+        target's scaled logprobs `[V]` at its position."""
+        k = s.req.params.top_logprobs
+        top = None
+        if k:
+            vals, ids = logprobs.topk(k)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        self._append(s, tok, float(logprobs[tok]), version, top)
+
+    def _append(self, s: Seq, tok: int, logprob: float, version: int, top: list[tuple[int, float]] | None) -> None:
+        s.tokens.append(tok)
+        s.logprobs.append(logprob)
+        s.versions.append(version)
+        if top is not None:
+            s.top.append(top)
+        self._check_finished(s)
 
     def abort(self, s: Seq) -> None:
         """Ends an unfinished sequence with what it has generated so far."""
