@@ -174,3 +174,36 @@ def test_greedy_rule_and_processed_probabilities():
     logp = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert processed_probs(logp, 0.7, 4).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
     assert processed_probs(logp, 1.0, 3).tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+
+
+def test_metrics_page_and_per_step_figures_report_acceptance_and_decode_speed():
+    import asyncio
+
+    from arbor.inference.server import BackgroundServer
+    from arbor.orchestrator.client import InferenceClient
+    from arbor.orchestrator.figures import StepFigures
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(name="qwen3-test-mtp")
+    model, tokenizer = build_model(cfg), build_tokenizer(cfg)
+    figures = StepFigures.__new__(StepFigures)  # only its decode counters are exercised here
+    figures._last_engine = {}
+
+    async def step_figures(url: str) -> dict[str, float]:
+        async with InferenceClient([url], timeout=30, max_retries=0) as client:
+            return figures.decoding(await client.engine_counters())
+
+    with Engine(model, tokenizer, seq_len=64, max_batch_size=4, draft_tokens=3) as engine, \
+            BackgroundServer(engine, tokenizer, model_name="qwen3-test-mtp") as srv:
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=30, temperature=1.0, n=2, seed=0)).result(60)
+        first, a = asyncio.run(step_figures(srv.url)), engine.stats()
+        engine.submit([4, 5], SamplingParams(max_tokens=20, temperature=0.0)).result(60)
+        second, b = asyncio.run(step_figures(srv.url)), engine.stats()
+    assert first["spec/acceptance_rate"] == pytest.approx(a.accepted_draft_tokens / a.draft_tokens)
+    assert first["spec/mean_accepted_length"] == pytest.approx(a.decode_tokens / a.decode_seq_steps)
+    assert first["spec/mean_accepted_length"] > 1 and first["inference/decode_tokens_per_s"] > 0
+    # each step's figures are its own: the second request's counters alone
+    assert b.decode_tokens - a.decode_tokens == 19
+    assert second["spec/acceptance_rate"] == pytest.approx(
+        (b.accepted_draft_tokens - a.accepted_draft_tokens) / (b.draft_tokens - a.draft_tokens))
+    assert second["spec/mean_accepted_length"] == pytest.approx(19 / (b.decode_seq_steps - a.decode_seq_steps))
