@@ -32,23 +32,25 @@ from arbor.inference.sampler import Sampler, scaled_logprobs
 from arbor.models.qwen3 import lm_logits
 
 
-def processed_probs(logprobs: torch.Tensor, top_p: float, vocab: int) -> torch.Tensor:
-    """The distribution `sampler.draw` samples from, as probabilities `[V]`: ids below `vocab` only, the
-    smallest top-p nucleus (measured on the whole row, then padding ids leave it), renormalised."""
-    real = logprobs[:vocab]
-    weights = (real - real.logsumexp(-1)).exp()
+def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float, vocab: int) -> torch.Tensor:
+    """The distribution `sampler.draw` samples from, as probabilities `[..., V]` for rows of scaled logprobs
+    `[..., V]` with their `top_p` (a float, or one per row): ids below `vocab` only, the smallest top-p nucleus
+    (measured on the whole row, then padding ids leave it; the most likely real id if none is left),
+    renormalised."""
+    real = logprobs[..., :vocab]
+    weights = (real - real.logsumexp(-1, keepdim=True)).exp()
+    top_p = torch.as_tensor(top_p, dtype=logprobs.dtype, device=logprobs.device)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = logprobs.exp().sort(dim=-1, descending=True)
+        # Keep a token if the mass strictly before it is below top_p (as `draw`), rows with top_p = 1 whole.
+        keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p[..., None]) | (top_p[..., None] >= 1.0)
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)[..., :vocab]
+        empty = ~keep.any(-1, keepdim=True)
+        best = torch.zeros_like(keep).scatter_(-1, weights.argmax(-1, keepdim=True), True)
+        weights = torch.where(keep | (empty & best), weights, torch.zeros_like(weights))
     out = torch.zeros_like(logprobs)
-    if top_p >= 1.0:
-        out[:vocab] = weights
-        return out / out.sum()
-    sorted_p, order = logprobs.exp().sort(descending=True)
-    nucleus = order[(sorted_p.cumsum(0) - sorted_p) < top_p]
-    nucleus = nucleus[nucleus < vocab]
-    if nucleus.numel() == 0:  # padding ids took the whole nucleus: the most likely real id (as `draw`)
-        out[int(weights.argmax())] = 1.0
-        return out
-    out[nucleus] = weights[nucleus]
-    return out / out.sum()
+    out[..., :vocab] = weights / weights.sum(-1, keepdim=True)
+    return out
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
@@ -129,13 +131,15 @@ class SpeculativeDecoder:
         logp = scaled_logprobs(logits.reshape(-1, logits.shape[-1]), temps.repeat_interleave(K + 1))
         logp = logp.view(len(seqs), K + 1, -1)
         vocab = self.sampler.vocab_size
+        greedy = logp[:, :, :vocab].argmax(-1).tolist()
+        sampled = [b for b, s in enumerate(seqs) if s.generator is not None]
+        p = processed_probs(logp[sampled], self._top_p([seqs[b] for b in sampled])[:, None], vocab) if sampled else None
         for b, s in enumerate(seqs):
             k = len(drafts[b])
             if s.generator is None:
-                toks = accept_greedy(logp[b, :k + 1, :vocab].argmax(-1).tolist(), drafts[b])
+                toks = accept_greedy(greedy[b][:k + 1], drafts[b])
             else:
-                p = torch.stack([processed_probs(logp[b, j], s.req.params.top_p, vocab) for j in range(k + 1)])
-                toks = accept_sampled(p, q[b], drafts[b], s.generator)
+                toks = accept_sampled(p[sampled.index(b), :k + 1], q[b], drafts[b], s.generator)
             start = s.position
             for j, tok in enumerate(toks):
                 self.sampler.record(s, tok, logp[b, j], version)
@@ -144,6 +148,9 @@ class SpeculativeDecoder:
             stats.draft_tokens += k
             stats.accepted_draft_tokens += len(toks) - 1
             s.spec_pending = (start, hidden[b, :len(toks)])
+
+    def _top_p(self, seqs: list[Seq]) -> torch.Tensor:
+        return torch.tensor([s.req.params.top_p for s in seqs], dtype=torch.float32, device=self.device)
 
     def _budget(self, s: Seq) -> int:
         """Drafts worth verifying for `s`: within its max_tokens (the step adds one token after the drafts) and
@@ -177,21 +184,22 @@ class SpeculativeDecoder:
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        top_p = self._top_p(seqs)
         vocab = self.sampler.vocab_size
         for i in range(max(budgets)):
             logp = scaled_logprobs(model.mtp_logits(0, g).float(), temps)
-            live = [b for b, s in enumerate(seqs) if i < budgets[b]]
-            for b in live:
+            greedy = logp[:, :vocab].argmax(-1).tolist()
+            qs = processed_probs(logp, top_p, vocab)
+            for b in (b for b, s in enumerate(seqs) if i < budgets[b]):
                 s = seqs[b]
                 if s.generator is None:
-                    drafts[b].append(int(logp[b, :vocab].argmax()))
+                    drafts[b].append(greedy[b])
                 else:
-                    qb = processed_probs(logp[b], s.req.params.top_p, vocab)
-                    drafts[b].append(int(torch.multinomial(qb, 1, generator=s.generator)))
-                    probs[b].append(qb)
+                    drafts[b].append(int(torch.multinomial(qs[b], 1, generator=s.generator)))
+                    probs[b].append(qs[b])
             if i + 1 >= max(budgets):
                 break
-            more = [b for b in live if i + 1 < budgets[b]]  # the others repeat their last input (same entry)
+            more = [b for b in range(len(seqs)) if i + 1 < budgets[b]]  # the others repeat their last input
             if not more:
                 break
             idx = torch.tensor(more, dtype=torch.long, device=dev)
