@@ -58,9 +58,14 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generato
     were drawn from; returns the accepted drafts and one token drawn from the residual or, all accepted, from
     `p[k]`. Every returned token is distributed as a draw from `p` at its position."""
     out: list[int] = []
+    if drafts:  # one uniform per draft, drawn at once (independent of everything else, so still exact)
+        rows = torch.arange(len(drafts), device=p.device)
+        ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
+        u = torch.rand(len(drafts), generator=generator, device=p.device)
+        # u < p/q without dividing (q > 0 at each draft: it was drawn from q)
+        keep = (u * q[rows, ids] < p[rows, ids]).tolist()
     for j, d in enumerate(drafts):
-        u = float(torch.rand((), generator=generator, device=p.device))
-        if u * float(q[j, d]) < float(p[j, d]):  # u < p/q without dividing (q[j, d] > 0: d was drawn from q)
+        if keep[j]:
             out.append(d)
             continue
         residual = (p[j] - q[j]).clamp_min(0.0)
