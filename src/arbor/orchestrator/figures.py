@@ -73,7 +73,6 @@ class StepFigures:
             for name, value in (await client.router_stats()).items():  # cumulative fleet counters (replicas > 1)
                 if name in ROUTER_COUNTERS:
                     figures[f"router/{name}"] = value
-            figures.update(self.decoding(await client.engine_counters()))
         figures.update(self.throughput(len(rollouts), times.wait_weights))
         figures.update(self.difficulty_mix(groups))
         figures.update(self.partial(groups))
