@@ -4,7 +4,7 @@ Two real `rl` runs on CPU (reverse_text, a model with one MTP module, speculativ
 only in `trainer.draft.enabled`: "online" trains the MTP module every step with the top-K KL to the policy
 (arbor.trainer.draft), "frozen" keeps it as it was at step 0 while the policy moves. Each step's acceptance rate
 (`spec/acceptance_rate` in metrics.jsonl: drafts accepted / drafted while generating that step's rollouts) is
-read back; the start is the mean of the first `--window` steps, the end the mean of the last `--window`.
+read back (the two runs go side by side; a completed run already in `--output-dir` is read, not rerun); the start is the mean of the first `--window` steps, the end the mean of the last `--window`.
 Target: online ends at >= 0.9 of its start while frozen ends below its own start.
 
 Then decode speed: the online run's final weights serve the same requests (reverse_text-like prompts,
@@ -48,15 +48,31 @@ RUN = [
 ]
 
 
-def rl_run(out: Path, model: str, steps: int, draft_tokens: int, online: bool) -> list[float]:
-    """Runs `rl` and returns each step's acceptance rate."""
-    argv = [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), "--model.name", model,
+def rl_argv(out: Path, model: str, steps: int, draft_tokens: int, online: bool) -> list[str]:
+    return [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), "--model.name", model,
             "--max-steps", str(steps), "--inference.speculative.draft-tokens", str(draft_tokens),
             "--trainer.draft.enabled", "true" if online else "false", *RUN]
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"rl run in {out} failed:\n{proc.stderr[-4000:]}")
-    return [r["spec/acceptance_rate"] for r in read_jsonl(out / "metrics.jsonl")]
+
+
+def acceptance(out: Path, steps: int) -> list[float] | None:
+    """Each step's acceptance rate of a completed run in `out` (None if it has not run all `steps`)."""
+    rows = read_jsonl(out / "metrics.jsonl")
+    return [r["spec/acceptance_rate"] for r in rows] if len(rows) >= steps else None
+
+
+def rl_runs(root: Path, model: str, steps: int, draft_tokens: int) -> dict[str, list[float]]:
+    """Both arms' acceptance rates. The runs go side by side, so machine load hits both alike; an arm whose
+    directory already holds a completed run (a previous invocation with this `--output-dir`) is read back."""
+    procs = {}
+    for arm in ("online", "frozen"):
+        if acceptance(root / arm, steps) is None:
+            argv = rl_argv(root / arm, model, steps, draft_tokens, arm == "online")
+            procs[arm] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for arm, proc in procs.items():
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"rl run in {root / arm} failed:\n{err[-4000:]}")
+    return {arm: acceptance(root / arm, steps) for arm in ("online", "frozen")}  # type: ignore[misc]
 
 
 def decode_speed(model: torch.nn.Module, tokenizer, draft_tokens: int, batch: int, max_tokens: int,
@@ -86,8 +102,7 @@ def main() -> None:
     ap.add_argument("--output-dir", default=None, help="where the runs go (default: a temporary directory)")
     args = ap.parse_args()
     root = Path(args.output_dir or tempfile.mkdtemp(prefix="arbor-mtp-bench-"))
-    rates = {arm: rl_run(root / arm, args.model, args.steps, args.draft_tokens, arm == "online")
-             for arm in ("online", "frozen")}
+    rates = rl_runs(root, args.model, args.steps, args.draft_tokens)
     w = args.window
     ends = {arm: (statistics.mean(r[:w]), statistics.mean(r[-w:])) for arm, r in rates.items()}
     ratio = {arm: end / start for arm, (start, end) in ends.items()}

@@ -142,7 +142,8 @@ class DraftConfig(Config):
     enabled: bool = True
     """Train the MTP modules every step when the model has them; false keeps them as loaded (frozen)."""
     top_k: Count = Field(16, ge=1, le=1024)
-    """K of the top-K KL: the policy's K most likely next tokens (renormalised) the drafts are fitted to."""
+    """K of the top-K KL: the drafts are fitted to the policy's probabilities of its K most likely next tokens
+    and of all the others together."""
     weight: Float = Field(1.0, gt=0)
     """Multiplies the draft loss (it only reaches the MTP modules' gradients)."""
 

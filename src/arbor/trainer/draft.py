@@ -3,9 +3,11 @@
 Inside the policy's own forward (the model calls the `DraftFn` installed here with the decoder's final hidden
 states), MTP depth d at position i reads the previous depth's hidden state there and the embedding of token
 i + d + 1, and is fitted to the policy's next-token distribution at position i + d + 1 (the one that predicts
-token i + d + 2): a top-K KL, `sum_k p_k (log p_k - log q_k)` over the policy's K most likely tokens `p`
-(renormalised over them, detached) against the module's full-vocabulary logprobs `q`, at the training
-temperature. Positions count where tokens i + 1 .. i + d + 2 lie on i's own path (the same sample of a packed
+token i + d + 2): a top-K KL over K + 1 outcomes, the policy's K most likely tokens and "any other token",
+`sum_k p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)`, with `p` the policy's probabilities
+(detached) and `q` the module's, both over the whole vocabulary at the training temperature. The tail term keeps
+the module from piling the policy's whole mass onto its top K: acceptance is 1 - TV(p, q), and a draft fitted to
+a renormalised top K would be over-confident wherever the policy is spread out. Positions count where tokens i + 1 .. i + d + 2 lie on i's own path (the same sample of a packed
 row, descendants of i in a prefix-tree merged row).
 
 Everything the draft loss reads from the policy (hidden states, shared embedding, head weight) is detached, so
@@ -68,14 +70,14 @@ def make_draft_fn(subtree_end: torch.Tensor, temperature: float, top_k: int, chu
 def policy_top_k(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, k: int,
                  chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's `k` most likely tokens per row of normalised hidden states `[N, H]`: their probabilities
-    renormalised over the k `[N, k]` (fp32) and ids `[N, k]`, a chunk of rows at a time."""
+    `[N, k]` (fp32, over the whole vocabulary) and ids `[N, k]`, a chunk of rows at a time."""
     probs, ids = [], []
     for start in range(0, hidden.shape[0], chunk):
         logits = F.linear(hidden[start:start + chunk], weight).float()
         if temperature > 0:
             logits = logits / temperature
         top, idx = logits.topk(k, dim=-1)
-        probs.append(torch.softmax(top, dim=-1))
+        probs.append((top - logits.logsumexp(-1, keepdim=True)).exp())
         ids.append(idx)
     return torch.cat(probs), torch.cat(ids)
 
@@ -112,7 +114,9 @@ def draft_loss(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, 
         q, _ = chunked_token_logprobs(layer.shared_head.norm(out[0, rows]), weight, pair_rows,
                                       target_ids.reshape(-1), temperature, False, chunk)
         q = q.view(-1, k)
-        kl = (target_p * (target_p.clamp_min(1e-30).log() - q)).sum(-1)
+        p_rest = (1.0 - target_p.sum(-1)).clamp_min(0.0)
+        q_rest = (1.0 - q.exp().sum(-1)).clamp_min(1e-12)
+        kl = (torch.xlogy(target_p, target_p) - target_p * q).sum(-1) + torch.xlogy(p_rest, p_rest) - p_rest * q_rest.log()
         total = total + kl.mean()
         kl_sum = kl_sum + kl.detach().sum()
         count = count + rows.numel()
