@@ -4,6 +4,7 @@ test over 20k samples of a small-vocabulary model, with the target's logprobs; t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import Counter
 
@@ -13,10 +14,14 @@ import torch
 from arbor.config.model import ModelConfig
 from arbor.inference.engine import Engine
 from arbor.inference.sampling import SamplingParams
+from arbor.inference.server import BackgroundServer
 from arbor.inference.speculative import accept_greedy, accept_sampled, processed_probs
 from arbor.models import build_model, build_tokenizer
 from arbor.models.args import ModelArgs
+from arbor.models.hf import save_checkpoint_dir
 from arbor.models.qwen3 import Qwen3ForCausalLM
+from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.figures import StepFigures
 
 VOCAB = 6
 
@@ -129,8 +134,6 @@ def test_greedy_speculative_decoding_reproduces_plain_decoding():
 
 
 def test_speculative_decoding_survives_a_weight_update(tmp_path):
-    from arbor.models.hf import save_checkpoint_dir
-
     torch.set_num_threads(1)
     cfg = ModelConfig(name="qwen3-test-mtp")
     model, tokenizer = build_model(cfg), build_tokenizer(cfg)
@@ -177,12 +180,6 @@ def test_greedy_rule_and_processed_probabilities():
 
 
 def test_metrics_page_and_per_step_figures_report_acceptance_and_decode_speed():
-    import asyncio
-
-    from arbor.inference.server import BackgroundServer
-    from arbor.orchestrator.client import InferenceClient
-    from arbor.orchestrator.figures import StepFigures
-
     torch.set_num_threads(1)
     cfg = ModelConfig(name="qwen3-test-mtp")
     model, tokenizer = build_model(cfg), build_tokenizer(cfg)

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from vllm_server import post_json, vllm_server
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm_launch import dry_run_command, serve_argv, speculative_config
+from arbor.models.hf import hf_state_dict
+from arbor.models.tokenizer import ByteTokenizer
 
 
 def _spec_flag(argv: list[str]) -> dict | None:
@@ -46,14 +52,6 @@ def test_bad_speculative_and_draft_values_fail_in_one_line_naming_the_key(argv, 
 def tiny_deepseek_mtp_checkpoint(path: Path) -> Path:
     """A random DeepSeek-V3-architecture checkpoint (MLA, one MoE layer) with one MTP layer stored as DeepSeek
     does (`model.layers.{L}`: enorm, hnorm, eh_proj, shared_head, its own block), and the byte tokenizer."""
-    from types import SimpleNamespace
-
-    from safetensors.torch import save_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from arbor.models.hf import hf_state_dict
-    from arbor.models.tokenizer import ByteTokenizer
-
     cfg = DeepseekV3Config(
         vocab_size=264, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -84,8 +82,6 @@ def tiny_deepseek_mtp_checkpoint(path: Path) -> Path:
 
 
 def _greedy_with_and_without_speculation(tmp_path: Path) -> None:
-    from tests.vllm_server import post_json, vllm_server
-
     model = tiny_deepseek_mtp_checkpoint(tmp_path / "dsv3-mtp")
     body = {"model": str(model), "prompt": [72, 101, 108, 108, 111], "max_tokens": 24, "temperature": 0.0,
             "logprobs": 1}
