@@ -64,6 +64,23 @@ class VLLMConfig(Config):
         return self
 
 
+class SpeculativeConfig(Config):
+    """`[inference.speculative]`: speculative decoding with the model's multi-token-prediction (MTP) modules as
+    drafts (`model.mtp_depth` > 0, or a checkpoint's `num_nextn_predict_layers`); sampled distributions and
+    returned logprobs stay the target policy's."""
+
+    enabled: bool = False
+    """Decode speculatively: the local engine drafts with its MTP module and verifies with one forward
+    (arbor.inference.speculative); vLLM gets `--speculative-config` with method "mtp"."""
+    draft_tokens: Count = Field(3, ge=1, le=16)
+    """Tokens drafted per sequence and step (vLLM's `num_speculative_tokens`)."""
+    method: Literal["mtp", "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp", "mimo_mtp"] = "mtp"
+    """vLLM's speculative method (the local engine always drafts with the model's MTP module): "mtp" lets vLLM
+    pick the model family's MTP drafter."""
+    extra: dict[str, Any] = {}
+    """More keys of vLLM's speculative config (e.g. `draft_tensor_parallel_size`), passed through as they are."""
+
+
 class RouterConfig(Config):
     """The router in front of `replicas` servers: vllm-router when installed, else arbor's built-in one."""
 
@@ -139,6 +156,8 @@ class InferenceConfig(Config):
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()
     """vLLM server options (backend = "vllm")."""
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    """Speculative decoding with the model's MTP draft modules (both backends)."""
     router: RouterConfig = RouterConfig()
     """The router used when replicas > 1."""
 

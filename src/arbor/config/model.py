@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from arbor.config.base import Config, Seed
+from pydantic import Field
+
+from arbor.config.base import Config, Count, Seed
 
 
 class ModelConfig(Config):
     name: str = "qwen3-tiny"
-    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse
+    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-test-mtp, qwen3-tiny-mtp (one MTP draft module), qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse
     attention: dsa-test, dsa-tiny, dsa-moe-test), a local Hugging Face checkpoint directory, or a Hugging Face hub
     id such as "Qwen/Qwen3-4B" (Qwen3, Qwen3-MoE, DeepSeek-V3.2, GLM-5): taken from the Hugging Face cache
     (HF_HOME), downloaded into it by preflight when missing and the hub is reachable (HF_HUB_OFFLINE unset)."""
@@ -31,3 +33,7 @@ class ModelConfig(Config):
     Embeddings, lm_head, norms, MoE routers and routed experts stay in `dtype`. Needs file weight transport."""
     init_seed: Seed = 0
     """Seed of the deterministic initialisation of a preset (ignored for checkpoints)."""
+    mtp_depth: Count | None = Field(None, ge=0, le=8)
+    """Multi-token-prediction draft modules to build (arbor.models.mtp: speculative decoding drafts, trained online
+    by `trainer.draft`); default: the preset's, or the checkpoint's `num_nextn_predict_layers`. A dense Qwen3
+    checkpoint without stored modules starts them from its last decoder layer. Dense Qwen3 models only."""

@@ -149,6 +149,19 @@ class LossConfig(Config):
         return self.name == "gspo" or self.mismatch_correction != "none"
 
 
+class DraftConfig(Config):
+    """`[trainer.draft]`: online training of the model's MTP draft modules (`model.mtp_depth` > 0), the drafts of
+    speculative decoding (arbor.trainer.draft). Their loss never changes the policy's loss or gradients."""
+
+    enabled: bool = True
+    """Train the MTP modules every step when the model has them; false keeps them as loaded (frozen)."""
+    top_k: Count = Field(16, ge=1, le=1024)
+    """K of the top-K KL: the drafts are fitted to the policy's probabilities of its K most likely next tokens
+    and of all the others together."""
+    weight: Float = Field(1.0, gt=0)
+    """Multiplies the draft loss (it only reaches the MTP modules' gradients)."""
+
+
 class CheckpointConfig(Config):
     interval: Int = Field(10, ge=1)
     """Save trainer state every this many steps (and at the last step)."""
@@ -216,6 +229,8 @@ class TrainerConfig(Config):
     """Learning-rate schedule."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
+    draft: DraftConfig = DraftConfig()
+    """Online training of the MTP draft modules (models with `mtp_depth` > 0)."""
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
     parallel: ParallelConfig = ParallelConfig()

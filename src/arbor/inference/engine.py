@@ -3,7 +3,9 @@
 One thread owns the model and the cache. Each turn of its loop it (1) applies control commands (weight updates,
 pause, resume), (2) admits queued requests into free slots (one prefill per prompt; a request with `n > 1`
 copies the prompt's slot to its other samples), and (3) decodes one token for every running sequence with a
-single `[B, 1]` forward. Requests therefore join and leave the running batch between decode steps.
+single `[B, 1]` forward (with `[inference.speculative]`, drafts up to k tokens per sequence with the model's MTP
+module and verifies them in one `[B, k + 1]` forward: arbor.inference.speculative). Requests therefore join and
+leave the running batch between decode steps.
 
 Callers get `concurrent.futures.Future`s; asyncio code awaits them with `asyncio.wrap_future`, which hands the
 result to the event loop with `loop.call_soon_threadsafe`. Torch releases the GIL inside its ops, so an HTTP
@@ -37,6 +39,7 @@ from arbor.inference.runner import ModelRunner
 from arbor.inference.sampler import Sampler
 from arbor.inference.sampling import EngineUnavailable, InvalidRequest, SamplingParams, WeightUpdateError
 from arbor.inference.slots import SlotScheduler
+from arbor.inference.speculative import SpeculativeDecoder
 from arbor.models import build_model, build_tokenizer
 from arbor.models.fp8 import apply_fp8
 from arbor.transport.weights import FilesystemTransport
@@ -68,7 +71,10 @@ class Engine:
         version: int = 0,
         weights: Any = None,
         nucleus_logprobs: bool = False,
+        draft_tokens: int = 0,
     ) -> None:
+        """`draft_tokens > 0`: speculative decoding with the model's MTP module drafting that many tokens per
+        sequence and step (arbor.inference.speculative)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -77,10 +83,14 @@ class Engine:
         self.eos_token_id: int = tokenizer.eos_token_id
         # Loads published directories: checksums verified, bounded by the transport's timeout.
         self.runner = ModelRunner(self.model, seq_len=seq_len, max_batch_size=max_batch_size,
-                                  weights=weights if weights is not None else FilesystemTransport())
+                                  weights=weights if weights is not None else FilesystemTransport(),
+                                  keep_hidden=draft_tokens > 0)
         self._inbox = Inbox(seed)
-        self._scheduler = SlotScheduler(self.runner, Sampler(tokenizer, nucleus_logprobs), self._inbox,
-                                        max_batch_size=max_batch_size, version=version)
+        sampler = Sampler(tokenizer, nucleus_logprobs)
+        spec = (SpeculativeDecoder(self.model, self.runner.kv, sampler, draft_tokens=draft_tokens, seq_len=seq_len)
+                if draft_tokens > 0 else None)
+        self._scheduler = SlotScheduler(self.runner, sampler, self._inbox, max_batch_size=max_batch_size,
+                                        version=version, spec=spec)
         self._loop = _EngineLoop(self._inbox, self._scheduler)
         self._thread = threading.Thread(target=self._loop.run, name="arbor-engine", daemon=True)
 
@@ -261,8 +271,9 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
     apply_fp8(model, cfg.model)  # the trainer's FP8 forward, so both sides compute alike
     tokenizer = build_tokenizer(cfg.model)
     w = cfg.weights
+    spec = cfg.speculative
     engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
                     weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
                                                 checksum=w.checksum),
-                    nucleus_logprobs=True)
+                    nucleus_logprobs=True, draft_tokens=spec.draft_tokens if spec.enabled else 0)
     return engine, tokenizer

@@ -63,6 +63,17 @@ class EngineStats:
     policy_version: int = 0
     max_decode_batch: int = 0
     paused: bool = False
+    decode_tokens: int = 0
+    """Tokens appended by decode steps (the prefill's first token of each sample excluded)."""
+    decode_seq_steps: int = 0
+    """Sequences decoded, summed over decode steps: decode_tokens / decode_seq_steps is the mean number of
+    tokens a sequence gains per step (1 without speculative decoding)."""
+    decode_seconds: float = 0.0
+    """Wall-clock seconds spent in decode steps (decode_tokens / decode_seconds: decode tokens/s)."""
+    draft_tokens: int = 0
+    """Speculative decoding: drafts verified."""
+    accepted_draft_tokens: int = 0
+    """Speculative decoding: drafts accepted (accepted / draft tokens: the acceptance rate)."""
 
 
 class Request:
@@ -107,6 +118,8 @@ class Seq:
         self.stop_reason: str | None = None
         self.text = ""
         self.routes: np.ndarray | None = None  # [seq_len, moe_layers, top_k] for MoE models, by position
+        # speculative decoding: (first position, decoder hidden states [n, H]) awaiting their MTP cache entries
+        self.spec_pending: tuple[int, torch.Tensor] | None = None
 
     @property
     def position(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from arbor.inference.requests import PromptLogprobs, Seq
 from arbor.models.fp8 import dequantize_state
 from arbor.models.hf import copy_state_into, fuse_experts
+from arbor.models.qwen3 import lm_logits
 
 
 def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int) -> PromptLogprobs:
@@ -39,11 +40,15 @@ def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int) -> Prompt
 
 class ModelRunner:
     """Runs `model` over `max_batch_size` cache slots of `seq_len` positions; `weights` loads published
-    directories (a `FilesystemTransport`: checksums verified, bounded by its timeout)."""
+    directories (a `FilesystemTransport`: checksums verified, bounded by its timeout). With `keep_hidden`
+    (speculative decoding) each `forward` leaves the decoder's hidden states of its tokens in `last_hidden`."""
 
-    def __init__(self, model: torch.nn.Module, *, seq_len: int, max_batch_size: int, weights: Any) -> None:
+    def __init__(self, model: torch.nn.Module, *, seq_len: int, max_batch_size: int, weights: Any,
+                 keep_hidden: bool = False) -> None:
         self.model = model
         self.weights = weights
+        self.keep_hidden = keep_hidden
+        self.last_hidden: torch.Tensor | None = None
         self.kv = model.make_kv_cache(max_batch_size, seq_len)
         self.device: torch.device = next(model.parameters()).device
         args = model.args
@@ -103,6 +108,10 @@ class ModelRunner:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+        if self.keep_hidden:
+            hidden = self.model.hidden_states(x, pos, self.kv, slots)
+            self.last_hidden = hidden[0]
+            return lm_logits(self.model, hidden, keep)[0].float()
         return self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=keep)[0].float()
 
     def _record_routes(self, seqs: list[Seq], start: int, length: int) -> None:

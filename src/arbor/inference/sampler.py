@@ -82,18 +82,36 @@ class Sampler:
         top_ids = top_ids.tolist() if k else None
         for b, s in enumerate(seqs):
             p = s.req.params
-            truncated = self.nucleus_logprobs and p.top_p < 1 and p.temperature > 0
-            kept = nucleus(logp[b], p.top_p) if truncated else None
+            kept = self._kept(s, logp[b])
             tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size, kept)
-            s.tokens.append(tok)
-            s.versions.append(version)
-            if kept is None:
-                s.logprobs.append(float(logp[b, tok]))
-                if p.top_logprobs:
-                    s.top.append(list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])))
-            else:
-                self._record_truncated(s, logp[b], kept, tok, top_ids[b] if p.top_logprobs else [])
-            self._check_finished(s)
+            self._append(s, tok, logp[b], version, kept, top_ids[b][:p.top_logprobs] if p.top_logprobs else [],
+                         top_vals[b][:p.top_logprobs] if p.top_logprobs else [])
+
+    def record(self, s: Seq, tok: int, logprobs: torch.Tensor, version: int) -> None:
+        """Appends `tok`, chosen elsewhere (speculative decoding), with its logprob and top alternatives from the
+        target's scaled logprobs `[V]` at its position."""
+        k = s.req.params.top_logprobs
+        vals, ids = logprobs.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        self._append(s, tok, logprobs, version, self._kept(s, logprobs), ids.tolist(), vals.tolist())
+
+    def _kept(self, s: Seq, logp: torch.Tensor) -> torch.Tensor | None:
+        """The row's nucleus when its logprobs are reported truncated, else None."""
+        p = s.req.params
+        return nucleus(logp, p.top_p) if self.nucleus_logprobs and p.top_p < 1 and p.temperature > 0 else None
+
+    def _append(self, s: Seq, tok: int, logp: torch.Tensor, version: int, kept: torch.Tensor | None,
+                top_ids: list[int], top_vals: list[float]) -> None:
+        """Records `tok` with its logprob under `logp` `[V]` (renormalised over the nucleus `kept` when reported
+        truncated) and its listed alternatives, then checks the stop conditions."""
+        s.tokens.append(tok)
+        s.versions.append(version)
+        if kept is None:
+            s.logprobs.append(float(logp[tok]))
+            if top_ids:
+                s.top.append(list(zip(top_ids, top_vals)))
+        else:
+            self._record_truncated(s, logp, kept, tok, top_ids)
+        self._check_finished(s)
 
     @staticmethod
     def _record_truncated(s: Seq, logp: torch.Tensor, kept: torch.Tensor, tok: int, top_ids: list[int]) -> None:

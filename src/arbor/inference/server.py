@@ -354,6 +354,17 @@ class InferenceServer:
             ("prompt_tokens_total", "counter", "Prompt tokens prefilled", s.prompt_tokens),
             ("requests_total", "counter", "Requests admitted", s.requests),
             ("decode_steps_total", "counter", "Batched decode steps", s.decode_steps),
+            ("decode_tokens_total", "counter", "Tokens appended by decode steps", s.decode_tokens),
+            ("decode_seq_steps_total", "counter", "Sequences decoded, summed over decode steps", s.decode_seq_steps),
+            ("decode_seconds_total", "counter", "Seconds spent in decode steps", round(s.decode_seconds, 6)),
+            ("decode_tokens_per_second", "gauge", "Decode tokens per second of decoding since start",
+             s.decode_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0),
+            ("spec_draft_tokens_total", "counter", "Speculative decoding: drafts verified", s.draft_tokens),
+            ("spec_accepted_tokens_total", "counter", "Speculative decoding: drafts accepted", s.accepted_draft_tokens),
+            ("spec_acceptance_rate", "gauge", "Speculative decoding: drafts accepted / verified since start",
+             s.accepted_draft_tokens / s.draft_tokens if s.draft_tokens else 0.0),
+            ("spec_mean_accepted_length", "gauge", "Tokens a sequence gains per decode step since start",
+             s.decode_tokens / s.decode_seq_steps if s.decode_seq_steps else 0.0),
         ]
         lines = []
         for name, kind, help_text, value in rows:

@@ -9,6 +9,7 @@ future resolves when the last one does. An error in one request's forward fails 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -16,16 +17,19 @@ from arbor.inference.inbox import Inbox
 from arbor.inference.requests import EngineStats, Request, Seq, by_request, fail, resolve
 from arbor.inference.runner import ModelRunner
 from arbor.inference.sampler import Sampler
+from arbor.inference.speculative import SpeculativeDecoder
 
 log = logging.getLogger("arbor.inference.engine")
 
 
 class SlotScheduler:
-    """The running batch over `max_batch_size` slots, fed from `inbox`; `stats` counts its work."""
+    """The running batch over `max_batch_size` slots, fed from `inbox`; `stats` counts its work. With `spec`
+    each decode step is a speculative one (arbor.inference.speculative)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, inbox: Inbox, *, max_batch_size: int,
-                 version: int) -> None:
+                 version: int, spec: SpeculativeDecoder | None = None) -> None:
         self.runner = runner
+        self.spec = spec
         self.sampler = sampler
         self.inbox = inbox
         self.stats = EngineStats(policy_version=version)
@@ -41,6 +45,8 @@ class SlotScheduler:
                     req.seqs.append(Seq(req, i, self._free[-1], self.runner.device))
                     self._free.pop()
                 logits = self.runner.prefill(req.seqs)
+                if self.spec is not None:
+                    self.spec.admitted(req.seqs, self.runner.last_hidden)
                 self.stats.requests += 1
                 self.stats.prompt_tokens += len(req.prompt)
                 self.running.extend(req.seqs)
@@ -50,13 +56,24 @@ class SlotScheduler:
                 self._fail_request(req, e)
 
     def decode_step(self) -> None:
-        """Samples the next token of every running sequence with one batched forward."""
+        """Samples the next token of every running sequence with one batched forward (or, speculative, appends
+        the verified drafts and one more token)."""
         seqs = self.running
+        stats = self.stats
         try:
-            logits = self.runner.decode(seqs)
-            self.stats.decode_steps += 1
-            self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(seqs))
-            self._sample(seqs, logits)
+            t0, before = time.perf_counter(), sum(len(s.tokens) for s in seqs)
+            if self.spec is None:
+                logits = self.runner.decode(seqs)
+                self.sampler.sample(seqs, logits, stats.policy_version)
+            else:
+                self.spec.step(seqs, stats.policy_version, stats)
+            stats.decode_steps += 1
+            stats.max_decode_batch = max(stats.max_decode_batch, len(seqs))
+            added = sum(len(s.tokens) for s in seqs) - before
+            stats.decode_tokens += added
+            stats.decode_seq_steps += len(seqs)
+            stats.decode_seconds += time.perf_counter() - t0
+            self._retire(seqs, added)
         except Exception as e:
             log.exception("decode step failed")
             for group in by_request(seqs).values():
@@ -66,7 +83,10 @@ class SlotScheduler:
         """Rebuilds the KV cache of running sequences with the current weights (prompt once per request)."""
         for seqs in by_request(self.running).values():
             try:
-                self.runner.recompute(seqs)
+                if self.spec is not None:
+                    self.spec.recompute(seqs)
+                else:
+                    self.runner.recompute(seqs)
             except Exception as e:
                 self._fail_request(seqs[0].req, e)
 
@@ -104,7 +124,11 @@ class SlotScheduler:
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Samples one token per sequence, then retires the finished ones and resolves completed requests."""
         self.sampler.sample(seqs, logits, self.stats.policy_version)
-        self.stats.generated_tokens += len(seqs)
+        self._retire(seqs, len(seqs))
+
+    def _retire(self, seqs: list[Seq], added: int) -> None:
+        """Counts the `added` tokens, retires the finished sequences and resolves completed requests."""
+        self.stats.generated_tokens += added
         done = [s for s in seqs if s.finish_reason is not None]
         if done:
             for s in done:

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from arbor.config.inference import InferenceConfig
+from arbor.config.inference import InferenceConfig, SpeculativeConfig
 
 Build = Literal["cpu", "gpu"]
 ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
@@ -66,6 +66,12 @@ def render_extra(extra: dict[str, Any]) -> list[str]:
     return out
 
 
+def speculative_config(spec: SpeculativeConfig) -> dict[str, Any]:
+    """vLLM's `--speculative-config` for `[inference.speculative]`: the model's MTP layers draft
+    `num_speculative_tokens` tokens (vLLM reuses the last MTP layer when there are fewer layers than tokens)."""
+    return {"method": spec.method, "num_speculative_tokens": spec.draft_tokens, **spec.extra}
+
+
 def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer: bool = False,
                cpu: bool = False, mask_padding: bool = False) -> list[str]:
     """The vLLM server command line for this config (vLLM listens on loopback `port`; the proxy is public).
@@ -100,6 +106,8 @@ def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer:
         argv += ["--kv-offloading-backend", v.kv_offloading_backend, "--kv-offloading-size", str(v.kv_offloading_size)]
     if cfg.router_replay:
         argv.append("--enable-return-routed-experts")
+    if cfg.speculative.enabled:
+        argv += ["--speculative-config", json.dumps(speculative_config(cfg.speculative), separators=(",", ":"))]
     if cpu and "enable_chunked_prefill" not in v.extra_args:
         # vLLM 0.32's CPU build crashes its engine when a seeded request's prefill is split over steps (it
         # rewinds the request's generator, which CPU generators cannot do): prompts are prefilled whole.

@@ -7,6 +7,7 @@ id (resolved to its cached snapshot, downloaded when missing: arbor.models.hub) 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from arbor.config.model import ModelConfig
@@ -22,9 +23,13 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def model_args(cfg: ModelConfig) -> ModelArgs:
-    if cfg.name in PRESETS:
-        return PRESETS[cfg.name]
-    return ModelArgs.from_dir(resolve_dir(cfg.name))
+    args = PRESETS[cfg.name] if cfg.name in PRESETS else ModelArgs.from_dir(resolve_dir(cfg.name))
+    if cfg.mtp_depth is None or cfg.mtp_depth == getattr(args, "mtp_depth", 0):
+        return args
+    if not isinstance(args, ModelArgs):
+        raise ValueError(f"model.mtp_depth: {cfg.name!r} is a DeepSeek sparse attention model; arbor builds MTP "
+                         "draft modules for dense Qwen3 models only")
+    return dataclasses.replace(args, mtp_depth=cfg.mtp_depth)
 
 
 def build_tokenizer(cfg: ModelConfig) -> Tokenizer:

@@ -36,6 +36,9 @@ class ModelArgs:
     router_aux_loss_coef: float = 0.001
     shared_expert_intermediate_size: int = 0
     """Qwen2-MoE style shared expert (sigmoid-gated dense MLP beside the routed experts); 0 = none, as Qwen3-MoE."""
+    mtp_depth: int = 0
+    """Multi-token-prediction draft modules (DeepSeek-V3 style, arbor.models.mtp); stored in Hugging Face
+    checkpoints as `num_nextn_predict_layers` layers after the decoder's. Dense models only."""
 
     @property
     def is_moe(self) -> bool:
@@ -49,6 +52,8 @@ class ModelArgs:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     def __post_init__(self) -> None:
+        if self.mtp_depth < 0 or (self.mtp_depth and self.is_moe):
+            raise ValueError(f"mtp_depth ({self.mtp_depth}) must be >= 0, and 0 for MoE models (dense MTP modules only)")
         if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]")
         self.mlp_only_layers = tuple(self.mlp_only_layers)
@@ -85,6 +90,7 @@ class ModelArgs:
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             router_aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+            mtp_depth=cfg.get("num_nextn_predict_layers") or 0,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -97,6 +103,8 @@ class ModelArgs:
                 router_aux_loss_coef=self.router_aux_loss_coef,
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
             )
+        if self.mtp_depth:
+            out["num_nextn_predict_layers"] = self.mtp_depth
         return out
 
     def _dense_hf_config(self) -> dict[str, Any]:
@@ -140,7 +148,8 @@ class ModelArgs:
             moe += 3 * h * self.shared_expert_intermediate_size + h
         n_moe = len(self.moe_layers)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * attn + n_moe * moe + (L - n_moe) * 3 * h * i + emb + h
+        mtp = self.mtp_depth * (attn + 3 * h * i + 2 * h * h + 3 * h)  # block, eh_proj, enorm, hnorm, its norm
+        return L * attn + n_moe * moe + (L - n_moe) * 3 * h * i + emb + h + mtp
 
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}

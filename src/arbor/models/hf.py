@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
 from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, quantize_state
+from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer, mtp_from_hf, mtp_to_hf
 
 
 def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
@@ -29,8 +30,11 @@ def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
 def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs, fp8: bool = False) -> dict[str, torch.Tensor]:
     """The state dict as a Hugging Face checkpoint stores it: tied heads are written once, tensors contiguous,
     fused MoE expert tensors split into per-expert `experts.{e}.{gate,up,down}_proj.weight` (the on-disk names
-    transformers and vLLM read); `fp8` quantises the FP8 layers' weights (arbor.models.fp8.quantize_state)."""
+    transformers and vLLM read), MTP modules as the layers after the decoder's (arbor.models.mtp); `fp8`
+    quantises the FP8 layers' weights (arbor.models.fp8.quantize_state)."""
     out = {}
+    if getattr(args, "mtp_depth", 0):
+        state = mtp_to_hf(state, args.num_hidden_layers)
     for k, v in state.items():
         v = v.detach()
         if k.endswith(".mlp.experts.gate_up_proj"):
@@ -89,11 +93,19 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly);
-    FP8 weights are dequantised with their `weight_scale_inv`."""
+    FP8 weights are dequantised with their `weight_scale_inv`. A model with MTP modules loads them from the
+    checkpoint when it has them, else starts them from its last decoder layer."""
     state = read_safetensors_dir(path)
     if getattr(model.args, "num_nextn_predict_layers", 0):
         state = drop_mtp_layers(state, model.args.num_hidden_layers)
-    copy_state_into(model, fuse_experts(dequantize_state(state)), path)
+    state = fuse_experts(dequantize_state(state))
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None and len(mtp) and not has_mtp_weights(mtp_from_hf(state, model.args.num_hidden_layers)):
+        own = {k: v for k, v in model.state_dict().items() if k.startswith("mtp.")}
+        copy_state_into(model, {**state, **own}, path)
+        init_mtp_from_last_layer(model)
+        return
+    copy_state_into(model, state, path)
 
 
 def drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -109,6 +121,8 @@ def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
     """Checks every tensor of `state` against `model` before copying any, so a mismatched checkpoint leaves the
     model untouched (the inference engine keeps serving its old weights)."""
     args: ModelArgs = model.args
+    if getattr(args, "mtp_depth", 0):
+        state = mtp_from_hf(state, args.num_hidden_layers)
     own = dict(model.named_parameters())
     if args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}

@@ -22,6 +22,18 @@ PRESETS: dict[str, ModelArgs | DSAArgs] = {
         vocab_size=BYTE_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
         num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10_000.0, max_position_embeddings=2048,
     ),
+    # qwen3-test and qwen3-tiny with one MTP draft module (speculative decoding, online draft training): the
+    # module's block is initialised from the last decoder layer (arbor.models.mtp.init_mtp_from_last_layer).
+    "qwen3-test-mtp": ModelArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10_000.0, max_position_embeddings=512,
+        mtp_depth=1,
+    ),
+    "qwen3-tiny-mtp": ModelArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=1024,
+        mtp_depth=1,
+    ),
     # ~0.2M parameters, 4 experts top-2: MoE unit and distributed tests.
     "qwen3-moe-test": ModelArgs(
         vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

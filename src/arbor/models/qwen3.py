@@ -17,6 +17,7 @@ from torch import nn
 
 from arbor.models.args import ModelArgs
 from arbor.models.attention import KVCache, attend
+from arbor.models.mtp import MTPLayer, init_mtp_from_last_layer
 
 
 class RMSNorm(nn.Module):
@@ -156,12 +157,22 @@ def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int, head_fn: H
     return model.lm_head(x)
 
 
+DraftFn = Callable[..., Any]
+"""Trains the MTP modules inside a forward: `draft_fn(model, hidden [B, T, H] before the final norm, input_ids,
+rope, position_ids, attn_mask)`; what it returns is left in `model.draft_out` (arbor.trainer.draft). Called
+inside the forward for the same reason as `HeadFn`: the shared embedding and head are usable there under FSDP2."""
+
+
 class Qwen3ForCausalLM(nn.Module):
-    """Decoder with a language-model head; `forward` returns logits `[B, T, vocab]` (fp32 upcast left to callers)."""
+    """Decoder with a language-model head; `forward` returns logits `[B, T, vocab]` (fp32 upcast left to callers).
+    With `args.mtp_depth`, `mtp` holds the multi-token-prediction draft modules (arbor.models.mtp)."""
 
     accepts_block_mask = True
     """Its attention takes a FlexAttention `BlockMask` as `attn_mask` (arbor.models.attention.attend); the trainer
     passes dense masks to models without this attribute."""
+    draft_fn: DraftFn | None = None
+    """Set by the trainer while it trains the MTP modules (`DraftFn`)."""
+    draft_out: Any = None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -170,6 +181,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        L = args.num_hidden_layers
+        # Registered after the decoder, so a preset's decoder draws the same initial weights with or without them.
+        self.mtp = nn.ModuleList(MTPLayer(args, DecoderLayer(args, L + d), RMSNorm) for d in range(args.mtp_depth))
 
     def forward(
         self,
@@ -187,7 +201,29 @@ class Qwen3ForCausalLM(nn.Module):
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
         for layer in self.model.layers:
             x = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots)
+        if self.draft_fn is not None and len(self.mtp):
+            self.draft_out = self.draft_fn(self, x, input_ids, rope, position_ids, attn_mask)
         return lm_logits(self, x, logits_to_keep, head_fn)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache,
+                      cache_slots: torch.Tensor) -> torch.Tensor:
+        """The decoder's final hidden states `[B, T, H]` before the final norm (what the MTP modules read);
+        `lm_logits(model, hidden, 0)` turns them into logits."""
+        x, rope, position_ids = embed(self.model, input_ids, position_ids)
+        for layer in self.model.layers:
+            x = layer(x, rope, position_ids, None, kv_cache, cache_slots)
+        return x
+
+    def mtp_hidden(self, depth: int, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                   cache_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """MTP module `depth` at `position_ids` given the previous depth's `hidden` and the ids of the tokens one
+        position ahead (`next_ids`); its hidden states `[B, T, H]` before `shared_head.norm`."""
+        emb, rope, position_ids = embed(self.model, next_ids, position_ids)
+        return self.mtp[depth](hidden, emb, rope, position_ids, attn_mask, kv_cache, cache_slots)
+
+    def mtp_logits(self, depth: int, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mtp[depth].shared_head.norm(out))
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic initialisation from `seed` (same weights in every process that calls it)."""
@@ -198,8 +234,12 @@ class Qwen3ForCausalLM(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        if len(self.mtp):
+            init_mtp_from_last_layer(self)
 
     def make_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """One cache layer per decoder layer, then one per MTP module (their blocks' layer indices)."""
         a = self.args
         p = next(self.parameters())
-        return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, max_len, a.head_dim, p.dtype, p.device)
+        return KVCache(a.num_hidden_layers + len(self.mtp), num_slots, a.num_key_value_heads, max_len, a.head_dim,
+                       p.dtype, p.device)

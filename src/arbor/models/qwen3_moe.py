@@ -179,6 +179,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList()  # MTP draft modules are dense-only (ModelArgs.mtp_depth)
         self.last_routed_experts: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
         # Set by context parallelism (arbor.trainer.context_parallel): which local tokens count in the aux loss

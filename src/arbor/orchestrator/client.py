@@ -29,7 +29,7 @@ from pydantic import SecretStr
 
 from arbor.transport.admin import bearer_headers
 from arbor.transport.routes import decode_routes
-from arbor.transport.router import parse_router_metrics
+from arbor.transport.router import ENGINE_PREFIX, METRIC_PREFIX, parse_metrics
 
 log = logging.getLogger("arbor.orchestrator.client")
 
@@ -162,14 +162,28 @@ class InferenceClient:
 
     async def router_stats(self) -> dict[str, float]:
         """The router's fleet counters (retries, ejections, re-admissions) when `base_urls` is one router."""
-        assert self._session is not None
         if len(self.base_urls) != 1:
             return {}
+        return await self._metrics(self.base_urls[0], METRIC_PREFIX)
+
+    async def engine_counters(self) -> dict[str, float]:
+        """The local engines' cumulative decode counters (`arbor_*` on /metrics: decode tokens, seconds and
+        sequence-steps, speculative drafts and acceptances), summed over `base_urls`; empty behind a router or
+        with vLLM, whose pages carry none."""
+        totals: dict[str, float] = {}
+        for base in self.base_urls:
+            for name, value in (await self._metrics(base, ENGINE_PREFIX)).items():
+                if name.endswith("_total"):
+                    totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    async def _metrics(self, base: str, prefix: str) -> dict[str, float]:
+        assert self._session is not None
         try:
-            async with self._session.get(self.base_urls[0] + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                return parse_router_metrics(await r.text()) if r.status == 200 else {}
+            async with self._session.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return parse_metrics(await r.text(), prefix) if r.status == 200 else {}
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("router metrics unavailable: %s", e)
+            log.warning("metrics of %s unavailable: %s", base, e)
             return {}
 
     async def wait_healthy(self, timeout: float) -> int:

@@ -59,6 +59,7 @@ class StepFigures:
         self._last_finished = 0
         self._last_aborted = 0
         self._last_rejected = 0
+        self._last_engine: dict[str, float] = {}
 
     async def step(self, step: int, groups: list[list[Rollout]], batches: list[StepBatch], times: StepTimes,
                    weights: WeightSync | None, client: InferenceClient | None) -> dict[str, Any]:
@@ -76,6 +77,23 @@ class StepFigures:
         figures.update(self.difficulty_mix(groups))
         figures.update(self.partial(groups))
         return figures
+
+    def decoding(self, counters: dict[str, float]) -> dict[str, float]:
+        """Since the last step, from the engines' cumulative counters: `inference/decode_tokens_per_s` (tokens
+        decode steps appended per second of decoding) and, with speculative decoding, `spec/acceptance_rate`
+        (drafts accepted / drafted) and `spec/mean_accepted_length` (tokens a sequence gains per step)."""
+        last, self._last_engine = self._last_engine, counters
+        d = {k: v - last.get(k, 0.0) for k, v in counters.items()}
+        if any(v < 0 for v in d.values()):  # a server restarted: its counters began again
+            d = dict(counters)
+        out = {}
+        if d.get("decode_seconds_total", 0.0) > 0:
+            out["inference/decode_tokens_per_s"] = d.get("decode_tokens_total", 0.0) / d["decode_seconds_total"]
+        if d.get("spec_draft_tokens_total", 0.0) > 0:
+            out["spec/acceptance_rate"] = d.get("spec_accepted_tokens_total", 0.0) / d["spec_draft_tokens_total"]
+            if d.get("decode_seq_steps_total", 0.0) > 0:
+                out["spec/mean_accepted_length"] = d.get("decode_tokens_total", 0.0) / d["decode_seq_steps_total"]
+        return out
 
     def rollouts(self, step: int, rollouts: list[Rollout], times: StepTimes, weights: WeightSync | None,
                  client: InferenceClient | None) -> dict[str, Any]:

@@ -204,6 +204,8 @@ class Orchestrator:
         batches = self.writer.write(step, [r for g in groups for r in g])
         times = StepTimes(gen_seconds, waited, time.perf_counter() - t0)
         figures = await self.figures.step(step, groups, batches, times, weights, client)
+        if client is not None:  # decode speed and speculative acceptance over the step (local engines)
+            figures.update(self.figures.decoding(await client.engine_counters()))
         if client is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
             t_eval = time.perf_counter()
             figures.update(await evaluate(client_generator(client, cfg.eval), self.tokenizer, cfg.eval,

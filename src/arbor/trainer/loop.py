@@ -15,7 +15,8 @@ trainer starved of rollouts; also as `throughput/trainer_wait_frac`, which the o
 reads), `time/compute`, `time/publish`,
 `time/checkpoint` (of the previous checkpoint), `weights/bytes_moved` (bytes the weight update moved: less than
 `weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
-figures (see arbor.trainer.loss; `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
+figures (see arbor.trainer.loss; `draft/kl`, the MTP draft modules' top-K KL to the policy, when they are
+trained (arbor.trainer.draft); `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
 `build_reference` builds from the initial weights), and `time` / `elapsed_s` (arbor.monitor.metrics.RunClock).
 
 `max_minutes`: the first step that ends with `elapsed_s` past the budget is checkpointed, rank 0 writes
@@ -133,7 +134,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         figures = train_step(
             model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
             forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,
-            mini_batches=cfg.mini_batches, epochs=cfg.epochs,
+            mini_batches=cfg.mini_batches, epochs=cfg.epochs, draft=cfg.draft,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from arbor.config.trainer import LossConfig
+from arbor.config.trainer import DraftConfig, LossConfig
 from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
+from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
 from arbor.trainer.logprobs import (chunked_token_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
                                     shifted_chunked_logprobs)
 from arbor.trainer.loss import LossContext, LossFn
-from arbor.trainer.parallel import clip_grad_norm
 from arbor.transport.batch import MicroBatch, StepBatch
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,7 @@ def train_step(
     router_replay: bool = False,
     mini_batches: int = 1,
     epochs: int = 1,
+    draft: DraftConfig | None = None,
 ) -> dict[str, float]:
     """Trains on this rank's micro-batches, `mini_batches` optimizer steps per pass over them and `epochs`
     passes; returns the step's global figures.
@@ -244,7 +245,9 @@ def train_step(
     0 counts the figures. An MoE model's load-balancing loss (`model.aux_loss`, per micro-batch) is added with
     weight 1/micro-batches of the mini-batch per rank. With more than one optimizer step per batch the proximal
     logprobs (arbor.trainer.loss) are computed first, with no gradient; the token figures (mismatch_kl,
-    entropy, staleness) are counted in the first epoch and the loss figures averaged over the epochs.
+    entropy, staleness) are counted in the first epoch and the loss figures averaged over the epochs. With
+    `draft` enabled and MTP modules in the model, each micro-batch's forward also trains them
+    (arbor.trainer.draft; `draft/kl` in the figures).
     """
     cp_ctx = getattr(model, "_arbor_cp", None)
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
@@ -260,12 +263,12 @@ def train_step(
             for i in group:
                 logprobs, entropy, mask = _micro_batch_backward(
                     model, batch, batch.micro_batches[i], proximal[i], loss_fn, loss_cfg, device,
-                    dp_size / normaliser, len(group), forward_ctx, ref_model, router_replay, acc, epochs,
+                    dp_size / normaliser, len(group), forward_ctx, ref_model, router_replay, acc, epochs, draft,
                 )
                 if epoch == 0:
                     seen = logprobs if proximal[i] is None else proximal[i]  # the policy before any update
                     _account(acc, batch.micro_batches[i], mask, seen, entropy, batch.step, device)
-            grad_norm = clip_grad_norm(model, max_norm)
+            grad_norm = clip_grad_norm_split(model, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
@@ -310,13 +313,22 @@ def _micro_batch_backward(
     model: nn.Module, batch: StepBatch, mb: MicroBatch, proximal: torch.Tensor | None, loss_fn: LossFn,
     loss_cfg: LossConfig, device: torch.device, scale: float, n_mb: int,
     forward_ctx: contextlib.AbstractContextManager | None, ref_model: nn.Module | None, router_replay: bool,
-    acc: _Accumulator, epochs: int,
+    acc: _Accumulator, epochs: int, draft: DraftConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (its loss times `scale`); adds the loss figures to `acc`
     (each epoch's share 1/epochs). Returns the detached logprobs, the entropy and the loss mask."""
-    with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-        logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay,
-                                                 top_p=batch.top_p)
+    trains_drafts = draft is not None and draft.enabled and draft_modules(model) is not None
+    if trains_drafts:
+        end = mb.subtree_end if mb.merged else subtree_end_for(mb.seq_lens, mb.input_ids.shape[0])
+        model.draft_fn = make_draft_fn(end.to(device), batch.temperature, draft.top_k, logprob_chunk(model))
+    try:
+        with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
+            logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay,
+                                                     top_p=batch.top_p)
+        drafted: DraftOut | None = model.draft_out if trains_drafts else None
+    finally:
+        if trains_drafts:
+            model.draft_fn = model.draft_out = None
     mask = mb.loss_mask.to(device, non_blocking=True)
     ctx = LossContext(
         mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True), proximal_logprobs=proximal,
@@ -334,6 +346,10 @@ def _micro_batch_backward(
     if aux is not None:
         total = total + aux / n_mb
         acc.add("aux_loss_sum", aux / n_mb * mask.sum() / epochs)  # reported per loss token like the loss metrics
+    if drafted is not None:
+        total = total + draft.weight * drafted.loss / n_mb
+        acc.add("draft_kl_total", drafted.kl_sum / epochs)  # averaged over the passes, like the loss figures
+        acc.add("draft_positions", drafted.positions / epochs)
     total.backward()
     acc.add("loss_sum", out.loss_sum / epochs)
     for key, value in out.metrics.items():  # a namespaced key (distill/...) keeps its own namespace
@@ -389,6 +405,10 @@ def _figures(acc: _Accumulator, world_size: int, normaliser: int) -> dict[str, f
         "num_tokens": sums.pop("num_tokens"),
         "loss_tokens": loss_tokens,
     }
+    draft_positions = sums.pop("draft_positions", 0.0)
+    draft_kl = sums.pop("draft_kl_total", 0.0)
+    if draft_positions > 0:
+        out["draft/kl"] = draft_kl / draft_positions
     stale_tokens = sums.pop("staleness_tokens")
     stale_sum = sums.pop("staleness_sum")
     if stale_tokens > 0:

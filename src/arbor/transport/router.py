@@ -18,14 +18,23 @@ METRIC_PREFIX = "arbor_router_"
 VLLM_ROUTER_POLICY = {"round_robin": "round_robin", "least_outstanding": "power_of_two", "consistent_hash": "consistent_hash"}
 
 
+ENGINE_PREFIX = "arbor_"
+"""The local engine's /metrics lines (arbor.inference.server): decode and speculative-decoding counters."""
+
+
 def parse_router_metrics(text: str) -> dict[str, float]:
     """The fleet-wide `arbor_router_*` counters of a /metrics page (empty when it is not a router's)."""
+    return parse_metrics(text, METRIC_PREFIX)
+
+
+def parse_metrics(text: str, prefix: str) -> dict[str, float]:
+    """The unlabelled `<prefix><name> <value>` lines of a Prometheus text page, by name without the prefix."""
     out = {}
     for line in text.splitlines():
-        if line.startswith(METRIC_PREFIX) and "{" not in line:
+        if line.startswith(prefix) and "{" not in line:
             name, _, value = line.partition(" ")
             try:
-                out[name[len(METRIC_PREFIX):]] = float(value)
+                out[name[len(prefix):]] = float(value)
             except ValueError:
                 continue
     return out

@@ -1,0 +1,220 @@
+"""Speculative decoding for the local engine, drafting with the model's first MTP module (arbor.models.mtp).
+
+Each decode step (1) drafts up to k tokens per running sequence with the MTP module, (2) verifies every draft
+with one target forward of `[B, k + 1]` tokens (the newest token and the drafts), and (3) accepts a prefix of
+the drafts and appends one more token, so a sequence gains between 1 and k + 1 tokens per step.
+
+Exactness. Acceptance is the standard speculative-sampling rule against the target's *processed*
+distribution `p` (temperature, top-p nucleus, tokenizer ids only: exactly what `sampler.draw` samples from)
+and the draft's distribution `q` processed the same way: draft d is kept with probability min(1, p(d) / q(d));
+at the first rejection the token is drawn from the residual `max(p - q, 0)` renormalised; when every draft is
+kept one more token is drawn from `p` after the last. Each emitted token is therefore distributed exactly as
+under plain decoding. Greedy requests (temperature 0) keep a draft iff it equals the target's argmax, so they
+produce exactly plain decoding's tokens. The logprob recorded for each token is the target's (the convention
+of arbor.inference.sampling), from the verifying forward; its version is the loaded policy's, as today.
+
+Caches. Rejected drafts need no rollback: a slot's KV entries are addressed by position and a query attends
+only to positions at or before its own, so entries past the accepted length are never read before the next
+forward at those positions overwrites them. The MTP module keeps its own cache layer (after the decoder's).
+Its entry at position j reads the decoder's hidden state at j and token j + 1, so it is written once token
+j + 1 is known ("catch-up", from the hidden states the verifying forward kept); drafting then continues
+autoregressively past the newest token, the module's own output standing in for the decoder's hidden state.
+Sequences in one batch may draft different numbers of tokens (near their `max_tokens` or the cache end):
+shorter rows repeat their last input, which rewrites the same entry with the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arbor.inference.requests import EngineStats, Seq
+from arbor.inference.sampler import Sampler, scaled_logprobs
+from arbor.models.qwen3 import lm_logits
+
+
+def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float, vocab: int) -> torch.Tensor:
+    """The distribution `sampler.draw` samples from, as probabilities `[..., V]` for rows of scaled logprobs
+    `[..., V]` with their `top_p` (a float, or one per row): ids below `vocab` only, the smallest top-p nucleus
+    (measured on the whole row, then padding ids leave it; the most likely real id if none is left),
+    renormalised."""
+    real = logprobs[..., :vocab]
+    weights = (real - real.logsumexp(-1, keepdim=True)).exp()
+    top_p = torch.as_tensor(top_p, dtype=logprobs.dtype, device=logprobs.device)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = logprobs.exp().sort(dim=-1, descending=True)
+        # Keep a token if the mass strictly before it is below top_p (as `draw`), rows with top_p = 1 whole.
+        keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p[..., None]) | (top_p[..., None] >= 1.0)
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)[..., :vocab]
+        empty = ~keep.any(-1, keepdim=True)
+        best = torch.zeros_like(keep).scatter_(-1, weights.argmax(-1, keepdim=True), True)
+        weights = torch.where(keep | (empty & best), weights, torch.zeros_like(weights))
+    out = torch.zeros_like(logprobs)
+    out[..., :vocab] = weights / weights.sum(-1, keepdim=True)
+    return out
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
+    """Speculative sampling: target probabilities `p [k + 1, V]`, draft probabilities `q [k, V]` that `drafts`
+    were drawn from; returns the accepted drafts and one token drawn from the residual or, all accepted, from
+    `p[k]`. Every returned token is distributed as a draw from `p` at its position."""
+    out: list[int] = []
+    if drafts:  # one uniform per draft, drawn at once (independent of everything else, so still exact)
+        rows = torch.arange(len(drafts), device=p.device)
+        ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
+        u = torch.rand(len(drafts), generator=generator, device=p.device)
+        # u < p/q without dividing (q > 0 at each draft: it was drawn from q)
+        keep = (u * q[rows, ids] < p[rows, ids]).tolist()
+    for j, d in enumerate(drafts):
+        if keep[j]:
+            out.append(d)
+            continue
+        residual = (p[j] - q[j]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual's mass is nil, p itself
+            residual = p[j]
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    return out
+
+
+def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """Greedy verification: drafts kept while they equal the target's argmax `target [k + 1]`, then the target's
+    own token at the first difference (or after the last draft)."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        if d != target[j]:
+            break
+        out.append(d)
+    out.append(target[len(out)])
+    return out
+
+
+class SpeculativeDecoder:
+    """Drafts and verifies `draft_tokens` tokens per sequence and step over the runner's model and KV cache.
+
+    Per sequence it keeps `spec_pending`: (first position, the decoder's hidden states `[n, H]` from there)
+    whose MTP cache entries are not written yet (their next tokens are known now)."""
+
+    def __init__(self, model: torch.nn.Module, kv, sampler: Sampler, *, draft_tokens: int, seq_len: int) -> None:
+        if not len(getattr(model, "mtp", ())):
+            raise ValueError("inference.speculative.enabled needs a model with MTP modules (model.mtp_depth > 0)")
+        self.model, self.kv, self.sampler = model, kv, sampler
+        self.k, self.seq_len = draft_tokens, seq_len
+        self.device = next(model.parameters()).device
+
+    def admitted(self, seqs: list[Seq], prompt_hidden: torch.Tensor) -> None:
+        """After a prefill: the prompt's hidden states `[P, H]` are pending for every sample of the request."""
+        for s in seqs:
+            s.spec_pending = (0, prompt_hidden)
+
+    def recompute(self, seqs: list[Seq]) -> None:
+        """Rewrites each sequence's cache with the current weights (all positions before its newest token)."""
+        for s in seqs:
+            ids = s.req.prompt + s.tokens[:-1]
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            pos = torch.arange(len(ids), device=self.device)[None]
+            slots = torch.tensor([s.slot], dtype=torch.long, device=self.device)
+            s.spec_pending = (0, self.model.hidden_states(x, pos, self.kv, slots)[0])
+
+    def step(self, seqs: list[Seq], version: int, stats: EngineStats) -> None:
+        """Drafts, verifies and appends the accepted tokens of every sequence (`sampler.record`)."""
+        budgets = [self._budget(s) for s in seqs]
+        drafts, q = self._draft(seqs, budgets)
+        K = max(budgets)
+        rows_ids, rows_pos = [], []
+        for s, d in zip(seqs, drafts):
+            ids = [s.tokens[-1]] + d
+            pos = list(range(s.position, s.position + len(ids)))
+            rows_ids.append(ids + [ids[-1]] * (K + 1 - len(ids)))  # shorter rows repeat their last input
+            rows_pos.append(pos + [pos[-1]] * (K + 1 - len(pos)))
+        x = torch.tensor(rows_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(rows_pos, dtype=torch.long, device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        hidden = self.model.hidden_states(x, pos, self.kv, slots)
+        logits = lm_logits(self.model, hidden, 0).float()
+        temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=self.device)
+        logp = scaled_logprobs(logits.reshape(-1, logits.shape[-1]), temps.repeat_interleave(K + 1))
+        logp = logp.view(len(seqs), K + 1, -1)
+        vocab = self.sampler.vocab_size
+        greedy = logp[:, :, :vocab].argmax(-1).tolist()
+        sampled = [b for b, s in enumerate(seqs) if s.generator is not None]
+        p = processed_probs(logp[sampled], self._top_p([seqs[b] for b in sampled])[:, None], vocab) if sampled else None
+        for b, s in enumerate(seqs):
+            k = len(drafts[b])
+            if s.generator is None:
+                toks = accept_greedy(greedy[b][:k + 1], drafts[b])
+            else:
+                toks = accept_sampled(p[sampled.index(b), :k + 1], q[b], drafts[b], s.generator)
+            start = s.position
+            for j, tok in enumerate(toks):
+                self.sampler.record(s, tok, logp[b, j], version)
+                if s.finish_reason is not None:
+                    break
+            stats.draft_tokens += k
+            stats.accepted_draft_tokens += len(toks) - 1
+            s.spec_pending = (start, hidden[b, :len(toks)])
+
+    def _top_p(self, seqs: list[Seq]) -> torch.Tensor:
+        return torch.tensor([s.req.params.top_p for s in seqs], dtype=torch.float32, device=self.device)
+
+    def _budget(self, s: Seq) -> int:
+        """Drafts worth verifying for `s`: within its max_tokens (the step adds one token after the drafts) and
+        the cache (the verifying forward writes positions position .. position + k)."""
+        left = s.req.params.max_tokens - len(s.tokens) - 1
+        return max(0, min(self.k, left, self.seq_len - 1 - s.position))
+
+    def _draft(self, seqs: list[Seq], budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Catch-up of the MTP cache over each sequence's pending positions, then `budgets[b]` drafts per
+        sequence; returns the drafts and, for sampled sequences, their processed probabilities `[k, V]`."""
+        dev, model = self.device, self.model
+        N = max(s.spec_pending[1].shape[0] for s in seqs)
+        hid, nxt, pos, ns = [], [], [], []
+        for s in seqs:
+            start, h = s.spec_pending
+            n = h.shape[0]
+            ns.append(n)
+            ids = (s.req.prompt + s.tokens)[start + 1:start + n + 1]
+            hid.append(torch.cat([h, h[-1:].expand(N - n, -1)]))
+            nxt.append(ids + [ids[-1]] * (N - n))
+            pos.append(list(range(start, start + n)) + [start + n - 1] * (N - n))
+            s.spec_pending = None
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        inp_h = torch.stack(hid)
+        inp_id = torch.tensor(nxt, dtype=torch.long, device=dev)
+        inp_pos = torch.tensor(pos, dtype=torch.long, device=dev)
+        out = model.mtp_hidden(0, inp_h, inp_id, inp_pos, kv_cache=self.kv, cache_slots=slots)
+        last = torch.tensor(ns, dtype=torch.long, device=dev) - 1  # each row's last real input
+        rows = torch.arange(len(seqs), device=dev)
+        g, cur_h, cur_id, cur_pos = out[rows, last], inp_h[rows, last], inp_id[rows, last], inp_pos[rows, last]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        top_p = self._top_p(seqs)
+        vocab = self.sampler.vocab_size
+        for i in range(max(budgets)):
+            logp = scaled_logprobs(model.mtp_logits(0, g).float(), temps)
+            greedy = logp[:, :vocab].argmax(-1).tolist()
+            qs = processed_probs(logp, top_p, vocab)
+            for b in (b for b, s in enumerate(seqs) if i < budgets[b]):
+                s = seqs[b]
+                if s.generator is None:
+                    drafts[b].append(greedy[b])
+                else:
+                    drafts[b].append(int(torch.multinomial(qs[b], 1, generator=s.generator)))
+                    probs[b].append(qs[b])
+            if i + 1 >= max(budgets):
+                break
+            more = [b for b in range(len(seqs)) if i + 1 < budgets[b]]  # the others repeat their last input
+            if not more:
+                break
+            idx = torch.tensor(more, dtype=torch.long, device=dev)
+            cur_h = cur_h.clone()
+            cur_h[idx] = g[idx]
+            cur_id = cur_id.clone()
+            cur_id[idx] = torch.tensor([drafts[b][-1] for b in more], dtype=torch.long, device=dev)
+            cur_pos = cur_pos.clone()
+            cur_pos[idx] = torch.tensor([seqs[b].position + i for b in more], dtype=torch.long, device=dev)
+            g = model.mtp_hidden(0, cur_h[:, None], cur_id[:, None], cur_pos[:, None], kv_cache=self.kv,
+                                 cache_slots=slots)[:, 0]
+        q = [torch.stack(p) if p else None for p in probs]
+        return drafts, q

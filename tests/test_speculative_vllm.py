@@ -1,0 +1,109 @@
+"""`[inference.speculative]` rendered into vLLM's `--speculative-config` (method mtp), its config errors, and real
+vLLM servers drafting with a tiny DeepSeek-V3-style checkpoint's MTP layer (greedy tokens unchanged by it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from vllm_server import post_json, vllm_server
+
+from arbor.config.inference import InferenceConfig
+from arbor.config.loader import ConfigError, load_config
+from arbor.config.rl import RLConfig
+from arbor.inference.vllm_launch import dry_run_command, serve_argv, speculative_config
+from arbor.models.hf import hf_state_dict
+from arbor.models.tokenizer import ByteTokenizer
+
+
+def _spec_flag(argv: list[str]) -> dict | None:
+    return json.loads(argv[argv.index("--speculative-config") + 1]) if "--speculative-config" in argv else None
+
+
+def test_speculative_config_renders_vllm_mtp_method():
+    assert _spec_flag(serve_argv(InferenceConfig(), "/m", 1)) is None
+    cfg = InferenceConfig.model_validate({"speculative": {"enabled": True, "draft_tokens": 2}})
+    assert _spec_flag(serve_argv(cfg, "/m", 1)) == {"method": "mtp", "num_speculative_tokens": 2}
+    cfg = InferenceConfig.model_validate({"speculative": {"enabled": True, "method": "deepseek_mtp",
+                                                          "extra": {"draft_tensor_parallel_size": 1}}})
+    assert speculative_config(cfg.speculative) == {"method": "deepseek_mtp", "num_speculative_tokens": 3,
+                                                   "draft_tensor_parallel_size": 1}
+    assert "--speculative-config" in dry_run_command(cfg)
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--inference.speculative.draft-tokens", "0"], "inference.speculative.draft_tokens"),
+    (["--inference.speculative.method", "eagle9"], "inference.speculative.method"),
+    (["--trainer.draft.top-k", "0"], "trainer.draft.top_k"),
+    (["--trainer.draft.weight", "-1"], "trainer.draft.weight"),
+    (["--model.mtp-depth", "99"], "model.mtp_depth"),
+])
+def test_bad_speculative_and_draft_values_fail_in_one_line_naming_the_key(argv, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, argv, env={})
+    assert "\n" not in str(e.value) and key in str(e.value), str(e.value)
+
+
+def tiny_deepseek_mtp_checkpoint(path: Path) -> Path:
+    """A random DeepSeek-V3-architecture checkpoint (MLA, one MoE layer) with one MTP layer stored as DeepSeek
+    does (`model.layers.{L}`: enorm, hnorm, eh_proj, shared_head, its own block), and the byte tokenizer."""
+    cfg = DeepseekV3Config(
+        vocab_size=264, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, n_group=1, topk_group=1, num_nextn_predict_layers=1, max_position_embeddings=512,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in DeepseekV3ForCausalLM(cfg).state_dict().items()}
+    L = cfg.num_hidden_layers
+    for k, v in list(state.items()):  # the MTP layer's block: a copy of the last decoder layer
+        if k.startswith(f"model.layers.{L - 1}."):
+            state[k.replace(f"model.layers.{L - 1}.", f"model.layers.{L}.")] = v.clone()
+    h = cfg.hidden_size
+    state.update({
+        f"model.layers.{L}.enorm.weight": torch.ones(h), f"model.layers.{L}.hnorm.weight": torch.ones(h),
+        f"model.layers.{L}.eh_proj.weight": torch.cat([torch.zeros(h, h), torch.eye(h)], 1),
+        f"model.layers.{L}.shared_head.norm.weight": torch.ones(h),
+        f"model.layers.{L}.shared_head.head.weight": state["lm_head.weight"].clone(),
+        f"model.layers.{L}.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+    })
+    state = hf_state_dict(state, SimpleNamespace(tie_word_embeddings=False))  # per-expert names, as vLLM reads
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(cfg.to_json_string())
+    ByteTokenizer().save(path)
+    return path
+
+
+def _greedy_with_and_without_speculation(tmp_path: Path) -> None:
+    model = tiny_deepseek_mtp_checkpoint(tmp_path / "dsv3-mtp")
+    body = {"model": str(model), "prompt": [72, 101, 108, 108, 111], "max_tokens": 24, "temperature": 0.0,
+            "logprobs": 1}
+    outs = []
+    for extra in ((), ("--speculative.enabled", "true", "--speculative.draft-tokens", "2")):
+        with vllm_server(tmp_path, model, 128, *extra) as url:
+            outs.append(post_json(url, "/v1/completions", body)["choices"][0])
+    plain, spec = outs
+    assert spec["text"] == plain["text"]
+    assert spec["logprobs"]["tokens"] == plain["logprobs"]["tokens"]
+
+
+@pytest.mark.gpu(reason="vLLM's CUDA build drafting with the MTP layer of a DeepSeek-V3-style checkpoint")
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_mtp_speculation_on_gpu(tmp_path):
+    _greedy_with_and_without_speculation(tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_build_serves_mtp_speculation(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA build is covered by test_vllm_serves_mtp_speculation_on_gpu")
+    _greedy_with_and_without_speculation(tmp_path)
