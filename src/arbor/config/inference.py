@@ -96,6 +96,11 @@ class RouterConfig(Config):
     sets it; `rl` generates one per run when a server binds beyond loopback)."""
     ready_file: str | None = None
     """When set, the router writes its base URL here once it accepts requests."""
+    backend_slots: Count | None = Field(None, ge=1)
+    """Sequences one backend decodes at once (its batch size): the router keeps at most this many x backends in
+    rotation in flight and queues the rest per run, shared between runs by weight (arbor.inference.tenants);
+    it is also the capacity the fleet's utilisation is measured against. None: no queueing, no utilisation
+    (`fleet` sets it from `inference.max_batch_size`)."""
 
 
 class InferenceConfig(Config):
