@@ -52,8 +52,8 @@ from arbor.config.admin import require_admin_token
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.fleet import Backend, Fleet, post_json, rendezvous
-from arbor.inference.run_routes import RunRoutes
-from arbor.inference.tenants import RUN_HEADER, FairShare, Meter, Run, Tenants, metric_lines
+from arbor.inference.run_routes import RUN_KEY, RunRoutes
+from arbor.inference.tenants import FairShare, Meter, Run, Tenants, metric_lines
 from arbor.transport.admin import ADMIN_ROUTES, ADMIN_UNDER_V1, bearer_headers
 from arbor.transport.http import (
     BadRequest,
@@ -64,7 +64,7 @@ from arbor.transport.http import (
     start_site,
     write_ready_file,
 )
-from arbor.transport.router import METRIC_PREFIX, use_vllm_router, vllm_router_argv
+from arbor.transport.router import METRIC_PREFIX, RUN_HEADER, use_vllm_router, vllm_router_argv
 
 log = logging.getLogger("arbor.inference.router")
 
@@ -335,7 +335,7 @@ class Router(RunRoutes):
         body = await request.read()
         # A malformed body is refused here, once, rather than by every backend (a pause may come with no body).
         data = await read_json_object(request) if body.strip() else {}
-        run = request.get("run")
+        run = request.get(RUN_KEY)
         if run is not None:
             scoped = self._scoped(request.path, run, data)
             if isinstance(scoped, web.Response):

@@ -20,6 +20,9 @@ from arbor.transport.http import BadRequest, HTTPError, error_response, read_jso
 
 log = logging.getLogger("arbor.inference.router")
 
+RUN_KEY = web.RequestKey("run", Run | None)
+"""The run whose token an admin request came with (None: the fleet's rights)."""
+
 
 class RunRoutes:
     """Registration (`/runs/register`, `/runs/unregister`, GET `/runs`) and run-scoped admin calls."""
@@ -28,13 +31,14 @@ class RunRoutes:
     fleet: Fleet
     tenants: Tenants
     share: FairShare
+    slots: Callable[[], int | None]
     _fan_out: Callable[[str, bytes, dict[str, str]], Awaitable[web.Response]]
     """Sends an admin call to every backend (the Router's)."""
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Admin routes need the fleet's token (none set: any caller has the fleet's rights) or a run's own, which
-        `request["run"]` then names and the handlers hold the call to (arbor.inference.tenants)."""
+        `request[RUN_KEY]` then names and the handlers hold the call to (arbor.inference.tenants)."""
         if needs_admin(request):
             sent = sent_token(request.headers)
             run = self.tenants.by_token(sent) if sent else None
@@ -42,7 +46,7 @@ class RunRoutes:
                 return error_response(401, f"{request.path} is an admin route: send Authorization: Bearer "
                                            "<admin_token> (the fleet's, or a registered run's own)", None,
                                       "authentication_error")
-            request["run"] = run
+            request[RUN_KEY] = run
         return await handler(request)
 
     def _scoped(self, path: str, run: Run, data: dict[str, Any]) -> web.Response | bytes:
@@ -72,7 +76,7 @@ class RunRoutes:
 
     async def register(self, request: web.Request) -> web.Response:
         """Registers a run (fleet rights only): its name, weight and the token of its own admin calls."""
-        if request.get("run") is not None:
+        if request.get(RUN_KEY) is not None:
             raise HTTPError(403, "registering a run needs the fleet's admin token, not a run's", None,
                             "permission_error")
         run = self.tenants.register(await read_json_object(request))
@@ -83,7 +87,7 @@ class RunRoutes:
         """Ends a run on the fleet (its own token, or the fleet's): its waiting requests fail, its adapter is
         unloaded everywhere; answers what it used."""
         data = await read_json_object(request)
-        scope = request.get("run")
+        scope = request.get(RUN_KEY)
         name = data.get("run", scope.name if scope is not None else None)
         if scope is not None and name != scope.name:
             raise HTTPError(403, f"run {scope.name!r} may unregister only itself", "run", "permission_error")
@@ -99,7 +103,7 @@ class RunRoutes:
                                   "slot_seconds": run.slot_seconds})
 
     async def list_runs(self, request: web.Request) -> web.Response:
-        if request.get("run") is not None:
+        if request.get(RUN_KEY) is not None:
             raise HTTPError(403, "listing the runs needs the fleet's admin token", None, "permission_error")
         return web.json_response({r.name: {"weight": r.weight, "requests": r.requests, "in_flight": r.in_flight,
                                            "queued": len(r.queue), "paused": r.paused}

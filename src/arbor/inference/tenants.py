@@ -31,9 +31,6 @@ from typing import Any, Callable
 from pydantic import SecretStr
 
 from arbor.transport.http import BadRequest, HTTPError
-
-RUN_HEADER = "X-Arbor-Run"
-"""The header naming the run a generation request belongs to (else its `model` does)."""
 QUANTUM = 1
 """Slots a run of weight 1 earns per round of the deficit round robin."""
 

@@ -10,6 +10,12 @@ Every generation request carries `cache_salt = "policy-{version}"` (a vLLM reque
 version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
 older weights (the local engine has no prefix cache and accepts the field for compatibility).
 
+On a fleet shared by several runs (`adapter` set, arbor.inference.tenants), the run's policy is a LoRA adapter
+named after it: its requests name the run in the `X-Arbor-Run` header and, once a version of the adapter is
+loaded, carry `model = adapter` (before, no model: the base model, which is the run's version 0); a weight
+update is `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace", "version"}`; and the fleet's
+base policy version is not the run's, so `wait_healthy` answers 0.
+
 Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
 `abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls
 then return what was produced so far with `finish_reason == "abort"` (arbor.orchestrator.partial resumes them).
@@ -28,6 +34,7 @@ import numpy as np
 from pydantic import SecretStr
 
 from arbor.transport.admin import bearer_headers
+from arbor.transport.router import RUN_HEADER
 from arbor.transport.routes import decode_routes
 from arbor.transport.router import parse_router_metrics
 
@@ -58,7 +65,8 @@ class Completion:
 
 class InferenceClient:
     def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor",
-                 admin_urls: list[str] | None = None, admin_token: SecretStr | None = None) -> None:
+                 admin_urls: list[str] | None = None, admin_token: SecretStr | None = None,
+                 adapter: str | None = None) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
         self.base_urls = [u.rstrip("/") for u in base_urls]
@@ -66,6 +74,8 @@ class InferenceClient:
         self._admin_headers = bearer_headers(admin_token)
         self.policy_version = 0  # the cache salt's version; WeightSync raises it after each fleet update
         self.timeout, self.max_retries, self.model = timeout, max_retries, model
+        self.adapter = adapter
+        self._headers = {RUN_HEADER: adapter} if adapter is not None else None
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._session: aiohttp.ClientSession | None = None
         self.retries = 0
@@ -124,13 +134,17 @@ class InferenceClient:
             "return_token_ids": True,
             "cache_salt": f"policy-{self.policy_version}",
         }
+        if self.adapter is not None:  # the run's adapter once one is loaded; the base model (version 0) before
+            body.pop("model")
+            if self.policy_version > 0:
+                body["model"] = self.adapter
         if seed is not None:
             body["seed"] = seed
         if request_id is not None:
             body["request_id"] = request_id
         if stop:
             body["stop"] = stop
-        data = await self._post("/v1/completions", body)
+        data = await self._post("/v1/completions", body, headers=self._headers)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
             ids = choice["token_ids"]
@@ -150,9 +164,15 @@ class InferenceClient:
         return out
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
-        body = {"path": path, "version": version}
-        await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers) for u in self.admin_urls))
+        """Loads a published weights directory on every server (each pauses, swaps, resumes); with an adapter,
+        the published adapter directory, as that adapter's new version (other adapters' requests go on)."""
+        if self.adapter is not None:
+            route = "/v1/load_lora_adapter"
+            body: dict[str, Any] = {"lora_name": self.adapter, "lora_path": path, "load_inplace": True,
+                                    "version": version}
+        else:
+            route, body = "/update_weights", {"path": path, "version": version}
+        await asyncio.gather(*(self._post(route, body, u, self._admin_headers) for u in self.admin_urls))
         self.policy_version = max(self.policy_version, version)
 
     async def abort_requests(self, request_ids: list[str] | None) -> None:
@@ -189,4 +209,4 @@ class InferenceClient:
                 if asyncio.get_running_loop().time() > deadline:
                     raise InferenceError(f"inference server {base} is not healthy after {timeout:.0f}s")
                 await asyncio.sleep(0.5)
-        return min(versions)
+        return 0 if self.adapter is not None else min(versions)

@@ -117,7 +117,8 @@ class Orchestrator:
     async def _run_with_fleet(self, metrics: MetricsWriter) -> None:
         cfg = self.cfg
         async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries,
-                                   admin_urls=cfg.client.admin_urls, admin_token=cfg.client.admin_token) as client:
+                                   admin_urls=cfg.client.admin_urls, admin_token=cfg.client.admin_token,
+                                   adapter=cfg.client.adapter) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
             client.policy_version = weights.loaded_version
             self.pool.use(client)
