@@ -50,6 +50,9 @@ class VLLMConfig(Config):
     """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
     worker_extension_cls: str = "arbor.inference.vllm_worker.WeightUpdateExtension"
     """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
+    enable_lora: bool | None = None
+    """`--enable-lora` (with `--max-loras` / `--max-lora-rank` from `max_loras` / `max_lora_rank`): serve LoRA
+    adapters loaded through `/v1/load_lora_adapter`; default: on when `[model.lora]` is set."""
     startup_timeout: Seconds = Field(900.0, gt=0)
     """Seconds to wait for the vLLM server to answer /health before the server fails."""
     rpc_timeout: Seconds = Field(600.0, gt=0)
@@ -128,6 +131,11 @@ class InferenceConfig(Config):
     """Sequences decoded together (KV cache slots); later requests queue and join as slots free up."""
     seed: Seed = 0
     """Default sampling seed for requests that give none."""
+    max_loras: Count = Field(4, ge=1, le=256)
+    """LoRA adapters a server holds at once (`/v1/load_lora_adapter`): the local engine's adapter slots, vLLM's
+    `--max-loras`."""
+    max_lora_rank: Count = Field(64, ge=1, le=1024)
+    """Largest adapter rank a server accepts (vLLM's `--max-lora-rank`; the local engine pads smaller ranks)."""
     num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads for the engine; default: torch's choice."""
     output_dir: FilePath | None = None

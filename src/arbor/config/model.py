@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from arbor.config.base import Config, Seed
+from pydantic import Field, field_validator
+
+from arbor.config.base import Config, Float, Seed
+
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
+"""Every attention and MLP projection of the dense, MoE (experts included) and DeepSeek (MLA) models; names
+that a model lacks match nothing there."""
+
+
+class LoRAConfig(Config):
+    """`[model.lora]`: train, publish and serve a low-rank adapter on the frozen base model (arbor.models.lora)."""
+
+    rank: int = Field(16, ge=1, le=1024, strict=True)
+    """Rank r of each adapter pair (A is [r, in], B is [out, r])."""
+    alpha: Float = Field(32.0, gt=0)
+    """Scale numerator: the adapter adds (alpha / rank) * B A x to each target's output."""
+    dropout: Float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (PEFT's lora_dropout); none at inference."""
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+    """Linear layers that get an adapter: a name matches a module whose last name component equals it (MoE expert
+    projections as `gate_proj`, `up_proj`, `down_proj`, one pair per expert), or, when it holds regular-expression
+    characters, a module whose full Hugging Face path matches it whole. At least one module must match."""
+    name: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Adapter name inference serves it under (the completion's `model`); default: the run's name (the output
+    directory's name), else "arbor"."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _patterns_compile(cls, value: list[str]) -> list[str]:
+        for p in value:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"{p!r} is not a valid pattern: {e}") from None
+        return value
 
 
 class ModelConfig(Config):
@@ -30,4 +66,6 @@ class ModelConfig(Config):
     + `weight_scale_inv`), which vLLM serves with its block `fp8` quantisation, so both sides compute alike.
     Embeddings, lm_head, norms, MoE routers and routed experts stay in `dtype`. Needs file weight transport."""
     init_seed: Seed = 0
-    """Seed of the deterministic initialisation of a preset (ignored for checkpoints)."""
+    """Seed of the deterministic initialisation of a preset (ignored for checkpoints), and of LoRA's A matrices."""
+    lora: LoRAConfig | None = None
+    """`[model.lora]`: train and serve a LoRA adapter instead of the full weights (absent: full fine-tuning)."""

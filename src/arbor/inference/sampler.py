@@ -12,7 +12,7 @@ alternatives stay those of the full-vocabulary distribution the trainer computes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -52,8 +52,10 @@ class Sampler:
         self.eos_token_id: int = tokenizer.eos_token_id
         self.vocab_size: int = tokenizer.vocab_size
 
-    def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int) -> None:
-        """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version`."""
+    def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int | Sequence[int]) -> None:
+        """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version` (one
+        for all, or one per sequence: each sequence's adapter has its own versions)."""
+        versions = [version] * len(seqs) if isinstance(version, int) else list(version)
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
         logp = scaled_logprobs(logits, temps)
         # Only the tokenizer's ids are candidates (padding rows are the trailing columns, so ids are unchanged).
@@ -67,7 +69,7 @@ class Sampler:
             tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size)
             s.tokens.append(tok)
             s.logprobs.append(float(logp[b, tok]))
-            s.versions.append(version)
+            s.versions.append(versions[b])
             if p.top_logprobs:
                 s.top.append(list(zip(top_ids[b][:p.top_logprobs], top_vals[b][:p.top_logprobs])))
             self._check_finished(s)

@@ -9,6 +9,7 @@ future resolves when the last one does. An error in one request's forward fails 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,7 @@ class SlotScheduler:
         """Prefills queued requests, first come first served, while the head of the queue fits."""
         while (req := self.inbox.next_admissible(len(self._free))) is not None:
             try:
+                req.lora_slot = self.runner.adapters.slot_of(req.adapter)  # unloaded since it was queued: fails
                 for i in range(req.params.n):
                     # the slot is taken only once its sample exists, so a sample that cannot be set up leaks none
                     req.seqs.append(Seq(req, i, self._free[-1], self.runner.device))
@@ -62,9 +64,12 @@ class SlotScheduler:
             for group in by_request(seqs).values():
                 self._fail_request(group[0].req, e)
 
-    def recompute_caches(self) -> None:
-        """Rebuilds the KV cache of running sequences with the current weights (prompt once per request)."""
+    def recompute_caches(self, adapter: str | None = None) -> None:
+        """Rebuilds the KV cache of running sequences with the current weights (prompt once per request); with
+        `adapter`, only those of that adapter's requests (a new version of it was loaded)."""
         for seqs in by_request(self.running).values():
+            if adapter is not None and seqs[0].req.adapter != adapter:
+                continue
             try:
                 self.runner.recompute(seqs)
             except Exception as e:
@@ -81,7 +86,10 @@ class SlotScheduler:
 
     def abort(self, ids: frozenset[str] | None) -> int:
         """Finishes matching requests now: queued ones with no tokens, running ones with their tokens so far."""
-        hit = lambda r: ids is None or r.request_id in ids  # noqa: E731
+        return self.abort_where(lambda r: ids is None or r.request_id in ids)
+
+    def abort_where(self, hit: Callable[[Request], bool]) -> int:
+        """`abort` of the requests `hit` selects (an unloaded adapter's, say)."""
         queued = self.inbox.take_waiting(hit)
         for req in queued:
             resolve(req.future, req.aborted_output())
@@ -103,7 +111,7 @@ class SlotScheduler:
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Samples one token per sequence, then retires the finished ones and resolves completed requests."""
-        self.sampler.sample(seqs, logits, self.stats.policy_version)
+        self.sampler.sample(seqs, logits, [self._version(s.req) for s in seqs])
         self.stats.generated_tokens += len(seqs)
         done = [s for s in seqs if s.finish_reason is not None]
         if done:
@@ -115,6 +123,13 @@ class SlotScheduler:
                 if all(x.finish_reason is not None for x in req.seqs):
                     resolve(req.future, req.output())
         self.stats.running = len(self.running)
+
+    def _version(self, req: Request) -> int:
+        """The policy version a token of `req` is sampled from: its adapter's, else the base weights'."""
+        if req.adapter is None:
+            return self.stats.policy_version
+        version = self.runner.adapters.version_of(req.adapter)
+        return self.stats.policy_version if version is None else version
 
     def _release(self, s: Seq) -> None:
         if s.holds_slot:
