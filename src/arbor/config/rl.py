@@ -161,6 +161,12 @@ class RLConfig(Config):
             batching.normalization = "sequence"  # GSPO's objective is a mean over sequences
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
+        if self.fleet is not None and self.model.lora is None:
+            raise ValueError("fleet needs [model.lora]: a run on a shared fleet trains and serves a LoRA adapter on "
+                             "the fleet's base model")
+        if self.fleet is not None and self.run_name is not None and self.model.lora.name not in (None, self.run_name):
+            raise ValueError(f"model.lora.name ({self.model.lora.name!r}) differs from run_name ({self.run_name!r}): "
+                             "on a fleet the adapter is named after the run; set run_name only")
         self.run_admin_token()
         return self
 

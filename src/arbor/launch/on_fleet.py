@@ -24,7 +24,10 @@ from arbor.transport.router import parse_router_metrics, parse_run_metrics
 
 
 def run_name(cfg: RLConfig) -> str:
-    return cfg.run_name or cfg.output_dir.resolve().name
+    """The run's name on the fleet, which its adapter carries: `run_name`, else `model.lora.name`, else the name
+    of its output directory."""
+    lora = cfg.model.lora
+    return cfg.run_name or (lora.name if lora is not None else None) or cfg.output_dir.resolve().name
 
 
 def call(url: str, path: str, body: dict[str, Any], token: SecretStr | str | None) -> dict[str, Any]:
@@ -96,7 +99,11 @@ def resolve_on_fleet(cfg: RLConfig) -> RLConfig:
         raise ConfigError("sft.steps must be 0 with --fleet: a warm-up changes the base model, which the fleet "
                           "shares between runs")
     client = cfg.orchestrator.client
-    client.base_urls, client.admin_urls, client.adapter = [cfg.fleet], [], run_name(cfg)
+    name = run_name(cfg)
+    client.base_urls, client.admin_urls, client.adapter = [cfg.fleet], [], name
+    assert cfg.model.lora is not None  # RLConfig requires it with a fleet
+    for section in (cfg, cfg.trainer, cfg.orchestrator, cfg.inference, cfg.sft):
+        section.model.lora.name = name  # the trainer publishes the adapter under the run's name
     if token_value(cfg.run_admin_token()) is not None:
         raise ConfigError("admin_token is the fleet's own with --fleet: set fleet_token (ARBOR_FLEET_TOKEN) instead")
     return cfg

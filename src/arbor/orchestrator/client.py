@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Any
 
 import aiohttp
@@ -168,7 +169,8 @@ class InferenceClient:
         the published adapter directory, as that adapter's new version (other adapters' requests go on)."""
         if self.adapter is not None:
             route = "/v1/load_lora_adapter"
-            body: dict[str, Any] = {"lora_name": self.adapter, "lora_path": path, "load_inplace": True,
+            # Absolute: the fleet's servers run in a directory of their own.
+            body: dict[str, Any] = {"lora_name": self.adapter, "lora_path": os.path.abspath(path), "load_inplace": True,
                                     "version": version}
         else:
             route, body = "/update_weights", {"path": path, "version": version}
