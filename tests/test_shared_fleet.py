@@ -21,7 +21,7 @@ from arbor.config.rl import RLConfig
 from arbor.inference.router import Router
 from arbor.inference.tenants import FairShare, Meter, Tenants
 from arbor.launch.on_fleet import resolve_on_fleet
-from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.transport.http import start_site
 from arbor.transport.router import RUN_HEADER, parse_router_metrics, parse_run_metrics
 
@@ -99,6 +99,8 @@ class AdapterBackend:
         self.adapters: dict[str, int] = {}
         self.admin: list[tuple[str, dict[str, Any]]] = []
         self.delay = 0.0
+        self.mix_up: str | None = None
+        """When set: answers as if this adapter had generated every choice (a fleet that mixed adapters up)."""
         self.runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -106,7 +108,7 @@ class AdapterBackend:
             body = await request.json()
             await asyncio.sleep(self.delay)
             model = body.get("model")
-            adapter = model if model in self.adapters else None
+            adapter = self.mix_up or (model if model in self.adapters else None)
             n = body.get("n", 1)
             version = self.adapters.get(adapter, 0) if adapter else 0
             choices = [{"index": i, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]},
@@ -278,7 +280,11 @@ def test_client_in_adapter_mode_names_its_run_and_loads_its_adapter() -> None:
             assert Path(body["lora_path"]).is_absolute() and body["load_inplace"] is True
             (after,) = await client.generate([1, 2], 1, 2, 1.0, 1.0)
             assert after.policy_versions == [1, 1]
-        assert router.tenants.runs["a"].requests == 2
+            backends[0].mix_up = "b"
+            with pytest.raises(InferenceError, match="adapter 'b', not this run's 'a'"):
+                await client.generate([1, 2], 1, 2, 1.0, 1.0)
+        assert router.tenants.runs["a"].requests == 3
+        assert router.tenants.runs["a"].choices == {"adapter": 1, "base": 1, "foreign": 1}
         await _close(backends, runner)
 
     asyncio.run(go())

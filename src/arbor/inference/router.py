@@ -310,7 +310,7 @@ class Router(RunRoutes):
         await out.write_eof()
         if kept is not None and run is not None:
             try:
-                self.meter.used(run, json.loads(b"".join(kept)).get("usage"))
+                self.meter.used(run, json.loads(b"".join(kept)))
             except (ValueError, AttributeError):  # not the completion shape: nothing to count
                 pass
         return out

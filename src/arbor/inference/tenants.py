@@ -53,6 +53,9 @@ class Run:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     slot_seconds: float = 0.0
+    choices: dict[str, int] = field(default_factory=lambda: {"adapter": 0, "base": 0, "foreign": 0})
+    """Its answers' choices by what generated them, as the backends name it: its own adapter, the base model
+    (before its first adapter load), another adapter (never, unless a backend mixes adapters up)."""
     request_ids: set[str] = field(default_factory=set)
     """Ids of its requests in flight (an abort of "all" by the run means these)."""
 
@@ -129,8 +132,14 @@ class Meter:
             run.slot_seconds += run.in_flight * dt
             self.slot_seconds += run.in_flight * dt
 
-    def used(self, run: Run, usage: Any) -> None:
-        """Counts one answer's `usage` against its run."""
+    def used(self, run: Run, answer: Any) -> None:
+        """Counts one answer (its `usage` and whose adapter generated each choice) against its run."""
+        if not isinstance(answer, dict):
+            return
+        for choice in answer.get("choices") or []:
+            adapter = choice.get("adapter") if isinstance(choice, dict) else None
+            run.choices["base" if adapter is None else "adapter" if adapter == run.name else "foreign"] += 1
+        usage = answer.get("usage")
         if not isinstance(usage, dict):
             return
         for key in ("prompt_tokens", "completion_tokens"):
@@ -246,7 +255,8 @@ def metric_lines(prefix: str, tenants: Tenants, meter: Meter, slots: int | None)
         figures = {"requests": run.requests, "prompt_tokens": run.prompt_tokens,
                    "completion_tokens": run.completion_tokens, "tokens_per_s": f"{run.completion_tokens / age:.3f}",
                    "slot_seconds": f"{run.slot_seconds:.3f}", "in_flight": run.in_flight, "queued": len(run.queue),
-                   "weight": run.weight, "seconds": f"{age:.3f}"}
+                   "weight": run.weight, "seconds": f"{age:.3f}",
+                   **{f"{kind}_choices": count for kind, count in run.choices.items()}}
         if slots:
             figures["utilisation"] = f"{run.slot_seconds / (slots * age):.6f}"
         lines += [f"{prefix}run_{key}{label} {value}" for key, value in figures.items()]

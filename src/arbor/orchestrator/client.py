@@ -151,6 +151,10 @@ class InferenceClient:
             ids = choice["token_ids"]
             lps = choice["logprobs"]["token_logprobs"]
             versions = choice.get("policy_versions") or [-1] * len(ids)
+            if self.adapter is not None and choice.get("adapter") not in (None, self.adapter):
+                # Another run's policy: training on it would corrupt this run (a fleet that mixed adapters up).
+                raise InferenceError(f"the fleet answered with adapter {choice.get('adapter')!r}, not this run's "
+                                     f"{self.adapter!r}")
             if not (len(ids) == len(lps) == len(versions)):
                 raise InferenceError(f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions")
             routes = None
