@@ -155,6 +155,13 @@ class InferenceClient:
         await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers) for u in self.admin_urls))
         self.policy_version = max(self.policy_version, version)
 
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Loads (or replaces in place) LoRA adapter `name` from a published directory on every server."""
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True, "version": version}
+        await asyncio.gather(*(self._post("/v1/load_lora_adapter", body, u, self._admin_headers)
+                               for u in self.admin_urls))
+        self.policy_version = max(self.policy_version, version)
+
     async def abort_requests(self, request_ids: list[str] | None) -> None:
         """Finishes these requests (None: every request) on every server in `admin_urls` (a router fans out)."""
         body = {"request_ids": "all" if request_ids is None else list(request_ids)}
