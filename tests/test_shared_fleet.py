@@ -274,7 +274,7 @@ def test_client_in_adapter_mode_names_its_run_and_loads_its_adapter() -> None:
             assert await client.wait_healthy(5) == 0
             (before,) = await client.generate([1, 2], 1, 2, 1.0, 1.0)
             assert before.policy_versions == [0, 0]  # the base model is the run's version 0
-            await client.update_weights("relative/step_1", 1)
+            await client.load_adapter("a", "relative/step_1", 1)
             path, body = backends[0].admin[-1]
             assert path == "/v1/load_lora_adapter" and body["lora_name"] == "a" and body["version"] == 1
             assert Path(body["lora_path"]).is_absolute() and body["load_inplace"] is True
@@ -325,8 +325,8 @@ def test_rl_on_a_fleet_points_the_orchestrator_at_it_as_the_runs_adapter(tmp_pat
                                  "--output-dir", str(tmp_path / "run-a"), "--sft.steps", "0"])
     cfg = resolve_on_fleet(cfg)
     client = cfg.orchestrator.client
-    assert client.base_urls == ["http://127.0.0.1:9"] and client.adapter == "run-a" and client.admin_urls == []
-    assert cfg.trainer.model.lora.name == "run-a"
+    assert client.base_urls == ["http://127.0.0.1:9"] and client.admin_urls == []
+    assert cfg.trainer.model.lora.name == "run-a" and cfg.orchestrator.model.lora.adapter_name() == "run-a"
     with pytest.raises(ConfigError, match="sft.steps must be 0 with --fleet"):
         resolve_on_fleet(load_config(RLConfig, ["--fleet", "http://h:1", "--model.lora.rank", "4",
                                                 "--sft.steps", "2"]))

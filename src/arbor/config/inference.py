@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from arbor.config.admin import AdminToken
 from arbor.config.base import Config, Count, FilePath, Float, Port, Ranks, Seconds, Seed, Tokens
-from arbor.config.transport import WeightTransportConfig
+from arbor.config.transport import WeightTransportConfig, check_lora_transport
 from arbor.config.model import ModelConfig
 
 
@@ -157,6 +157,7 @@ class InferenceConfig(Config):
 
     @model_validator(mode="after")
     def _nccl_needs_vllm(self) -> "InferenceConfig":
+        check_lora_transport(self.model, self.weights)
         if self.weights.kind == "nccl" and self.model.fp8 != "none":
             raise ValueError("model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
                              "published as a DeepSeek-format checkpoint)")

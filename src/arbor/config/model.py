@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from arbor.config.base import Config, Float, Seed
+from arbor.config.base import Config, FilePath, Float, Seed
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                         "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
@@ -28,9 +29,22 @@ class LoRAConfig(Config):
     """Linear layers that get an adapter: a name matches a module whose last name component equals it (MoE expert
     projections as `gate_proj`, `up_proj`, `down_proj`, one pair per expert), or, when it holds regular-expression
     characters, a module whose full Hugging Face path matches it whole. At least one module must match."""
+    path: FilePath | None = None
+    """A PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`, for this base model) to
+    start from: the trainer initialises its adapter with it, an `inference` server serves it under the adapter
+    name from the start (version 0), and `eval` evaluates it. None: training starts from a zero adapter (B = 0:
+    the base model), and eval and inference serve the base model until an adapter is loaded."""
     name: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Adapter name inference serves it under (the completion's `model`); default: the run's name (the output
     directory's name), else "arbor"."""
+
+    def adapter_name(self, output_dir: object = None) -> str:
+        """`name`, else the run's name (the output directory's last component, when it is a valid name), else
+        "arbor"."""
+        if self.name is not None:
+            return self.name
+        run = Path(str(output_dir)).resolve().name if output_dir is not None else ""
+        return run if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", run) else "arbor"
 
     @field_validator("target_modules")
     @classmethod

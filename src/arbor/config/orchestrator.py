@@ -37,10 +37,6 @@ class ClientConfig(Config):
     admin_token: AdminToken | None = Field(None, exclude=True)
     """Bearer token sent with admin calls (the servers' `admin_token`). Secret: never written out
     (`ARBOR_CLIENT__ADMIN_TOKEN` sets it; `rl` passes the run's token that way)."""
-    adapter: str | None = Field(None, min_length=1, max_length=255)
-    """The run's LoRA adapter on a shared fleet (`rl --fleet` sets it to the run's name): generation requests
-    carry `model = adapter` once a version of it is loaded (the base model before) and the `X-Arbor-Run`
-    header, and weight updates load the adapter (`/v1/load_lora_adapter`) instead of full weights."""
     timeout: Seconds = Field(600.0, gt=0)
     """Seconds one generation request may take."""
     max_retries: Count = Field(3, ge=0)

@@ -298,7 +298,8 @@ class _EngineLoop:
 
 
 def build_engine(cfg: Any) -> tuple[Engine, Any]:
-    """The engine and tokenizer described by an `InferenceConfig` (not started)."""
+    """The engine and tokenizer described by an `InferenceConfig` (not started), serving `model.lora.path`
+    (when set) under the run's adapter name as version 0."""
     model = build_model(cfg.model)
     apply_fp8(model, cfg.model)  # the trainer's FP8 forward, so both sides compute alike
     tokenizer = build_tokenizer(cfg.model)
@@ -307,4 +308,7 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
                     weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
                                                 checksum=w.checksum),
                     max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+    lora = cfg.model.lora
+    if lora is not None and lora.path is not None:  # the engine thread is not running yet: load it here
+        engine.runner.load_adapter(lora.adapter_name(cfg.output_dir), Path(lora.path), 0)
     return engine, tokenizer

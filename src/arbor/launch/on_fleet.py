@@ -100,7 +100,7 @@ def resolve_on_fleet(cfg: RLConfig) -> RLConfig:
                           "shares between runs")
     client = cfg.orchestrator.client
     name = run_name(cfg)
-    client.base_urls, client.admin_urls, client.adapter = [cfg.fleet], [], name
+    client.base_urls, client.admin_urls = [cfg.fleet], []
     assert cfg.model.lora is not None  # RLConfig requires it with a fleet
     for section in (cfg, cfg.trainer, cfg.orchestrator, cfg.inference, cfg.sft):
         section.model.lora.name = name  # the trainer publishes the adapter under the run's name

@@ -147,6 +147,21 @@ def apply_lora(model: nn.Module, cfg: Any, seed: int) -> list[str]:
     return list(targets)
 
 
+def load_adapter_into(model: nn.Module, tensors: dict[str, torch.Tensor], source: object) -> None:
+    """Copies arbor-named adapter tensors (arbor.models.lora_peft.arbor_tensors) into the model's adapters,
+    checking every name and shape first (the adapter's rank must be the model's)."""
+    own = dict(lora_parameters(model))
+    if set(tensors) != set(own):
+        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        raise ValueError(f"adapter {source} does not match model.lora: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise ValueError(f"adapter {source}: {name} has shape {tuple(t.shape)}, the model's is {tuple(own[name].shape)}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            own[name].copy_(t.to(own[name].dtype))
+
+
 def is_lora_param(name: str) -> bool:
     """Whether a parameter name (model-relative) is an adapter's."""
     leaf = name.rsplit(".", 1)[-1]

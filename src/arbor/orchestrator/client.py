@@ -10,11 +10,10 @@ Every generation request carries `cache_salt = "policy-{version}"` (a vLLM reque
 version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
 older weights (the local engine has no prefix cache and accepts the field for compatibility).
 
-On a fleet shared by several runs (`adapter` set, arbor.inference.tenants), the run's policy is a LoRA adapter
-named after it: its requests name the run in the `X-Arbor-Run` header and, once a version of the adapter is
-loaded, carry `model = adapter` (before, no model: the base model, which is the run's version 0); a weight
-update is `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace", "version"}`; and the fleet's
-base policy version is not the run's, so `wait_healthy` answers 0.
+A LoRA run's client (`adapter` set: the adapter's name, which on a shared fleet is the run's) generates with
+`model = adapter` (a server that has not loaded it yet serves the base model, the run's version 0) and names
+its run in the `X-Arbor-Run` header (arbor.inference.tenants); `load_adapter` loads each published version
+through `/v1/load_lora_adapter`; and a choice that another adapter generated is an error, never a sample.
 
 Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
 `abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls
@@ -74,7 +73,7 @@ class InferenceClient:
         self.admin_urls = [u.rstrip("/") for u in admin_urls] if admin_urls else self.base_urls
         self._admin_headers = bearer_headers(admin_token)
         self.policy_version = 0  # the cache salt's version; WeightSync raises it after each fleet update
-        self.timeout, self.max_retries, self.model = timeout, max_retries, model
+        self.timeout, self.max_retries, self.model = timeout, max_retries, adapter or model
         self.adapter = adapter
         self._headers = {RUN_HEADER: adapter} if adapter is not None else None
         self._next = itertools.cycle(range(len(self.base_urls)))
@@ -135,10 +134,6 @@ class InferenceClient:
             "return_token_ids": True,
             "cache_salt": f"policy-{self.policy_version}",
         }
-        if self.adapter is not None:  # the run's adapter once one is loaded; the base model (version 0) before
-            body.pop("model")
-            if self.policy_version > 0:
-                body["model"] = self.adapter
         if seed is not None:
             body["seed"] = seed
         if request_id is not None:
@@ -169,16 +164,17 @@ class InferenceClient:
         return out
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Loads a published weights directory on every server (each pauses, swaps, resumes); with an adapter,
-        the published adapter directory, as that adapter's new version (other adapters' requests go on)."""
-        if self.adapter is not None:
-            route = "/v1/load_lora_adapter"
-            # Absolute: the fleet's servers run in a directory of their own.
-            body: dict[str, Any] = {"lora_name": self.adapter, "lora_path": os.path.abspath(path), "load_inplace": True,
-                                    "version": version}
-        else:
-            route, body = "/update_weights", {"path": path, "version": version}
-        await asyncio.gather(*(self._post(route, body, u, self._admin_headers) for u in self.admin_urls))
+        """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
+        body = {"path": path, "version": version}
+        await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers) for u in self.admin_urls))
+        self.policy_version = max(self.policy_version, version)
+
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Loads (or replaces in place) LoRA adapter `name` from a published directory on every server."""
+        # Absolute: a shared fleet's servers run in a directory of their own.
+        body = {"lora_name": name, "lora_path": os.path.abspath(path), "load_inplace": True, "version": version}
+        await asyncio.gather(*(self._post("/v1/load_lora_adapter", body, u, self._admin_headers)
+                               for u in self.admin_urls))
         self.policy_version = max(self.policy_version, version)
 
     async def abort_requests(self, request_ids: list[str] | None) -> None:
@@ -215,4 +211,4 @@ class InferenceClient:
                 if asyncio.get_running_loop().time() > deadline:
                     raise InferenceError(f"inference server {base} is not healthy after {timeout:.0f}s")
                 await asyncio.sleep(0.5)
-        return 0 if self.adapter is not None else min(versions)
+        return min(versions)
