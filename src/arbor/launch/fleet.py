@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print("fleet: stopping (the runs on it lose their generation server)", file=sys.stderr, flush=True)
         return 0
     finally:
+        if sup.children.get("router") is not None and sup.children["router"].poll() is None:
+            try:
+                record_usage(cfg, url_of(cfg))  # the last row: what was used since the previous one
+            except OSError as e:
+                print(f"fleet: the last usage row was not recorded: {e}", file=sys.stderr, flush=True)
         sup.stop()
         record_timings(cfg.output_dir, sup)
         run_dir.fleet_url_path(cfg.output_dir).unlink(missing_ok=True)

@@ -82,7 +82,8 @@ class Registration:
         row = {
             "time": time.time(), "fleet": self.url, "run": self.name, "seconds": round(seconds, 3),
             **{k: mine.get(k, 0.0) for k in ("requests", "prompt_tokens", "completion_tokens", "slot_seconds",
-                                              "tokens_per_s", "utilisation")},
+                                              "tokens_per_s", "utilisation", "adapter_choices", "base_choices",
+                                              "foreign_choices")},
             "fleet_completion_tokens": fleet.get("completion_tokens", 0.0) - self.start.get("completion_tokens", 0.0),
             "fleet_slot_seconds": spent,
             "fleet_utilisation": spent / (slots * seconds) if slots and seconds > 0 else None,

@@ -218,8 +218,10 @@ def fleet_main(out: Path, args: argparse.Namespace) -> int:
     (report_dir / "report.md").write_text(fleet_summary(out, c))
     (report_dir / "cost.json").write_text(json.dumps(c, indent=1))
     print(f"report: {report_dir / 'report.md'}")
-    print(f"fleet: ${_fmt(c['usd_per_m_generated'], '.4g')} per million generated tokens, utilisation "
-          f"{_fmt(None if c['utilisation'] is None else 100 * c['utilisation'], '.1f')}%")
+    per_m = c["usd_per_m_generated"]
+    util = c["utilisation"]
+    print(f"fleet: {'n/a' if per_m is None else f'${per_m:.4g}'} per million generated tokens, utilisation "
+          f"{'n/a' if util is None else f'{100 * util:.1f}%'}")
     return 0
 
 
