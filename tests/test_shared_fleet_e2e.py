@@ -66,7 +66,7 @@ def test_two_runs_share_a_fleet_and_killing_one_leaves_the_other_and_the_fleet_u
         procs["a"] = _start(["arbor.launch.rl", "--fleet", url, "--output-dir", str(a_dir), "--max-steps", "4", *RUN],
                             logs["a"])
         procs["b"] = _start(["arbor.launch.rl", "--fleet", url, "--output-dir", str(b_dir), "--max-steps", "50", *RUN,
-                             "--orchestrator.environment.id", "skewed_latency",
+                             "--orchestrator.environment.id", "arbor.environments.skewed_latency:SkewedLatencyEnv",
                              "--orchestrator.environment.args", "{ median_s = 0.05, max_len = 5, num_tasks = 50 }"],
                             logs["b"])
         _wait("a step of each run", lambda: _steps(a_dir) and _steps(b_dir), procs, logs, 420)
