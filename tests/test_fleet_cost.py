@@ -16,10 +16,11 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _fleet_row(uptime: float, tokens: float, slot_s: float, runs: dict[str, tuple[float, float]]) -> dict:
+def _fleet_row(uptime: float, tokens: float, slot_s: float, runs: dict[str, tuple[float, float, float]]) -> dict:
     return {"time": uptime, "fleet": {"uptime_s": uptime, "completion_tokens": tokens, "slot_seconds": slot_s,
                                       "slots": 8.0, "utilisation": slot_s / (8 * uptime)},
-            "runs": {name: {"completion_tokens": t, "slot_seconds": s} for name, (t, s) in runs.items()}}
+            "runs": {name: {"completion_tokens": t, "slot_seconds": s, "seconds": age}
+                     for name, (t, s, age) in runs.items()}}
 
 
 def test_fleet_report_prices_the_fleet_and_shares_it_between_runs_by_slot_seconds(tmp_path: Path) -> None:
@@ -28,10 +29,11 @@ def test_fleet_report_prices_the_fleet_and_shares_it_between_runs_by_slot_second
     (out / "configs" / "fleet.toml").write_text('[cost]\ngpu_hour_usd = 3.6\n[inference]\nreplicas = 2\n')
     _jsonl(out / "timings.jsonl", [{"time": 0, "seconds": {"router": 3600.0, "inference_0": 3600.0}}])
     _jsonl(out / "fleet_usage.jsonl", [
-        _fleet_row(10, 100, 40, {"": (0, 0), "a": (100, 40)}),
-        # b registers later; a unregisters before the last row: its last figures still count.
-        _fleet_row(20, 400, 160, {"": (0, 0), "a": (300, 120), "b": (100, 40)}),
-        _fleet_row(30, 500, 200, {"": (0, 0), "b": (200, 80)}),
+        _fleet_row(10, 100, 40, {"": (0, 0, 10), "a": (100, 40, 9)}),
+        # b registers later; a unregisters before the third row: its last figures still count.
+        _fleet_row(20, 400, 160, {"": (0, 0, 20), "a": (300, 120, 19), "b": (100, 40, 5)}),
+        # b unregisters and a run of the same name registers anew: both registrations count.
+        _fleet_row(30, 500, 200, {"": (0, 0, 30), "b": (100, 40, 2)}),
     ])
     assert main([str(out)]) == 0
     cost = json.loads((out / "report" / "cost.json").read_text())

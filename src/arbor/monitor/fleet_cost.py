@@ -41,6 +41,19 @@ def _launches(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return out
 
 
+def _registrations(launch: list[dict[str, Any]]) -> list[tuple[str, dict[str, float]]]:
+    """Each registration's last figures in one launch's rows: a run's counters are cumulative while it is
+    registered and start again when a run of that name registers anew (its `seconds` go down)."""
+    out: list[tuple[str, dict[str, float]]] = []
+    last: dict[str, dict[str, float]] = {}
+    for row in launch:
+        for name, figures in row.get("runs", {}).items():
+            if name in last and figures.get("seconds", 0.0) < last[name].get("seconds", 0.0):
+                out.append((name, last[name]))
+            last[name] = figures
+    return out + list(last.items())
+
+
 def fleet_cost(out: Path, price: float | None, gpus: int | None) -> dict[str, Any]:
     """The fleet's cost, utilisation and $/Mtok, and each run's share (by slot-seconds) and $/Mtok."""
     conf = tomllib.loads((configs_dir(out) / "fleet.toml").read_text())
@@ -58,10 +71,7 @@ def fleet_cost(out: Path, price: float | None, gpus: int | None) -> dict[str, An
         slot_seconds += fleet.get("slot_seconds", 0.0)
         capacity += fleet.get("slots", 0.0) * fleet.get("uptime_s", 0.0)
         uptime += fleet.get("uptime_s", 0.0)
-        seen: dict[str, dict[str, float]] = {}
-        for row in launch:  # a run's counters are cumulative while it is registered: its last row holds them
-            seen.update(row.get("runs", {}))
-        for name, figures in seen.items():
+        for name, figures in _registrations(launch):
             mine = runs.setdefault(name or "(unregistered requests)", {"completion_tokens": 0.0, "slot_seconds": 0.0})
             mine["completion_tokens"] += figures.get("completion_tokens", 0.0)
             mine["slot_seconds"] += figures.get("slot_seconds", 0.0)
