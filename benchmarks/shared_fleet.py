@@ -39,7 +39,7 @@ from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import fleet_url_path, fleet_usage_path, metrics_path
 
 TARGET = 1.3
-BATCH, GROUP = 16, 4
+BATCH, GROUP = 32, 4
 MODEL = ["--model.name", "qwen3-test", "--seq-len", "64", "--seed", "0"]
 RUNS = {
     "slow": ["--orchestrator.environment.id", "arbor.environments.skewed_latency:SkewedLatencyEnv",
@@ -53,9 +53,9 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ARBOR_")}
 
 
-def start_fleet(out: Path, replicas: int) -> tuple[subprocess.Popen, str]:
+def start_fleet(out: Path, replicas: int, slots: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "arbor.launch.fleet", *MODEL, "--output-dir", str(out),
-                             "--inference.replicas", str(replicas), "--inference.max-batch-size", "32",
+                             "--inference.replicas", str(replicas), "--inference.max-batch-size", str(slots),
                              "--inference.num-threads", "1", "--inference.weight-roots", f'["{out.parent}"]',
                              "--metrics-interval", "1.0"],
                             stdout=subprocess.DEVNULL, stderr=open(out.parent / f"{out.name}.log", "w"),
@@ -87,10 +87,10 @@ def fleet_utilisation(out: Path) -> float | None:
     return rows[-1]["fleet"].get("utilisation") if rows else None
 
 
-def arm(shared: bool, replicas: int, steps: int, tail: int, root: Path) -> dict[str, object]:
+def arm(shared: bool, replicas: int, slots: int, steps: int, tail: int, root: Path) -> dict[str, object]:
     """One arm: its fleets up, both runs to their end, the fleets down."""
-    fleets = {"all": start_fleet(root / "fleet", replicas)} if shared else {
-        name: start_fleet(root / f"fleet_{name}", replicas // 2) for name in RUNS}
+    fleets = {"all": start_fleet(root / "fleet", replicas, slots)} if shared else {
+        name: start_fleet(root / f"fleet_{name}", replicas // 2, slots) for name in RUNS}
     try:
         runs = {name: subprocess.Popen(run_argv(name, fleets["all" if shared else name][1], root, steps),
                                        stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "w"), env=_env())
@@ -111,6 +111,9 @@ def arm(shared: bool, replicas: int, steps: int, tail: int, root: Path) -> dict[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=2, help="servers of the shared fleet (each separate one: half)")
+    p.add_argument("--slots", type=int, default=4,
+                   help="sequences one server decodes at once: few, so that a server's capacity is its slots (as an "
+                        "accelerator's is) rather than a share of the machine's cores")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tail", type=int, default=4, help="last steps whose reward/mean is averaged")
     p.add_argument("--repeats", type=int, default=1)
@@ -121,7 +124,7 @@ def main() -> None:
     for i in range(args.repeats):
         for name in ("separate", "shared"):
             with tempfile.TemporaryDirectory(prefix=f"arbor_shared_fleet_{name}_") as tmp:
-                res = arm(name == "shared", args.replicas, args.steps, args.tail, Path(tmp))
+                res = arm(name == "shared", args.replicas, args.slots, args.steps, args.tail, Path(tmp))
             results[name].append(res)
             runs = ", ".join(f"{n} {f['samples_per_s']:.2f}/s (reward {f['reward']:.3f})" for n, f in res["runs"].items())
             print(f"{name} #{i}: {res['total']:.2f} trained samples/s [{runs}], fleet utilisation "
@@ -134,6 +137,7 @@ def main() -> None:
               for arm_name, rs in results.items() for run in RUNS}
     print(json.dumps({"benchmark": "shared_fleet", "value": round(ratio, 3), "target": TARGET, "ok": ratio >= TARGET,
                       "unit": "shared / separate trained samples per second", "replicas": args.replicas,
+                      "slots": args.slots,
                       "steps": args.steps, "repeats": args.repeats,
                       "separate_samples_per_s": round(med["separate"], 3), "shared_samples_per_s": round(med["shared"], 3),
                       **{k: round(v, 4) for k, v in reward.items()}}))

@@ -46,8 +46,11 @@ def call(url: str, path: str, body: dict[str, Any], token: SecretStr | str | Non
 
 def figures(url: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The fleet's counters and each run's, from its router's /metrics."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError as e:
+        raise ConfigError(f"fleet {url} did not answer /metrics: {e}") from None
     return parse_router_metrics(text), parse_run_metrics(text)
 
 

@@ -364,7 +364,7 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
         if shared is not None:
             try:
                 shared.end()
-            except (ConfigError, OSError) as e:  # the fleet is gone: the run's own outcome still stands
+            except ConfigError as e:  # the fleet is gone: the run's own outcome still stands
                 console.say(f"rl: the run's use of the fleet was not recorded, nor the run unregistered: {e}",
                             err=True)
 
