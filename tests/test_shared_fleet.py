@@ -4,7 +4,6 @@ per-run figures in /metrics, the client's adapter mode, and the `fleet` / `rl --
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from arbor.config.fleet import FleetConfig
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
+from arbor.config.sft import SFTConfig
 from arbor.inference.router import Router
 from arbor.inference.tenants import FairShare, Meter, Tenants
 from arbor.launch.on_fleet import resolve_on_fleet
@@ -330,4 +330,20 @@ def test_rl_on_a_fleet_points_the_orchestrator_at_it_as_the_runs_adapter(tmp_pat
     with pytest.raises(ConfigError, match="sft.steps must be 0 with --fleet"):
         resolve_on_fleet(load_config(RLConfig, ["--fleet", "http://h:1", "--model.lora.rank", "4",
                                                 "--sft.steps", "2"]))
-    assert json.loads(json.dumps({"ok": 1}))  # the module's json import is used by the test helpers
+
+
+def test_the_shared_fleet_example_configs_load_and_agree() -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "shared_fleet"
+    base = load_config(SFTConfig, ["@", str(example / "base.toml")], env={})
+    fleet = load_config(FleetConfig, ["@", str(example / "fleet.toml")], env={})
+    served = base.output_dir / "sft"
+    assert Path(fleet.model.name) == served and fleet.inference.router.backend_slots == fleet.inference.max_batch_size
+    envs = set()
+    for name in ("reverse_text", "skewed_latency"):
+        run = load_config(RLConfig, ["@", str(example / f"{name}.toml")], env={})
+        assert Path(run.model.name) == served and run.model.lora is not None and run.sft.steps == 0
+        assert run.fleet == f"http://127.0.0.1:{fleet.inference.router.port}" and run.output_dir.name == name
+        assert run.model.lora.rank <= fleet.inference.max_lora_rank
+        assert run.output_dir.is_relative_to(fleet.inference.weight_roots[0])  # the servers may load its adapters
+        envs.add(run.orchestrator.environment.id)
+    assert len(envs) == 2
