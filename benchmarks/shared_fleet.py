@@ -40,7 +40,7 @@ from arbor.run_dir import fleet_url_path, fleet_usage_path, metrics_path
 
 TARGET = 1.3
 BATCH, GROUP = 32, 4
-MODEL = ["--model.name", "qwen3-test", "--seq-len", "64", "--seed", "0"]
+MODEL = ["--model.name", "qwen3-test", "--seq-len", "112", "--seed", "0"]
 RUNS = {
     "slow": ["--orchestrator.environment.id", "arbor.environments.skewed_latency:SkewedLatencyEnv",
              "--orchestrator.environment.args", "{ median_s = 1.0, sigma = 0.6, straggler_p = 0.0, max_len = 5 }"],
@@ -68,11 +68,11 @@ def start_fleet(out: Path, replicas: int, slots: int) -> tuple[subprocess.Popen,
     return proc, fleet_url_path(out).read_text().strip()
 
 
-def run_argv(name: str, url: str, out: Path, steps: int) -> list[str]:
+def run_argv(name: str, url: str, out: Path, steps: int, max_tokens: int) -> list[str]:
     return [sys.executable, "-m", "arbor.launch.rl", "--fleet", url, "--output-dir", str(out / name),
             "--max-steps", str(steps), *MODEL, *RUNS[name], "--model.lora.rank", "8",
             "--orchestrator.batch-size", str(BATCH), "--orchestrator.group-size", str(GROUP),
-            "--orchestrator.sampling.max-tokens", "16", "--trainer.num-threads", "1"]
+            "--orchestrator.sampling.max-tokens", str(max_tokens), "--trainer.num-threads", "1"]
 
 
 def run_figures(out: Path, tail: int) -> dict[str, float]:
@@ -87,12 +87,12 @@ def fleet_utilisation(out: Path) -> float | None:
     return rows[-1]["fleet"].get("utilisation") if rows else None
 
 
-def arm(shared: bool, replicas: int, slots: int, steps: int, tail: int, root: Path) -> dict[str, object]:
+def arm(shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, tail: int, root: Path) -> dict[str, object]:
     """One arm: its fleets up, both runs to their end, the fleets down."""
     fleets = {"all": start_fleet(root / "fleet", replicas, slots)} if shared else {
         name: start_fleet(root / f"fleet_{name}", replicas // 2, slots) for name in RUNS}
     try:
-        runs = {name: subprocess.Popen(run_argv(name, fleets["all" if shared else name][1], root, steps),
+        runs = {name: subprocess.Popen(run_argv(name, fleets["all" if shared else name][1], root, steps, max_tokens),
                                        stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "w"), env=_env())
                 for name in RUNS}
         for name, proc in runs.items():
@@ -111,7 +111,9 @@ def arm(shared: bool, replicas: int, slots: int, steps: int, tail: int, root: Pa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=2, help="servers of the shared fleet (each separate one: half)")
-    p.add_argument("--slots", type=int, default=4,
+    p.add_argument("--max-tokens", type=int, default=48,
+                   help="completion length (the untrained preset rarely stops early): generation dominates a step")
+    p.add_argument("--slots", type=int, default=2,
                    help="sequences one server decodes at once: few, so that a server's capacity is its slots (as an "
                         "accelerator's is) rather than a share of the machine's cores")
     p.add_argument("--steps", type=int, default=12)
@@ -124,7 +126,8 @@ def main() -> None:
     for i in range(args.repeats):
         for name in ("separate", "shared"):
             with tempfile.TemporaryDirectory(prefix=f"arbor_shared_fleet_{name}_") as tmp:
-                res = arm(name == "shared", args.replicas, args.slots, args.steps, args.tail, Path(tmp))
+                res = arm(name == "shared", args.replicas, args.slots, args.steps, args.max_tokens, args.tail,
+                          Path(tmp))
             results[name].append(res)
             runs = ", ".join(f"{n} {f['samples_per_s']:.2f}/s (reward {f['reward']:.3f})" for n, f in res["runs"].items())
             print(f"{name} #{i}: {res['total']:.2f} trained samples/s [{runs}], fleet utilisation "
@@ -137,7 +140,7 @@ def main() -> None:
               for arm_name, rs in results.items() for run in RUNS}
     print(json.dumps({"benchmark": "shared_fleet", "value": round(ratio, 3), "target": TARGET, "ok": ratio >= TARGET,
                       "unit": "shared / separate trained samples per second", "replicas": args.replicas,
-                      "slots": args.slots,
+                      "slots": args.slots, "max_tokens": args.max_tokens,
                       "steps": args.steps, "repeats": args.repeats,
                       "separate_samples_per_s": round(med["separate"], 3), "shared_samples_per_s": round(med["shared"], 3),
                       **{k: round(v, 4) for k, v in reward.items()}}))

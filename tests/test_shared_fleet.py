@@ -290,26 +290,18 @@ def test_client_in_adapter_mode_names_its_run_and_loads_its_adapter() -> None:
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("argv, pattern", [
-    (["--fleet", "http://127.0.0.1:9"], r"^fleet needs \[model\.lora\]"),
-    (["--fleet", "not a url"], r"^fleet: "),
-    (["--fleet-weight", "0"], r"^fleet_weight: "),
-    (["--run-name", "a/b"], r"^run_name: "),
-])
-def test_rl_fleet_keys_fail_in_one_line_naming_the_key(argv: list[str], pattern: str) -> None:
+@pytest.mark.parametrize("cls, argv, pattern", [
+    (RLConfig, ["--fleet", "http://127.0.0.1:9"], r"^fleet needs \[model\.lora\]"),
+    (RLConfig, ["--fleet", "not a url"], r"^fleet: "),
+    (RLConfig, ["--fleet-weight", "0"], r"^fleet_weight: "),
+    (RLConfig, ["--run-name", "a/b"], r"^run_name: "),
+    (FleetConfig, ["--inference.router.implementation", "vllm-router"], r"vllm-router.*cannot serve a shared fleet"),
+    (FleetConfig, ["--metrics-interval", "0"], r"^metrics_interval: "),
+    (FleetConfig, ["--inference.router.backend-slots", "0"], r"^inference\.router\.backend_slots: "),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_fleet_keys_fail_in_one_line_naming_the_key(cls: type, argv: list[str], pattern: str) -> None:
     with pytest.raises(ConfigError) as e:
-        load_config(RLConfig, argv)
-    assert "\n" not in str(e.value) and re.search(pattern, str(e.value)), str(e.value)
-
-
-@pytest.mark.parametrize("argv, pattern", [
-    (["--inference.router.implementation", "vllm-router"], r"vllm-router.*cannot serve a shared fleet"),
-    (["--metrics-interval", "0"], r"^metrics_interval: "),
-    (["--inference.router.backend-slots", "0"], r"^inference\.router\.backend_slots: "),
-])
-def test_fleet_keys_fail_in_one_line_naming_the_key(argv: list[str], pattern: str) -> None:
-    with pytest.raises(ConfigError) as e:
-        load_config(FleetConfig, argv)
+        load_config(cls, argv)
     assert "\n" not in str(e.value) and re.search(pattern, str(e.value)), str(e.value)
 
 
