@@ -40,7 +40,7 @@ from arbor.run_dir import fleet_url_path, fleet_usage_path, metrics_path
 
 TARGET = 1.3
 BATCH, GROUP = 32, 4
-MODEL = ["--model.name", "qwen3-test", "--seq-len", "112", "--seed", "0"]
+MODEL = ["--model.name", "qwen3-test", "--seq-len", "128", "--seed", "0"]
 RUNS = {
     "slow": ["--orchestrator.environment.id", "arbor.environments.skewed_latency:SkewedLatencyEnv",
              "--orchestrator.environment.args", "{ median_s = 1.0, sigma = 0.6, straggler_p = 0.0, max_len = 5 }"],
@@ -96,8 +96,8 @@ def arm(shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, ta
                                        stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "w"), env=_env())
                 for name in RUNS}
         for name, proc in runs.items():
-            if proc.wait() != 0:
-                raise SystemExit(f"run {name} failed; see {root / f'{name}.log'} and {root / name / 'logs'}")
+            if proc.wait() != 0:  # the directory goes with the arm: its log's end is the message
+                raise SystemExit(f"run {name} failed:\n{(root / f'{name}.log').read_text()[-3000:]}")
     finally:
         for proc, _ in fleets.values():
             os.killpg(proc.pid, signal.SIGTERM)
@@ -111,10 +111,10 @@ def arm(shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, ta
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=2, help="servers of the shared fleet (each separate one: half)")
-    p.add_argument("--max-tokens", type=int, default=48,
+    p.add_argument("--max-tokens", type=int, default=64,
                    help="completion length (the untrained preset rarely stops early): generation dominates a step")
-    p.add_argument("--slots", type=int, default=2,
-                   help="sequences one server decodes at once: few, so that a server's capacity is its slots (as an "
+    p.add_argument("--slots", type=int, default=4,
+                   help="sequences one server decodes at once (at least the group size, 4): few, so that a server's capacity is its slots (as an "
                         "accelerator's is) rather than a share of the machine's cores")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tail", type=int, default=4, help="last steps whose reward/mean is averaged")

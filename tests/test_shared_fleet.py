@@ -310,6 +310,7 @@ def test_fleet_config_pushes_the_model_down_and_sizes_the_slots(tmp_path: Path) 
                                     "--output-dir", str(tmp_path)])
     assert cfg.inference.model.name == "qwen3-tiny" and cfg.inference.output_dir == tmp_path
     assert cfg.inference.router.backend_slots == 12
+    assert cfg.inference.vllm.enable_lora is True and cfg.inference.router.implementation == "builtin"
 
 
 def test_rl_on_a_fleet_points_the_orchestrator_at_it_as_the_runs_adapter(tmp_path: Path) -> None:

@@ -40,9 +40,10 @@ class FleetConfig(Config):
     startup_timeout: Seconds = Field(300.0, gt=0)
     """Seconds to wait for each server and the router to answer /health."""
     inference: InferenceConfig = InferenceConfig()
-    """The servers (`replicas`, `max_batch_size`, `backend`, `weight_roots`: the runs' output directories, where
-    their adapters are published) and, in `inference.router`, the router (host, port, policy,
-    `backend_slots`: default `max_batch_size`)."""
+    """The servers (`replicas`, `max_batch_size`, `backend`, `max_loras`, `max_lora_rank`, `weight_roots`: the
+    runs' output directories, where their adapters are published; `vllm.enable_lora` defaults to on) and, in
+    `inference.router`, the router (host, port, policy, `backend_slots`: default `max_batch_size`, or vLLM's
+    `max_num_seqs`)."""
     cost: CostConfig = CostConfig()
     """GPU-hour price and the fleet's GPUs (`inference_gpus`, default one per replica), for `arbor-report`."""
 
@@ -73,6 +74,8 @@ class FleetConfig(Config):
             raise ValueError("inference.router.implementation = 'vllm-router' cannot serve a shared fleet (it has no "
                              "run registration nor per-run sharing): use 'builtin'")
         router.implementation = "builtin"
+        if self.inference.vllm.enable_lora is None:  # the base model has no [model.lora]; the runs' adapters do
+            self.inference.vllm.enable_lora = True
         if router.backend_slots is None:
             vllm = self.inference.vllm.max_num_seqs
             # vLLM's own default of --max-num-seqs is 256.
