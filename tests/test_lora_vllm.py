@@ -1,0 +1,128 @@
+"""vLLM's LoRA support behind arbor: the rendered command line, the proxy's dynamic-LoRA routes against a fake
+vLLM, and (GPU) adapter hot-swap on a real vLLM server giving the logprobs of the merged model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from arbor.config.inference import InferenceConfig
+from arbor.inference.vllm_adapter import VLLMProxy
+from arbor.inference.vllm_launch import serve_argv, serve_env
+from arbor.transport.http import start_site
+from test_lora_engine import PROMPT, merged, random_adapter
+from vllm_server import post_json, vllm_server
+
+
+def test_lora_flags_and_runtime_updating_are_rendered() -> None:
+    cfg = InferenceConfig.model_validate({"model": {"name": "m", "lora": {"rank": 8}}, "max_loras": 3,
+                                          "max_lora_rank": 24})
+    argv = serve_argv(cfg, "/models/m", 9000)
+    i = argv.index("--enable-lora")
+    assert argv[i + 1:i + 5] == ["--max-loras", "3", "--max-lora-rank", "32"]  # rounded up to a rank vLLM takes
+    assert serve_env({}, cfg)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    plain = InferenceConfig.model_validate({"model": {"name": "m"}})
+    assert "--enable-lora" not in serve_argv(plain, "/models/m", 9000)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in serve_env({}, plain)
+    forced = InferenceConfig.model_validate({"model": {"name": "m"}, "vllm": {"enable_lora": True}})
+    assert "--enable-lora" in serve_argv(forced, "/models/m", 9000)
+
+
+class FakeLoRAVLLM:
+    """Streams two tokens per completion and accepts vLLM's LoRA admin routes."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.admin: list[tuple[str, dict[str, Any]]] = []
+
+    def app(self) -> web.Application:
+        async def completions(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.requests.append(body)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for j in range(2):
+                c = {"index": 0, "token_ids": [7 + j], "text": "x", "finish_reason": "length" if j else None,
+                     "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0], "top_logprobs": [{}]}}
+                await resp.write(b"data: " + json.dumps({"id": "i", "created": 1, "model": body["model"],
+                                                         "choices": [c]}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        async def admin(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.admin.append((request.path, body))
+            if body.get("lora_path", "").endswith("broken"):
+                return web.json_response({"message": "not an adapter", "code": 400}, status=400)
+            return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}'")
+
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", completions), web.post("/v1/load_lora_adapter", admin),
+                        web.post("/v1/unload_lora_adapter", admin)])
+        return app
+
+
+def test_proxy_forwards_adapter_loads_and_tags_tokens_with_the_adapters_version(tmp_path: Path) -> None:
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "broken").mkdir()
+
+    async def go() -> None:
+        fake = FakeLoRAVLLM()
+        up_runner, up = await start_site(fake.app(), "127.0.0.1", 0)
+        cfg = InferenceConfig.model_validate({"backend": "vllm", "model": {"name": "base", "lora": {}}})
+        runner, url = await start_site(VLLMProxy(up, cfg).app(), "127.0.0.1", 0)
+        async with aiohttp.ClientSession() as s:
+            load = {"lora_name": "run", "lora_path": str(tmp_path / "v1"), "load_inplace": True, "version": 3}
+            async with s.post(url + "/v1/load_lora_adapter", json=load) as r:
+                assert r.status == 200 and await r.json() == {"lora_name": "run", "version": 3}
+            async with s.post(url + "/v1/load_lora_adapter", json={**load, "version": 4}) as r:
+                assert r.status == 200
+            async with s.post(url + "/v1/load_lora_adapter",
+                              json={**load, "lora_path": str(tmp_path / "broken"), "version": 5}) as r:
+                assert r.status == 400  # vLLM refused it: version 4 stays
+            assert [b.get("load_inplace") for _, b in fake.admin] == [False, True, True]
+            assert all("version" not in b for _, b in fake.admin)  # arbor's field stays in the proxy
+            body = {"prompt": [1], "max_tokens": 2, "logprobs": 0}
+            async with s.post(url + "/v1/completions", json={**body, "model": "run"}) as r:
+                (c,) = (await r.json())["choices"]
+            assert fake.requests[-1]["model"] == "run" and c["policy_versions"] == [4, 4] and c["adapter"] == "run"
+            async with s.post(url + "/v1/completions", json={**body, "model": "other"}) as r:
+                (c,) = (await r.json())["choices"]
+            assert fake.requests[-1]["model"] == "base" and c["policy_versions"] == [0, 0] and c["adapter"] is None
+            async with s.post(url + "/v1/unload_lora_adapter", json={"lora_name": "run"}) as r:
+                assert r.status == 200
+            async with s.post(url + "/v1/unload_lora_adapter", json={"lora_name": "run"}) as r:
+                assert r.status == 404
+        await runner.cleanup()
+        await up_runner.cleanup()
+
+    asyncio.run(go())
+
+
+@pytest.mark.gpu
+def test_vllm_hot_swaps_adapters_with_merged_model_logprobs(tmp_path: Path) -> None:
+    """On a GPU: vLLM serving a LoRA adapter through arbor's proxy gives (within bf16/fp32 kernel noise) the
+    logprobs arbor's engine computes for the merged model, and a new version swaps in by name."""
+    name = "qwen3-test"
+    model_1, dir_1 = random_adapter(name, tmp_path / "v1", seed=1, rank=8)
+    model_2, dir_2 = random_adapter(name, tmp_path / "v2", seed=2, rank=8)
+    with vllm_server(tmp_path, name, 256, "--model.lora.rank", "8") as url:
+        for version, (model, path) in enumerate([(model_1, dir_1), (model_2, dir_2)], start=1):
+            load = {"lora_name": "run", "lora_path": str(path), "load_inplace": True, "version": version}
+            assert post_json(url, "/v1/load_lora_adapter", load)["version"] == version
+            out = post_json(url, "/v1/completions", {"model": "run", "prompt": PROMPT, "max_tokens": 8,
+                                                      "temperature": 0, "logprobs": 0, "return_token_ids": True})
+            (c,) = out["choices"]
+            assert c["adapter"] == "run" and c["policy_versions"] == [version] * 8
+            ref = merged(name, model)
+            with torch.no_grad():
+                logp = torch.log_softmax(ref(torch.tensor([PROMPT + c["token_ids"]]))[0].float(), -1)
+            want = [float(logp[len(PROMPT) + i - 1, t]) for i, t in enumerate(c["token_ids"])]
+            assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], want)) < 1e-3
