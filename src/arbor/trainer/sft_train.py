@@ -1,7 +1,7 @@
 """SFT training (the `sft` entry point, arbor.trainer.sft, parses the config and prepares the data): packs
 examples into block-diagonal rows, minimises cross-entropy on their target tokens, and writes the fine-tuned model
-to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically. With `[model.lora]` only an adapter trains
-(arbor.models.lora); `sft/` then holds the base with the adapter merged into it (what `rl` continues from, a
+to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically. With `[model.lora]` (and `adapter`) only an
+adapter trains (arbor.models.lora); `sft/` then holds the base with the adapter merged into it (what `rl` continues from, a
 plain Hugging Face checkpoint) and the adapter itself in PEFT's layout under `sft/adapter/`.
 """
 
@@ -57,7 +57,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     beat("building the model")
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
     apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
-    lora = cfg.model.lora
+    lora = cfg.model.lora if cfg.adapter else None
     if lora is not None:  # after the FP8 swap, as the RL trainer does (arbor.trainer.parallel)
         apply_lora(model, lora, cfg.model.init_seed)
         if lora.path is not None:
@@ -105,7 +105,7 @@ def save(cfg: SFTConfig, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
     tmp = final.parent / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     dtype = getattr(torch, cfg.model.dtype)
-    lora = cfg.model.lora
+    lora = cfg.model.lora if cfg.adapter else None
     state = merged_state(model) if lora is not None else model.state_dict()
     save_checkpoint_dir({k: v.detach().to("cpu", dtype) for k, v in state.items()}, model.args, tmp, tokenizer)
     if lora is not None:
