@@ -1,8 +1,8 @@
 """SFT training (the `sft` entry point, arbor.trainer.sft, parses the config and prepares the data): packs
 examples into block-diagonal rows, minimises cross-entropy on their target tokens, and writes the fine-tuned model
 to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically. With `[model.lora]` (and `adapter`) only an
-adapter trains (arbor.models.lora); `sft/` then holds the base with the adapter merged into it (what `rl` continues from, a
-plain Hugging Face checkpoint) and the adapter itself in PEFT's layout under `sft/adapter/`.
+adapter trains (arbor.models.lora); `sft/` then holds the base with the adapter merged into it (what `rl`
+continues from, a plain Hugging Face checkpoint) and the adapter itself in PEFT's layout under `sft/adapter/`.
 """
 
 from __future__ import annotations
