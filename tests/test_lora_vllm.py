@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,23 +107,41 @@ def test_proxy_forwards_adapter_loads_and_tags_tokens_with_the_adapters_version(
     asyncio.run(go())
 
 
+def check_hot_swap(url: str, tmp_path: Path, tol: float) -> None:
+    """Loads two versions of an adapter by name into the server at `url`; each serves the logprobs of the merged
+    model (within `tol`) and tags its tokens with its version and the adapter's name."""
+    name = "qwen3-test"
+    for version in (1, 2):
+        model, path = random_adapter(name, tmp_path / f"v{version}", seed=version, rank=8)
+        load = {"lora_name": "run", "lora_path": str(path), "load_inplace": True, "version": version}
+        assert post_json(url, "/v1/load_lora_adapter", load)["version"] == version
+        out = post_json(url, "/v1/completions", {"model": "run", "prompt": PROMPT, "max_tokens": 8,
+                                                  "temperature": 0, "logprobs": 0, "return_token_ids": True})
+        (c,) = out["choices"]
+        assert c["adapter"] == "run" and c["policy_versions"] == [version] * len(c["token_ids"])
+        with torch.no_grad():
+            logits = merged(name, model)(torch.tensor([PROMPT + c["token_ids"]]))[0].float()
+        logp = torch.log_softmax(logits, -1)
+        want = [float(logp[len(PROMPT) + i - 1, t]) for i, t in enumerate(c["token_ids"])]
+        assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], want)) < tol
+
+
 @pytest.mark.gpu
 def test_vllm_hot_swaps_adapters_with_merged_model_logprobs(tmp_path: Path) -> None:
-    """On a GPU: vLLM serving a LoRA adapter through arbor's proxy gives (within bf16/fp32 kernel noise) the
-    logprobs arbor's engine computes for the merged model, and a new version swaps in by name."""
-    name = "qwen3-test"
-    model_1, dir_1 = random_adapter(name, tmp_path / "v1", seed=1, rank=8)
-    model_2, dir_2 = random_adapter(name, tmp_path / "v2", seed=2, rank=8)
-    with vllm_server(tmp_path, name, 256, "--model.lora.rank", "8") as url:
-        for version, (model, path) in enumerate([(model_1, dir_1), (model_2, dir_2)], start=1):
-            load = {"lora_name": "run", "lora_path": str(path), "load_inplace": True, "version": version}
-            assert post_json(url, "/v1/load_lora_adapter", load)["version"] == version
-            out = post_json(url, "/v1/completions", {"model": "run", "prompt": PROMPT, "max_tokens": 8,
-                                                      "temperature": 0, "logprobs": 0, "return_token_ids": True})
-            (c,) = out["choices"]
-            assert c["adapter"] == "run" and c["policy_versions"] == [version] * 8
-            ref = merged(name, model)
-            with torch.no_grad():
-                logp = torch.log_softmax(ref(torch.tensor([PROMPT + c["token_ids"]]))[0].float(), -1)
-            want = [float(logp[len(PROMPT) + i - 1, t]) for i, t in enumerate(c["token_ids"])]
-            assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], want)) < 1e-3
+    """On a GPU: vLLM serving a LoRA adapter through arbor's proxy gives (within kernel noise) the logprobs of the
+    merged model, and a new version swaps in by name."""
+    with vllm_server(tmp_path, "qwen3-test", 256, "--model.lora.rank", "8") as url:
+        check_hot_swap(url, tmp_path, 1e-3)
+
+
+@pytest.fixture(scope="module")
+def vllm_lora_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM (CPU build here) server with LoRA enabled for the module's `vllm` tests."""
+    with vllm_server(tmp_path_factory.mktemp("vllm-lora"), "qwen3-test", 256, "--model.lora.rank", "8") as url:
+        yield url
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_hot_swaps_adapters_with_merged_model_logprobs(vllm_lora_url: str, tmp_path: Path) -> None:
+    """vLLM's CPU build serves adapters loaded at run time, in fp32: the merged model's logprobs, swapped by name."""
+    check_hot_swap(vllm_lora_url, tmp_path, 1e-4)
