@@ -21,6 +21,9 @@ from arbor.transport.http import start_site
 from test_lora_engine import PROMPT, merged, random_adapter
 from vllm_server import post_json, vllm_server
 
+VLLM_MODEL = "qwen3-tiny"
+"""The preset the vLLM tests serve (vLLM's CPU attention has no kernel for qwen3-test's 8-wide heads)."""
+
 
 def test_lora_flags_and_runtime_updating_are_rendered() -> None:
     cfg = InferenceConfig.model_validate({"model": {"name": "m", "lora": {"rank": 8}}, "max_loras": 3,
@@ -110,7 +113,7 @@ def test_proxy_forwards_adapter_loads_and_tags_tokens_with_the_adapters_version(
 def check_hot_swap(url: str, tmp_path: Path, tol: float) -> None:
     """Loads two versions of an adapter by name into the server at `url`; each serves the logprobs of the merged
     model (within `tol`) and tags its tokens with its version and the adapter's name."""
-    name = "qwen3-test"
+    name = VLLM_MODEL
     for version in (1, 2):
         model, path = random_adapter(name, tmp_path / f"v{version}", seed=version, rank=8)
         load = {"lora_name": "run", "lora_path": str(path), "load_inplace": True, "version": version}
@@ -130,14 +133,14 @@ def check_hot_swap(url: str, tmp_path: Path, tol: float) -> None:
 def test_vllm_hot_swaps_adapters_with_merged_model_logprobs(tmp_path: Path) -> None:
     """On a GPU: vLLM serving a LoRA adapter through arbor's proxy gives (within kernel noise) the logprobs of the
     merged model, and a new version swaps in by name."""
-    with vllm_server(tmp_path, "qwen3-test", 256, "--model.lora.rank", "8") as url:
+    with vllm_server(tmp_path, VLLM_MODEL, 256, "--model.lora.rank", "8") as url:
         check_hot_swap(url, tmp_path, 1e-3)
 
 
 @pytest.fixture(scope="module")
 def vllm_lora_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One vLLM (CPU build here) server with LoRA enabled for the module's `vllm` tests."""
-    with vllm_server(tmp_path_factory.mktemp("vllm-lora"), "qwen3-test", 256, "--model.lora.rank", "8") as url:
+    with vllm_server(tmp_path_factory.mktemp("vllm-lora"), VLLM_MODEL, 256, "--model.lora.rank", "8") as url:
         yield url
 
 
