@@ -16,8 +16,9 @@ from arbor.config.model import LoRAConfig, ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.models import build_model
 from arbor.models.lora import apply_lora, lora_parameters
+from arbor.models.hf import save_checkpoint_dir
 from arbor.models.lora_peft import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, arbor_tensors, load_adapter, peft_tensors, read_config,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, arbor_tensors, load_adapter, peft_tensors, read_config, save_adapter,
 )
 from arbor.models.qwen3_moe import sort_by_expert
 from arbor.run_dir import STABLE, broadcast_dir, checkpoint_dir
@@ -25,6 +26,7 @@ from arbor.trainer.main import main as trainer_main
 from arbor.transport.shard_io import MANIFEST
 from test_trainer import read_metrics, trainer_args, write_rollouts
 from test_trainer_dist import run_torchrun
+from test_trainer_parallel import EP2, moe_args
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -140,3 +142,37 @@ def test_two_rank_fsdp_lora_step_matches_one_rank(tmp_path: Path) -> None:
         a = load_file(str(broadcast_dir(one, version) / ADAPTER_WEIGHTS))
         b = load_file(str(broadcast_dir(two, version) / ADAPTER_WEIGHTS))
         assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max().item() <= 1e-5 for k in a)
+
+
+def test_expert_parallel_lora_step_matches_one_rank(tmp_path: Path) -> None:
+    """MoE experts' adapters are ep-sharded with their experts (FSDP2 + EP=2) and train as on one rank."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    write_rollouts({1: one, 2: two}, steps=2)
+    lora = ["--model.lora.rank", "2"]
+    assert trainer_main(moe_args(one, 2, *lora)) == 0
+    run_torchrun(2, moe_args(two, 2, *lora, *EP2))
+    for r1, r2 in zip(read_metrics(one), read_metrics(two), strict=True):
+        assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
+        assert r1["grad_norm"] == pytest.approx(r2["grad_norm"], rel=1e-5)
+    a, b = load_adapter(broadcast_dir(one, 2))[1], load_adapter(broadcast_dir(two, 2))[1]
+    assert any("lora_gate_A" in k for k in a)
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max().item() <= 1e-5 for k in a)
+
+
+def test_published_adapter_loads_in_peft(tmp_path: Path) -> None:
+    """PEFT reads arbor's adapter directory onto the transformers model of the same weights and computes what
+    arbor's LoRA model computes."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (not a dependency of arbor)")
+    transformers = pytest.importorskip("transformers")
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    model = build_model(ModelConfig(name="qwen3-test"))
+    save_checkpoint_dir(model.state_dict(), model.args, tmp_path / "base")
+    apply_lora(model, lora, 0)
+    randomize(model, 4)
+    adapters = dict(lora_parameters(model))
+    save_adapter(tmp_path / "adapter", adapter_config(lora, str(tmp_path / "base"), adapters), adapters)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), torch_dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, 200, (2, 7))
+    with torch.no_grad():
+        assert (peft_model(input_ids=ids).logits - model(ids)).abs().max().item() < 1e-4

@@ -158,6 +158,9 @@ class InferenceConfig(Config):
     @model_validator(mode="after")
     def _nccl_needs_vllm(self) -> "InferenceConfig":
         check_lora_transport(self.model, self.weights)
+        if self.model.lora is not None and self.model.lora.rank > self.max_lora_rank:
+            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) is below model.lora.rank ({self.model.lora.rank}): "
+                             "the servers could not load the run's adapter")
         if self.weights.kind == "nccl" and self.model.fp8 != "none":
             raise ValueError("model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
                              "published as a DeepSeek-format checkpoint)")

@@ -113,6 +113,8 @@ def resolve(cfg: RLConfig) -> RLConfig:
     inf.admin_token = inf.router.admin_token = cfg.orchestrator.client.admin_token = token
     if cfg.sft.steps:
         warm = cfg.model.model_copy(update={"name": str(run_dir.sft_model_dir(cfg.output_dir)), "tokenizer": None})
+        if warm.lora is not None:  # the warm-up's adapter is merged into sft/: RL starts a fresh adapter on it
+            warm.lora = warm.lora.model_copy(update={"path": None})
         for section in (cfg.trainer, cfg.orchestrator, cfg.inference):
             section.model = warm
     return cfg

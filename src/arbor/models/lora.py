@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arbor.models.hf import copy_checked
 from arbor.models.qwen3_moe import GroupedExperts, _local, grouped_mm
 
 EXPERT_PROJS = ("gate", "up", "down")
@@ -150,16 +151,7 @@ def apply_lora(model: nn.Module, cfg: Any, seed: int) -> list[str]:
 def load_adapter_into(model: nn.Module, tensors: dict[str, torch.Tensor], source: object) -> None:
     """Copies arbor-named adapter tensors (arbor.models.lora_peft.arbor_tensors) into the model's adapters,
     checking every name and shape first (the adapter's rank must be the model's)."""
-    own = dict(lora_parameters(model))
-    if set(tensors) != set(own):
-        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-        raise ValueError(f"adapter {source} does not match model.lora: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(own[name].shape):
-            raise ValueError(f"adapter {source}: {name} has shape {tuple(t.shape)}, the model's is {tuple(own[name].shape)}")
-    with torch.no_grad():
-        for name, t in tensors.items():
-            own[name].copy_(t.to(own[name].dtype))
+    copy_checked(dict(lora_parameters(model)), tensors, f"adapter {source}", "model.lora")
 
 
 def is_lora_param(name: str) -> bool:
