@@ -1,7 +1,8 @@
 """The `eval` console script: evaluates a model on the `[eval]` environments and appends a line to `eval.jsonl`.
 
 Generation goes to a running server through the orchestrator's `InferenceClient` (`base_url`), or, standalone,
-to arbor's local engine started in this process. Composing the two sides is why this entry point lives outside
+to arbor's local engine started in this process. With `[model.lora]` it evaluates an adapter: `model.lora.path`
+loaded into the local engine, or the server's adapter named `model.lora.name` (default "arbor"). Composing the two sides is why this entry point lives outside
 the orchestrator and inference packages, which never import each other; the evaluation itself
 (`arbor.orchestrator.eval.evaluate`, also run periodically by `rl`) is the orchestrator's.
 """
@@ -26,11 +27,13 @@ if TYPE_CHECKING:  # an annotation only: the orchestrator's modules load torch, 
 def engine_generator(engine: Any, cfg: EvalSettings) -> Generate:
     """The local engine's `generate`, with the signature of `InferenceClient.generate`."""
 
+    adapter = cfg.model.lora.adapter_name() if cfg.model.lora is not None and cfg.model.lora.path else None
+
     async def generate(prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float,
                        seed: int | None = None) -> list[Any]:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed)
-        engine.check(prompt, params)
-        out = await asyncio.wrap_future(engine.submit(prompt, params))
+        engine.check(prompt, params, adapter)
+        out = await asyncio.wrap_future(engine.submit(prompt, params, adapter=adapter))
         return sorted(out.completions, key=lambda c: c.index)
 
     return generate
@@ -48,8 +51,10 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
 
     tokenizer = build_tokenizer(cfg.model)
     t0 = time.perf_counter()
-    if cfg.base_url:
-        async with InferenceClient([cfg.base_url], 600.0, 3) as client:
+    lora = cfg.model.lora
+    if cfg.base_url:  # with [model.lora], the server's adapter of that name (it must be loaded there)
+        async with InferenceClient([cfg.base_url], 600.0, 3,
+                                   **({"model": lora.adapter_name()} if lora is not None else {})) as client:
             figures = await evaluate(client_generator(client, cfg), tokenizer, cfg, seq_len=cfg.seq_len)
     else:  # arbor's engine in this process, stopped when done
         if cfg.num_threads is not None:
@@ -58,6 +63,8 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         apply_fp8(model, cfg.model)
         engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
         engine.start()
+        if lora is not None and lora.path is not None:
+            await asyncio.wrap_future(engine.load_adapter(lora.adapter_name(), lora.path, 0))
         try:
             figures = await evaluate(engine_generator(engine, cfg), tokenizer, cfg, cfg.seq_len - cfg.max_tokens,
                                      seq_len=cfg.seq_len)

@@ -141,6 +141,17 @@ def timings_path(output_dir: PathLike) -> Path:
     return Path(output_dir) / "timings.jsonl"
 
 
+def fleet_usage_path(output_dir: PathLike) -> Path:
+    """A run's use of a shared fleet (`rl --fleet`, one row per launch), or a fleet's periodic figures (`fleet`):
+    arbor-report's cost share."""
+    return Path(output_dir) / "fleet_usage.jsonl"
+
+
+def fleet_url_path(output_dir: PathLike) -> Path:
+    """The URL a running fleet (`fleet`) answers on, written once its router is up."""
+    return Path(output_dir) / "url"
+
+
 def heartbeats_dir(output_dir: PathLike) -> Path:
     return Path(output_dir) / "heartbeats"
 

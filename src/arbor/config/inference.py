@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from arbor.config.admin import AdminToken
 from arbor.config.base import Config, Count, FilePath, Float, Port, Ranks, Seconds, Seed, Tokens
-from arbor.config.transport import WeightTransportConfig
+from arbor.config.transport import WeightTransportConfig, check_lora_transport
 from arbor.config.model import ModelConfig
 
 
@@ -50,6 +50,9 @@ class VLLMConfig(Config):
     """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
     worker_extension_cls: str = "arbor.inference.vllm_worker.WeightUpdateExtension"
     """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
+    enable_lora: bool | None = None
+    """`--enable-lora` (with `--max-loras` / `--max-lora-rank` from `max_loras` / `max_lora_rank`): serve LoRA
+    adapters loaded through `/v1/load_lora_adapter`; default: on when `[model.lora]` is set."""
     startup_timeout: Seconds = Field(900.0, gt=0)
     """Seconds to wait for the vLLM server to answer /health before the server fails."""
     rpc_timeout: Seconds = Field(600.0, gt=0)
@@ -113,6 +116,11 @@ class RouterConfig(Config):
     sets it; `rl` generates one per run when a server binds beyond loopback)."""
     ready_file: str | None = None
     """When set, the router writes its base URL here once it accepts requests."""
+    backend_slots: Count | None = Field(None, ge=1)
+    """Sequences one backend decodes at once (its batch size): the router keeps at most this many x backends in
+    rotation in flight and queues the rest per run, shared between runs by weight (arbor.inference.tenants);
+    it is also the capacity the fleet's utilisation is measured against. None: no queueing, no utilisation
+    (`fleet` sets it from `inference.max_batch_size`)."""
 
 
 class InferenceConfig(Config):
@@ -140,6 +148,11 @@ class InferenceConfig(Config):
     """Sequences decoded together (KV cache slots); later requests queue and join as slots free up."""
     seed: Seed = 0
     """Default sampling seed for requests that give none."""
+    max_loras: Count = Field(4, ge=1, le=256)
+    """LoRA adapters a server holds at once (`/v1/load_lora_adapter`): the local engine's adapter slots, vLLM's
+    `--max-loras`."""
+    max_lora_rank: Count = Field(64, ge=1, le=1024)
+    """Largest adapter rank a server accepts (vLLM's `--max-lora-rank`; the local engine pads smaller ranks)."""
     num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads for the engine; default: torch's choice."""
     output_dir: FilePath | None = None
@@ -163,6 +176,10 @@ class InferenceConfig(Config):
 
     @model_validator(mode="after")
     def _nccl_needs_vllm(self) -> "InferenceConfig":
+        check_lora_transport(self.model, self.weights)
+        if self.model.lora is not None and self.model.lora.rank > self.max_lora_rank:
+            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) is below model.lora.rank ({self.model.lora.rank}): "
+                             "the servers could not load the run's adapter")
         if self.weights.kind == "nccl" and self.model.fp8 != "none":
             raise ValueError("model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
                              "published as a DeepSeek-format checkpoint)")

@@ -58,6 +58,17 @@ class RLConfig(Config):
     """Bearer token of the admin routes of the inference servers and the router, sent by the orchestrator;
     `rl` generates one per run when a server binds beyond loopback and none is given. Secret: never written
     out; `ARBOR_ADMIN_TOKEN` sets it (a section's own `admin_token` must then agree)."""
+    fleet: str | None = Field(None, pattern=r"^https?://[^\s/]+(/[^\s]*)?$", max_length=4095)
+    """URL of a running fleet (`fleet @ fleet.toml`) to run on: `rl` then starts only the trainer and the
+    orchestrator, registers the run with the fleet (its policy is a LoRA adapter named `run_name`), and
+    unregisters it when it ends, leaving the fleet up. None: `rl` starts its own inference servers."""
+    fleet_weight: Float = Field(1.0, gt=0)
+    """The run's share of a saturated fleet relative to the other runs' (2.0: twice a run of weight 1)."""
+    fleet_token: AdminToken | None = Field(None, exclude=True)
+    """The fleet's admin token, to register the run (the fleet then hands the run a token of its own). Secret:
+    never written out; `ARBOR_FLEET_TOKEN` sets it. None: the fleet has none (it binds loopback only)."""
+    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]+$", max_length=255)
+    """The run's name on a fleet, which is also its adapter's; default: the name of `output_dir`."""
     inference_startup_timeout: Seconds = Field(300.0, gt=0)
     """Seconds to wait for the inference server to become healthy."""
     stall_timeout: Seconds = Field(1800.0, gt=0)
@@ -156,6 +167,12 @@ class RLConfig(Config):
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
         self._check_teacher()
+        if self.fleet is not None and self.model.lora is None:
+            raise ValueError("fleet needs [model.lora]: a run on a shared fleet trains and serves a LoRA adapter on "
+                             "the fleet's base model")
+        if self.fleet is not None and self.run_name is not None and self.model.lora.name not in (None, self.run_name):
+            raise ValueError(f"model.lora.name ({self.model.lora.name!r}) differs from run_name ({self.run_name!r}): "
+                             "on a fleet the adapter is named after the run; set run_name only")
         self.run_admin_token()
         return self
 

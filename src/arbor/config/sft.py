@@ -37,3 +37,7 @@ class SFTConfig(Config):
     """Environment whose tasks and reference answers form the data when `data` is not set."""
     num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads; default: torch's choice."""
+    adapter: bool = True
+    """With `[model.lora]`: train an adapter (written merged into `sft/`, and as `sft/adapter/`); false trains
+    the full weights, the base `rl` then trains its adapter on (for a model that is not pretrained, as the
+    presets are: an adapter on frozen random embeddings learns little)."""

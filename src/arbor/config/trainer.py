@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
-from arbor.config.transport import WeightTransportConfig
+from arbor.config.transport import WeightTransportConfig, check_lora_transport
 from arbor.config.model import ModelConfig
 from arbor.config.layout import check_model_split, model_shape
 
@@ -258,6 +258,11 @@ class TrainerConfig(Config):
     as fit one chunk's fp32 logits in 256 MiB (441 tokens at a vocabulary of 151,936)."""
 
     deprecated_aliases = {"scheduler": "lr_schedule"}
+
+    @model_validator(mode="after")
+    def _lora_over_files(self) -> "TrainerConfig":
+        check_lora_transport(self.model, self.weights)
+        return self
 
     @model_validator(mode="after")
     def _layout_fits_model(self) -> "TrainerConfig":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -41,3 +41,11 @@ class WeightTransportConfig(Config):
     """NCCL: rendezvous port of the weight-update group."""
     nccl_inference_ranks: Ranks = Field(1, ge=1)
     """NCCL: inference workers in the group (replicas x tensor x data parallel); the trainer is rank 0."""
+
+
+def check_lora_transport(model: Any, weights: WeightTransportConfig) -> None:
+    """A LoRA run (`model.lora`) publishes its adapter as files: vLLM's and the local engine's adapter loading
+    read a directory, so the adapter never travels over NCCL."""
+    if model.lora is not None and weights.kind == "nccl":
+        raise ValueError("model.lora needs weights.kind = 'filesystem' (an adapter is published as a PEFT directory, "
+                         "which inference loads through /v1/load_lora_adapter)")

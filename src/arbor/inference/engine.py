@@ -20,6 +20,12 @@ Policy versions: every generated token is tagged with the version of the weights
 update is applied between decode steps; the KV cache of every running sequence is then recomputed with the new
 weights, so a token tagged with version v is exactly a sample of policy v given its prefix (its logprob is what
 the trainer computes with version v's weights). Logprobs follow the convention in `arbor.inference.sampling`.
+
+LoRA adapters (arbor.inference.adapters): `load_adapter(name, path, version)` puts a PEFT directory into one of
+`max_loras` slots between decode steps; a request submitted with `adapter=name` is generated with it, in the
+same decode batch as requests for other adapters or for none. Its tokens carry that adapter's versions. Loading a
+new version of a loaded adapter recomputes the caches of that adapter's running requests only (the others go on
+as they were); unloading it aborts its requests.
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ class Engine:
         weights: Any = None,
         nucleus_logprobs: bool = False,
         draft_tokens: int = 0,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
     ) -> None:
         """`draft_tokens > 0`: speculative decoding with the model's MTP module drafting that many tokens per
         sequence and step (arbor.inference.speculative)."""
@@ -84,7 +92,7 @@ class Engine:
         # Loads published directories: checksums verified, bounded by the transport's timeout.
         self.runner = ModelRunner(self.model, seq_len=seq_len, max_batch_size=max_batch_size,
                                   weights=weights if weights is not None else FilesystemTransport(),
-                                  keep_hidden=draft_tokens > 0)
+                                  max_loras=max_loras, max_lora_rank=max_lora_rank, keep_hidden=draft_tokens > 0)
         self._inbox = Inbox(seed)
         sampler = Sampler(tokenizer, nucleus_logprobs)
         spec = (SpeculativeDecoder(self.model, self.runner.kv, sampler, draft_tokens=draft_tokens, seq_len=seq_len)
@@ -126,9 +134,17 @@ class Engine:
         """Whether the engine loop is running and takes work (False once it died or was stopped)."""
         return self._thread.is_alive() and self._inbox.dead is None and not self._inbox.stopping
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises InvalidRequest if the request can never be served (bad ids, too long, too many samples)."""
+    @property
+    def adapters(self) -> dict[str, int]:
+        """Loaded LoRA adapters: name -> version."""
+        return {name: e.version for name, e in list(self.runner.adapters.loaded.items())}
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams, adapter: str | None = None) -> None:
+        """Raises InvalidRequest if the request can never be served (bad ids, too long, too many samples, an
+        adapter that is not loaded)."""
         params.validate()
+        if adapter is not None and adapter not in self.runner.adapters.loaded:
+            raise InvalidRequest(f"adapter {adapter!r} is not loaded", "model")
         if not prompt_ids:
             raise InvalidRequest("prompt must contain at least one token", "prompt")
         bad = next((t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)
@@ -145,13 +161,13 @@ class Engine:
         if params.n > self.max_batch_size:
             raise InvalidRequest(f"n={params.n} exceeds max_batch_size {self.max_batch_size}", "n")
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               request_id: str | None = None) -> concurrent.futures.Future[RequestOutput]:
-        """Queues a request; cancel the future to drop it (its slots are freed at the next step, its output is
-        lost), or `abort(request_id)` to finish it with what it has generated so far. Several requests may
-        share one `request_id` (one abort ends them all)."""
-        self.check(prompt_ids, params)
-        return self._inbox.submit([int(t) for t in prompt_ids], params, request_id).future
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+               adapter: str | None = None) -> concurrent.futures.Future[RequestOutput]:
+        """Queues a request (generated with LoRA adapter `adapter` when given); cancel the future to drop it (its
+        slots are freed at the next step, its output is lost), or `abort(request_id)` to finish it with what it
+        has generated so far. Several requests may share one `request_id` (one abort ends them all)."""
+        self.check(prompt_ids, params, adapter)
+        return self._inbox.submit([int(t) for t in prompt_ids], params, request_id, adapter).future
 
     def abort(self, request_ids: Sequence[str] | None = None) -> concurrent.futures.Future[int]:
         """Finishes the requests with these ids (None: every request) between two decode steps: their futures
@@ -166,6 +182,15 @@ class Engine:
     def update_weights(self, path: str | Path, version: int) -> concurrent.futures.Future[int]:
         """Loads a Hugging Face checkpoint directory between decode steps; on error the old weights stay."""
         return self._inbox.command("update", str(path), int(version))
+
+    def load_adapter(self, name: str, path: str | Path, version: int) -> concurrent.futures.Future[int]:
+        """Loads (or replaces with a new version) LoRA adapter `name` from a PEFT directory between decode steps;
+        resolves to `version`. On error the adapter's previous version (if any) stays."""
+        return self._inbox.command("load_lora", name, str(path), int(version))
+
+    def unload_adapter(self, name: str) -> concurrent.futures.Future[int]:
+        """Removes adapter `name`, aborting its queued and running requests; resolves to how many were aborted."""
+        return self._inbox.command("unload_lora", name)
 
     def pause(self) -> concurrent.futures.Future[bool]:
         """Stops scheduling (running sequences wait, new requests queue); resolves once no step is in flight."""
@@ -237,6 +262,12 @@ class _EngineLoop:
             resolve(cmd.future, self.scheduler.abort(cmd.args[0]))
         elif cmd.kind == "update":
             self._update(cmd, Path(cmd.args[0]), cmd.args[1])
+        elif cmd.kind == "load_lora":
+            self._load_adapter(cmd, *cmd.args)
+        elif cmd.kind == "unload_lora":
+            name = cmd.args[0]
+            self.scheduler.runner.adapters.unload(name)
+            resolve(cmd.future, self.scheduler.abort_where(lambda r: r.adapter == name))
         else:
             fail(cmd.future, ValueError(f"unknown engine command {cmd.kind!r}"))
 
@@ -256,6 +287,20 @@ class _EngineLoop:
         log.info("loaded weights from %s as policy version %d", path, version)
         resolve(cmd.future, version)
 
+    def _load_adapter(self, cmd: Command, name: str, path: str, version: int) -> None:
+        """Loads an adapter version; the running requests of that adapter get their caches recomputed with it."""
+        try:
+            self.scheduler.runner.load_adapter(name, Path(path), version)
+        except Exception as e:
+            log.warning("loading adapter %s from %s failed: %s", name, path, e)
+            err = WeightUpdateError(f"could not load adapter {name!r} from {path}: {e}")
+            err.__cause__ = e
+            fail(cmd.future, err)
+            return
+        self.scheduler.recompute_caches(adapter=name)
+        log.info("loaded adapter %s from %s as version %d", name, path, version)
+        resolve(cmd.future, version)
+
     def _log_progress(self) -> None:
         s = self.inbox.snapshot(self.scheduler.stats)
         now = time.monotonic()
@@ -265,8 +310,9 @@ class _EngineLoop:
 
 
 def build_engine(cfg: Any) -> tuple[Engine, Any]:
-    """The engine and tokenizer described by an `InferenceConfig` (not started). Its logprobs under top_p < 1
-    are the nucleus-truncated distribution's, as vLLM's and the trainer's are."""
+    """The engine and tokenizer described by an `InferenceConfig` (not started), serving `model.lora.path`
+    (when set) under the run's adapter name as version 0. Its logprobs under top_p < 1 are the
+    nucleus-truncated distribution's, as vLLM's and the trainer's are."""
     model = build_model(cfg.model)
     apply_fp8(model, cfg.model)  # the trainer's FP8 forward, so both sides compute alike
     tokenizer = build_tokenizer(cfg.model)
@@ -275,5 +321,9 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
     engine = Engine(model, tokenizer, seq_len=cfg.seq_len, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
                     weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
                                                 checksum=w.checksum),
-                    nucleus_logprobs=True, draft_tokens=spec.draft_tokens if spec.enabled else 0)
+                    nucleus_logprobs=True, draft_tokens=spec.draft_tokens if spec.enabled else 0,
+                    max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+    lora = cfg.model.lora
+    if lora is not None and lora.path is not None:  # the engine thread is not running yet: load it here
+        engine.runner.load_adapter(lora.adapter_name(cfg.output_dir), Path(lora.path), 0)
     return engine, tokenizer

@@ -50,6 +50,8 @@ class Fleet:
         self.ejections = self.readmissions = 0
         self.last_update: dict[str, Any] | None = None  # replayed on re-admission
         self.paused = False
+        self.adapters: dict[str, dict[str, Any]] = {}
+        """The last load of each adapter loaded now, by name: replayed on re-admission."""
         self.auth = bearer_headers(cfg.admin_token)
         """The admin header the replays carry: the router's token, else the last accepted call's own header."""
         self._rr = itertools.count()
@@ -87,6 +89,11 @@ class Fleet:
             self.last_update = json.loads(body)
         elif path in ("/pause", "/resume"):
             self.paused = path == "/pause"
+        elif path == "/v1/load_lora_adapter":
+            load = json.loads(body)
+            self.adapters[load["lora_name"]] = load
+        elif path == "/v1/unload_lora_adapter":
+            self.adapters.pop(json.loads(body)["lora_name"], None)
 
     async def health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -121,7 +128,7 @@ class Fleet:
         b.fails = 0
 
     async def _catch_up(self, session: aiohttp.ClientSession, b: Backend) -> bool:
-        """Brings a recovering backend to the fleet's state (weights, pause) before it serves again."""
+        """Brings a recovering backend to the fleet's state (weights, adapters, pause) before it serves again."""
         if self.last_update is not None and b.policy_version != self.last_update.get("version"):
             status, data = await post_json(session, b, "/update_weights", json.dumps(self.last_update).encode(),
                                            self.auth)
@@ -129,6 +136,11 @@ class Fleet:
                 log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
                 return False
             b.policy_version = int(self.last_update.get("version", b.policy_version))
+        for load in list(self.adapters.values()):
+            status, data = await post_json(session, b, "/v1/load_lora_adapter", json.dumps(load).encode(), self.auth)
+            if status != 200:
+                log.warning("%s is back but could not load adapter %s: %s", b.url, load.get("lora_name"), data)
+                return False
         if self.paused:
             status, _ = await post_json(session, b, "/pause", b"{}", self.auth)
             if status != 200:

@@ -23,7 +23,8 @@ ABORT_MEMORY = 65536
 
 @dataclasses.dataclass
 class Command:
-    """A control command for the engine thread ("pause", "resume", "abort" or "update"), resolved by it."""
+    """A control command for the engine thread ("pause", "resume", "abort", "update", "load_lora" or
+    "unload_lora"), resolved by it."""
 
     kind: str
     args: tuple[Any, ...]
@@ -46,12 +47,13 @@ class Inbox:
 
     # ---- caller side ----
 
-    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> Request:
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None,
+               adapter: str | None = None) -> Request:
         """Queues a request (resolved at once, empty, if its id was aborted already)."""
         with self.cv:
             self.raise_if_stopped()
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**62)
-            req = Request(prompt, params, seed, request_id)
+            req = Request(prompt, params, seed, request_id, adapter)
             if request_id is not None and request_id in self._aborted_ids:
                 resolve(req.future, req.aborted_output())
                 return req

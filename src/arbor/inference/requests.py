@@ -79,11 +79,16 @@ class EngineStats:
 class Request:
     """One submitted prompt with its `params.n` samples (`seqs`, set when it is admitted) and its caller's future."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, seed: int, request_id: str | None = None) -> None:
+    def __init__(self, prompt: list[int], params: SamplingParams, seed: int, request_id: str | None = None,
+                 adapter: str | None = None) -> None:
         self.prompt = prompt
         self.params = params
         self.seed = seed
         self.request_id = request_id
+        self.adapter = adapter
+        """Name of the LoRA adapter it is generated with (None: the base model)."""
+        self.lora_slot = 0
+        """The adapter's slot in the engine (arbor.inference.adapters), set when the request is admitted."""
         self.future: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
         self.seqs: list[Seq] = []
         self.prompt_logprobs: PromptLogprobs | None = None  # written by the prefill when params ask for them

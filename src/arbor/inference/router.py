@@ -52,7 +52,9 @@ from arbor.config.admin import require_admin_token
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.fleet import Backend, Fleet, post_json, rendezvous
-from arbor.transport.admin import ADMIN_ROUTES, admin_guard, bearer_headers
+from arbor.inference.run_routes import RUN_KEY, RunRoutes
+from arbor.inference.tenants import FairShare, Meter, Run, Tenants, metric_lines
+from arbor.transport.admin import ADMIN_ROUTES, ADMIN_UNDER_V1, bearer_headers
 from arbor.transport.http import (
     BadRequest,
     error_middleware,
@@ -62,11 +64,13 @@ from arbor.transport.http import (
     start_site,
     write_ready_file,
 )
-from arbor.transport.router import METRIC_PREFIX, use_vllm_router, vllm_router_argv
+from arbor.transport.router import METRIC_PREFIX, RUN_HEADER, use_vllm_router, vllm_router_argv
 
 log = logging.getLogger("arbor.inference.router")
 
 RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
+MAX_SLOTS_PER_REQUEST = 4096
+"""Slots one request is counted for at most (`n` beyond it is the backend's to refuse)."""
 ADMIN = ADMIN_ROUTES
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 POISON_AFTER = 2
@@ -127,8 +131,9 @@ class _Failure:
     """The backend answered 5xx: counted against it only if the request turns out not to be poisonous."""
 
 
-class Router:
-    """The aiohttp app in front of the fleet: request forwarding with failover, admin fan-out, health, metrics."""
+class Router(RunRoutes):
+    """The aiohttp app in front of the fleet: request forwarding with failover, admin fan-out, health, metrics,
+    and the runs sharing it (arbor.inference.run_routes)."""
 
     def __init__(self, backends: list[str], cfg: RouterConfig) -> None:
         if not backends:
@@ -137,8 +142,16 @@ class Router:
         self.fleet = Fleet(backends, cfg)
         self.backends = self.fleet.backends
         self.retries = self.requests = self.poisoned = 0
+        self.tenants = Tenants()
+        self.meter = Meter()
+        self.share = FairShare(self.tenants, self.meter, self.slots)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+
+    def slots(self) -> int | None:
+        """Sequences the backends in rotation take at once (None: no bound, `backend_slots` unset)."""
+        live = sum(b.healthy for b in self.backends)
+        return None if self.cfg.backend_slots is None or not live else self.cfg.backend_slots * live
 
     @property
     def ejections(self) -> int:
@@ -162,12 +175,14 @@ class Router:
             await self._session.close()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[admin_guard(self.cfg.admin_token), error_middleware(log)],
-                              client_max_size=256 * 1024 * 1024)
+        app = web.Application(middlewares=[self.guard, error_middleware(log)], client_max_size=256 * 1024 * 1024)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
-            *[web.post(p, self.admin) for p in ADMIN],
+            *[web.post(p, self.admin) for p in (*ADMIN, *ADMIN_UNDER_V1)],
+            web.post("/runs/register", self.register),
+            web.post("/runs/unregister", self.unregister),
+            web.get("/runs", self.list_runs),
             web.route("*", "/{tail:.*}", self.forward),
         ])
 
@@ -183,6 +198,33 @@ class Router:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # decoded: a gzip body is forwarded plain (see _forward_headers)
+        if request.method == "POST" and request.path in RETRYABLE_POST:
+            run, slots, request_id = self._owner(request, body)
+            await self.share.acquire(run, slots)
+            run.requests += 1
+            if request_id is not None:
+                run.request_ids.add(request_id)
+            try:
+                return await self._forward(request, body, run)
+            finally:
+                run.request_ids.discard(request_id)
+                self.share.release(run, slots)
+        return await self._forward(request, body, None)
+
+    def _owner(self, request: web.Request, body: bytes) -> tuple[Run, int, str | None]:
+        """The run a generation request belongs to, the slots it takes (`n`) and its request id."""
+        try:
+            data = parse_json(body)
+        except BadRequest:  # the backend answers the malformed body itself
+            data = None
+        data = data if isinstance(data, dict) else {}
+        n = data.get("n", 1)
+        slots = min(n, MAX_SLOTS_PER_REQUEST) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        request_id = data.get("request_id")
+        return (self.tenants.owner(request.headers.get(RUN_HEADER), data.get("model")), slots,
+                request_id if isinstance(request_id, str) else None)
+
+    async def _forward(self, request: web.Request, body: bytes, run: Run | None) -> web.StreamResponse:
         retryable = request.method == "GET" or request.path in RETRYABLE_POST
         key = session_key(request.headers, body) if self.cfg.policy == "consistent_hash" else None
         headers = _forward_headers(request)
@@ -198,7 +240,7 @@ class Router:
             if attempt:
                 self.retries += 1
             tried.add(b.url)
-            result = await self._attempt(request, b, body, headers, retryable)
+            result = await self._attempt(request, b, body, headers, retryable, run)
             if not isinstance(result, _Failure):
                 for f in failures:  # another backend served it: the 5xx answers were those backends' own fault
                     if f.answered:
@@ -212,7 +254,7 @@ class Router:
         return self._give_up(request, failures)
 
     async def _attempt(self, request: web.Request, b: Backend, body: bytes, headers: dict[str, str],
-                       retryable: bool) -> web.StreamResponse | _Failure:
+                       retryable: bool, run: Run | None = None) -> web.StreamResponse | _Failure:
         """Sends the request to one backend: its response relayed to the client, or why it failed. Connection
         errors and timeouts count against the backend at once; a 5xx of a retryable request once the request's
         outcome is known (`forward`); a 4xx never (it is the client's)."""
@@ -237,12 +279,15 @@ class Router:
                     self.fleet.failed(b, refused=False)
                 else:  # a success or the client's own error: the backend is alive and well
                     b.fails = 0
-                return await self._relay(request, resp, b)
+                return await self._relay(request, resp, b, run if resp.status == 200 else None)
         finally:
             b.outstanding -= 1
 
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, b: Backend) -> web.StreamResponse:
-        """Streams a backend's response to the client, chunk by chunk."""
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, b: Backend,
+                     run: Run | None = None) -> web.StreamResponse:
+        """Streams a backend's response to the client, chunk by chunk; a JSON answer to `run`'s generation
+        request is also kept, to count its `usage` against the run."""
+        kept: list[bytes] | None = [] if run is not None and resp.content_type == "application/json" else None
         out = web.StreamResponse(status=resp.status, headers={
             k: v for k, v in resp.headers.items() if k.lower() not in _HOP})
         if resp.content_length is not None:
@@ -259,8 +304,15 @@ class Router:
                 self.fleet.failed(b, refused=False)
                 out.force_close()  # the client sees a cut-short response and a closed connection
                 return out
+            if kept is not None:
+                kept.append(chunk)
             await out.write(chunk)  # a client that hung up ends the handler here: no fault of the backend's
         await out.write_eof()
+        if kept is not None and run is not None:
+            try:
+                self.meter.used(run, json.loads(b"".join(kept)))
+            except (ValueError, AttributeError):  # not the completion shape: nothing to count
+                pass
         return out
 
     def _give_up(self, request: web.Request, failures: list[_Failure]) -> web.Response:
@@ -278,14 +330,25 @@ class Router:
         return error_response(503, f"no backend served {request.path}: {last}", None, "unavailable")
 
     async def admin(self, request: web.Request) -> web.Response:
-        """Sends the call to every backend; ejected ones too (best effort: they get it again on re-admission)."""
-        assert self._session is not None
+        """Sends the call to every backend; ejected ones too (best effort: they get it again on re-admission).
+        A run's token holds the call to that run (`_scoped`)."""
         body = await request.read()
-        if body.strip():  # refused here, once, rather than by every backend (a pause may come with no body)
-            await read_json_object(request)
-        auth = bearer_headers(self.cfg.admin_token) if self.cfg.admin_token is not None else {
+        # A malformed body is refused here, once, rather than by every backend (a pause may come with no body).
+        data = await read_json_object(request) if body.strip() else {}
+        run = request.get(RUN_KEY)
+        if run is not None:
+            scoped = self._scoped(request.path, run, data)
+            if isinstance(scoped, web.Response):
+                return scoped
+            body = scoped
+        # Without a fleet token, the client's own header goes on (a run's token means nothing to a backend).
+        auth = bearer_headers(self.cfg.admin_token) if self.cfg.admin_token is not None else {} if run else {
             k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        results = await asyncio.gather(*(post_json(self._session, b, request.path, body, auth) for b in self.backends))
+        return await self._fan_out(request.path, body, auth)
+
+    async def _fan_out(self, path: str, body: bytes, auth: dict[str, str]) -> web.Response:
+        assert self._session is not None
+        results = await asyncio.gather(*(post_json(self._session, b, path, body, auth) for b in self.backends))
         report = {b.url: {"status": s, "in_rotation": b.healthy, "body": d} for b, (s, d) in zip(self.backends, results)}
         live = [(b, s, d) for b, (s, d) in zip(self.backends, results) if b.healthy]
         for b, (s, d) in zip(self.backends, results):
@@ -302,8 +365,8 @@ class Router:
         else:
             status = 502 if ok or any(s for _, s, _ in live) else 503
         if status == 200:
-            self.fleet.remember(request.path, body, auth)
-        message = None if status == 200 else f"{request.path} failed on some backends: " + json.dumps(report)[:2000]
+            self.fleet.remember(path, body, auth)
+        message = None if status == 200 else f"{path} failed on some backends: " + json.dumps(report)[:2000]
         versions = [d.get("policy_version") for _, s, d in live if s == 200 and isinstance(d, dict)]
         out: dict[str, Any] = {"results": report}
         if versions and all(isinstance(v, int) for v in versions):
@@ -322,7 +385,7 @@ class Router:
         out: dict[str, float] = {
             "requests": self.requests, "retries": self.retries, "poisoned": self.poisoned,
             "ejections": self.ejections, "readmissions": self.readmissions,
-            "backends_in_rotation": sum(b.healthy for b in self.backends),
+            "backends_in_rotation": sum(b.healthy for b in self.backends), "queued": self.share.queued_total,
         }
         for i, b in enumerate(self.backends):
             out[f"outstanding_{i}"] = b.outstanding
@@ -338,6 +401,8 @@ class Router:
             lines.append(f'{METRIC_PREFIX}backend_healthy{{backend="{b.url}"}} {int(b.healthy)}')
             lines.append(f'{METRIC_PREFIX}backend_requests{{backend="{b.url}"}} {b.requests}')
             lines.append(f'{METRIC_PREFIX}backend_errors{{backend="{b.url}"}} {b.errors}')
+        lines += metric_lines(METRIC_PREFIX, self.tenants, self.meter,
+                              None if self.cfg.backend_slots is None else self.cfg.backend_slots * len(self.backends))
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

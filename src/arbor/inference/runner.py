@@ -1,5 +1,6 @@
 """The local engine's model side: the model and its slot KV cache, the forwards that fill it (prefill, batched
-decode, recomputation after a weight update), MoE router-replay route recording, and weight loading.
+decode, recomputation after a weight update), MoE router-replay route recording, weight loading, and the LoRA
+adapter slots each forward's rows use (arbor.inference.adapters).
 
 Only the engine thread calls it. Routes (MoE models) are recorded per sequence by cache position, so a prefix
 computed in several forwards (prefill, decode steps, recomputation) ends up with one row per token.
@@ -13,9 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from arbor.inference.adapters import AdapterSlots
 from arbor.inference.requests import PromptLogprobs, Seq
 from arbor.models.fp8 import dequantize_state
 from arbor.models.hf import copy_state_into, fuse_experts
+from arbor.models.lora_peft import arbor_tensors
 from arbor.models.qwen3 import lm_logits
 
 
@@ -40,13 +43,15 @@ def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int) -> Prompt
 
 class ModelRunner:
     """Runs `model` over `max_batch_size` cache slots of `seq_len` positions; `weights` loads published
-    directories (a `FilesystemTransport`: checksums verified, bounded by its timeout). With `keep_hidden`
-    (speculative decoding) each `forward` leaves the decoder's hidden states of its tokens in `last_hidden`."""
+    directories (a `FilesystemTransport`: checksums verified, bounded by its timeout); up to `max_loras` LoRA
+    adapters of rank up to `max_lora_rank` are served beside the base model. With `keep_hidden` (speculative
+    decoding) each `forward` leaves the decoder's hidden states of its tokens in `last_hidden`."""
 
     def __init__(self, model: torch.nn.Module, *, seq_len: int, max_batch_size: int, weights: Any,
-                 keep_hidden: bool = False) -> None:
+                 max_loras: int = 4, max_lora_rank: int = 64, keep_hidden: bool = False) -> None:
         self.model = model
         self.weights = weights
+        self.adapters = AdapterSlots(model, max_loras, max_lora_rank)
         self.keep_hidden = keep_hidden
         self.last_hidden: torch.Tensor | None = None
         self.kv = model.make_kv_cache(max_batch_size, seq_len)
@@ -61,24 +66,36 @@ class ModelRunner:
         others); returns fp32 logits `[1, V]` of its last position."""
         req = seqs[0].req
         prompt = req.prompt
-        if req.params.prompt_logprobs is None:
-            logits = self.forward(prompt, 0, seqs[0].slot)
-        else:  # every position's logits, scored against the next prompt token
-            every = self.forward(prompt, 0, seqs[0].slot, keep=0)
-            req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs)
-            logits = every[-1:]
+        with self.adapters.rows([req.lora_slot], len(prompt)):
+            if req.params.prompt_logprobs is None:
+                logits = self.forward(prompt, 0, seqs[0].slot)
+            else:  # every position's logits, scored against the next prompt token
+                every = self.forward(prompt, 0, seqs[0].slot, keep=0)
+                req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs)
+                logits = every[-1:]
         self._record_routes(seqs, 0, len(prompt))
         if len(seqs) > 1:
             self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], len(prompt))
         return logits
 
     def decode(self, seqs: list[Seq]) -> torch.Tensor:
-        """One `[B, 1]` forward of every sequence's newest token; returns fp32 logits `[B, V]`."""
+        """One `[B, 1]` forward of every sequence's newest token (rows of different adapters together, or one
+        forward per adapter when a layer read as a weight is adapted); returns fp32 logits `[B, V]`."""
+        lora = [s.req.lora_slot for s in seqs]
+        if self.adapters.uniform_rows and len(set(lora)) > 1:
+            groups: dict[int, list[int]] = {}
+            for i, slot in enumerate(lora):
+                groups.setdefault(slot, []).append(i)
+            parts = {slot: self.decode([seqs[i] for i in idx]) for slot, idx in groups.items()}
+            order = [i for idx in groups.values() for i in idx]
+            stacked = torch.cat(list(parts.values()))
+            return stacked[torch.tensor(order, device=stacked.device).argsort()]
         dev = self.device
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=dev)
         pos = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=dev)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
-        logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots)[:, -1].float()
+        with self.adapters.rows(lora, 1):
+            logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots)[:, -1].float()
         if self._route_shape is not None:
             routes = self._routes_of_last_forward()
             for b, s in enumerate(seqs):
@@ -91,7 +108,8 @@ class ModelRunner:
         start = len(seqs[0].req.prompt)
         for s in seqs:
             if len(s.tokens) > 1:  # the newest token is written by the next decode step
-                self.forward(s.tokens[:-1], start, s.slot)
+                with self.adapters.rows([s.req.lora_slot], len(s.tokens) - 1):
+                    self.forward(s.tokens[:-1], start, s.slot)
                 self._record_routes([s], start, len(s.tokens) - 1)
 
     def load_weights(self, path: Path) -> None:
@@ -101,6 +119,13 @@ class ModelRunner:
         # verified against the publish manifest; FP8 weights (model.fp8 = "block") dequantised: the FP8 layers
         # requantise them to the same values; MoE experts fused; checked in full before any copy
         copy_state_into(self.model, fuse_experts(dequantize_state(self.weights.load(path))), path)
+
+    def load_adapter(self, name: str, path: Path, version: int) -> int:
+        """Loads the PEFT directory at `path` (checked by the weight transport: manifest checksums when it has
+        one) as adapter `name`; returns its slot. On error nothing changes."""
+        if not path.is_dir():
+            raise FileNotFoundError(f"adapter directory {path} does not exist")
+        return self.adapters.load(name, str(path), arbor_tensors(self.weights.load(path)), version)
 
     def forward(self, ids: list[int], start: int, slot: int, keep: int = 1) -> torch.Tensor:
         """Writes `ids` at positions start.. of `slot`; returns fp32 logits `[keep, V]` of the last `keep`

@@ -16,7 +16,7 @@ alternatives stay those of the full-vocabulary distribution (or its nucleus) the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -70,8 +70,10 @@ class Sampler:
         self.nucleus_logprobs = nucleus_logprobs
         """Report the top-p nucleus' renormalised logprobs (the module docstring)."""
 
-    def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int) -> None:
-        """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version`."""
+    def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int | Sequence[int]) -> None:
+        """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version` (one
+        for all, or one per sequence: each sequence's adapter has its own versions)."""
+        versions = [version] * len(seqs) if isinstance(version, int) else list(version)
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
         logp = scaled_logprobs(logits, temps)
         # Only the tokenizer's ids are candidates (padding rows are the trailing columns, so ids are unchanged).
@@ -84,7 +86,7 @@ class Sampler:
             p = s.req.params
             kept = self._kept(s, logp[b])
             tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size, kept)
-            self._append(s, tok, logp[b], version, kept, top_ids[b][:p.top_logprobs] if p.top_logprobs else [],
+            self._append(s, tok, logp[b], versions[b], kept, top_ids[b][:p.top_logprobs] if p.top_logprobs else [],
                          top_vals[b][:p.top_logprobs] if p.top_logprobs else [])
 
     def record(self, s: Seq, tok: int, logprobs: torch.Tensor, version: int) -> None:

@@ -7,7 +7,9 @@ of every prompt and completion token in every MoE layer, base64 of a `[tokens, m
 array with its dtype and shape, see arbor.transport.routes.encode_routes), GET /health, GET /v1/models, GET /metrics
 (Prometheus text), and the admin routes POST /update_weights {"path", "version"}, POST /pause, POST /resume,
 POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts), which need `Authorization: Bearer
-<admin_token>` when the config sets one (required beyond loopback; see arbor.transport.admin, which also holds
+<admin_token>` when the config sets one, and vLLM's dynamic-LoRA routes POST /v1/load_lora_adapter and
+POST /v1/unload_lora_adapter (arbor.transport.adapter_admin: a completion whose `model` names a loaded adapter is
+generated with it; its choices carry `"adapter"` and that adapter's versions) (required beyond loopback; see arbor.transport.admin, which also holds
 the weight-update policy: allowed roots, symlinks resolved, versions only upwards). A generation request may carry a
 client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
 with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
@@ -52,6 +54,7 @@ from arbor.inference.sampling import (
     WeightUpdateError,
 )
 from arbor.monitor.heartbeat import beat, install
+from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import (
@@ -220,6 +223,7 @@ class InferenceServer:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.admin_token = admin_token
         self.weights = weights or WeightUpdates(None)
+        self.lora = AdapterUpdates(self.weights)
         self.started = time.time()
 
     def app(self) -> web.Application:
@@ -235,17 +239,19 @@ class InferenceServer:
             web.post("/pause", self.pause),
             web.post("/resume", self.resume),
             web.post("/abort_requests", self.abort_requests),
+            web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+            web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
         ])
         return app
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams, param: str,
-                        request_id: str | None = None) -> list["RequestOutput"]:
+                        request_id: str | None = None, adapter: str | None = None) -> list["RequestOutput"]:
         for p in prompts:  # validate every prompt before queuing any, so a bad one leaves nothing running
             try:
-                self.engine.check(p, params)
+                self.engine.check(p, params, adapter)
             except InvalidRequest as e:
                 raise BadRequest(str(e), param if e.param == "prompt" else e.param) from None
-        futures = [self.engine.submit(p, params, request_id) for p in prompts]
+        futures = [self.engine.submit(p, params, request_id, adapter) for p in prompts]
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         finally:
@@ -264,7 +270,8 @@ class InferenceServer:
         return_ids = get_field(body, "return_token_ids", (bool,), False)
         as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
         get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
-        outputs = await self._generate(prompts, params, "prompt", _request_id(request, body))
+        adapter = requested_adapter(body, self.engine.adapters)
+        outputs = await self._generate(prompts, params, "prompt", _request_id(request, body), adapter)
         choices = []
         for pi, out in enumerate(outputs):
             for c in out.completions:
@@ -279,6 +286,7 @@ class InferenceServer:
                 if prompt_lps is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, out.prompt_logprobs or [])
                 choice["policy_versions"] = c.policy_versions
+                choice["adapter"] = adapter
                 if c.routed_experts is not None:  # arbor extension: router replay (MoE)
                     choice["routed_experts"] = encode_routes(c.routed_experts)
                 choices.append(choice)
@@ -306,7 +314,8 @@ class InferenceServer:
         return_ids = get_field(body, "return_token_ids", (bool,), False)
         as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
         get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
-        (out,) = await self._generate([prompt], params, "messages", _request_id(request, body))
+        adapter = requested_adapter(body, self.engine.adapters)
+        (out,) = await self._generate([prompt], params, "messages", _request_id(request, body), adapter)
         choices = []
         for c in out.completions:
             choice: dict[str, Any] = {
@@ -317,6 +326,7 @@ class InferenceServer:
             if return_ids:
                 choice["token_ids"] = c.token_ids
             choice["policy_versions"] = c.policy_versions
+            choice["adapter"] = adapter
             if c.routed_experts is not None:
                 choice["routed_experts"] = encode_routes(c.routed_experts)
             choices.append(choice)
@@ -337,10 +347,8 @@ class InferenceServer:
         return web.json_response({"status": "ok", "policy_version": self.engine.version})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "arbor",
-            "max_model_len": self.engine.seq_len,
-        }]})
+        return web.json_response({"object": "list", "data": model_cards(
+            self.model_name, int(self.started), self.engine.seq_len, self.engine.adapters)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         s = self.engine.stats()
@@ -380,6 +388,19 @@ class InferenceServer:
             return await asyncio.wrap_future(self.engine.update_weights(update.path, update.version))
         except WeightUpdateError as e:  # an allowed directory whose weights do not fit: the old ones stay
             raise BadRequest(str(e), "path") from None
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora.load(request, lambda: self.engine.adapters, self._load_adapter)
+
+    async def _load_adapter(self, load: AdapterLoad) -> int:
+        try:
+            return await asyncio.wrap_future(self.engine.load_adapter(load.name, load.path, load.version))
+        except WeightUpdateError as e:  # an allowed directory that is no adapter for this model: nothing changes
+            raise BadRequest(str(e), "lora_path") from None
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora.unload(request, lambda: self.engine.adapters,
+                                      lambda name: asyncio.wrap_future(self.engine.unload_adapter(name)))
 
     async def pause(self, request: web.Request) -> web.Response:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})

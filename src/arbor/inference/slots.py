@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +25,7 @@ log = logging.getLogger("arbor.inference.engine")
 
 class SlotScheduler:
     """The running batch over `max_batch_size` slots, fed from `inbox`; `stats` counts its work. With `spec`
-    each decode step is a speculative one (arbor.inference.speculative)."""
+    each decode step is a speculative one (arbor.inference.speculative) for the base model's requests."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, inbox: Inbox, *, max_batch_size: int,
                  version: int, spec: SpeculativeDecoder | None = None) -> None:
@@ -40,12 +41,13 @@ class SlotScheduler:
         """Prefills queued requests, first come first served, while the head of the queue fits."""
         while (req := self.inbox.next_admissible(len(self._free))) is not None:
             try:
+                req.lora_slot = self.runner.adapters.slot_of(req.adapter)  # unloaded since it was queued: fails
                 for i in range(req.params.n):
                     # the slot is taken only once its sample exists, so a sample that cannot be set up leaks none
                     req.seqs.append(Seq(req, i, self._free[-1], self.runner.device))
                     self._free.pop()
                 logits = self.runner.prefill(req.seqs)
-                if self.spec is not None:
+                if self._speculative(req):
                     self.spec.admitted(req.seqs, self.runner.last_hidden)
                 self.stats.requests += 1
                 self.stats.prompt_tokens += len(req.prompt)
@@ -57,16 +59,18 @@ class SlotScheduler:
 
     def decode_step(self) -> None:
         """Samples the next token of every running sequence with one batched forward (or, speculative, appends
-        the verified drafts and one more token)."""
+        the verified drafts and one more token; a LoRA adapter's sequences decode plainly beside them)."""
         seqs = self.running
         stats = self.stats
         try:
             t0, before = time.perf_counter(), sum(len(s.tokens) for s in seqs)
-            if self.spec is None:
-                logits = self.runner.decode(seqs)
-                self.sampler.sample(seqs, logits, stats.policy_version)
-            else:
-                self.spec.step(seqs, stats.policy_version, stats)
+            drafted = [s for s in seqs if self._speculative(s.req)]
+            plain = [s for s in seqs if not self._speculative(s.req)] if drafted else seqs
+            if plain:
+                logits = self.runner.decode(plain)
+                self.sampler.sample(plain, logits, [self._version(s.req) for s in plain])
+            if drafted:
+                self.spec.step(drafted, stats.policy_version, stats)
             stats.decode_steps += 1
             stats.max_decode_batch = max(stats.max_decode_batch, len(seqs))
             added = sum(len(s.tokens) for s in seqs) - before
@@ -79,11 +83,14 @@ class SlotScheduler:
             for group in by_request(seqs).values():
                 self._fail_request(group[0].req, e)
 
-    def recompute_caches(self) -> None:
-        """Rebuilds the KV cache of running sequences with the current weights (prompt once per request)."""
+    def recompute_caches(self, adapter: str | None = None) -> None:
+        """Rebuilds the KV cache of running sequences with the current weights (prompt once per request); with
+        `adapter`, only those of that adapter's requests (a new version of it was loaded)."""
         for seqs in by_request(self.running).values():
+            if adapter is not None and seqs[0].req.adapter != adapter:
+                continue
             try:
-                if self.spec is not None:
+                if self._speculative(seqs[0].req):
                     self.spec.recompute(seqs)
                 else:
                     self.runner.recompute(seqs)
@@ -101,7 +108,10 @@ class SlotScheduler:
 
     def abort(self, ids: frozenset[str] | None) -> int:
         """Finishes matching requests now: queued ones with no tokens, running ones with their tokens so far."""
-        hit = lambda r: ids is None or r.request_id in ids  # noqa: E731
+        return self.abort_where(lambda r: ids is None or r.request_id in ids)
+
+    def abort_where(self, hit: Callable[[Request], bool]) -> int:
+        """`abort` of the requests `hit` selects (an unloaded adapter's, say)."""
         queued = self.inbox.take_waiting(hit)
         for req in queued:
             resolve(req.future, req.aborted_output())
@@ -123,7 +133,7 @@ class SlotScheduler:
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Samples one token per sequence, then retires the finished ones and resolves completed requests."""
-        self.sampler.sample(seqs, logits, self.stats.policy_version)
+        self.sampler.sample(seqs, logits, [self._version(s.req) for s in seqs])
         self._retire(seqs, len(seqs))
 
     def _retire(self, seqs: list[Seq], added: int) -> None:
@@ -139,6 +149,18 @@ class SlotScheduler:
                 if all(x.finish_reason is not None for x in req.seqs):
                     resolve(req.future, req.output())
         self.stats.running = len(self.running)
+
+    def _speculative(self, req: Request) -> bool:
+        """Whether `req` decodes speculatively: the MTP drafts are the base model's, so an adapter's requests
+        (whose verifying forward would need their adapter's rows) decode plainly."""
+        return self.spec is not None and req.lora_slot == 0
+
+    def _version(self, req: Request) -> int:
+        """The policy version a token of `req` is sampled from: its adapter's, else the base weights'."""
+        if req.adapter is None:
+            return self.stats.policy_version
+        version = self.runner.adapters.version_of(req.adapter)
+        return self.stats.policy_version if version is None else version
 
     def _release(self, s: Seq) -> None:
         if s.holds_slot:

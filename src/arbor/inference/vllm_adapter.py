@@ -28,6 +28,10 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   freeing its KV), and answers each with what it had received, unfinished choices with finish_reason "abort".
   Request ids are the body's `request_id` (vLLM's own field, forwarded) or the `X-Request-Id` header; an id
   aborted before its request arrives is remembered, and that request is answered at once, empty.
+- /v1/load_lora_adapter and /v1/unload_lora_adapter (arbor.transport.adapter_admin: checked as on the local
+  engine, versions per adapter) are forwarded to vLLM's own dynamic-LoRA routes (`--enable-lora`, runtime
+  updating on); a completion whose `model` names a loaded adapter goes to vLLM under that name, its tokens tagged
+  with the adapter's version and its choices with `"adapter"`.
 - /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
   vLLM is healthy, with the served policy version.
 - Any other route is forwarded to vLLM. With `admin_token` set, the admin routes and every forwarded route but
@@ -67,6 +71,7 @@ from arbor.config.loader import ConfigError
 from arbor.inference.vllm_launch import materialized_path, serve_argv, serve_env, vllm_build
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
 from arbor.models.hf import save_checkpoint_dir
+from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file
 
@@ -112,8 +117,8 @@ def rpc_request(method: str, args: list[Any], timeout: float) -> dict[str, Any]:
 class Reassembler:
     """Builds a non-streaming response from vLLM stream chunks, tagging each new token with a version."""
 
-    def __init__(self, chat: bool, want_logprobs: bool) -> None:
-        self.chat, self.want_logprobs = chat, want_logprobs
+    def __init__(self, chat: bool, want_logprobs: bool, adapter: str | None = None) -> None:
+        self.chat, self.want_logprobs, self.adapter = chat, want_logprobs, adapter
         self.choices: dict[int, dict[str, Any]] = {}
         self.head: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
@@ -182,6 +187,7 @@ class Reassembler:
                     choice["prompt_token_ids"] = a["prompt_token_ids"]
             if ROUTED_EXPERTS in a:
                 choice[ROUTED_EXPERTS] = a[ROUTED_EXPERTS]
+            choice["adapter"] = self.adapter
             choices.append(choice)
         out = {**{k: v for k, v in self.head.items() if v is not None},
                "object": "chat.completion" if self.chat else "text_completion", "choices": choices}
@@ -199,6 +205,9 @@ class VLLMProxy:
         self._open = asyncio.Event()
         self._open.set()
         self.weights = WeightUpdates.of(cfg)
+        self.lora = AdapterUpdates(self.weights)
+        self.adapters: dict[str, int] = {}
+        """Loaded LoRA adapters: name -> version."""
         self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str | None, set[asyncio.Event]] = {}  # request id -> its abort signals
         self._aborted_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -211,6 +220,8 @@ class VLLMProxy:
             web.get("/health", self.health), web.post("/update_weights", self.update_weights),
             web.post("/pause", self.pause), web.post("/resume", self.resume),
             web.post("/abort_requests", self.abort_requests),
+            web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+            web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             web.route("*", "/{tail:.*}", self.forward),
         ])
 
@@ -237,10 +248,11 @@ class VLLMProxy:
             return web.json_response({"error": {"message": "the body must be an object without stream", "param": "stream"}}, status=400)
         await self._open.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        forwarded = render_request(body, chat, f"policy-{self.version}", self.cfg.router_replay)
-        # arbor's API serves one model whatever the request names (as the local engine does); vLLM checks it.
-        forwarded["model"] = self.cfg.model.name
-        acc = Reassembler(chat, want)
+        adapter = requested_adapter(body, self.adapters)
+        forwarded = render_request(body, chat, f"policy-{self._version(adapter)}", self.cfg.router_replay)
+        # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
+        forwarded["model"] = adapter or self.cfg.model.name
+        acc = Reassembler(chat, want, adapter)
         rid = body.get("request_id") if isinstance(body.get("request_id"), str) else request.headers.get("X-Request-Id")
         n = body.get("n") if isinstance(body.get("n"), int) else 1
         if rid is not None and rid in self._aborted_ids:
@@ -252,7 +264,7 @@ class VLLMProxy:
             async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
                 if resp.status != 200:
                     return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
-                reader = asyncio.create_task(self._read(resp, acc))
+                reader = asyncio.create_task(self._read(resp, acc, adapter))
                 aborted = asyncio.create_task(stop.wait())
                 await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
                 if not reader.done():  # aborted: hang up on vLLM (it aborts the request) and answer what came
@@ -270,7 +282,11 @@ class VLLMProxy:
                 del self._inflight[rid]
         return web.json_response(acc.response())
 
-    async def _read(self, resp: aiohttp.ClientResponse, acc: Reassembler) -> Any:
+    def _version(self, adapter: str | None) -> int:
+        """The version a token is tagged with: its adapter's, else the base weights'."""
+        return self.version if adapter is None else self.adapters.get(adapter, self.version)
+
+    async def _read(self, resp: aiohttp.ClientResponse, acc: Reassembler, adapter: str | None = None) -> Any:
         """Feeds vLLM's stream into `acc`; returns the error object vLLM streamed, if any."""
         async for raw in resp.content:
             line = raw.strip()
@@ -282,7 +298,7 @@ class VLLMProxy:
             chunk = json.loads(data)
             if chunk.get("error"):
                 return chunk["error"]
-            acc.add(chunk, self.version)
+            acc.add(chunk, self._version(adapter))
         return None
 
     async def abort_requests(self, request: web.Request) -> web.Response:
@@ -326,6 +342,32 @@ class VLLMProxy:
             raise HTTPError(500, str(e), None, "internal_error") from None
         self.version = update.version
         return update.version
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora.load(request, lambda: dict(self.adapters), self._load_adapter)
+
+    async def _load_adapter(self, load: AdapterLoad) -> int:
+        body = {"lora_name": load.name, "lora_path": str(load.path), "load_inplace": load.name in self.adapters}
+        await self._upstream_admin("/v1/load_lora_adapter", body)
+        self.adapters[load.name] = load.version
+        return load.version
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        async def unload(name: str) -> None:
+            await self._upstream_admin("/v1/unload_lora_adapter", {"lora_name": name})
+            del self.adapters[name]
+
+        return await self.lora.unload(request, lambda: dict(self.adapters), unload)
+
+    async def _upstream_admin(self, path: str, body: dict[str, Any]) -> None:
+        """POSTs to one of vLLM's own admin routes; its refusal (a bad adapter: 4xx) is this route's 400."""
+        assert self._session is not None
+        async with self._session.post(self.upstream + path, json=body) as r:
+            text = await r.text()
+        if r.status >= 500:
+            raise HTTPError(500, f"vLLM {path} failed ({r.status}): {text[:500]}", None, "internal_error")
+        if r.status != 200:
+            raise HTTPError(400, f"vLLM refused {path} ({r.status}): {text[:500]}", "lora_path")
 
     def workers(self) -> int:
         return self.cfg.vllm.tensor_parallel_size * self.cfg.vllm.data_parallel_size

@@ -108,6 +108,8 @@ def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer:
         argv.append("--enable-return-routed-experts")
     if cfg.speculative.enabled:
         argv += ["--speculative-config", json.dumps(speculative_config(cfg.speculative), separators=(",", ":"))]
+    if lora_enabled(cfg):
+        argv += ["--enable-lora", "--max-loras", str(cfg.max_loras), "--max-lora-rank", str(vllm_lora_rank(cfg))]
     if cpu and "enable_chunked_prefill" not in v.extra_args:
         # vLLM 0.32's CPU build crashes its engine when a seeded request's prefill is split over steps (it
         # rewinds the request's generator, which CPU generators cannot do): prompts are prefilled whole.
@@ -119,6 +121,21 @@ def serve_argv(cfg: InferenceConfig, model_path: str, port: int, skip_tokenizer:
     return argv + render_extra(v.extra_args)
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `--max-lora-rank` values vLLM accepts."""
+
+
+def lora_enabled(cfg: InferenceConfig) -> bool:
+    """`[inference.vllm] enable_lora`, by default on for a LoRA run (`[model.lora]`)."""
+    v = cfg.vllm.enable_lora
+    return v if v is not None else cfg.model.lora is not None
+
+
+def vllm_lora_rank(cfg: InferenceConfig) -> int:
+    """`max_lora_rank` rounded up to a rank vLLM accepts (the largest when beyond them)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= cfg.max_lora_rank), VLLM_LORA_RANKS[-1])
+
+
 def serve_env(base: dict[str, str] | None = None, cfg: InferenceConfig | None = None, cpu: bool = False,
               vocab: int | None = None) -> dict[str, str]:
     """The server's environment: vLLM's dev routes on, with the CPU build its KV space and thread binding, and
@@ -127,6 +144,8 @@ def serve_env(base: dict[str, str] | None = None, cfg: InferenceConfig | None = 
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
     if vocab is not None:
         env[VOCAB_ENV] = str(vocab)
+    if cfg is not None and lora_enabled(cfg):
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     if cpu:
         v = (cfg or InferenceConfig()).vllm
         env["VLLM_CPU_KVCACHE_SPACE"] = str(v.cpu_kvcache_space)

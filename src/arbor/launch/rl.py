@@ -48,10 +48,12 @@ from tomli_w import dumps
 from arbor import run_dir
 from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
 from arbor.config.loader import ConfigError, load_config, main_guard
+from arbor.config.fleet import FleetConfig
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm_launch import dry_run_command
 from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
+from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import run_checks
 from arbor.launch.process import Supervisor, tail
 from arbor.launch.slurm import submit
@@ -124,6 +126,8 @@ def resolve(cfg: RLConfig) -> RLConfig:
             cfg.orchestrator.teacher.model = teacher.model.name
     if cfg.sft.steps:
         warm = cfg.model.model_copy(update={"name": str(run_dir.sft_model_dir(cfg.output_dir)), "tokenizer": None})
+        if warm.lora is not None:  # the warm-up's adapter is merged into sft/: RL starts a fresh adapter on it
+            warm.lora = warm.lora.model_copy(update={"path": None})
         for section in (cfg.trainer, cfg.orchestrator, cfg.inference):
             section.model = warm
     return cfg
@@ -164,7 +168,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def token_env(cfg: RLConfig, variable: str) -> dict[str, str]:
+def token_env(cfg: RLConfig | FleetConfig, variable: str) -> dict[str, str]:
     """The run's admin token as `variable` (set by `resolve`), for the one child that reads it; none: empty."""
     token = token_value(cfg.inference.admin_token)
     return {} if token is None else {variable: token}
@@ -187,13 +191,16 @@ def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
 
 
 class Fleet:
-    """The inference replicas: argv per replica, restarts of dead ones, failure when all are dead."""
+    """The inference replicas: argv per replica, restarts of dead ones, failure when all are dead. One replica
+    without a router is `inference`; behind a router (`routed`, default: more than one replica) they are
+    `inference_<i>` on the router's backends. `cfg` is an `rl` or a `fleet` config."""
 
-    def __init__(self, cfg: RLConfig, conf: Path, sup: Supervisor) -> None:
+    def __init__(self, cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, routed: bool | None = None) -> None:
         self.sup = sup
         base = [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "inference.toml")]
         inf = cfg.inference
-        if inf.replicas == 1:
+        if not (inf.replicas > 1 if routed is None else routed):
+            assert isinstance(cfg, RLConfig)
             self.argv = {"inference": base}
             self.urls = {"inference": cfg.orchestrator.client.base_urls[0]}
         else:
@@ -201,7 +208,7 @@ class Fleet:
                          for i, url in enumerate(inf.router.backends)}
             self.urls = dict(zip(self.argv, inf.router.backends))
         self.env = token_env(cfg, ADMIN_TOKEN_ENV)
-        self.restart = inf.replicas > 1 and inf.router.restart_dead_replicas
+        self.restart = len(self.argv) > 1 and inf.router.restart_dead_replicas
         self.last_start: dict[str, float] = {}
         self.reported: set[str] = set()
         self.deaths = 0
@@ -232,7 +239,7 @@ class Fleet:
         self.start(name)
 
 
-def router_argv(cfg: RLConfig, conf: Path) -> list[str]:
+def router_argv(cfg: RLConfig | FleetConfig, conf: Path) -> list[str]:
     exe = use_vllm_router(cfg.inference.router)
     if exe is not None:
         return vllm_router_argv(cfg.inference.router, cfg.inference.router.backends, cfg.inference.router.port, exe)
@@ -253,19 +260,25 @@ def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> Non
     console.poll_sft()
 
 
+def start_run(cfg: RLConfig, conf: Path, sup: Supervisor, env: dict[str, str]) -> None:
+    """Starts the teacher server (on-policy distillation), the trainer and the orchestrator (the latter with `env`:
+    the admin token it sends)."""
+    if cfg.teacher is not None:  # on-policy distillation's teacher server
+        token = token_value(cfg.teacher.admin_token)
+        sup.start("teacher", [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")],
+                  {} if token is None else {ADMIN_TOKEN_ENV: token})
+    sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
+    orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
+    sup.start("orchestrator", orchestrator, {**env, **teacher_key_env(cfg)})
+
+
 def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> Fleet:
     """Starts the inference replicas, the trainer and the orchestrator at once: each builds its model while the
     others start (the orchestrator waits for /health itself, the trainer needs nothing from the fleet)."""
     fleet = Fleet(cfg, conf, sup)
     for name in fleet.argv:
         fleet.start(name)
-    if cfg.teacher is not None:
-        token = token_value(cfg.teacher.admin_token)
-        sup.start("teacher", [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")],
-                  {} if token is None else {ADMIN_TOKEN_ENV: token})
-    sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
-    orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
-    sup.start("orchestrator", orchestrator, {**token_env(cfg, CLIENT_TOKEN_ENV), **teacher_key_env(cfg)})
+    start_run(cfg, conf, sup, token_env(cfg, CLIENT_TOKEN_ENV))
     return fleet
 
 
@@ -320,20 +333,26 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
     console.say(f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})")
     if note:
         console.say(note)
+    shared = Registration(cfg) if cfg.fleet is not None else None
+
+    def waits() -> None:
+        console.waiting({n: c.started for n, c in sup.children.items() if n != "sft"})
+
     try:
         if cfg.sft.steps and not (run_dir.sft_model_dir(cfg.output_dir) / "config.json").exists():
             warm_up(cfg, conf, sup, console)
-        fleet = start_processes(cfg, conf, sup)
-
-        def waits() -> None:
-            console.waiting({n: c.started for n, c in sup.children.items() if n != "sft"})
-
-        for name, url in fleet.urls.items():
-            wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
+        if shared is not None:  # a run on a shared fleet: its trainer and orchestrator only
+            start_run(cfg, conf, sup, {CLIENT_TOKEN_ENV: shared.register()})
+            console.say(f"on fleet {cfg.fleet} as run {shared.name!r} (adapter {shared.name!r})")
+            fleet = None
+        else:
+            fleet = start_processes(cfg, conf, sup)
+            for name, url in fleet.urls.items():
+                wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
         if cfg.teacher is not None and cfg.orchestrator.teacher is not None:
             wait_healthy(sup, str(cfg.orchestrator.teacher.url), cfg.inference_startup_timeout, "teacher",
                          on_wait=waits)
-        if cfg.inference.replicas > 1:
+        if fleet is not None and cfg.inference.replicas > 1:
             sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
             wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet,
                          on_wait=waits)
@@ -358,7 +377,7 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
                         f"written: continue with --resume and a larger --max-minutes")
         console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
         return 0
-    except ChildFailed as e:
+    except (ChildFailed, ConfigError) as e:  # ConfigError: the fleet refused the run
         console.say(f"rl: error: {e}", err=True)
         return 1
     except Stalled as e:
@@ -373,6 +392,12 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
     finally:
         sup.stop()
         record_timings(cfg.output_dir, sup)
+        if shared is not None:
+            try:
+                shared.end()
+            except ConfigError as e:  # the fleet is gone: the run's own outcome still stands
+                console.say(f"rl: the run's use of the fleet was not recorded, nor the run unregistered: {e}",
+                            err=True)
 
 
 def plan_main(argv: list[str]) -> int:
@@ -398,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return submit(cfg, cfg.dry_run)
     if not cfg.dry_run:
         run_checks(cfg)  # before resolve(): an explicitly set port is still marked as set
-    cfg = resolve(cfg)
+    cfg = resolve_on_fleet(cfg) if cfg.fleet is not None else resolve(cfg)
     cores = split_cores(cfg)  # before write_configs: a resumed run reads the threads its last attempt ran with
     write_configs(cfg)
     if cfg.dry_run:

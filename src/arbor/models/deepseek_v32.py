@@ -35,6 +35,7 @@ from torch import nn
 
 from arbor.models.args import DSAArgs
 from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
+from arbor.models.lora import linear_weight
 from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, RotaryEmbedding, apply_rope, embed, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 
@@ -195,7 +196,7 @@ class DSAAttention(nn.Module):
         c_kv, k_pe, ik = keys.split([a.kv_lora_rank, a.qk_rope_head_dim, a.index_head_dim], dim=-1)
         idx, valid = indexer_topk(iq, iw, ik, mask, a.index_topk)
         self.last_topk = idx.masked_fill(~valid, -1)
-        out = sparse_mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, idx, valid, a.v_head_dim, self.scale)
+        out = sparse_mla(q_nope, q_pe, c_kv, k_pe, linear_weight(self.kv_b_proj), idx, valid, a.v_head_dim, self.scale)
         return self.o_proj(out.reshape(B, T, -1))
 
 

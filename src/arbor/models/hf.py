@@ -127,12 +127,18 @@ def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
     if args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         own.pop("lm_head.weight", None)
+    copy_checked(own, state, f"checkpoint {source}", "the model")
+
+
+def copy_checked(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], what: str, target: str) -> None:
+    """Copies `state` into the tensors `own` names once every name and shape matched (`what` and `target` name
+    the two sides in the error)."""
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"{what} does not match {target}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(f"checkpoint {source}: {name} has shape {tuple(tensor.shape)}, model has {tuple(own[name].shape)}")
+            raise ValueError(f"{what}: {name} has shape {tuple(tensor.shape)}, model has {tuple(own[name].shape)}")
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor.to(own[name].dtype))

@@ -11,7 +11,12 @@ and the measured throughput match, `throughput/trainer_wait_frac`, `throughput/g
 Cost = gpu_hour_usd x (inference GPUs x inference-pool hours + trainer GPUs x trainer-pool hours), where a pool's
 hours are the measured wall-clock of its processes summed over launches (a resumed run counts every attempt: the
 GPUs were paid for). Without timings.jsonl (a metrics file copied from elsewhere) the pools' hours fall back to
-the sum of `time/step`, which leaves out start-up and is marked as such.
+the sum of `time/step`, which leaves out start-up and is marked as such. A run on a shared fleet (`rl --fleet`)
+pays for its share of the fleet instead: its seconds on it x its share of the slot-seconds spent meanwhile, on
+`[cost] inference_gpus` (the fleet's GPUs), and the report shows that share and the fleet's utilisation.
+
+`arbor-report FLEET_DIR` (a `fleet`'s output directory) writes the fleet's report instead: its $/Mtok generated,
+its utilisation, and each run's share and $/Mtok (arbor.monitor.fleet_cost).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pydantic import ValidationError
 from arbor.config.base import ConfigError
 from arbor.config.loader import format_validation_error
 from arbor.config.rl import RLConfig
+from arbor.monitor.fleet_cost import fleet_cost, fleet_summary, is_fleet_dir, run_share
 from arbor.monitor.metrics import read_jsonl
 from arbor.planner import advice, plan
 from arbor.run_dir import configs_dir, metrics_path, timings_path
@@ -114,11 +120,16 @@ def cost(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace) -> dic
     tr_gpus = args.trainer_gpus if args.trainer_gpus is not None else table.get(
         "trainer_gpus", nproc * (slurm.get("trainer_nodes", 1) if slurm.get("inference_nodes") else 1))
     inf_h, tr_h, measured = pool_hours(out, rows)
+    shared = run_share(out)
+    if shared is not None:  # no inference process of its own: its share of the fleet's hours
+        inf_h = shared["hours"]
     usd = price * (inf_gpus * inf_h + tr_gpus * tr_h)
     trained = sum(r.get("num_tokens", 0.0) for r in rows)
     batch = conf.get("orchestrator", {}).get("batch_size")
     generated = sum(r.get("completion_len/mean", 0.0) * batch for r in rows) if batch else 0.0
-    return {
+    if shared is not None:
+        generated = shared["completion_tokens"]  # counted by the fleet's router
+    return {"fleet": shared,
         "usd": usd, "gpu_hour_usd": price, "inference_gpus": inf_gpus, "trainer_gpus": tr_gpus,
         "inference_hours": inf_h, "trainer_hours": tr_h, "measured": measured, "trained_tokens": trained,
         "generated_tokens": generated,
@@ -189,9 +200,29 @@ def summary(out: Path, rows: list[dict[str, Any]], c: dict[str, Any] | None) -> 
             f"- ${_fmt(c['usd_per_m_trained'], '.4g')} per million trained tokens ({c['trained_tokens']:.0f} tokens), "
             f"${_fmt(c['usd_per_m_generated'], '.4g')} per million generated tokens ({c['generated_tokens']:.0f})",
         ]
+        if c["fleet"] is not None:
+            f = c["fleet"]
+            util = "n/a" if f["fleet_utilisation"] is None else f"{100 * f['fleet_utilisation']:.1f}%"
+            lines.append(f"- on the shared fleet {f['fleet']}: {f['seconds'] / 3600:.4f} h, {100 * f['share']:.1f}% of "
+                         f"the slot-seconds spent meanwhile (the inference hours above); fleet utilisation {util}")
     lines += planner_lines(out, rows)
     lines += ["", *(f"![{name}]({name}.png)" for name in PLOTS), ""]
     return "\n".join(lines)
+
+
+def fleet_main(out: Path, args: argparse.Namespace) -> int:
+    """The report of a fleet's directory."""
+    c = fleet_cost(out, args.gpu_hour_usd, args.inference_gpus)
+    report_dir = out / "report"
+    report_dir.mkdir(exist_ok=True)
+    (report_dir / "report.md").write_text(fleet_summary(out, c))
+    (report_dir / "cost.json").write_text(json.dumps(c, indent=1))
+    print(f"report: {report_dir / 'report.md'}")
+    per_m = c["usd_per_m_generated"]
+    util = c["utilisation"]
+    print(f"fleet: {'n/a' if per_m is None else f'${per_m:.4g}'} per million generated tokens, utilisation "
+          f"{'n/a' if util is None else f'{100 * util:.1f}%'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer-gpus", type=int, help="GPUs of the trainer pool; default: from the run's config")
     args = p.parse_args(argv)
     out = args.output_dir
+    if is_fleet_dir(out):
+        return fleet_main(out, args)
     rows = load_rows(out)
     report_dir = out / "report"
     report_dir.mkdir(exist_ok=True)

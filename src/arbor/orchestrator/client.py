@@ -10,6 +10,11 @@ Every generation request carries `cache_salt = "policy-{version}"` (a vLLM reque
 version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
 older weights (the local engine has no prefix cache and accepts the field for compatibility).
 
+A LoRA run's client (`adapter` set: the adapter's name, which on a shared fleet is the run's) generates with
+`model = adapter` (a server that has not loaded it yet serves the base model, the run's version 0) and names
+its run in the `X-Arbor-Run` header (arbor.inference.tenants); `load_adapter` loads each published version
+through `/v1/load_lora_adapter`; and a choice that another adapter generated is an error, never a sample.
+
 Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
 `abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls
 then return what was produced so far with `finish_reason == "abort"` (arbor.orchestrator.partial resumes them).
@@ -21,6 +26,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Any
 
 import aiohttp
@@ -28,6 +34,7 @@ import numpy as np
 from pydantic import SecretStr
 
 from arbor.transport.admin import bearer_headers
+from arbor.transport.router import RUN_HEADER
 from arbor.transport.routes import decode_routes
 from arbor.transport.router import ENGINE_PREFIX, METRIC_PREFIX, parse_metrics
 
@@ -58,14 +65,17 @@ class Completion:
 
 class InferenceClient:
     def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor",
-                 admin_urls: list[str] | None = None, admin_token: SecretStr | None = None) -> None:
+                 admin_urls: list[str] | None = None, admin_token: SecretStr | None = None,
+                 adapter: str | None = None) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.admin_urls = [u.rstrip("/") for u in admin_urls] if admin_urls else self.base_urls
         self._admin_headers = bearer_headers(admin_token)
         self.policy_version = 0  # the cache salt's version; WeightSync raises it after each fleet update
-        self.timeout, self.max_retries, self.model = timeout, max_retries, model
+        self.timeout, self.max_retries, self.model = timeout, max_retries, adapter or model
+        self.adapter = adapter
+        self._headers = {RUN_HEADER: adapter} if adapter is not None else None
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._session: aiohttp.ClientSession | None = None
         self.retries = 0
@@ -130,12 +140,16 @@ class InferenceClient:
             body["request_id"] = request_id
         if stop:
             body["stop"] = stop
-        data = await self._post("/v1/completions", body)
+        data = await self._post("/v1/completions", body, headers=self._headers)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
             ids = choice["token_ids"]
             lps = choice["logprobs"]["token_logprobs"]
             versions = choice.get("policy_versions") or [-1] * len(ids)
+            if self.adapter is not None and choice.get("adapter") not in (None, self.adapter):
+                # Another run's policy: training on it would corrupt this run (a fleet that mixed adapters up).
+                raise InferenceError(f"the fleet answered with adapter {choice.get('adapter')!r}, not this run's "
+                                     f"{self.adapter!r}")
             if not (len(ids) == len(lps) == len(versions)):
                 raise InferenceError(f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions")
             routes = None
@@ -153,6 +167,14 @@ class InferenceClient:
         """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
         body = {"path": path, "version": version}
         await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers) for u in self.admin_urls))
+        self.policy_version = max(self.policy_version, version)
+
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Loads (or replaces in place) LoRA adapter `name` from a published directory on every server."""
+        # Absolute: a shared fleet's servers run in a directory of their own.
+        body = {"lora_name": name, "lora_path": os.path.abspath(path), "load_inplace": True, "version": version}
+        await asyncio.gather(*(self._post("/v1/load_lora_adapter", body, u, self._admin_headers)
+                               for u in self.admin_urls))
         self.policy_version = max(self.policy_version, version)
 
     async def abort_requests(self, request_ids: list[str] | None) -> None:

@@ -126,9 +126,13 @@ class Orchestrator:
 
     async def _run_with_fleet(self, metrics: MetricsWriter) -> None:
         cfg = self.cfg
+        # A LoRA run generates with its own adapter, served under its name (arbor.transport.adapter_admin).
+        lora = cfg.model.lora.adapter_name(cfg.output_dir) if cfg.model.lora is not None else None
         async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries,
-                                   admin_urls=cfg.client.admin_urls, admin_token=cfg.client.admin_token) as client:
-            weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout))
+                                   admin_urls=cfg.client.admin_urls, admin_token=cfg.client.admin_token,
+                                   adapter=lora) as client:
+            weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout),
+                                 lora_name=lora)
             client.policy_version = weights.loaded_version
             self.pool.use(client)
             if cfg.partial.enabled and cfg.partial.abort_on_weight_update:

@@ -4,7 +4,9 @@ A background task watches `broadcasts/` and, as soon as the trainer publishes a 
 server to load it (servers swap weights between decode steps, so in-flight requests continue and their later
 tokens carry the new version). `ensure(v)` blocks a step until the fleet serves version >= v: that is the
 scheduler's lag bound (`ensure(step - lag)`, arbor.orchestrator.scheduler). With `pause_generation`/`resume_generation` set (partial rollouts,
-`abort_on_weight_update`), running generations are aborted before each update and resumed after it.
+`abort_on_weight_update`), running generations are aborted before each update and resumed after it. A LoRA run
+(`lora_name` set) loads each published adapter version through `/v1/load_lora_adapter` under that name instead
+of `/update_weights`: the base weights, and other runs' adapters on a shared fleet, stay as they are.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ log = logging.getLogger("arbor.orchestrator.weights")
 
 
 class WeightSync:
-    def __init__(self, client: InferenceClient, output_dir: str | Path, loaded_version: int, poll: float = 0.05) -> None:
+    def __init__(self, client: InferenceClient, output_dir: str | Path, loaded_version: int, poll: float = 0.05,
+                 lora_name: str | None = None) -> None:
         self.client, self.output_dir, self.poll = client, Path(output_dir), poll
+        self.lora_name = lora_name
         self.loaded_version = loaded_version
         self.updates = 0
         self.update_seconds = 0.0
@@ -54,8 +58,11 @@ class WeightSync:
                 try:
                     # Absolute: the servers load only absolute paths (arbor.transport.admin), and a run's output_dir
                     # may be relative (the examples' default).
-                    path = broadcast_dir(self.output_dir, newest).resolve()
-                    await self.client.update_weights(str(path), newest)
+                    path = str(broadcast_dir(self.output_dir, newest).resolve())
+                    if self.lora_name is not None:
+                        await self.client.load_adapter(self.lora_name, path, newest)
+                    else:
+                        await self.client.update_weights(path, newest)
                 except InferenceError:
                     # The directory may have been pruned after a newer one appeared; retry with the newest.
                     if (latest_published(self.output_dir) or -1) > newest:

@@ -4,7 +4,8 @@ N is the number of optimizer steps done. Every rank writes its shards; rank 0 wr
 with `DONE` is complete, and DCP reshards on load (a checkpoint saved by 2 ranks loads into 1). The orchestrator
 keeps its own state beside ours (`checkpoints/step_N/orchestrator.json`), so pruning removes only the `trainer/`
 subdirectory and the step directory only once it is empty. The layout, the listing (`latest_checkpoint`) and the
-pruning are arbor.run_dir's, which the launcher and the orchestrator read without torch.
+pruning are arbor.run_dir's, which the launcher and the orchestrator read without torch. A LoRA model
+(`model.lora`) saves its adapters and their optimizer state only: the frozen base is rebuilt from the config.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from arbor.models.lora import is_lora_param
 from arbor.run_dir import DONE, checkpoint_dir, prune_checkpoints
 
 # torch.distributed.checkpoint imports DTensor and sympy, seconds of start-up: the functions below load it at the
@@ -27,6 +29,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dic
 
     optimizers = getattr(optimizer, "optimizers", optimizer)  # arbor.trainer.optim.Optimizers holds several
     model_sd, optim_sd = get_state_dict(model, optimizers)
+    if any(is_lora_param(k) for k in model_sd):  # LoRA: the frozen base is not state
+        model_sd = {k: v for k, v in model_sd.items() if is_lora_param(k)}
     return {"model": model_sd, "optim": optim_sd, "trainer": {"step": torch.tensor(step, dtype=torch.int64)}}
 
 
@@ -54,7 +58,7 @@ def load_checkpoint(
 ) -> None:
     """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed)."""
     import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = checkpoint_dir(output_dir, step)
     if not (path / DONE).exists():
@@ -65,4 +69,6 @@ def load_checkpoint(
     if saved != step:
         raise ValueError(f"checkpoint {path} holds step {saved}, not {step}")
     optimizers = getattr(optimizer, "optimizers", optimizer)
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    lora = any(is_lora_param(k) for k in state["model"])  # adapters only: the base keeps its built weights
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not lora))

@@ -121,15 +121,23 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", backend: str = "all_to_all
             module.dispatcher = AllToAllDispatcher(group, experts.num_experts)
         else:
             raise ValueError(f"trainer.parallel.ep_backend: unknown backend {backend!r} (all_to_all | deepep)")
-        for name in ("gate_up_proj", "down_proj"):
+        for name in expert_param_names(experts):
             full = getattr(experts, name)
-            sharded = nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)]))
-            sharded.register_hook(lambda g, ep=ep: g / ep)
+            sharded = nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)]),
+                                   requires_grad=full.requires_grad)  # a LoRA base stays frozen
+            if sharded.requires_grad:
+                sharded.register_hook(lambda g, ep=ep: g / ep)
             setattr(experts, name, sharded)
 
 
+def expert_param_names(experts: GroupedExperts) -> list[str]:
+    """The per-expert (dim 0) parameters of `experts`: its weights and, with LoRA, their adapters."""
+    return ["gate_up_proj", "down_proj"] + [f"lora_{p}_{ab}" for p in getattr(experts, "lora_projs", ())
+                                              for ab in ("A", "B")]
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in (m.gate_up_proj, m.down_proj)]
+    return [getattr(m, n) for m in model.modules() if isinstance(m, GroupedExperts) for n in expert_param_names(m)]
 
 
 def sync_expert_grads(model: nn.Module, replica_group) -> None:

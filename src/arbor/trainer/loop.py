@@ -47,7 +47,7 @@ from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
-from arbor.trainer.publish import DeltaTracker, stream_publish
+from arbor.trainer.publish import DeltaTracker, stream_publish, stream_publish_adapter
 from arbor.trainer.step import train_step
 from arbor.transport.files import wait_for_step
 from arbor.transport.weights import make_transport
@@ -206,7 +206,9 @@ def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.M
         torch.manual_seed(cfg.seed)
         ref = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
     ref.requires_grad_(False).eval()
-    ref = parallelize(ref, dims, cfg, device.type)
+    # LoRA: the reference is the base model, which a zero adapter leaves unchanged: none is added
+    ref_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
+    ref = parallelize(ref, dims, ref_cfg, device.type)
     return ref if dims.fsdp_enabled else ref.to(device)
 
 
@@ -221,6 +223,10 @@ class Publisher:
 
     def __call__(self, model: nn.Module, version: int) -> dict[str, float]:
         # inference runs in model.dtype: publish that, not the fp32 masters
+        dtype, lora = getattr(torch, self.cfg.model.dtype), self.cfg.model.lora
+        if lora is not None:  # the adapter only, as a PEFT directory
+            return stream_publish_adapter(model, self.transport, self.cfg.output_dir, version, dtype, lora,
+                                          self.cfg.model.name)
         return stream_publish(model, self.transport, self.cfg.output_dir, version, getattr(torch, self.cfg.model.dtype),
                               self.cfg.model.fp8 == "block", self.tokenizer, self.tracker, self.device)
 

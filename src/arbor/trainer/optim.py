@@ -43,12 +43,13 @@ def _muon_eligible(name: str, p: nn.Parameter) -> bool:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> Optimizers:
     adamw_kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    # Frozen parameters (a LoRA base) get no optimizer state.
     if cfg.name == "adamw":
-        return Optimizers([torch.optim.AdamW(model.parameters(), **adamw_kw)])
+        return Optimizers([torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_kw)])
     seen: set[int] = set()
     muon, rest = [], []
     for name, p in model.named_parameters():  # tied weights appear once
-        if id(p) in seen:
+        if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
         (muon if _muon_eligible(name, p) else rest).append(p)

@@ -22,6 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from arbor.config.trainer import ParallelConfig, TrainerConfig
 from arbor.models.fp8 import apply_fp8
+from arbor.models.lora import apply_lora, load_adapter_into
+from arbor.models.lora_peft import load_adapter
 from arbor.trainer.context_parallel import apply_cp
 from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
 from arbor.trainer.expert_parallel import apply_ep, expert_params, sync_expert_grads
@@ -156,12 +158,14 @@ def parallelize(
 ) -> nn.Module:
     """Applies the model transforms in a fixed order and returns the model (changed in place).
 
-    Order: FP8 swap -> AC -> EP -> CP -> FSDP2, as torchtitan's llama3/qwen3 (whose float8 model converter
+    Order: FP8 swap -> LoRA -> AC -> EP -> CP -> FSDP2, as torchtitan's llama3/qwen3 (whose float8 model converter
     also runs before `parallelize`):
     0. the FP8 swap (`model.fp8 = "block"`) turns eligible nn.Linear layers into FP8Linear by changing their class
        in place: it must come first because every later transform captures or wraps modules and parameters
        (AC wraps the layer forward that calls them, FSDP2 registers hooks on the modules and swaps their
        parameters for DTensors); the swap keeps parameter identity and names, so none of them notices;
+    0b. LoRA (`model.lora`) adds the adapters the same way (a class swap wrapping the FP8 forward, new
+       `lora_*` parameters) and freezes the rest, so FSDP2 and EP below see which parameters train;
     1. activation checkpointing wraps each decoder layer's forward; it must wrap the plain layer so that FSDP2's
        pre/post-forward hooks (all-gather, reshard) stay outside the recomputed region;
     2. expert parallel turns expert weights into ep-sharded DTensors and installs the all-to-all dispatcher: it
@@ -176,6 +180,10 @@ def parallelize(
     model._arbor_logprob_chunk = config.logprob_chunk_tokens  # read by arbor.trainer.logprobs.logprob_chunk
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
     apply_fp8(model, config.model)
+    if config.model.lora is not None:  # after the FP8 swap: the adapter wraps the FP8 forward
+        apply_lora(model, config.model.lora, config.model.init_seed)
+        if config.model.lora.path is not None:
+            load_adapter_into(model, load_adapter(config.model.lora.path)[1], config.model.lora.path)
     if pc.activation_checkpointing:
         apply_ac(model)
     ignored: set[nn.Parameter] = set()

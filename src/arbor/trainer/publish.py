@@ -9,6 +9,10 @@ quantised with `model.fp8 = "block"`) and, on the rank that owns the bucket, han
 
 With `weights.delta`, a bucket none of whose parameters changed since the previous publish from this process
 (each parameter's in-place version counter, agreed across ranks) is skipped: not gathered, not sent.
+
+A LoRA run (`model.lora`) publishes its adapter only (`stream_publish_adapter`): every rank gathers the adapter
+parameters (small: one bucket), rank 0 writes them as a PEFT directory (arbor.models.lora_peft) through the same
+transport's `Publication`, with the manifest, checksums and `STABLE` marker of every published version.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from arbor.models.hf import hf_state_dict
+from arbor.models.lora import lora_parameters
+from arbor.models.lora_peft import adapter_config, peft_tensors
 from arbor.transport.buckets import TensorSpec, nbytes, plan_buckets, spec_of
 from arbor.transport.weights import WeightTransport
 
@@ -121,3 +127,19 @@ def stream_publish(model: nn.Module, transport: WeightTransport, output_dir: str
     moved = sum(nbytes(s) for i, b in enumerate(layout) if send[i] for s in b)
     return {"weights/bytes_moved": float(moved), "weights/bytes_total": float(sum(nbytes(s) for b in layout for s in b)),
             "weights/buckets_skipped": float(send.count(False))}
+
+
+def stream_publish_adapter(model: nn.Module, transport: Any, output_dir: str | Path, version: int,
+                           dtype: torch.dtype, lora: Any, base_model: str) -> dict[str, float]:
+    """Collective (every rank): publishes the adapter of `lora` (a `LoRAConfig`) over `base_model` as
+    `broadcasts/step_{version}/` in PEFT's layout; returns rank 0's figures (as `stream_publish`)."""
+    # the same parameter order on every rank, so the gathers of sharded adapters pair up
+    full = {name: _full(p).to(dtype) for name, p in lora_parameters(model)}
+    size = float(sum(t.numel() * t.element_size() for t in full.values()))
+    if dist.get_rank() == 0:
+        tensors = peft_tensors(full)
+        transport.prepare_adapter(output_dir, version, adapter_config(lora, base_model, full))
+        pub = transport.begin_adapter(output_dir, version, spec_of(tensors))
+        pub.put(0, tensors)
+        pub.finish(pub.records(), model.args)
+    return {"weights/bytes_moved": size, "weights/bytes_total": size, "weights/buckets_skipped": 0.0}

@@ -1,6 +1,8 @@
 """SFT training (the `sft` entry point, arbor.trainer.sft, parses the config and prepares the data): packs
 examples into block-diagonal rows, minimises cross-entropy on their target tokens, and writes the fine-tuned model
-to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically.
+to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically. With `[model.lora]` (and `adapter`) only an
+adapter trains (arbor.models.lora); `sft/` then holds the base with the adapter merged into it (what `rl`
+continues from, a plain Hugging Face checkpoint) and the adapter itself in PEFT's layout under `sft/adapter/`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from arbor.models import build_model, build_tokenizer
 from arbor.models.attention import position_ids_for
 from arbor.models.fp8 import apply_fp8
 from arbor.models.hf import save_checkpoint_dir
+from arbor.models.lora import apply_lora, load_adapter_into, lora_parameters, merged_state
+from arbor.models.lora_peft import adapter_config, load_adapter, save_adapter
 from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
@@ -53,7 +57,12 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     beat("building the model")
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
     apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    lora = cfg.model.lora if cfg.adapter else None
+    if lora is not None:  # after the FP8 swap, as the RL trainer does (arbor.trainer.parallel)
+        apply_lora(model, lora, cfg.model.init_seed)
+        if lora.path is not None:
+            load_adapter_into(model, load_adapter(lora.path)[1], lora.path)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     warmup = max(1, math.ceil(0.1 * cfg.steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     dtype = getattr(torch, cfg.model.dtype)
@@ -96,8 +105,12 @@ def save(cfg: SFTConfig, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
     tmp = final.parent / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     dtype = getattr(torch, cfg.model.dtype)
-    state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
-    save_checkpoint_dir(state, model.args, tmp, tokenizer)
+    lora = cfg.model.lora if cfg.adapter else None
+    state = merged_state(model) if lora is not None else model.state_dict()
+    save_checkpoint_dir({k: v.detach().to("cpu", dtype) for k, v in state.items()}, model.args, tmp, tokenizer)
+    if lora is not None:
+        adapters = {k: v.detach().to("cpu", dtype) for k, v in lora_parameters(model)}
+        save_adapter(tmp / "adapter", adapter_config(lora, cfg.model.name, adapters), adapters)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

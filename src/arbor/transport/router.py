@@ -15,6 +15,8 @@ from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError
 
 METRIC_PREFIX = "arbor_router_"
+RUN_HEADER = "X-Arbor-Run"
+"""The header naming the run a generation request belongs to on a shared fleet (else its `model` does)."""
 VLLM_ROUTER_POLICY = {"round_robin": "round_robin", "least_outstanding": "power_of_two", "consistent_hash": "consistent_hash"}
 
 
@@ -37,6 +39,23 @@ def parse_metrics(text: str, prefix: str) -> dict[str, float]:
                 out[name[len(prefix):]] = float(value)
             except ValueError:
                 continue
+    return out
+
+
+def parse_run_metrics(text: str) -> dict[str, dict[str, float]]:
+    """The per-run `arbor_router_run_<name>{run="..."} <value>` lines of a router's /metrics, by run ("" is
+    the fleet's own requests)."""
+    out: dict[str, dict[str, float]] = {}
+    prefix = METRIC_PREFIX + "run_"
+    for line in text.splitlines():
+        if not line.startswith(prefix) or '{run="' not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, label = head[len(prefix):].partition('{run="')
+        try:
+            out.setdefault(label.removesuffix('"}'), {})[name] = float(value)
+        except ValueError:
+            continue
     return out
 
 

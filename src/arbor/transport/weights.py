@@ -11,7 +11,8 @@ parameters at a time and hands it to a `Publication` (`begin` -> `put`/`skip` pe
 it -> `finish` on rank 0), so no rank holds more than one bucket beyond its shards. `publish` does the same from
 one process with a whole state dict (tools, tests). What the directory holds depends on the implementation:
 
-- `FilesystemTransport`: a Hugging Face checkpoint: config.json, one safetensors shard per bucket (with
+- `FilesystemTransport`: a Hugging Face checkpoint (or, for a LoRA run, a PEFT adapter directory:
+  `adapter_config.json` + `adapter_model.safetensors`, one bucket: `prepare_adapter` / `begin_adapter`): config.json, one safetensors shard per bucket (with
   `model.safetensors.index.json` when there are several), written by the rank that owns the bucket (bucket i:
   rank i mod world, no funnel through rank 0), and `manifest.json` with each shard's checksum (crc32 by default,
   ~5x cheaper than the sha256 option), verified on load (arbor.transport.shard_io). A skipped bucket (a delta
@@ -42,6 +43,7 @@ import torch
 from arbor.config.transport import WeightTransportConfig
 from arbor.models.args import ModelArgs
 from arbor.models.hf import hf_config, hf_state_dict
+from arbor.models.lora_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from arbor.run_dir import STABLE, broadcast_dir, broadcast_staging_dir, prune_published
 from arbor.transport.buckets import (
     TensorSpec, decode_specs, encode_specs, nbytes, plan_buckets, spec_of,
@@ -70,6 +72,15 @@ def _stage(output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any, f
     (tmp / "config.json").write_text(json.dumps(hf_config(args, fp8), indent=2))
     if tokenizer is not None:
         tokenizer.save(tmp)
+    return tmp
+
+
+def _stage_adapter(output_dir: str | Path, step: int, config: dict[str, Any]) -> Path:
+    """A fresh staging directory holding the PEFT `adapter_config.json`."""
+    tmp = broadcast_staging_dir(output_dir, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return tmp
 
 
@@ -176,10 +187,10 @@ def _shard_keys(path: Path) -> list[str]:
 
 class FilePublication(Publication):
     def __init__(self, transport: "FilesystemTransport", output_dir: str | Path, step: int,
-                 layout: list[list[TensorSpec]], rank: int, world: int) -> None:
+                 layout: list[list[TensorSpec]], rank: int, world: int, names: list[str] | None = None) -> None:
         super().__init__(output_dir, step, layout, rank, world)
         self.transport, self.tmp = transport, broadcast_staging_dir(output_dir, step)
-        self.names = _shard_names(len(layout))
+        self.names = _shard_names(len(layout)) if names is None else names
         self._done: dict[int, tuple[str, str, list[str], int]] = {}
 
     def owner(self, index: int) -> int:
@@ -245,6 +256,14 @@ class FilesystemTransport(WeightTransport):
     def begin(self, output_dir: str | Path, step: int, layout: list[list[TensorSpec]], rank: int = 0,
               world: int = 1, sent: list[bool] | None = None) -> Publication:
         return FilePublication(self, output_dir, step, layout, rank, world)
+
+    def prepare_adapter(self, output_dir: str | Path, step: int, config: dict[str, Any]) -> None:
+        """Like `prepare`, for a LoRA adapter version: the staging directory with `adapter_config.json`."""
+        _stage_adapter(output_dir, step, config)
+
+    def begin_adapter(self, output_dir: str | Path, step: int, spec: list[TensorSpec]) -> Publication:
+        """Publishes an adapter version as one bucket, PEFT's `adapter_model.safetensors` (rank 0 writes it)."""
+        return FilePublication(self, output_dir, step, [spec], 0, 1, [ADAPTER_WEIGHTS])
 
     def load(self, path: str | Path) -> dict[str, torch.Tensor]:
         return deadline_call(lambda: read_verified(Path(path), self.verify, self.threads), self.timeout,
