@@ -22,6 +22,7 @@ from arbor.models.lora_peft import (
 )
 from arbor.models.qwen3_moe import sort_by_expert
 from arbor.run_dir import STABLE, broadcast_dir, checkpoint_dir
+from arbor.trainer.draft import draft_modules
 from arbor.trainer.main import main as trainer_main
 from arbor.transport.shard_io import MANIFEST
 from test_trainer import read_metrics, trainer_args, write_rollouts
@@ -96,6 +97,17 @@ def test_only_adapters_train_and_no_target_is_a_config_error() -> None:
         load_config(RLConfig, ["--model.lora.rank", "4", "--weights.kind", "nccl"])
     with pytest.raises(ConfigError, match="rank"):
         load_config(RLConfig, ["--model.lora.rank", "0"])
+
+
+def test_lora_leaves_the_mtp_drafts_frozen_and_unadapted() -> None:
+    """The drafts are the base model's (speculative decoding serves base requests only): a LoRA run neither adapts
+    nor trains them, so the trainer's draft loss is off (`draft_modules` is None)."""
+    model = build_model(ModelConfig(name="qwen3-test-mtp"))
+    assert draft_modules(model) is not None
+    adapted = apply_lora(model, LoRAConfig(rank=2), 0)
+    assert adapted and not any(path.startswith("mtp") for path in adapted)
+    assert not any(p.requires_grad for p in model.mtp.parameters())
+    assert draft_modules(model) is None
 
 
 def test_peft_names_round_trip(tmp_path: Path) -> None:

@@ -108,9 +108,12 @@ def expert_shapes(experts: GroupedExperts) -> dict[str, tuple[int, int]]:
 
 def lora_targets(model: nn.Module, patterns: list[str]) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
     """Module path -> (module, adapted expert projections; empty for a linear layer) for every target of
-    `patterns` (`matches`). Routers, the head and the embeddings are never targets."""
+    `patterns` (`matches`). Routers, the head, the embeddings and the MTP draft modules (the base model's drafts:
+    speculative decoding serves the base's requests only) are never targets."""
     out: dict[str, tuple[nn.Module, tuple[str, ...]]] = {}
     for path, module in model.named_modules():
+        if path == "mtp" or path.startswith("mtp."):
+            continue
         if isinstance(module, GroupedExperts):
             projs = tuple(p for p in EXPERT_PROJS if matches(f"{path}.0.{p}_proj", patterns))
             if projs:

@@ -39,10 +39,13 @@ class DraftOut:
 
 
 def draft_modules(model: nn.Module) -> nn.ModuleList | None:
-    """The model's MTP modules when it has any and can train them here (not under context parallelism, which
-    splits the row the MTP block would have to attend over)."""
+    """The model's MTP modules when it has any and can train them here: not under context parallelism (which
+    splits the row the MTP block would have to attend over), nor when they are frozen (a LoRA run, whose drafts
+    stay the base model's: it publishes its adapter only)."""
     mtp = getattr(model, "mtp", None)
     if mtp is None or not len(mtp) or getattr(model, "_arbor_cp", None) is not None:
+        return None
+    if not any(p.requires_grad for p in mtp.parameters()):
         return None
     return mtp
 
