@@ -21,11 +21,12 @@ EXAMPLES = sorted((ROOT / "examples").glob("*/rl.toml"))
 
 
 def shown_commands() -> list[list[str]]:
-    """The `uv run rl` command lines of README.md and skills/ that stack `configs/` layers, as argument lists."""
+    """The `uv run rl` command lines of README.md and skills/ that stack `configs/` layers, as argument lists
+    (backslash-continued lines joined; a command shown failing, `! uv run rl ...`, left out)."""
     out = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "skills").rglob("*.md"))]:
-        for line in doc.read_text().splitlines():
-            if "@ configs/" not in line or "uv run rl" not in line:
+        for line in doc.read_text().replace("\\\n", " ").splitlines():
+            if "@ configs/" not in line or "uv run rl" not in line or line.lstrip().startswith("!"):
                 continue
             argv = shlex.split(line.split("uv run rl", 1)[1], comments=True)
             keep, i = [], 0

@@ -339,7 +339,7 @@ def test_config_and_vllm_checkpoint_dir(tmp_path, monkeypatch):
 
     from arbor.config.inference import InferenceConfig
     from arbor.config.rl import RLConfig
-    from arbor.inference.vllm_adapter import model_dir
+    from arbor.inference.vllm_model import model_dir
 
     with pytest.raises(ValidationError, match="fp8"):
         ModelConfig(fp8="e5m2")

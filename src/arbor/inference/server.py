@@ -46,6 +46,7 @@ from pydantic import SecretStr
 from arbor.config.admin import require_admin_token
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
+from arbor.inference import openai_api as api
 from arbor.inference.sampling import (
     MAX_TOP_LOGPROBS,
     EngineUnavailable,
@@ -56,7 +57,6 @@ from arbor.inference.sampling import (
 from arbor.monitor.heartbeat import beat, install
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
-from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import (
     BadRequest,
     HTTPError,
@@ -71,137 +71,9 @@ from arbor.transport.http import (
 from arbor.transport.routes import encode_routes
 
 if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
-    from arbor.inference.engine import Engine, RequestOutput
-    from arbor.inference.requests import PromptLogprobs
+    from arbor.inference.engine import Engine
 
 log = logging.getLogger("arbor.inference.server")
-
-STREAM_UNSUPPORTED = "stream is not supported by the local backend"
-MAX_REQUEST_ID_CHARS = 256
-
-
-# ---- request parsing ----
-
-def _sampling(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:
-    n = get_field(body, "n", (int,), 1)
-    if not 1 <= n <= max_batch_size:
-        raise BadRequest(f"n must be in [1, {max_batch_size}] (the server's max_batch_size), got {n}", "n")
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if get_field(body, "stream", (bool,), False):
-        raise BadRequest(STREAM_UNSUPPORTED, "stream")
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=read_temperature(body, 1.0), top_p=read_top_p(body, 1.0), n=n,
-        stop=read_stop(body), seed=read_seed(body), top_logprobs=top_logprobs,
-        skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
-    )
-
-
-def _prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
-    """`prompt` as a string, a list of token ids, or a list of either (several prompts)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [prompt]
-        if all(isinstance(p, str) for p in prompt):
-            return [tokenizer.encode(p) for p in prompt]
-        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
-            return [list(p) for p in prompt]
-    raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):  # OpenAI content parts: only text is understood here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
-            content = "".join(p["text"] for p in content)
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({**m, "content": content})
-    return out
-
-
-def _request_id(request: web.Request, body: dict[str, Any]) -> str | None:
-    """The client-chosen request id: vLLM's body field `request_id`, else the `X-Request-Id` header."""
-    rid = get_field(body, "request_id", (str,), None)
-    if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
-        raise BadRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}", "request_id")
-    return rid if rid is not None else request.headers.get("X-Request-Id")
-
-
-def abort_ids(body: dict[str, Any]) -> list[str] | None:
-    """`{"request_ids": [...]}` -> those ids; `{"request_ids": "all"}` -> None (every request)."""
-    ids = body.get("request_ids")
-    if ids == "all":
-        return None
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise BadRequest('request_ids must be a list of request id strings or "all"', "request_ids")
-    return ids
-
-
-# ---- response building ----
-
-def _token_str(tokenizer: Any, token_id: int, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
-    tokens = [_token_str(tokenizer, t, as_ids) for t in c.token_ids]
-    offsets, at = [], 0
-    for s in tokens:
-        offsets.append(at)
-        at += len(s)
-    top = []
-    for t, tok, alts in zip(c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids)):
-        entry = {_token_str(tokenizer, i, as_ids): lp for i, lp in alts}
-        entry.setdefault(_token_str(tokenizer, t, as_ids), tok)  # vLLM always lists the chosen token
-        top.append(entry)
-    return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def _prompt_logprobs(tokenizer: Any, entries: "PromptLogprobs") -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or {token id: Logprob}."""
-    def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
-        return {"logprob": lp, "rank": rank, "decoded_token": _token_str(tokenizer, token_id, False)}
-
-    return [None if e is None else {str(i): logprob(i, *v) for i, v in e.items()} for e in entries]
-
-
-def _token_bytes(tokenizer: Any, token_id: int) -> list[int]:
-    # The byte tokenizer's ids below 256 are raw bytes: a lone UTF-8 continuation byte has no text of its own.
-    if getattr(tokenizer, "name", None) == "byte" and token_id < 256:
-        return [token_id]
-    return list(tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
-
-
-def _chat_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
-    def item(token_id: int, lp: float) -> dict[str, Any]:
-        s = _token_str(tokenizer, token_id, as_ids)
-        return {"token": s, "logprob": lp, "bytes": _token_bytes(tokenizer, token_id)}
-
-    alts = c.top_logprobs or [[]] * len(c.token_ids)
-    return {"content": [{**item(t, lp), "top_logprobs": [item(i, a) for i, a in alt]}
-                        for t, lp, alt in zip(c.token_ids, c.logprobs, alts)]}
-
-
-def _usage(outputs: list["RequestOutput"]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.completions)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
 
 # ---- handlers ----
 
@@ -260,31 +132,31 @@ class InferenceServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        prompts = _prompts(body, self.tokenizer)
+        prompts = api.prompts(body, self.tokenizer)
         logprobs = get_field(body, "logprobs", (int,), None)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-        params = _sampling(body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
+        params = api.sampling_params(body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
         prompt_lps = get_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
         params = dataclasses.replace(params, prompt_logprobs=prompt_lps)
         return_ids = get_field(body, "return_token_ids", (bool,), False)
         as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
         get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         adapter = requested_adapter(body, self.engine.adapters)
-        outputs = await self._generate(prompts, params, "prompt", _request_id(request, body), adapter)
+        outputs = await self._generate(prompts, params, "prompt", api.request_id(request, body), adapter)
         choices = []
         for pi, out in enumerate(outputs):
             for c in out.completions:
                 choice: dict[str, Any] = {
                     "index": pi * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "logprobs": _completion_logprobs(self.tokenizer, c, as_ids) if logprobs is not None else None,
+                    "logprobs": api.completion_logprobs(self.tokenizer, c, as_ids) if logprobs is not None else None,
                 }
                 if return_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                     choice["token_ids"] = c.token_ids
                 if prompt_lps is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, out.prompt_logprobs or [])
+                    choice["prompt_logprobs"] = api.prompt_logprobs(self.tokenizer, out.prompt_logprobs or [])
                 choice["policy_versions"] = c.policy_versions
                 choice["adapter"] = adapter
                 if c.routed_experts is not None:  # arbor extension: router replay (MoE)
@@ -292,12 +164,12 @@ class InferenceServer:
                 choices.append(choice)
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage(outputs),
+            "model": self.model_name, "choices": choices, "usage": api.usage(outputs),
         })
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        messages = _messages(body)
+        messages = api.messages(body)
         want_logprobs = get_field(body, "logprobs", (bool,), False)
         top = get_field(body, "top_logprobs", (int,), 0)
         if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -310,18 +182,18 @@ class InferenceServer:
         max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
         if max_tokens is None:  # as vLLM: fill the rest of the context
             max_tokens = max(1, self.engine.seq_len - len(prompt))
-        params = _sampling(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
+        params = api.sampling_params(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
         return_ids = get_field(body, "return_token_ids", (bool,), False)
         as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
         get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
         adapter = requested_adapter(body, self.engine.adapters)
-        (out,) = await self._generate([prompt], params, "messages", _request_id(request, body), adapter)
+        (out,) = await self._generate([prompt], params, "messages", api.request_id(request, body), adapter)
         choices = []
         for c in out.completions:
             choice: dict[str, Any] = {
                 "index": c.index, "message": {"role": "assistant", "content": c.text},
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "logprobs": _chat_logprobs(self.tokenizer, c, as_ids) if want_logprobs else None,
+                "logprobs": api.chat_logprobs(self.tokenizer, c, as_ids) if want_logprobs else None,
             }
             if return_ids:
                 choice["token_ids"] = c.token_ids
@@ -332,7 +204,7 @@ class InferenceServer:
             choices.append(choice)
         response: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage([out]),
+            "model": self.model_name, "choices": choices, "usage": api.usage([out]),
         }
         if return_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
@@ -406,7 +278,7 @@ class InferenceServer:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})
 
     async def abort_requests(self, request: web.Request) -> web.Response:
-        ids = abort_ids(await read_json_object(request))
+        ids = api.abort_ids(await read_json_object(request))
         return web.json_response({"aborted": await asyncio.wrap_future(self.engine.abort(ids))})
 
     async def resume(self, request: web.Request) -> web.Response:
