@@ -15,8 +15,10 @@ import torch
 from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
+from arbor.config.model import ModelConfig
 from arbor.inference.vllm_adapter import VLLMProxy
 from arbor.inference.vllm_launch import serve_argv, serve_env
+from arbor.models import build_tokenizer
 from arbor.transport.http import start_site
 from test_lora_engine import PROMPT, merged, random_adapter
 from vllm_server import post_json, vllm_server
@@ -114,6 +116,7 @@ def check_hot_swap(url: str, tmp_path: Path, tol: float) -> None:
     """Loads two versions of an adapter by name into the server at `url`; each serves the logprobs of the merged
     model (within `tol`) and tags its tokens with its version and the adapter's name."""
     name = VLLM_MODEL
+    vocab = build_tokenizer(ModelConfig(name=name)).vocab_size
     for version in (1, 2):
         model, path = random_adapter(name, tmp_path / f"v{version}", seed=version, rank=8)
         load = {"lora_name": "run", "lora_path": str(path), "load_inplace": True, "version": version}
@@ -124,7 +127,9 @@ def check_hot_swap(url: str, tmp_path: Path, tol: float) -> None:
         assert c["adapter"] == "run" and c["policy_versions"] == [version] * len(c["token_ids"])
         with torch.no_grad():
             logits = merged(name, model)(torch.tensor([PROMPT + c["token_ids"]]))[0].float()
-        logp = torch.log_softmax(logits, -1)
+        # vLLM's processed logprobs are renormalised over the tokenizer's ids: the adapter masks the head's padding
+        # rows (arbor.inference.vllm_logits)
+        logp = torch.log_softmax(logits[..., :vocab], -1)
         want = [float(logp[len(PROMPT) + i - 1, t]) for i, t in enumerate(c["token_ids"])]
         assert max(abs(a - b) for a, b in zip(c["logprobs"]["token_logprobs"], want)) < tol
 

@@ -55,9 +55,11 @@ def tiny_deepseek_mtp_checkpoint(path: Path) -> Path:
     cfg = DeepseekV3Config(
         vocab_size=264, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=64,
         v_head_dim=16, n_group=1, topk_group=1, num_nextn_predict_layers=1, max_position_embeddings=512,
-        tie_word_embeddings=False, torch_dtype="float32",
+        tie_word_embeddings=False, torch_dtype="float32",  # latent 512 + rope 64: the one width vLLM's CPU MLA serves
+        architectures=["DeepseekV3ForCausalLM"],  # without it vLLM resolves the bare DeepseekV3Model as a pooling model
+        topk_method="noaux_tc",  # DeepSeek-V3's routing, as its checkpoints say: vLLM then loads the gate's bias
     )
     torch.manual_seed(0)
     state = {k: v.contiguous() for k, v in DeepseekV3ForCausalLM(cfg).state_dict().items()}
