@@ -39,18 +39,27 @@ greedy 14.3 s loop (122.6 s wall), reward 0.013, trainer waiting 34% -> ratio 1.
 (parity). An earlier 20-step run (load 18-19, median_s 0.0044) measured 1.21x, gap -0.004: on a saturated
 machine the generation that overlaps training competes with it for the cores.
 
+Measured on the idle 2-core machine (load < 1), 20 steps, 3 interleaved repeats, `--model qwen3-tiny --seq-len 64
+--max-tokens 16` (the default `qwen3-test` with 8 tokens trains in 0.05 s a step, where fixed per-step costs
+dominate: 1.23x): calibration generation = 0.002 s + 4.11 x median_s, checked at 0.0498 (generation 0.42 s vs
+training 0.21 s) -> median_s 0.0247; sync 10.4 s loop per arm (training 0.19 s, generation 0.29 s, orchestrator
+waiting 0.24 s for each step's weights), greedy 6.6 s (trainer waiting 21-25%) -> ratio 1.57x (repeats 1.37x,
+1.73x, 1.58x), reward 0.026 vs 0.021 (parity, but 20 steps barely move this task's reward in either arm).
+
 The regime is chosen by measurement. Asynchrony can at best hide the shorter of generation and training behind
 the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal, 1 + short/long
 otherwise), so a benchmark whose environment waits far longer than the trainer computes measures nothing but
 the environment. Unless `--median-s` is given, two short sync calibration runs (no environment latency, and the
 environment's `median_s`) measure the trainer's time per step (compute and publish) and fit the orchestrator's
 generation time per step as the fleet's fixed share plus the environment's, proportional to `median_s`; the
-latency scale is set so that generation takes about as long as training, and both arms then run with that one
+latency scale is set so that generation takes about as long as training (refined by a third short run at the
+fitted value, since stragglers make generation time non-linear in `median_s`), and both arms then run with that one
 environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
 its orchestrator for weights (`weights_wait_s`, median per step): an async arm that overlaps has a trainer that
 rarely waits.
 
-    uv run python benchmarks/async_vs_sync.py [--steps 20] [--repeats 1] [--async-mode greedy] [--median-s S]
+    uv run python benchmarks/async_vs_sync.py [--model qwen3-test] [--seq-len 48] [--max-tokens 8] [--steps 20]
+        [--repeats 1] [--async-mode greedy] [--median-s S]
 """
 
 from __future__ import annotations
@@ -71,18 +80,22 @@ from arbor.monitor.metrics import read_jsonl
 BATCH, GROUP = 16, 4
 ENV = "arbor.environments.skewed_latency:SkewedLatencyEnv"
 BASE = [
-    "--model.name", "qwen3-test", "--seq-len", "48", "--seed", "0",
-    "--orchestrator.batch-size", str(BATCH), "--orchestrator.group-size", str(GROUP), "--orchestrator.sampling.max-tokens", "8",
+    "--seed", "0", "--orchestrator.batch-size", str(BATCH), "--orchestrator.group-size", str(GROUP),
     "--orchestrator.environment.id", ENV,
     "--trainer.num-threads", "1", "--inference.num-threads", "1", "--inference.max-batch-size", "64",
 ]
+
+
+def model_args(a: argparse.Namespace) -> list[str]:
+    """The model and lengths, the same for both arms and the calibration."""
+    return ["--model.name", a.model, "--seq-len", str(a.seq_len), "--orchestrator.sampling.max-tokens", str(a.max_tokens)]
 
 
 def shared_args(a: argparse.Namespace) -> list[str]:
     """What both arms get: the same staleness bound, groups in flight, oversampling and partial rollouts."""
     groups = BATCH // GROUP
     in_flight = max(groups, round(a.oversample * groups))
-    return [
+    return [*model_args(a),
         "--orchestrator.environment.args", a.env_args,
         "--orchestrator.max-off-policy-steps", str(a.max_off_policy),
         "--orchestrator.scheduler.max-in-flight", str(in_flight),
@@ -144,7 +157,17 @@ def calibrate(root: Path, a: argparse.Namespace) -> float:
     chosen = max(0.0, (train - fixed) / slope) if slope > 0 else median
     print(f"calibration: generation = {fixed:.3f}s + {slope:.2f} x median_s, training {train:.3f}s per step -> "
           f"median_s {chosen:.4f}", flush=True)
-    return chosen
+    if chosen <= 0:
+        return chosen
+    # Generation is not linear in median_s (stragglers, partial rollouts): one more run at the chosen value, and
+    # a secant through it and the latency-free point.
+    args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=chosen)})
+    res = run(root / "calibration_check", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1)
+    slope = (res["generate_s"] - fixed) / chosen
+    refined = max(0.0, (res["train_s"] - fixed) / slope) if slope > 0 else chosen
+    print(f"calibration check at median_s {chosen:.4f}: training {res['train_s']:.3f}s, generation "
+          f"{res['generate_s']:.3f}s per step -> median_s {refined:.4f}", flush=True)
+    return refined
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -153,6 +176,9 @@ def median_of(runs: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-test", help="model preset of both arms")
+    p.add_argument("--seq-len", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per sample (sampling.max_tokens)")
     p.add_argument("--steps", type=int, default=20, help="enough for a few stragglers per arm: 8 steps is noisy")
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs per arm; medians are reported")
     p.add_argument("--tail", type=int, default=5, help="steps at the end whose mean reward is each arm's reward")
