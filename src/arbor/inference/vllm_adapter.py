@@ -8,7 +8,7 @@ Shape: vLLM's OpenAI server runs as a child process on a private loopback port, 
 `--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
 top_p < 1 those of the truncated nucleus, as the local engine's and the trainer's are), when the model's head
 has more rows than the tokenizer has ids `--logits-processors` with `arbor.inference.vllm_logits`'s mask, which
-keeps every request off those padding rows (`arbor.inference.vllm_model.padding_bound`; its logprobs are then renormalised over the real
+keeps every request off those padding rows (`arbor.inference.vllm_launch.padding_bound`; its logprobs are then renormalised over the real
 ids), and
 VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
 thin aiohttp proxy on the configured host/port serves arbor's API:
@@ -67,8 +67,8 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
-from arbor.inference.vllm_launch import serve_argv, serve_env, vllm_build
-from arbor.inference.vllm_model import model_dir, padding_bound
+from arbor.inference.vllm_launch import padding_bound, serve_argv, serve_env, vllm_build
+from arbor.inference.vllm_model import model_dir
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shlex
 import sys
@@ -24,6 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from arbor.config.inference import InferenceConfig, SpeculativeConfig
+from arbor.models import PRESETS, build_tokenizer
+from arbor.models.hub import resolve_dir
+
+log = logging.getLogger("arbor.inference.vllm")
 
 Build = Literal["cpu", "gpu"]
 ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
@@ -168,6 +173,40 @@ def dry_run_command(cfg: InferenceConfig) -> str:
     name = cfg.model.name
     preset_like = "/" not in name and not Path(name).exists()
     path = str(materialized_path(cfg, cfg.model.fp8 == "block")) if preset_like or cfg.model.fp8 == "block" else name
-    env = serve_env({}, cfg, cpu=build == "cpu")
-    argv = serve_argv(cfg, path, 0, cpu=build == "cpu")
-    return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " + shlex.join(argv)
+    if not preset_like and not Path(name).is_dir():  # a hub id (reading it could mean a download) or a directory
+        # written later (the SFT warm-up's): decided at start
+        vocab, note = None, "  # plus the padding mask (--logits-processors) if the head outgrows the tokenizer"
+    else:
+        skip = not preset_like and Path(name).is_dir() and not any(
+            (Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        vocab, note = padding_bound(cfg, skip), ""
+    env = serve_env({}, cfg, cpu=build == "cpu", vocab=vocab)
+    argv = serve_argv(cfg, path, 0, cpu=build == "cpu", mask_padding=vocab is not None)
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " + shlex.join(argv) + note
+
+
+def padding_bound(cfg: InferenceConfig, skip_tokenizer: bool) -> int | None:
+    """The tokenizer's id count when the model's head has more rows (vLLM is then kept off the rest by
+    `arbor.inference.vllm_logits`), else None. A directory served on ids only (`skip_tokenizer`) with no
+    `model.tokenizer` has no tokenizer to bound it: every row is an id. Under speculative decoding vLLM 0.32
+    refuses custom logits processors (its engine fails to start), so there is no mask either: the padding rows
+    stay sampleable, as in plain vLLM (negligible for a trained checkpoint, whose padding logits sit far below)."""
+    if skip_tokenizer and cfg.model.tokenizer is None:
+        return None
+    vocab, rows = build_tokenizer(cfg.model).vocab_size, head_rows(cfg)
+    if vocab >= rows:
+        return None
+    if cfg.speculative.enabled:
+        log.warning("inference.speculative with vLLM: no padding mask (vLLM 0.32 refuses custom logits processors "
+                    "under speculative decoding), so ids %d..%d of the head stay sampleable", vocab, rows - 1)
+        return None
+    return vocab
+
+
+def head_rows(cfg: InferenceConfig) -> int:
+    """Rows of the model's head: a preset's, else its checkpoint config's `vocab_size` (read from config.json, so
+    that any architecture vLLM serves is measured, not only those arbor builds)."""
+    if cfg.model.name in PRESETS:
+        return PRESETS[cfg.model.name].vocab_size
+    conf = json.loads((resolve_dir(cfg.model.name) / "config.json").read_text())
+    return int(conf.get("vocab_size") or conf.get("text_config", {})["vocab_size"])

@@ -1,21 +1,16 @@
 """The model directory the vLLM backend serves (arbor.inference.vllm_adapter): a checkpoint or hub name as it
 is, a preset materialised once as a Hugging Face directory with its tokenizer's export, or with `model.fp8 =
-"block"` a DeepSeek-format block-FP8 checkpoint; and the tokenizer's id count when the head has more rows (the
-padding mask's bound, arbor.inference.vllm_logits)."""
+"block"` a DeepSeek-format block-FP8 checkpoint."""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from arbor.config.inference import InferenceConfig
 from arbor.inference.vllm_launch import materialized_path
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
 from arbor.models.hf import save_checkpoint_dir
-from arbor.models.hub import resolve_dir
-
-log = logging.getLogger("arbor.inference.vllm")
 
 
 def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
@@ -55,30 +50,3 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
         if quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]:
             return str(path)
     return _materialize(cfg, fp8=True)
-
-
-def padding_bound(cfg: InferenceConfig, skip_tokenizer: bool) -> int | None:
-    """The tokenizer's id count when the model's head has more rows (vLLM is then kept off the rest by
-    `arbor.inference.vllm_logits`), else None. A directory served on ids only (`skip_tokenizer`) with no
-    `model.tokenizer` has no tokenizer to bound it: every row is an id. Under speculative decoding vLLM 0.32
-    refuses custom logits processors (its engine fails to start), so there is no mask either: the padding rows
-    stay sampleable, as in plain vLLM (negligible for a trained checkpoint, whose padding logits sit far below)."""
-    if skip_tokenizer and cfg.model.tokenizer is None:
-        return None
-    vocab, rows = build_tokenizer(cfg.model).vocab_size, head_rows(cfg)
-    if vocab >= rows:
-        return None
-    if cfg.speculative.enabled:
-        log.warning("inference.speculative with vLLM: no padding mask (vLLM 0.32 refuses custom logits processors "
-                    "under speculative decoding), so ids %d..%d of the head stay sampleable", vocab, rows - 1)
-        return None
-    return vocab
-
-
-def head_rows(cfg: InferenceConfig) -> int:
-    """Rows of the model's head: a preset's, else its checkpoint config's `vocab_size` (read from config.json, so
-    that any architecture vLLM serves is measured, not only those arbor builds)."""
-    if cfg.model.name in PRESETS:
-        return PRESETS[cfg.model.name].vocab_size
-    conf = json.loads((resolve_dir(cfg.model.name) / "config.json").read_text())
-    return int(conf.get("vocab_size") or conf.get("text_config", {})["vocab_size"])
