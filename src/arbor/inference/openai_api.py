@@ -1,21 +1,17 @@
 """The OpenAI/vLLM wire format of the local `inference` server (arbor.inference.server): reading a completion or
 chat request's prompt, messages, sampling fields and client request id (every field checked, a bad one a
-`BadRequest` naming it), and writing a choice's logprobs, prompt logprobs and usage the way vLLM's OpenAI server
+`BadRequest` naming it), and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server
 does (token strings, or `token_id:N` with `return_tokens_as_token_ids`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from arbor.inference.sampling import SamplingParams
+from arbor.inference.sampling import PromptLogprobs, SamplingParams
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import BadRequest, get_field
-
-if TYPE_CHECKING:  # annotations only: the engine module loads torch, which the server defers past its config
-    from arbor.inference.engine import RequestOutput
-    from arbor.inference.requests import PromptLogprobs
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
 MAX_REQUEST_ID_CHARS = 256
@@ -113,7 +109,7 @@ def completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def prompt_logprobs(tokenizer: Any, entries: "PromptLogprobs") -> list[dict[str, Any] | None]:
+def prompt_logprobs(tokenizer: Any, entries: PromptLogprobs) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or {token id: Logprob}."""
     def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
         return {"logprob": lp, "rank": rank, "decoded_token": token_str(tokenizer, token_id, False)}
@@ -136,9 +132,3 @@ def chat_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
     alts = c.top_logprobs or [[]] * len(c.token_ids)
     return {"content": [{**item(t, lp), "top_logprobs": [item(i, a) for i, a in alt]}
                         for t, lp, alt in zip(c.token_ids, c.logprobs, alts)]}
-
-
-def usage(outputs: list["RequestOutput"]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.completions)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from arbor.inference.sampling import SamplingParams
+from arbor.inference.sampling import PromptLogprobs, SamplingParams
 
 
 @dataclasses.dataclass
@@ -37,11 +37,6 @@ class Completion:
     """MoE models: experts chosen for every prompt and completion token in every MoE layer,
     `[prompt + completion tokens, moe_layers, top_k]` (uint8, int16 past 256 experts). The final token is never
     fed to the model, so its row repeats the previous one (its output predicts nothing that is trained)."""
-
-
-PromptLogprobs = list[dict[int, tuple[float, int]] | None]
-"""Per prompt token, None for the first (nothing predicts it), else {token id: (logprob, rank)} holding the
-prompt token itself and the requested alternatives; rank 1 is the most likely token (vLLM's `Logprob`)."""
 
 
 @dataclasses.dataclass

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from arbor.inference.adapters import AdapterSlots
-from arbor.inference.requests import PromptLogprobs, Seq
+from arbor.inference.requests import Seq
+from arbor.inference.sampling import PromptLogprobs
 from arbor.models.fp8 import dequantize_state
 from arbor.models.hf import copy_state_into, fuse_experts
 from arbor.models.lora_peft import arbor_tensors

@@ -4,7 +4,7 @@ logprob, top alternatives and policy version, then the sample's stop conditions 
 Logprobs follow the convention in `arbor.inference.sampling`: temperature-scaled; with top-p (at a temperature
 above 0) a sampler built with `nucleus_logprobs` reports the truncated, renormalised distribution's logprob
 `log p(x) - log sum_{j in nucleus} p(j)`, as vLLM's `processed_logprobs` do and as the trainer scores it
-(arbor.trainer.logprobs), and its listed alternatives are that distribution's too (-9999 outside the nucleus,
+(the trainer's `logprobs` module), and its listed alternatives are that distribution's too (-9999 outside the nucleus,
 vLLM's floor for -inf); without it (the library default) both stay the full distribution's.
 
 Padding rows: a model's embedding is often larger than its tokenizer (Qwen3: 151,936 rows, 151,669 tokens; the

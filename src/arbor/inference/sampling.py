@@ -4,7 +4,7 @@ Logprob convention (shared with the trainer): the logprob reported for a generat
 temperature-scaled distribution `log_softmax(logits / T)`; at T = 0 (greedy) it is `log_softmax(logits)` and
 top_p is ignored. With top_p < 1 the server's engine reports the distribution the token was drawn from, the
 top-p nucleus renormalised (as vLLM's `processed_logprobs`), and the trainer scores the same truncated
-distribution (arbor.trainer.logprobs), so importance ratios compare like with like; an `Engine` built without
+distribution (the trainer's `logprobs` module), so importance ratios compare like with like; an `Engine` built without
 `nucleus_logprobs` (the library default) reports the full distribution's logprob instead.
 """
 
@@ -17,6 +17,11 @@ from arbor.transport.fields import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask for per token (vLLM's default `max_logprobs`)."""
+
+
+PromptLogprobs = list[dict[int, tuple[float, int]] | None]
+"""Per prompt token, None for the first (nothing predicts it), else {token id: (logprob, rank)} holding the
+prompt token itself and the requested alternatives; rank 1 is the most likely token (vLLM's `Logprob`)."""
 
 
 class WeightUpdateError(ValueError):

@@ -71,9 +71,15 @@ from arbor.transport.http import (
 from arbor.transport.routes import encode_routes
 
 if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
-    from arbor.inference.engine import Engine
+    from arbor.inference.engine import Engine, RequestOutput
 
 log = logging.getLogger("arbor.inference.server")
+
+def _usage(outputs: list["RequestOutput"]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.completions)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
 
 # ---- handlers ----
 
@@ -164,7 +170,7 @@ class InferenceServer:
                 choices.append(choice)
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": api.usage(outputs),
+            "model": self.model_name, "choices": choices, "usage": _usage(outputs),
         })
 
     async def chat_completions(self, request: web.Request) -> web.Response:
@@ -204,7 +210,7 @@ class InferenceServer:
             choices.append(choice)
         response: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": api.usage([out]),
+            "model": self.model_name, "choices": choices, "usage": _usage([out]),
         }
         if return_ids:
             response["prompt_token_ids"] = out.prompt_token_ids

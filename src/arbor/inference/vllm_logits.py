@@ -11,7 +11,7 @@ sets in the server's environment (every vLLM process inherits it); the processor
 What the reported logprobs then are: with `--logprobs-mode processed_logprobs` vLLM reports logprobs of the
 distribution it samples from, so after this mask they are the tempered distribution renormalised over the real
 ids. arbor's local engine (arbor.inference.sampler) draws from that same renormalised distribution but reports
-the logprob of the full-vocabulary distribution, as the trainer (arbor.trainer.logprobs) computes it; the two
+the logprob of the full-vocabulary distribution, as the trainer (its `logprobs` module) computes it; the two
 differ by log(1 - P_pad) per token, P_pad being the padding rows' tempered mass (docs/architecture.md, "Padding
 rows"). This module imports vLLM: only vLLM's own processes import it.
 """

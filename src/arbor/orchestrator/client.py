@@ -12,8 +12,9 @@ older weights (the local engine has no prefix cache and accepts the field for co
 
 A LoRA run's client (`adapter` set: the adapter's name, which on a shared fleet is the run's) generates with
 `model = adapter` (a server that has not loaded it yet serves the base model, the run's version 0) and names
-its run in the `X-Arbor-Run` header (arbor.inference.tenants); `load_adapter` loads each published version
-through `/v1/load_lora_adapter`; and a choice that another adapter generated is an error, never a sample.
+its run in the `X-Arbor-Run` header (the inference router's `tenants` module); `load_adapter` loads each
+published version through `/v1/load_lora_adapter`; and a choice that another adapter generated is an error,
+never a sample.
 
 Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
 `abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls

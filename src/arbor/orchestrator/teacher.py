@@ -2,11 +2,11 @@
 
 On-policy distillation (`[orchestrator.teacher]`): the policy (the student) samples as usual, then the teacher
 gives its logprob of every completion token given the tokens before it, and the trainer's reverse-KL term
-(arbor.trainer.loss.reverse_kl_to_teacher) pulls the student towards it. The request is vLLM's: POST
+(the trainer's `loss.reverse_kl_to_teacher`) pulls the student towards it. The request is vLLM's: POST
 /v1/completions with the prompt + completion as token ids, `prompt_logprobs = 0` and `max_tokens = 1` (vLLM
 generates at least one token; it is ignored), answered by a `prompt_logprobs` list with, per token after the
 first, a map from token id to `{"logprob", "rank", ...}` that holds the token itself. arbor's local engine
-(arbor.inference.server) answers the same; both report the raw model's logprobs (temperature 1).
+(the `inference` server) answers the same; both report the raw model's logprobs (temperature 1).
 
 Retries and errors are the inference client's (arbor.orchestrator.client): a connection error, timeout or 5xx is
 retried with backoff, a 4xx (a token id outside the teacher's vocabulary, a sample longer than its context) is

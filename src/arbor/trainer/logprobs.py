@@ -17,7 +17,7 @@ prefix-tree merged rows (a node's distribution is normalised once and read by ev
 
 Nucleus sampling (`top_p < 1` at a temperature above 0): the tokens were drawn from the top-p nucleus of each
 tempered distribution, renormalised, and both inference backends report that distribution's logprob (vLLM's
-`processed_logprobs`; the local engine, arbor.inference.sampler). So the trainer scores the same truncated
+`processed_logprobs`; the local engine's `Sampler`). So the trainer scores the same truncated
 distribution: `log q(x) = log p(x) - log sum_{j in S} p(j)` with S the nucleus of the row's own distribution
 (`nucleus_mask`: the most likely tokens until their mass reaches top_p, the rule both engines apply), and its
 gradient flows through the renormalisation. A target outside the trainer's nucleus (the two policies disagree at
