@@ -60,6 +60,9 @@ def _receive(out: str, port: int, rank: int, world: int, versions: list[int], ti
             q.put((rank, v, group.generation, got))
         except WeightTransferError as e:
             q.put((rank, v, None, str(e)))
+        except Exception as e:  # anything else fails the test at once instead of leaving it waiting on `q`
+            q.put((rank, v, None, f"unexpected {type(e).__name__}: {e}"))
+            raise
 
 
 def _start(ctx, *args):
@@ -76,11 +79,13 @@ def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_
             pytest.skip("needs three GPUs: the trainer and two receivers")
         torch.cuda.set_device(0)
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    # One queue per receiver process: a process killed while its queue's feeder thread holds the queue's lock
+    # would leave that lock held, and a shared queue would then block the replacement's reports for good.
+    queues = {1: ctx.Queue(), 2: ctx.Queue()}
     port, timeout = _port(), 120.0
     transport = NCCLTransport("127.0.0.1", port, 2, keep=2, timeout=timeout, bucket_mb=0.02, backend=backend)
-    steady = _start(ctx, str(tmp_path), port, 1, 3, [1, 2, 3, 4, 5], timeout, q, backend)
-    restarted = _start(ctx, str(tmp_path), port, 2, 3, [1, 2], timeout, q, backend)
+    steady = _start(ctx, str(tmp_path), port, 1, 3, [1, 2, 3, 4, 5], timeout, queues[1], backend)
+    restarted = _start(ctx, str(tmp_path), port, 2, 3, [1, 2], timeout, queues[2], backend)
     generations: dict[int, dict[int, str]] = {}
     try:
         for v in range(1, 6):
@@ -90,7 +95,7 @@ def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_
             transport.publish(tmp_path, v, model.state_dict(), model.args, fp8=fp8)
             expected = _as_bytes(hf_state_dict(model.state_dict(), model.args, fp8).items())
             assert fp8 == any(t == "torch.float8_e4m3fn" for t, _, _ in expected.values())
-            for _ in range(2):
+            for q in queues.values():
                 rank, version, generation, got = q.get(timeout=timeout)
                 assert version == v and generation is not None, got
                 assert got.keys() == expected.keys()
@@ -100,8 +105,9 @@ def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_
                 restarted.kill()
                 restarted.join(30)
                 # told to catch up on update 2, already sent: it hears so at once, then takes 3-5
-                restarted = _start(ctx, str(tmp_path), port, 2, 3, [2, 3, 4, 5], timeout, q, backend)
-                rank, version, generation, error = q.get(timeout=timeout)
+                queues[2] = ctx.Queue()
+                restarted = _start(ctx, str(tmp_path), port, 2, 3, [2, 3, 4, 5], timeout, queues[2], backend)
+                rank, version, generation, error = queues[2].get(timeout=timeout)
                 assert (rank, version, generation) == (2, 2, None) and "rejoins at the next update" in error
     finally:
         for p in (steady, restarted):
