@@ -52,9 +52,9 @@ otherwise), so a benchmark whose environment waits far longer than the trainer c
 the environment. Unless `--median-s` is given, two short sync calibration runs (no environment latency, and the
 environment's `median_s`) measure the trainer's time per step (compute and publish) and fit the orchestrator's
 generation time per step as the fleet's fixed share plus the environment's, proportional to `median_s`; the
-latency scale is set so that generation takes about as long as training (refined by a third short run at the
-fitted value, since stragglers make generation time non-linear in `median_s`), and both arms then run with that one
-environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
+latency scale is set so that generation takes about as long as training (refined by up to
+`--calibration-checks` short runs along the secant until generation is within `--balance` of training, since
+stragglers make generation time non-linear in `median_s`), and both arms then run with that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
 its orchestrator for weights (`weights_wait_s`, median per step): an async arm that overlaps has a trainer that
 rarely waits.
 
@@ -159,15 +159,25 @@ def calibrate(root: Path, a: argparse.Namespace) -> float:
           f"median_s {chosen:.4f}", flush=True)
     if chosen <= 0:
         return chosen
-    # Generation is not linear in median_s (stragglers, partial rollouts): one more run at the chosen value, and
-    # a secant through it and the latency-free point.
-    args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=chosen)})
-    res = run(root / "calibration_check", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1)
-    slope = (res["generate_s"] - fixed) / chosen
-    refined = max(0.0, (res["train_s"] - fixed) / slope) if slope > 0 else chosen
-    print(f"calibration check at median_s {chosen:.4f}: training {res['train_s']:.3f}s, generation "
-          f"{res['generate_s']:.3f}s per step -> median_s {refined:.4f}", flush=True)
-    return refined
+    # Generation is not linear in median_s (stragglers, partial rollouts): check runs at the chosen value, each
+    # moving it along the secant through the last two points, until generation is within `--balance` of training.
+    points = [(0.0, fixed), (median, measured[1]["generate_s"])]
+    for i in range(a.calibration_checks):
+        args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=chosen)})
+        res = run(root / f"calibration_check{i}", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1)
+        gen, train = res["generate_s"], res["train_s"]
+        print(f"calibration check at median_s {chosen:.4f}: training {train:.3f}s, generation {gen:.3f}s per step",
+              flush=True)
+        if abs(gen / train - 1) <= a.balance:
+            break
+        points.append((chosen, gen))
+        (m0, g0), (m1, g1) = sorted(points[-2:])
+        slope = (g1 - g0) / (m1 - m0) if m1 > m0 else 0.0
+        if slope <= 0:  # noise swamped the latency's effect: keep the last value
+            break
+        chosen = max(0.0, m1 + (train - g1) / slope)
+    print(f"calibration: median_s {chosen:.4f}", flush=True)
+    return chosen
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -190,6 +200,9 @@ def main() -> None:
     p.add_argument("--median-s", type=float, default=None,
                    help="the environment's latency scale for both arms; default: calibrated (module docstring)")
     p.add_argument("--calibration-steps", type=int, default=6, help="steps of the sync calibration run")
+    p.add_argument("--calibration-checks", type=int, default=3, help="most check runs refining the latency scale")
+    p.add_argument("--balance", type=float, default=0.1,
+                   help="calibration stops once generation is within this fraction of training")
     p.add_argument("--keep", default=None, help="write the runs here (kept) instead of a temporary directory")
     a = p.parse_args()
     arms: dict[str, list[dict]] = {"sync": [], "async": []}
