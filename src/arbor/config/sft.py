@@ -9,6 +9,7 @@ from pydantic import Field
 from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seed, Tokens
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
+from arbor.config.trainer import DraftConfig
 
 
 class SFTConfig(Config):
@@ -41,3 +42,7 @@ class SFTConfig(Config):
     """With `[model.lora]`: train an adapter (written merged into `sft/`, and as `sft/adapter/`); false trains
     the full weights, the base `rl` then trains its adapter on (for a model that is not pretrained, as the
     presets are: an adapter on frozen random embeddings learns little)."""
+    draft: DraftConfig = DraftConfig()
+    """The model's MTP draft modules (`model.mtp_depth` > 0) are fitted to the fine-tuned policy as it trains (the
+    same top-K KL as `[trainer.draft]`, on the SFT rows), so RL starts with drafts that match its starting policy;
+    `enabled = false` keeps them as loaded. Independent of `trainer.draft`, which governs the RL steps only."""

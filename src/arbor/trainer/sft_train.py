@@ -3,6 +3,8 @@ examples into block-diagonal rows, minimises cross-entropy on their target token
 to `<output_dir>/sft/` (`arbor.run_dir.sft_model_dir`) atomically. With `[model.lora]` (and `adapter`) only an
 adapter trains (arbor.models.lora); `sft/` then holds the base with the adapter merged into it (what `rl`
 continues from, a plain Hugging Face checkpoint) and the adapter itself in PEFT's layout under `sft/adapter/`.
+A model with MTP draft modules also fits them to the fine-tuned policy as it trains (`sft.draft`, the RL steps'
+top-K KL at temperature 1), so speculative decoding starts RL with drafts that match its starting policy.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 import torch
 
 from arbor.config.sft import SFTConfig
+from arbor.config.trainer import DraftConfig
 from arbor.models import build_model, build_tokenizer
-from arbor.models.attention import position_ids_for
+from arbor.models.attention import position_ids_for, subtree_end_for
 from arbor.models.fp8 import apply_fp8
 from arbor.models.hf import save_checkpoint_dir
 from arbor.models.lora import apply_lora, load_adapter_into, lora_parameters, merged_state
@@ -27,6 +30,8 @@ from arbor.models.lora_peft import adapter_config, load_adapter, save_adapter
 from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
+from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
+from arbor.trainer.logprobs import logprob_chunk
 from arbor.trainer.sft import Example, batches, load_examples
 from arbor.trainer.step import packed_logprobs
 
@@ -62,6 +67,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         apply_lora(model, lora, cfg.model.init_seed)
         if lora.path is not None:
             load_adapter_into(model, load_adapter(lora.path)[1], lora.path)
+    trains_drafts = cfg.draft.enabled and draft_modules(model) is not None
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     warmup = max(1, math.ceil(0.1 * cfg.steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -69,34 +75,58 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     metrics = process_metrics_path(cfg.output_dir, "sft")
     window: list[float] = []
+    drafts_window: list[float] = []
     start = time.perf_counter()
     for step, batch in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
         beat(f"training step {step + 1}")
         rows = pack(batch, cfg.seq_len)
         targets = sum(int(mask.sum()) for _, mask, _ in rows)
         total = torch.zeros((), device=device)
+        draft_kl = torch.zeros((), device=device)
         for ids, mask, lens in rows:
             with autocast:
-                logprobs, _ = packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, device, False)
+                logprobs, drafted = row_logprobs(model, ids, lens, device, cfg.draft if trains_drafts else None)
             nll = -(logprobs * mask.to(device)).sum() / targets
-            nll.backward()
+            if drafted is not None:  # reaches the MTP modules only (arbor.trainer.draft)
+                (nll + cfg.draft.weight * drafted.loss / len(rows)).backward()
+                draft_kl += drafted.kl_sum / drafted.positions.clamp_min(1) / len(rows)
+            else:
+                nll.backward()
             total += nll.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        clip_grad_norm_split(model, cfg.max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window.append(float(total))
+        drafts_window.append(float(draft_kl))
         if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
             record = {"step": step + 1, "sft/loss": sum(window) / len(window), "sft/lr": optimizer.param_groups[0]["lr"],
                       "sft/time": time.perf_counter() - start}
+            if trains_drafts:
+                record["sft/draft_kl"] = sum(drafts_window) / len(drafts_window)
             _append(metrics, record)
             print(f"[sft] step {step + 1}/{cfg.steps}: loss {record['sft/loss']:.4f}", file=sys.stderr, flush=True)
-            final_loss, window = record["sft/loss"], []
+            final_loss, window, drafts_window = record["sft/loss"], [], []
     beat("saving the model")
     out = save(cfg, model, tokenizer)
     final = {"sft/loss": final_loss, "sft/steps": cfg.steps, "sft/examples": len(examples), "sft/dir": str(out)}
     _append(metrics, final)
     return final
+
+
+def row_logprobs(model: torch.nn.Module, ids: torch.Tensor, lens: list[int], device: torch.device,
+                 draft: DraftConfig | None) -> tuple[torch.Tensor, DraftOut | None]:
+    """One packed row's token logprobs and, with `draft`, the MTP modules' draft loss on it (the draft function
+    the model's forward calls, as in RL steps)."""
+    if draft is not None:
+        end = subtree_end_for(torch.tensor(lens), ids.shape[0]).to(device)
+        model.draft_fn = make_draft_fn(end, 1.0, draft.top_k, logprob_chunk(model))
+    try:
+        logprobs, _ = packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, device, False)
+        return logprobs, model.draft_out if draft is not None else None
+    finally:
+        if draft is not None:
+            model.draft_fn = model.draft_out = None
 
 
 def save(cfg: SFTConfig, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
