@@ -205,7 +205,8 @@ def test_the_students_topk_logprobs_match_a_full_forward_with_gradients(prefix_m
     want, start = [], 0
     for n in mb.seq_lens.tolist():  # each sample alone, full logits
         logp = torch.log_softmax(model(tokens[start: start + n][None])[0], -1)
-        want.append(torch.cat([torch.zeros(1, ids.shape[1], dtype=F64), logp[:-1].gather(1, ids[start + 1: start + n])]))
+        pad = torch.zeros(1, ids.shape[1], dtype=F64)
+        want.append(torch.cat([pad, logp[:-1].gather(1, ids[start + 1: start + n])]))
         start += n
     want = torch.cat(want) * mb.loss_mask[:, None]
     torch.testing.assert_close(extra.double(), want, atol=1e-6, rtol=0)

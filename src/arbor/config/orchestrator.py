@@ -243,8 +243,9 @@ class TeacherConfig(Config):
     """`[orchestrator.teacher]`: the teacher of on-policy distillation (arbor.orchestrator.teacher). After a step's
     groups are collected, each sample's prompt + completion goes to the teacher as token ids and its logprob of
     every completion token (vLLM's `prompt_logprobs` of /v1/completions) ships in the batch, for the trainer's
-    reverse-KL term (`trainer.loss.distill_weight`, or `trainer.loss.name = "distill"`). The teacher must use the
-    policy's tokenizer (the same token ids), and its context must hold seq_len + 1 tokens."""
+    reverse-KL term (`trainer.loss.distill_weight`, or `trainer.loss.name = "distill"`), with `top_k` also its k
+    most likely tokens at each position. The teacher must use the policy's tokenizer (the same token ids), and
+    its context must hold seq_len + 1 tokens."""
 
     url: str | None = None
     """Base URL of an OpenAI-compatible server that returns prompt logprobs: arbor's `inference` (local engine) or

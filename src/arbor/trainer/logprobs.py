@@ -215,7 +215,8 @@ def chunked_extra_logprobs(
     n, k = rows.shape[0], extra_ids.shape[1]
     rows = rows.to(hidden.device, torch.long)
     all_rows = torch.cat([rows, rows.repeat_interleave(k)])
-    all_targets = torch.cat([targets.to(hidden.device, torch.long), extra_ids.to(hidden.device, torch.long).reshape(-1)])
+    extra = extra_ids.to(hidden.device, torch.long).reshape(-1)
+    all_targets = torch.cat([targets.to(hidden.device, torch.long), extra])
     lp, entropy = chunked_token_logprobs(hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk,
                                          top_p)
     return lp[:n], entropy, lp[n:].view(n, k)

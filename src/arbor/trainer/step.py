@@ -34,7 +34,8 @@ from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
-from arbor.trainer.logprobs import chunked_extra_logprobs, effective_top_p, logprob_chunk, nucleus_mask, shifted_chunked_logprobs
+from arbor.trainer.logprobs import (chunked_extra_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
+                                    shifted_chunked_logprobs)
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
 
