@@ -159,7 +159,7 @@ def fake_teacher(replies: list[tuple[int, Any]]) -> Iterator[tuple[str, list[dic
 def scored(url: str, retries: int = 2, key: str | None = None) -> list[float]:
     async def go() -> list[float]:
         async with Teacher(TeacherConfig(url=url, max_retries=retries, api_key=key)) as teacher:
-            return await teacher.logprobs([5, 6], [7, 8])
+            return (await teacher.logprobs([5, 6], [7, 8])).logprobs
 
     return asyncio.run(go())
 
@@ -366,7 +366,15 @@ TINY = ["@", "examples/tiny/rl.toml"]
       "qwen3-tiny"], r"orchestrator\.teacher\.url = 'http://t:1' and a \[teacher\] section"),
     (["--teacher.model.name", "qwen3-tiny", "--teacher.seq-len", "48", "--trainer.loss.name", "distill"],
      r"teacher\.seq_len \(48\) must exceed seq_len \(48\)"),
-    (["--teacher.backend", "vllm", "--trainer.loss.name", "distill"], r"teacher\.backend = 'vllm' is not served"),
+    (["--teacher.model.name", "qwen3-tiny", "--trainer.loss.name", "distill", "--orchestrator.teacher.top-k", "21"],
+     r"orchestrator\.teacher\.top_k \(21\) exceeds the 20 logprobs per token the teacher \(local backend\)"),
+    (["--teacher.model.name", "qwen3-tiny", "--teacher.backend", "vllm", "--trainer.loss.name", "distill",
+      "--orchestrator.teacher.top-k", "6", "--teacher.vllm.extra-args.max_logprobs", "5"],
+     r"orchestrator\.teacher\.top_k \(6\) exceeds the 5 logprobs per token the teacher \(vllm backend\)"),
+    (["--orchestrator.teacher.url", "http://t", "--trainer.loss.name", "distill", "--orchestrator.teacher.top-k",
+      "4", "--orchestrator.sampling.top-p", "0.9"], r"teacher\.top_k = 4 needs sampling\.top_p = 1"),
+    (["--orchestrator.teacher.url", "http://t", "--trainer.loss.name", "distill", "--orchestrator.teacher.top-k",
+      "-1"], r"orchestrator\.teacher\.top_k"),
     (["--orchestrator.teacher.url", "http://t", "--trainer.loss.name", "distill", "--orchestrator.teacher.timeout",
       "0"], r"orchestrator\.teacher\.timeout"),
 ])
@@ -383,6 +391,16 @@ def test_an_external_teacher_is_passed_through_and_its_key_stays_secret():
     assert cfg.teacher is None and cfg.orchestrator.teacher.url == "http://gpu7:8000"
     assert cfg.orchestrator.teacher.api_key.get_secret_value() == "sekret"
     assert "api_key" not in cfg.orchestrator.teacher.to_toml_dict()
+
+
+def test_rl_launches_a_vllm_teacher_and_allows_its_max_logprobs():
+    cfg = load_config(RLConfig, [*TINY, "--trainer.loss.name", "distill", "--teacher.model.name", "qwen3-tiny",
+                                 "--teacher.backend", "vllm", "--orchestrator.teacher.top-k", "20"], env={})
+    assert cfg.teacher.backend == "vllm" and cfg.orchestrator.teacher.top_k == 20
+    cfg = load_config(RLConfig, [*TINY, "--trainer.loss.name", "distill", "--teacher.model.name", "qwen3-tiny",
+                                 "--teacher.backend", "vllm", "--orchestrator.teacher.top-k", "64",
+                                 "--teacher.vllm.extra-args.max_logprobs", "-1"], env={})
+    assert cfg.orchestrator.teacher.top_k == 64
 
 
 def test_rl_launches_a_teacher_section_on_a_free_port():

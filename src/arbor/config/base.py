@@ -70,6 +70,9 @@ MIN_TEMPERATURE = 1e-5
 """Smallest positive temperature: below it fp32 logits divided by the temperature overflow (0 means greedy)."""
 MAX_TEMPERATURE = 100.0
 """Largest temperature: far past any useful one (the distribution is already uniform to fp32 precision)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per token: the local engine's limit, and vLLM's default
+`--max-logprobs` (shared by the server's validation and the checks of a teacher's `top_k`)."""
 
 
 def _sampling_temperature(value: float) -> float:

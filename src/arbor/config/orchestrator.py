@@ -243,8 +243,9 @@ class TeacherConfig(Config):
     """`[orchestrator.teacher]`: the teacher of on-policy distillation (arbor.orchestrator.teacher). After a step's
     groups are collected, each sample's prompt + completion goes to the teacher as token ids and its logprob of
     every completion token (vLLM's `prompt_logprobs` of /v1/completions) ships in the batch, for the trainer's
-    reverse-KL term (`trainer.loss.distill_weight`, or `trainer.loss.name = "distill"`). The teacher must use the
-    policy's tokenizer (the same token ids), and its context must hold seq_len + 1 tokens."""
+    reverse-KL term (`trainer.loss.distill_weight`, or `trainer.loss.name = "distill"`), with `top_k` also its k
+    most likely tokens at each position. The teacher must use the policy's tokenizer (the same token ids), and
+    its context must hold seq_len + 1 tokens."""
 
     url: str | None = None
     """Base URL of an OpenAI-compatible server that returns prompt logprobs: arbor's `inference` (local engine) or
@@ -259,6 +260,12 @@ class TeacherConfig(Config):
     """Retries of a failed scoring request (connection errors, timeouts, 5xx) before the run fails."""
     max_concurrent: Count = Field(64, ge=1)
     """Scoring requests in flight at once."""
+    top_k: Int = Field(0, ge=0)
+    """The teacher's k most likely tokens at every completion position also ship in the batch (their ids and
+    logprobs; the request's `prompt_logprobs = k`), and the trainer's distillation term sums the reverse KL over
+    them exactly instead of estimating it from the sampled token alone (arbor.trainer.loss). 0: the sampled
+    token's logprob only. At most what the teacher allows (arbor's local engine and vLLM's default
+    `max_logprobs`: 20); needs `sampling.top_p = 1` (the top-k term is defined on the full distribution)."""
     api_key: AdminToken | None = Field(None, exclude=True)
     """Bearer token sent with every scoring request (vLLM's `--api-key`). Secret: never written out
     (`ARBOR_TEACHER__API_KEY` sets it for the orchestrator)."""
@@ -362,6 +369,10 @@ class OrchestratorConfig(Config):
             # A black-box agent calls the gateway itself: arbor cannot park and resume its requests mid-way.
             raise ValueError("partial.enabled cannot be used with environment.id = 'black_box' (agents drive their "
                              "own generation through the gateway); set partial.enabled = false")
+        if self.teacher is not None and self.teacher.top_k > 0 and self.sampling.top_p < 1:
+            raise ValueError(f"teacher.top_k = {self.teacher.top_k} needs sampling.top_p = 1 (got "
+                             f"{self.sampling.top_p}): the top-k distillation term is defined on the student's full "
+                             "distribution; set teacher.top_k = 0 or sampling.top_p = 1")
         if self.sampling.top_p < 1 and not self.gateway.override_sampling:
             warn_config(f"orchestrator.gateway.override_sampling = false with orchestrator.sampling.top_p = "
                         f"{self.sampling.top_p}: an agent that asks for another top_p or temperature samples a "

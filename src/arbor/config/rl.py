@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 
 from arbor.config.admin import AdminToken, token_value
-from arbor.config.base import Config, FilePath, Float, Int, Seconds, Seed, Tokens
+from arbor.config.base import MAX_TOP_LOGPROBS, Config, FilePath, Float, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.hardware import HardwareConfig, PlanConfig
 from arbor.config.inference import InferenceConfig
@@ -23,6 +23,16 @@ from arbor.config.transport import WeightTransportConfig
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
 SHARED = ("model", "output_dir", "max_steps", "max_minutes", "seq_len", "seed", "resume", "weights")
+
+
+def teacher_max_logprobs(teacher: InferenceConfig) -> int | None:
+    """Most logprobs per token the teacher `rl` launches serves: the local engine's fixed limit, vLLM's
+    `--max-logprobs` (its default unless `vllm.extra_args` sets it; None when set to -1, vLLM's no limit)."""
+    if teacher.backend == "local":
+        return MAX_TOP_LOGPROBS
+    args = teacher.vllm.extra_args
+    value = args.get("max_logprobs", args.get("max-logprobs", MAX_TOP_LOGPROBS))
+    return None if int(value) < 0 else int(value)
 
 
 class RLConfig(Config):
@@ -81,8 +91,8 @@ class RLConfig(Config):
     inference: InferenceConfig = InferenceConfig()
     """The inference server."""
     teacher: InferenceConfig | None = None
-    """On-policy distillation: a teacher inference server `rl` launches (arbor's local engine with its own `model`
-    and settings; seq_len defaults to the run's + 1) and points `orchestrator.teacher.url` at. Leave it out to use
+    """On-policy distillation: a teacher inference server `rl` launches (arbor's local engine, or vLLM behind
+    arbor's proxy with `backend = "vllm"`, with its own `model` and settings; seq_len defaults to the run's + 1) and points `orchestrator.teacher.url` at. Leave it out to use
     a running server (arbor's `inference`, or `vllm serve`) named by `orchestrator.teacher.url` instead. The
     teacher must share the policy's tokenizer."""
     sft: SFTConfig = SFTConfig()
@@ -186,11 +196,11 @@ class RLConfig(Config):
             if self.slurm is not None:
                 raise ValueError("[teacher] is launched by a local rl only: under slurm serve the teacher yourself "
                                  "and set orchestrator.teacher.url")
-            if self.teacher.backend != "local":
-                # arbor's vLLM proxy streams and reassembles completions without vLLM's prompt_logprobs
-                raise ValueError("teacher.backend = 'vllm' is not served with prompt logprobs by rl: run `vllm serve` "
-                                 "for the teacher and set orchestrator.teacher.url (or use the local backend)")
             orch.teacher = orch.teacher or TeacherConfig()
+            allowed = teacher_max_logprobs(self.teacher)
+            if allowed is not None and orch.teacher.top_k > allowed:
+                raise ValueError(f"orchestrator.teacher.top_k ({orch.teacher.top_k}) exceeds the {allowed} "
+                                 f"logprobs per token the teacher ({self.teacher.backend} backend) serves")
             if "seq_len" not in self.teacher.model_fields_set:
                 self.teacher.seq_len = self.seq_len + 1  # the scoring request asks for one token past a sample
             elif self.teacher.seq_len <= self.seq_len:

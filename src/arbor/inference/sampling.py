@@ -13,10 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from arbor.config.base import MAX_TOP_LOGPROBS  # noqa: F401 (one bound for requests and configs; re-exported)
 from arbor.transport.fields import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
-
-MAX_TOP_LOGPROBS = 20
-"""Most alternatives a request may ask for per token (vLLM's default `max_logprobs`)."""
 
 
 PromptLogprobs = list[dict[int, tuple[float, int]] | None]

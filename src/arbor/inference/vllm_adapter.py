@@ -18,6 +18,11 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
   is being applied is tagged with the older version (conservative: it can only overstate staleness).
   Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
+  A completion that asks for vLLM's `prompt_logprobs` (a distillation teacher's scoring request) is forwarded
+  *non-streamed* instead, since vLLM's stream does not carry them, and vLLM's reply is passed through with
+  its `prompt_logprobs` (each position's map: the actual token plus the k most likely, k up to vLLM's
+  `--max-logprobs`), every generated token tagged with the version current when the request was sent (the
+  older one if an update lands meanwhile). Such a request is not abortable through /abort_requests.
 - /update_weights {path, version}: checked as on the local engine (arbor.transport.admin: allowed roots, symlinks
   resolved, versions only upwards), then `collective_rpc` of the worker extension's `arbor_load_dir` (files,
   checksum checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
@@ -247,6 +252,8 @@ class VLLMProxy:
         await self._open.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         adapter = requested_adapter(body, self.adapters)
+        if not chat and body.get("prompt_logprobs") is not None:
+            return await self._scored(request.path, body, adapter)
         forwarded = render_request(body, chat, f"policy-{self._version(adapter)}", self.cfg.router_replay)
         # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
         forwarded["model"] = adapter or self.cfg.model.name
@@ -279,6 +286,26 @@ class VLLMProxy:
             if not self._inflight[rid]:
                 del self._inflight[rid]
         return web.json_response(acc.response())
+
+    async def _scored(self, path: str, body: dict[str, Any], adapter: str | None) -> web.Response:
+        """A completion with `prompt_logprobs`, forwarded non-streamed (the module docstring); vLLM's reply with
+        arbor's per-choice `policy_versions` and `adapter`, and `logprobs` only if asked."""
+        assert self._session is not None
+        version = self._version(adapter)
+        forwarded = render_request(body, False, f"policy-{version}", self.cfg.router_replay)
+        forwarded.pop("stream_options")
+        forwarded["stream"] = False
+        forwarded["model"] = adapter or self.cfg.model.name
+        async with self._session.post(self.upstream + path, json=forwarded) as resp:
+            if resp.status != 200:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+            data = await resp.json()
+        for choice in data.get("choices") or []:
+            choice["policy_versions"] = [version] * len(choice.get("token_ids") or [])
+            choice["adapter"] = adapter
+            if body.get("logprobs") is None:
+                choice["logprobs"] = None
+        return web.json_response(data)
 
     def _version(self, adapter: str | None) -> int:
         """The version a token is tagged with: its adapter's, else the base weights'."""

@@ -44,6 +44,14 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
     if r.teacher_logprobs is not None:  # on-policy distillation (arbor.orchestrator.teacher)
         teacher = np.where(trained, np.asarray(r.teacher_logprobs, np.float32), 0)
         out["teacher_logprobs"] = np.concatenate([np.zeros(P, np.float32), teacher]).astype(np.float32)
+    if r.teacher_topk_ids is not None:  # the teacher's top-k per completion token (`teacher.top_k`)
+        ids, lps = np.asarray(r.teacher_topk_ids, np.int32), np.asarray(r.teacher_topk_logprobs, np.float32)
+        if ids.shape != (C, ids.shape[-1]) or lps.shape != ids.shape:
+            raise ValueError(f"rollout of task {r.task_id}: teacher top-k arrays {ids.shape} and {lps.shape} for {C} "
+                             "completion tokens")
+        pad = np.zeros((P, ids.shape[1]), np.int32)
+        out["teacher_topk_ids"] = np.concatenate([pad, np.where(trained[:, None], ids, 0)])
+        out["teacher_topk_logprobs"] = np.concatenate([pad.astype(np.float32), np.where(trained[:, None], lps, 0)])
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts
     return out

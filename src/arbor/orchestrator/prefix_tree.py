@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from arbor.transport.batch import MicroBatch
+from arbor.transport.batch import TEACHER_FIELDS, MicroBatch
 
 
 def lexicographic_order(samples: list[dict[str, np.ndarray]]) -> list[int]:
@@ -82,7 +82,7 @@ def merge_row(ordered: list[dict[str, np.ndarray]]) -> MicroBatch:
     if replay:
         node["routed_experts"] = np.concatenate([s["routed_experts"][p:] for s, p in zip(ordered, lcps)])
     per_token = ("loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights")
-    per_token += ("teacher_logprobs",) if all("teacher_logprobs" in s for s in ordered) else ()
+    per_token += tuple(k for k in TEACHER_FIELDS if all(k in s for s in ordered))
     cat = {k: np.concatenate([s[k] for s in ordered]) for k in per_token}
     return MicroBatch(
         **{k: torch.from_numpy(v) for k, v in {**node, **cat}.items()},

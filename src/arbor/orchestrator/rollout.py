@@ -59,6 +59,11 @@ class Rollout:
     teacher_logprobs: list[float] | None = None
     """On-policy distillation: the teacher's logprob of each completion token given the tokens before it
     (arbor.orchestrator.teacher); None without a teacher."""
+    teacher_topk_ids: Any = None
+    """With `orchestrator.teacher.top_k = k`: `np.ndarray [C, k]` int32, the teacher's k most likely tokens at each
+    completion position, best first; None otherwise."""
+    teacher_topk_logprobs: Any = None
+    """Their logprobs, `np.ndarray [C, k]` float32."""
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,13 @@ generates at least one token; it is ignored), answered by a `prompt_logprobs` li
 first, a map from token id to `{"logprob", "rank", ...}` that holds the token itself. arbor's local engine
 (the `inference` server) answers the same; both report the raw model's logprobs (temperature 1).
 
+With `top_k = k > 0` the request asks for `prompt_logprobs = k`: each position's map then holds the teacher's k
+most likely tokens as well as the actual one (k or k + 1 entries), and the k best of each completion position
+(by rank, as the server numbers them) ship too, as `[C, k]` arrays of token ids and logprobs, for the trainer's
+exact top-k term. A reply with fewer than k ranked alternatives at a position is an error naming the sample;
+a server that allows fewer than k (vLLM's `--max-logprobs`, the local engine's 20) rejects the request (400),
+which is raised as one line naming `orchestrator.teacher.top_k`.
+
 Retries and errors are the inference client's (arbor.orchestrator.client): a connection error, timeout or 5xx is
 retried with backoff, a 4xx (a token id outside the teacher's vocabulary, a sample longer than its context) is
 raised at once with the teacher's message, and a reply that does not cover the sample is an error naming it.
@@ -17,11 +24,13 @@ Multi-turn samples are scored whole; tokens the environment inserted carry no lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from arbor.config.orchestrator import TeacherConfig
 from arbor.orchestrator.client import InferenceClient, InferenceError
@@ -33,6 +42,18 @@ log = logging.getLogger("arbor.orchestrator.teacher")
 
 class TeacherError(RuntimeError):
     """The teacher could not score a sample (after retries, or it rejected the request)."""
+
+
+@dataclasses.dataclass
+class TeacherScores:
+    """The teacher's view of one sample's completion tokens."""
+
+    logprobs: list[float]
+    """The logprob of each completion token given the tokens before it."""
+    topk_ids: np.ndarray | None = None
+    """`[C, k]` int32: the teacher's k most likely tokens at each completion position, best first (top_k > 0)."""
+    topk_logprobs: np.ndarray | None = None
+    """`[C, k]` float32: their logprobs."""
 
 
 def completion_logprobs(prompt_logprobs: Any, token_ids: list[int], start: int) -> list[float]:
@@ -50,6 +71,24 @@ def completion_logprobs(prompt_logprobs: Any, token_ids: list[int], start: int) 
             raise TeacherError(f"the teacher's prompt_logprobs lack token {token_ids[i]} at position {i}")
         out.append(float(item["logprob"]))
     return out
+
+
+def completion_topk(prompt_logprobs: list[Any], start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`[C, k]` ids and logprobs of the entries ranked 1..k at each position from `start` on (a list that
+    `completion_logprobs` has checked); a position without all k is a TeacherError."""
+    ids = np.zeros((len(prompt_logprobs) - start, k), np.int32)
+    lps = np.zeros(ids.shape, np.float32)
+    for i in range(start, len(prompt_logprobs)):
+        ranked = {}
+        for key, item in prompt_logprobs[i].items():
+            rank = item.get("rank") if isinstance(item, dict) else None
+            if isinstance(rank, int) and 1 <= rank <= k and isinstance(item.get("logprob"), (int, float)):
+                ranked[rank] = (int(key), float(item["logprob"]))
+        if len(ranked) < k:
+            raise TeacherError(f"the teacher's prompt_logprobs hold {len(ranked)} of the top_k = {k} ranked tokens "
+                               f"at position {i}")
+        ids[i - start], lps[i - start] = zip(*(ranked[r] for r in range(1, k + 1)))
+    return ids, lps
 
 
 class Teacher(InferenceClient):
@@ -81,28 +120,46 @@ class Teacher(InferenceClient):
                 raise TeacherError(f"teacher {self.cfg.url} is not healthy after {self.cfg.timeout:.0f}s")
             await asyncio.sleep(0.5)
 
-    async def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """The teacher's logprob of each completion token given the prompt and the completion before it."""
-        ids = list(prompt_ids) + list(completion_ids)
-        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    async def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> TeacherScores:
+        """The teacher's logprob of each completion token given the prompt and the completion before it (and,
+        with `top_k`, its k most likely tokens at each completion position)."""
+        ids, k = list(prompt_ids) + list(completion_ids), self.cfg.top_k
+        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": k}
         if self.cfg.model:
             body["model"] = self.cfg.model
         async with self._slots:
             try:
                 data = await self._post("/v1/completions", body, headers=self._headers)
             except InferenceError as e:
-                raise TeacherError(f"teacher {self.cfg.url}: {e}") from None
+                hint = f" (orchestrator.teacher.top_k = {k})" if k and e.status is not None else ""
+                raise TeacherError(f"teacher {self.cfg.url}: {e}{hint}") from None
         choices = data.get("choices") if isinstance(data, dict) else None
         if not choices:
             raise TeacherError(f"teacher {self.cfg.url} answered without choices: {str(data)[:200]}")
-        return completion_logprobs(choices[0].get("prompt_logprobs"), ids, len(prompt_ids))
+        plp = choices[0].get("prompt_logprobs")
+        scores = TeacherScores(completion_logprobs(plp, ids, len(prompt_ids)))
+        if k:
+            scores.topk_ids, scores.topk_logprobs = completion_topk(plp, len(prompt_ids), k)
+        return scores
+
+    async def _score(self, r: Rollout) -> None:
+        """Scores one rollout in place; a failure names its task and group."""
+        if not r.completion_ids:
+            k = self.cfg.top_k
+            r.teacher_logprobs = []
+            if k:
+                r.teacher_topk_ids, r.teacher_topk_logprobs = np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+            return
+        try:
+            scores = await self.logprobs(r.prompt_ids, r.completion_ids)
+        except TeacherError as e:
+            raise TeacherError(f"sample of task {r.task_id!r} (group {r.group_id}): {e}") from None
+        r.teacher_logprobs = scores.logprobs
+        r.teacher_topk_ids, r.teacher_topk_logprobs = scores.topk_ids, scores.topk_logprobs
 
     async def score(self, rollouts: list[Rollout]) -> None:
-        """Sets `teacher_logprobs` of every rollout (all requests at once, `max_concurrent` in flight)."""
+        """Sets `teacher_logprobs` (and with `top_k` the top-k arrays) of every rollout (all requests at once,
+        `max_concurrent` in flight)."""
         t0 = time.perf_counter()
-        scored = await asyncio.gather(*(self.logprobs(r.prompt_ids, r.completion_ids) for r in rollouts
-                                        if r.completion_ids))
-        it = iter(scored)
-        for r in rollouts:
-            r.teacher_logprobs = next(it) if r.completion_ids else []
+        await asyncio.gather(*(self._score(r) for r in rollouts))
         self.seconds = time.perf_counter() - t0

@@ -13,7 +13,10 @@ backward, their gradient being exactly 0. Peak memory is two `[chunk, V]` fp32 b
 gradient) instead of five `[T, V]` ones, at the cost of one more matmul per backward row (the recompute).
 
 Rows and pairs are separate so that one function serves the packed rows (row t predicts token t + 1) and the
-prefix-tree merged rows (a node's distribution is normalised once and read by every sample token it predicts).
+prefix-tree merged rows (a node's distribution is normalised once and read by every sample token it predicts),
+and so that a token's row can be read at more ids than its own: `chunked_extra_logprobs` adds k pairs per token
+(a distillation teacher's top-k ids) to the same pass, so their logprobs and gradients come from the same
+chunked log-softmax and `[T, V]` still never exists.
 
 Nucleus sampling (`top_p < 1` at a temperature above 0): the tokens were drawn from the top-p nucleus of each
 tempered distribution, renormalised, and both inference backends report that distribution's logprob (vLLM's
@@ -200,16 +203,39 @@ def chunked_token_logprobs(
     return logprobs, entropy if with_entropy else None
 
 
+def chunked_extra_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+    extra_ids: torch.Tensor | None, temperature: float, with_entropy: bool = True, chunk: int = 0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`chunked_token_logprobs` plus, with `extra_ids [K, k]`, the logprobs `[K, k]` of those ids under each
+    pair's row (pair j's row read at `extra_ids[j]` as well as at `targets[j]`), in the same chunked pass."""
+    if extra_ids is None:
+        return (*chunked_token_logprobs(hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p), None)
+    n, k = rows.shape[0], extra_ids.shape[1]
+    rows = rows.to(hidden.device, torch.long)
+    all_rows = torch.cat([rows, rows.repeat_interleave(k)])
+    extra = extra_ids.to(hidden.device, torch.long).reshape(-1)
+    all_targets = torch.cat([targets.to(hidden.device, torch.long), extra])
+    lp, entropy = chunked_token_logprobs(hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk,
+                                         top_p)
+    return lp[:n], entropy, lp[n:].view(n, k)
+
+
 def shifted_chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, temperature: float,
-    with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0, extra_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """`shifted_logprobs` from hidden states `[T, H]` and the head weight: per-token logprobs `[T]` (token t
-    scored by row t-1, token 0 gets 0) and, optionally, the entropy of the distribution that predicted each."""
+    scored by row t-1, token 0 gets 0) and, optionally, the entropy of the distribution that predicted each.
+    With `extra_ids [T, k]` a third result: `[T, k]`, the logprob of `extra_ids[t]` under the distribution
+    that predicted token t (0 for token 0)."""
     T = hidden.shape[0]
     rows = torch.arange(T - 1, device=hidden.device)
-    lp, ent = chunked_token_logprobs(hidden[:-1], weight, rows, input_ids[1:], temperature, with_entropy, chunk,
-                                     top_p)
+    lp, ent, extra = chunked_extra_logprobs(hidden[:-1], weight, rows, input_ids[1:], None if extra_ids is None
+                                            else extra_ids[1:], temperature, with_entropy, chunk, top_p)
     logprobs = torch.cat([lp.new_zeros(1), lp])
     entropy = None if ent is None else torch.cat([ent.new_zeros(1), ent])
-    return logprobs, entropy
+    if extra is None:
+        return logprobs, entropy
+    return logprobs, entropy, torch.cat([extra.new_zeros(1, extra.shape[1]), extra])

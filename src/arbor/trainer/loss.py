@@ -44,7 +44,28 @@ The losses f (per token t; the sum over loss tokens of `ctx.loss_weights[t] * lo
 - cross_entropy (SFT): `-log pi_theta`.
 - distill (on-policy distillation; also added to any loss above with `distill_weight > 0`): the reverse KL to a
   teacher, `distill_coef * k1` in value with the gradient `distill_coef * sg(k1) * grad log pi_theta`, k1 = log
-  pi_theta - log pi_teacher on the policy's own samples (see `reverse_kl_to_teacher`).
+  pi_theta - log pi_teacher on the policy's own samples (see `reverse_kl_to_teacher`). With the teacher's top-k
+  (`orchestrator.teacher.top_k = k`) the same reverse KL is summed exactly over the teacher's k most likely
+  tokens K and sampled only outside them (Rao-Blackwellised; see below).
+
+The top-k distillation estimator. Per loss token t, with x the sampled token, K the teacher's top-k ids there,
+p = pi_theta(. | prefix) (the student's full tempered distribution, read at the k ids by the chunked head:
+arbor.trainer.logprobs, never `[T, V]`) and k1(i) = log p(i) - log pi_teacher(i):
+
+    loss_t = sum_{i in K} p(i) sg(k1(i))  +  1{x not in K} [k1(x) in value, sg(k1(x)) grad log p(x) in gradient]
+
+Its value is an unbiased estimate of KL(p || pi_teacher) = sum_i p(i) k1(i): the K part exact, the rest by
+the one sample (x is drawn from p, so E[1{x not in K} k1(x)] is the sum over the other tokens). Its gradient,
+`sum_{i in K} k1(i) grad p(i) + 1{x not in K} k1(x) grad log p(x)`, has the expectation `sum_i k1(i) grad
+p(i)`, the exact gradient of the reverse KL (its other part, `sum_i p(i) grad log p(i) = grad sum_i p(i)`, is
+0). This is the sampled-token term of k = 0 with the part of the sum over K taken exactly instead of sampled:
+"sum the likely categories, sample the rest" (Liu, Regier, Tripuraneni, Jordan & McAuliffe 2019,
+Rao-Blackwellized stochastic gradients for discrete distributions), which can only lower the variance. Why
+this and not a KL over K alone (the student renormalised over K, or the teacher's top-k forward KL used in
+logit distillation): both are biased objectives that ignore the student's mass outside K, so a student could
+move mass to tokens the teacher finds unlikely at no cost; this one keeps the run's objective, the reverse
+(mode-seeking) KL of on-policy distillation, and only removes noise. Gradients flow only to the student (the
+teacher's logprobs are data); masked tokens contribute exactly 0.
 - the reference KL (`kl_coef > 0`) adds `kl_coef * k3`, k3 = `exp(d) - d - 1` with d = log pi_ref - log
   pi_theta (Schulman's k3 estimator of KL(pi_theta || pi_ref), as in GRPO, Shao et al. 2024).
 
@@ -95,6 +116,13 @@ class LossContext:
     """The step being trained (the age of a sample is `step` minus its first token's version)."""
     teacher_logprobs: torch.Tensor | None = None
     """`[T]` a distillation teacher's logprobs of the tokens (present with `[orchestrator.teacher]`)."""
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """`[T, k]` the teacher's logprobs of its k most likely tokens where each token is predicted (with
+    `orchestrator.teacher.top_k`); `student_topk_logprobs` and `sampled_in_topk` come with it."""
+    student_topk_logprobs: torch.Tensor | None = None
+    """`[T, k]` the policy's logprobs (with gradient) of the teacher's top-k tokens."""
+    sampled_in_topk: torch.Tensor | None = None
+    """`[T]` bool: whether the sampled token is one of the teacher's top-k."""
 
     @classmethod
     def single(cls, n: int, device: torch.device | str = "cpu") -> "LossContext":
@@ -248,7 +276,10 @@ def reverse_kl_to_teacher(logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: 
     with its value held as a weight follows the reverse KL (mode-seeking). Both are reported: `reverse_kl` (k1,
     unbiased, a token may be negative) and `reverse_kl_k3` (non-negative, lower variance). The samples are
     taken as the policy's own: with an async lag the behaviour gap is what `mismatch_kl` shows, and a mismatch
-    correction (under `with_off_policy`) weighs this term's tokens as it weighs the policy loss's."""
+    correction (under `with_off_policy`) weighs this term's tokens as it weighs the policy loss's. With the
+    teacher's top-k in `ctx` the sum over those k tokens is taken exactly (`_topk_reverse_kl`, the module
+    docstring's top-k estimator) and `reverse_kl` reports that estimate; `reverse_kl_k3` stays the sampled
+    token's."""
     if ctx.teacher_logprobs is None:
         if bool(loss_mask.any()):
             raise ValueError("loss.distill_weight > 0 (or loss.name = 'distill') needs the teacher's logprobs in the "
@@ -259,10 +290,33 @@ def reverse_kl_to_teacher(logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: 
     k1 = torch.where(mask, logprobs - teacher, torch.zeros_like(logprobs)).detach()
     per_token = k1 * (logprobs - logprobs.detach()) + k1  # value k1, gradient k1 * grad log pi_theta
     k3 = torch.expm1(-k1) + k1
-    return LossOutput(cfg.distill_coef * _reduce(per_token, mask, ctx), {
-        "distill/reverse_kl_sum": torch.where(mask, k1, torch.zeros_like(k1)).sum(),
-        "distill/reverse_kl_k3_sum": torch.where(mask, k3, torch.zeros_like(k3)).sum(),
-    })
+    metrics = {"distill/reverse_kl_k3_sum": torch.where(mask, k3, torch.zeros_like(k3)).sum()}
+    if ctx.teacher_topk_logprobs is not None:
+        per_token, topk_metrics = _topk_reverse_kl(per_token, mask, ctx)
+        metrics.update(topk_metrics)
+    metrics["distill/reverse_kl_sum"] = torch.where(mask, per_token, torch.zeros_like(per_token)).sum().detach()
+    return LossOutput(cfg.distill_coef * _reduce(per_token, mask, ctx), metrics)
+
+
+def _topk_reverse_kl(sampled_term: torch.Tensor, mask: torch.Tensor, ctx: LossContext
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The top-k estimator (module docstring): the sampled-token term kept where the sample is outside the
+    teacher's top-k, plus the exact sum over the top-k of `p(i) sg(k1(i))`; with the student's mass on the
+    top-k and the teacher's as figures."""
+    student = ctx.student_topk_logprobs
+    if student is None or ctx.sampled_in_topk is None:
+        raise ValueError("LossContext.teacher_topk_logprobs needs student_topk_logprobs and sampled_in_topk")
+    keep = mask[:, None]
+    student = torch.where(keep, student, torch.zeros_like(student))
+    teacher = torch.where(keep, ctx.teacher_topk_logprobs.to(student.dtype), torch.zeros_like(student))
+    p = student.exp()
+    exact = (p * (student - teacher).detach()).sum(-1)
+    tail = torch.where(ctx.sampled_in_topk, torch.zeros_like(sampled_term), sampled_term)
+    zero = torch.zeros_like(exact)
+    return tail + exact, {
+        "distill/student_topk_mass_sum": torch.where(mask, p.detach().sum(-1), zero).sum(),
+        "distill/teacher_topk_mass_sum": torch.where(mask, teacher.exp().sum(-1), zero).sum(),
+    }
 
 
 def distill(logprobs, inference_logprobs, advantages, loss_mask, cfg: LossConfig, ctx=None) -> LossOutput:

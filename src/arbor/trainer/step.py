@@ -34,7 +34,7 @@ from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
-from arbor.trainer.logprobs import (chunked_token_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
+from arbor.trainer.logprobs import (chunked_extra_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
                                     shifted_chunked_logprobs)
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
@@ -80,20 +80,26 @@ def packed_logprobs(
     with_entropy: bool = True,
     routed_experts: torch.Tensor | None = None,
     top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    extra_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`.
     `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models); `top_p < 1` scores
-    the nucleus-truncated distribution (arbor.trainer.logprobs). Under context parallelism the row is split over
+    the nucleus-truncated distribution (arbor.trainer.logprobs); `extra_ids [T, k]` adds a third result, the
+    logprobs `[T, k]` of those ids where token t is predicted. Under context parallelism the row is split over
     the cp ranks (arbor.trainer.context_parallel) with the same result."""
     if getattr(model, "_arbor_cp", None) is not None:
+        if extra_ids is not None:
+            raise ValueError("orchestrator.teacher.top_k > 0 is not supported with trainer.parallel.cp > 1: set "
+                             "orchestrator.teacher.top_k = 0 or trainer.parallel.cp = 1")
         return packed_logprobs_cp(model, input_ids, position_ids, seq_lens, temperature, device, with_entropy,
                                   routed_experts, top_p)
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
     chunk = logprob_chunk(model)
 
-    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p)
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p,
+                                        extra_ids)
 
     return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head)
 
@@ -123,9 +129,11 @@ def tree_logprobs(
     with_entropy: bool = True,
     routed_experts: torch.Tensor | None = None,
     top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    extra_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Forward a prefix-tree merged row once over its M nodes; (logprobs, entropy) `[N]` per ORIGINAL sample
-    token (0 at each sample's first token), equal to the unmerged samples' within float rounding.
+    token (0 at each sample's first token), equal to the unmerged samples' within float rounding; with
+    `extra_ids [N, k]` also their logprobs `[N, k]` (as `packed_logprobs`).
 
     An MoE model's load-balancing loss counts each node as many times as samples pass through it (the
     per-token weights `aux_valid`), so it equals the unmerged row's too."""
@@ -139,9 +147,9 @@ def tree_logprobs(
     predictors = mb.predictor_nodes().to(device)
     chunk = logprob_chunk(model)
 
-    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return unmerged_logprobs(hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk,
-                                 top_p)
+                                 top_p, extra_ids)
 
     moe = hasattr(model, "aux_valid")
     if moe:
@@ -156,32 +164,37 @@ def tree_logprobs(
 def unmerged_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, token_nodes: torch.Tensor,
     predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    extra_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` applied
-    to the node hidden states `[M, H]` (0 where predictors[t] < 0). Each node's distribution is normalised
-    once, chunk by chunk (arbor.trainer.logprobs), then read by every sample token it predicts, so a node shared
-    by many samples costs one row of the vocabulary, not one per sample."""
+    to the node hidden states `[M, H]` (0 where predictors[t] < 0), and with `extra_ids [N, k]` the logprobs
+    `[N, k]` of those ids under the same node. Each node's distribution is normalised once, chunk by chunk
+    (arbor.trainer.logprobs), then read by every sample token it predicts, so a node shared by many samples
+    costs one row of the vocabulary, not one per sample."""
     has = predictors >= 0
     src = predictors.clamp(min=0)
-    picked, ent = chunked_token_logprobs(hidden, weight, src, input_ids[token_nodes], temperature, with_entropy,
-                                         chunk, top_p)
+    picked, ent, extra = chunked_extra_logprobs(hidden, weight, src, input_ids[token_nodes], extra_ids, temperature,
+                                                with_entropy, chunk, top_p)
     zero = torch.zeros_like(picked)
     logprobs = torch.where(has, picked, zero)
     entropy = None if ent is None else torch.where(has, ent[src], zero)
-    return logprobs, entropy
+    if extra is None:
+        return logprobs, entropy
+    return logprobs, entropy, torch.where(has[:, None], extra, torch.zeros_like(extra))
 
 
 def micro_batch_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True,
-    router_replay: bool = False, top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    router_replay: bool = False, top_p: float = 1.0, extra_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged), of
-    the distribution the tokens were sampled from (`top_p`: its nucleus; see arbor.trainer.logprobs)."""
+    the distribution the tokens were sampled from (`top_p`: its nucleus; see arbor.trainer.logprobs); with
+    `extra_ids [N, k]` (a teacher's top-k ids) a third result, their logprobs `[N, k]` (`packed_logprobs`)."""
     replay = mb.routed_experts if router_replay else None
     if mb.merged:
-        return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p)
+        return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p, extra_ids)
     return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay,
-                           top_p)
+                           top_p, extra_ids)
 
 
 @dataclasses.dataclass
@@ -321,10 +334,12 @@ def _micro_batch_backward(
     if trains_drafts:
         end = mb.subtree_end if mb.merged else subtree_end_for(mb.seq_lens, mb.input_ids.shape[0])
         model.draft_fn = make_draft_fn(end.to(device), batch.temperature, draft.top_k, logprob_chunk(model))
+    topk_ids = teacher_topk_ids(mb, batch, device)
     try:
         with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            logprobs, entropy = micro_batch_logprobs(model, mb, batch.temperature, device, router_replay=router_replay,
-                                                     top_p=batch.top_p)
+            logprobs, entropy, *student_topk = micro_batch_logprobs(
+                model, mb, batch.temperature, device, router_replay=router_replay, top_p=batch.top_p,
+                extra_ids=topk_ids)
         drafted: DraftOut | None = model.draft_out if trains_drafts else None
     finally:
         if trains_drafts:
@@ -335,6 +350,11 @@ def _micro_batch_backward(
         policy_versions=mb.policy_versions.to(device, non_blocking=True), step=batch.step,
         teacher_logprobs=None if mb.teacher_logprobs is None else mb.teacher_logprobs.to(device, non_blocking=True),
     )
+    if topk_ids is not None:  # the teacher's top-k (arbor.trainer.loss's exact top-k term)
+        token_ids = mb.input_ids[mb.token_nodes.long()] if mb.merged else mb.input_ids
+        ctx.teacher_topk_logprobs = mb.teacher_topk_logprobs.to(device, non_blocking=True)
+        ctx.student_topk_logprobs = student_topk[0]
+        ctx.sampled_in_topk = (topk_ids == token_ids.to(device)[:, None]).any(-1)
     if ref_model is not None:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
             ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay,
@@ -356,6 +376,17 @@ def _micro_batch_backward(
         name = key if "/" in key else f"loss/{key}"
         acc.add(name, value if key.endswith(("_max", "_min")) else value / epochs)
     return logprobs.detach(), entropy, mask
+
+
+def teacher_topk_ids(mb: MicroBatch, batch: StepBatch, device: torch.device) -> torch.Tensor | None:
+    """The micro-batch's teacher top-k ids `[N, k]` on `device` (None without them). The top-k term is defined on
+    the student's full distribution, so a nucleus-truncated batch (top_p < 1) cannot carry them."""
+    if mb.teacher_topk_ids is None:
+        return None
+    if effective_top_p(batch.temperature, batch.top_p) < 1:
+        raise ValueError(f"step {batch.step} carries the teacher's top-k with top_p = {batch.top_p}: set "
+                         "orchestrator.sampling.top_p = 1 or orchestrator.teacher.top_k = 0")
+    return mb.teacher_topk_ids.to(device, torch.long, non_blocking=True)
 
 
 def _account(

@@ -10,7 +10,9 @@ optional `routed_experts [T, moe_layers, top_k]` (uint8 or int16) holds the expe
 each token to (router replay); absent for dense models or with replay off. The optional `teacher_logprobs [N]`
 (float32, per original sample token like `inference_logprobs`) holds a distillation teacher's logprob of each
 completion token given its prefix (`[orchestrator.teacher]`; 0 on prompt and inserted tokens); absent without a
-teacher.
+teacher. With `orchestrator.teacher.top_k = k` two more per-sample-token fields ride with it:
+`teacher_topk_ids [N, k]` (int32) and `teacher_topk_logprobs [N, k]` (float32), the teacher's k most likely
+tokens at each completion position and their logprobs, best first (0 on prompt and inserted tokens).
 
 Plain rows: every per-token array has the length of `input_ids`.
 
@@ -46,6 +48,8 @@ NODE_FIELDS = ("input_ids", "position_ids")
 SAMPLE_TOKEN_FIELDS = ("loss_mask", "advantages", "inference_logprobs", "policy_versions", "loss_weights")
 """Per original sample token (the same as per row token in a plain row)."""
 PER_TOKEN = NODE_FIELDS + SAMPLE_TOKEN_FIELDS
+TEACHER_FIELDS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
+"""On-policy distillation's optional per-sample-token fields (`[N]`, `[N, k]`, `[N, k]`)."""
 DTYPES = {
     "input_ids": torch.int64,
     "position_ids": torch.int64,
@@ -58,6 +62,8 @@ DTYPES = {
     "subtree_end": torch.int32,
     "token_nodes": torch.int32,
     "teacher_logprobs": torch.float32,
+    "teacher_topk_ids": torch.int32,
+    "teacher_topk_logprobs": torch.float32,
 }
 
 
@@ -80,6 +86,10 @@ class MicroBatch:
     """Merged row: the row token (trie node) holding each original sample token `[N]`; None for a plain row."""
     teacher_logprobs: torch.Tensor | None = None
     """On-policy distillation: the teacher's logprob of each sample token `[N]`; None without a teacher."""
+    teacher_topk_ids: torch.Tensor | None = None
+    """With the teacher's `top_k = k`: its k most likely tokens at each sample token `[N, k]`; else None."""
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """Their logprobs `[N, k]` (present exactly when `teacher_topk_ids` is)."""
 
     def __post_init__(self) -> None:
         m = self.input_ids.shape[0]
@@ -99,6 +109,7 @@ class MicroBatch:
         t = self.teacher_logprobs
         if t is not None and (t.dim() != 1 or t.shape[0] != n):
             raise ValueError(f"micro-batch field teacher_logprobs has shape {tuple(t.shape)}, expected ({n},)")
+        self._check_topk(n)
         if self.subtree_end is not None and (self.subtree_end.dim() != 1 or self.subtree_end.shape[0] != m):
             shape = tuple(self.subtree_end.shape)
             raise ValueError(f"micro-batch field subtree_end has shape {shape}, expected ({m},)")
@@ -111,6 +122,18 @@ class MicroBatch:
                 raise ValueError(f"seq_lens sum to {int(self.seq_lens.sum())}, not the merged row's {n} sample tokens")
         elif int(self.seq_lens.sum()) > m:
             raise ValueError(f"seq_lens sum to {int(self.seq_lens.sum())}, more than the row's {m} tokens")
+
+    def _check_topk(self, n: int) -> None:
+        ids, lps = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if (ids is None) != (lps is None):
+            raise ValueError("micro-batch has one of teacher_topk_ids and teacher_topk_logprobs without the other")
+        if ids is None:
+            return
+        if self.teacher_logprobs is None:
+            raise ValueError("micro-batch has teacher_topk_ids but no teacher_logprobs")
+        for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
+            if t.dim() != 2 or t.shape[0] != n or t.shape != ids.shape:
+                raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({n}, k) with one k")
 
     @property
     def num_tokens(self) -> int:
