@@ -79,7 +79,9 @@ async def _complete(url: str, bodies: list[dict[str, Any]]) -> tuple[list[dict[s
 def _mismatch(model: torch.nn.Module, prompt: list[int], choice: dict[str, Any]) -> torch.Tensor:
     ids = torch.tensor(prompt + choice["token_ids"])
     with torch.no_grad():
-        ref, _ = shifted_logprobs(model(ids[None])[0], ids, temperature=1.0, with_entropy=False)
+        # the trainer's policy spans the tokenizer's ids, as both engines sample and report
+        ref, _ = shifted_logprobs(model(ids[None])[0, :, :ByteTokenizer().vocab_size], ids, temperature=1.0,
+                                  with_entropy=False)
     d = ref[len(prompt):].double() - torch.tensor(choice["logprobs"]["token_logprobs"]).double()
     return torch.expm1(d) - d
 

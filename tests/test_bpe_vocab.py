@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import tiktoken
 import torch
@@ -17,7 +18,7 @@ import qwen_bpe_tokenizer
 from arbor.environments.tools import parse_tool_calls
 from arbor.inference.engine import Engine
 from arbor.inference.requests import Request, Seq
-from arbor.inference.sampler import Sampler, scaled_logprobs
+from arbor.inference.sampler import Sampler
 from arbor.inference.sampling import SamplingParams
 from arbor.orchestrator.batcher import sample_arrays
 from arbor.orchestrator.client import Completion
@@ -110,8 +111,8 @@ def _seqs(params: list[SamplingParams]) -> list[Seq]:
 
 def test_sampler_never_picks_a_padding_row(qwen_bpe):
     """Padding rows 151,669..151,679 get by far the largest logits (an untrained embedding can): greedy, sampled
-    and top-p choices stay within the tokenizer, while the reported logprob and the listed alternatives are
-    those of the full-vocabulary distribution (the trainer's)."""
+    and top-p choices stay within the tokenizer, and the reported logprob and the listed alternatives are those
+    of the distribution over the tokenizer's ids (the trainer's), whatever mass the padding rows hold."""
     vocab, rows = qwen_bpe.vocab_size, qwen_bpe_tokenizer.MODEL_VOCAB
     sampler = Sampler(qwen_bpe)
     gen = torch.Generator().manual_seed(0)
@@ -123,18 +124,19 @@ def test_sampler_never_picks_a_padding_row(qwen_bpe):
         logits = torch.randn(len(seqs), rows, generator=gen)
         logits[:, vocab:] += 30.0
         sampler.sample(seqs, logits, version=step)
-        full = scaled_logprobs(logits, torch.tensor([p.temperature for p in params]))
+        t = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        real = torch.log_softmax(logits[:, :vocab] / t[:, None], -1)
         for b, s in enumerate(seqs):
-            assert s.tokens[-1] < vocab and s.logprobs[-1] == float(full[b, s.tokens[-1]])
+            assert s.tokens[-1] < vocab and s.logprobs[-1] == float(real[b, s.tokens[-1]])
             if s.top:
-                assert [i for i, _ in s.top[-1]] == full[b].topk(len(s.top[-1])).indices.tolist()
+                assert s.top[-1] == list(zip(*(x.tolist() for x in real[b].topk(len(s.top[-1]))[::-1])))
     assert seqs[0].tokens[-1] == int(logits[0, :vocab].argmax())
 
 
 def test_engine_with_a_151680_row_model_samples_only_tokenizer_ids(qwen_bpe):
     """The local engine end to end on a Qwen3 with Qwen3's padded embedding size and a tiny hidden size, whose head
-    puts nearly all mass on the padding rows (real rows zero, padding rows large): every token is a real id, while
-    the listed alternatives show where the model's mass was."""
+    puts nearly all mass on the padding rows (real rows zero, padding rows large): every token, and every listed
+    alternative, is a real id, and the logprobs are those of the policy over the real ids (uniform here)."""
     torch.manual_seed(0)
     args = dataclasses.replace(PRESETS["qwen3-test"], vocab_size=qwen_bpe_tokenizer.MODEL_VOCAB,
                                tie_word_embeddings=False)
@@ -154,7 +156,9 @@ def test_engine_with_a_151680_row_model_samples_only_tokenizer_ids(qwen_bpe):
     completions = [c for out in outputs for c in out.completions]
     assert sum(len(c.token_ids) for c in completions) >= 4 * 12 - 3  # eos has ~1/151669 of the mass per token
     assert all(t < qwen_bpe.vocab_size for c in completions for t in c.token_ids)
-    assert any(i >= qwen_bpe.vocab_size for c in completions for top in c.top_logprobs for i, _ in top)
+    assert all(i < qwen_bpe.vocab_size for c in completions for top in c.top_logprobs for i, _ in top)
+    uniform = -math.log(qwen_bpe.vocab_size)
+    assert all(abs(lp - uniform) < 1e-4 for c in completions for lp in c.logprobs)
 
 
 def test_sampler_is_unchanged_when_the_model_has_no_padding_rows(qwen_bpe):

@@ -31,6 +31,7 @@ from arbor.models import build_model, build_tokenizer
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.teacher import Teacher, TeacherError
+from arbor.trainer.logprobs import set_policy_vocab
 from arbor.trainer.loss import LossContext, build_loss
 from arbor.trainer.step import train_step
 from arbor.transport.batch import MicroBatch, StepBatch
@@ -42,8 +43,11 @@ F64 = torch.float64
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
+    """qwen3-test (264 head rows, 259 byte-tokenizer ids), prepared as the trainer prepares it: its policy spans
+    the tokenizer's ids."""
     model = build_model(CFG)
     model.init_weights(seed, std=0.3)
+    set_policy_vocab(model, TOK.vocab_size)
     return model.eval()
 
 
@@ -65,8 +69,8 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 @torch.no_grad()
 def raw_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """`log_softmax(logits)` of a full forward: row i predicts ids[i + 1]."""
-    return torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+    """`log_softmax(logits)` of a full forward over the tokenizer's ids (the policy's): row i predicts ids[i + 1]."""
+    return torch.log_softmax(model(torch.tensor([ids]))[0, :, :TOK.vocab_size].float(), dim=-1)
 
 
 # ---- the local engine's prompt logprobs ----

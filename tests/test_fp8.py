@@ -201,12 +201,14 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path, name):
     from arbor.models.attention import position_ids_for
     from arbor.models.hf import save_checkpoint_dir
     from arbor.models.tokenizer import ByteTokenizer
+    from arbor.trainer.logprobs import set_policy_vocab
     from arbor.trainer.step import packed_logprobs
 
     cfg = ModelConfig(name=name, fp8="block")
     tok = ByteTokenizer()
     trainer = build_model(cfg)
     trainer.init_weights(0, std=0.3)
+    set_policy_vocab(trainer, tok.vocab_size)  # as `parallelize` does: the policy spans the tokenizer's ids
     assert apply_fp8(trainer, cfg)
     save_checkpoint_dir(trainer.state_dict(), trainer.args, tmp_path / "step_1", fp8=True)
     served = build_model(cfg)

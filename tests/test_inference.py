@@ -94,8 +94,10 @@ def greedy_reference(model: torch.nn.Module, prompt: list[int], max_tokens: int)
 
 @torch.no_grad()
 def reference_logprobs(model: torch.nn.Module, prompt: list[int], gen: list[int], temperature: float = 0.0):
-    """Full-forward `log_softmax(logits / T)` at the positions predicting `gen`: (all rows, chosen tokens)."""
-    logits = model(torch.tensor([prompt + gen]))[0, len(prompt) - 1: len(prompt) - 1 + len(gen)].float()
+    """Full-forward `log_softmax(logits / T)` over the tokenizer's ids (the preset's padding rows 259..263 are
+    not in the policy) at the positions predicting `gen`: (all rows, chosen tokens)."""
+    logits = model(torch.tensor([prompt + gen]))[0, len(prompt) - 1: len(prompt) - 1 + len(gen), :TOK.vocab_size]
+    logits = logits.float()
     lp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
     return lp, lp[torch.arange(len(gen)), torch.tensor(gen)]
 

@@ -181,7 +181,10 @@ def _cp_model_worker(rank: int, world: int, style: str) -> None:
     from arbor.trainer.context_parallel import apply_cp
     from arbor.trainer.step import packed_logprobs
 
+    from arbor.trainer.logprobs import set_policy_vocab
+
     ref = build_model(ModelConfig(name="qwen3-moe-test"))
+    set_policy_vocab(ref, 259)  # the byte tokenizer's ids of the head's 264 rows, on both (deepcopy keeps it)
     model = copy.deepcopy(ref)
     gen = torch.Generator().manual_seed(2)
     T = sum(LENS) + 3  # trailing padding as the batcher leaves it
@@ -200,6 +203,7 @@ def _cp_model_worker(rank: int, world: int, style: str) -> None:
         g = p.grad.clone()
         dist.all_reduce(g)  # every cp rank computed the same loss: the sum over ranks is cp x the gradient
         assert_close(g / world, p_ref.grad, f"{style} grad {name}")
+    assert not model.lm_head.weight.grad[259:].any()  # padding rows are outside the policy
 
 
 @pytest.mark.parametrize("style", ["ulysses", "ring"])

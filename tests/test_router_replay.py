@@ -17,6 +17,7 @@ from arbor.models import build_model
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
+from arbor.trainer.logprobs import set_policy_vocab
 from arbor.trainer.step import micro_batch_logprobs
 from arbor.transport.batch import StepBatch
 from arbor.transport.routes import decode_routes, encode_routes
@@ -68,6 +69,7 @@ def test_engine_routes_replayed_by_trainer_and_mismatch_not_larger():
 
     # A trainer whose router differs slightly from inference's (as bf16 kernels vs fp32 would make it).
     trainer = copy.deepcopy(model)
+    set_policy_vocab(trainer, tok.vocab_size)  # as `parallelize` does: scored over the ids the engine samples
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in trainer.model.layers:

@@ -1,6 +1,7 @@
 """Speculative decoding in the local engine (arbor.inference.speculative): greedy requests produce exactly plain
 decoding's tokens; sampled ones follow the target's processed distribution (temperature, top-p) by a chi-squared
-test over 20k samples of a small-vocabulary model, with the target's logprobs; the acceptance rule itself."""
+test over 20k samples of a small-vocabulary model whose head has two padding rows past its tokenizer, with the
+target's logprobs (over the tokenizer's ids); the acceptance rule itself."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class TinyTokenizer:
 
 
 def small_vocab_model(seed: int = 0) -> Qwen3ForCausalLM:
-    args = ModelArgs(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    """VOCAB + 2 head rows: the last two are padding (past `TinyTokenizer`), with mass the engine must leave out."""
+    args = ModelArgs(vocab_size=VOCAB + 2, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, rope_theta=10_000.0, mtp_depth=1)
     model = Qwen3ForCausalLM(args)
     model.init_weights(seed, std=0.5)  # peaked enough that drafts are often, not always, accepted
@@ -63,19 +65,19 @@ def chi_squared_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
 
 def exact_joint(model, prompt: list[int], steps: int, temperature: float, top_p: float, nucleus: bool = False):
     """Every continuation of `steps` tokens: its probability under plain sampling and its per-token logprobs
-    (temperature-scaled; with `nucleus`, of the top-p nucleus renormalised, as the server's engine reports
-    them)."""
+    (temperature-scaled over the tokenizer's ids; with `nucleus`, of the top-p nucleus renormalised, as the
+    server's engine reports them)."""
     seqs = list(itertools.product(range(VOCAB), repeat=steps))
     ids = torch.tensor([prompt + list(s) for s in seqs])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).float() / temperature, -1)
+        logp = torch.log_softmax(model(ids)[..., :VOCAB].float() / temperature, -1)
     probs, logprobs = [], []
     P = len(prompt)
     for i, s in enumerate(seqs):
         prob, lps = 1.0, []
         for j, tok in enumerate(s):
             row = logp[i, P - 1 + j]
-            processed = processed_probs(row, top_p, VOCAB)[tok]
+            processed = processed_probs(row, top_p)[tok]
             prob *= float(processed)
             lps.append(float(processed.log()) if nucleus else float(row[tok]))
         probs.append(prob)
@@ -155,7 +157,7 @@ def test_speculative_decoding_survives_a_weight_update(tmp_path):
     assert versions[-1] == 1
     for v, weights in ((0, build_model(cfg)), (1, new)):
         with torch.no_grad():
-            logp = torch.log_softmax(weights(ids)[0].float(), -1)
+            logp = torch.log_softmax(weights(ids)[0, :, :tokenizer.vocab_size].float(), -1)
         for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
             if versions[j] == v:
                 assert abs(float(logp[2 + j, tok]) - lp) < 1e-5
@@ -180,8 +182,8 @@ def test_greedy_rule_and_processed_probabilities():
     assert accept_greedy([3, 9, 5], [3, 4]) == [3, 9]
     assert accept_greedy([1, 2], [0]) == [1]
     logp = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert processed_probs(logp, 0.7, 4).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
-    assert processed_probs(logp, 1.0, 3).tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+    assert processed_probs(logp, 0.7).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    assert processed_probs(logp, 1.0).tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
 
 
 def test_metrics_page_and_per_step_figures_report_acceptance_and_decode_speed():

@@ -19,7 +19,7 @@ from arbor.inference.requests import Request, Seq
 from arbor.inference.sampler import FLOOR_LOGPROB, Sampler, scaled_logprobs
 from arbor.inference.sampling import SamplingParams
 from arbor.models import build_model, build_tokenizer
-from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask
+from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask, set_policy_vocab
 from arbor.trainer.step import packed_logprobs, shifted_logprobs
 from arbor.transport.batch import StepBatch
 
@@ -104,7 +104,8 @@ def test_shifted_reference_and_greedy_ignore_nothing_they_should_not() -> None:
 
 def test_sampler_reports_the_nucleus_renormalised_logprob_and_alternatives() -> None:
     """A sampler built with `nucleus_logprobs` reports log p(x) - log(nucleus mass) for drawn tokens and its
-    alternatives (the floor outside the nucleus); top_p = 1 and greedy rows report the full distribution's."""
+    alternatives (the floor outside the nucleus); top_p = 1 and greedy rows report the full distribution's, all
+    over the tokenizer's ids (the head's 5 padding rows left out)."""
     sampler = Sampler(TOK, nucleus_logprobs=True)
     params = [SamplingParams(max_tokens=64, temperature=0.9, top_p=0.6, top_logprobs=8),
               SamplingParams(max_tokens=64, temperature=0.9, top_logprobs=2),
@@ -115,12 +116,12 @@ def test_sampler_reports_the_nucleus_renormalised_logprob_and_alternatives() -> 
     for step in range(10):
         logits = 3.0 * torch.randn(3, V, generator=gen)
         sampler.sample(seqs, logits, version=step)
-        full = scaled_logprobs(logits, torch.tensor([p.temperature for p in params]))
+        full = scaled_logprobs(logits, torch.tensor([p.temperature for p in params]), TOK.vocab_size)
         keep = nucleus_mask(full[0], 0.6)
         log_mass = float(full[0][keep].logsumexp(0))
         tok = seqs[0].tokens[-1]
         assert bool(keep[tok])
-        assert seqs[0].logprobs[-1] == pytest.approx(oracle_logprob((logits[0]).tolist(), tok, 0.9, 0.6), abs=1e-5)
+        assert seqs[0].logprobs[-1] == pytest.approx(oracle_logprob(logits[0, :TOK.vocab_size].tolist(), tok, 0.9, 0.6), abs=1e-5)
         for i, value in seqs[0].top[-1]:
             assert value == (pytest.approx(float(full[0, i]) - log_mass, abs=1e-6) if keep[i] else FLOOR_LOGPROB)
         assert seqs[1].logprobs[-1] == float(full[1, seqs[1].tokens[-1]])
@@ -135,6 +136,7 @@ def test_local_engine_and_trainer_agree_on_truncated_logprobs() -> None:
     model = build_model(CFG)
     model.init_weights(0, std=0.3)
     model.eval()
+    set_policy_vocab(model, TOK.vocab_size)  # as the trainer prepares it: 259 of the head's 264 rows
     prompt = TOK.encode("sample me")
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.5, n=3, seed=11)
     engine = Engine(model, TOK, seq_len=64, max_batch_size=4, seed=0, nucleus_logprobs=True).start()

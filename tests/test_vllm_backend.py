@@ -55,7 +55,9 @@ def mismatch_kl(trainer_lp: torch.Tensor, inference_lp: torch.Tensor) -> torch.T
 def trainer_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], **forward: torch.Tensor) -> torch.Tensor:
     ids = torch.tensor(prompt + completion)
     with torch.no_grad():
-        lp, _ = shifted_logprobs(model(ids[None], **forward)[0], ids, temperature=1.0, with_entropy=False)
+        # over the tokenizer's ids: the policy vLLM samples and reports behind arbor's padding mask, as the trainer
+        logits = model(ids[None], **forward)[0, :, :ByteTokenizer().vocab_size]
+        lp, _ = shifted_logprobs(logits, ids, temperature=1.0, with_entropy=False)
     return lp[len(prompt):]
 
 

@@ -92,7 +92,8 @@ class Engine:
         # Loads published directories: checksums verified, bounded by the transport's timeout.
         self.runner = ModelRunner(self.model, seq_len=seq_len, max_batch_size=max_batch_size,
                                   weights=weights if weights is not None else FilesystemTransport(),
-                                  max_loras=max_loras, max_lora_rank=max_lora_rank, keep_hidden=draft_tokens > 0)
+                                  max_loras=max_loras, max_lora_rank=max_lora_rank, keep_hidden=draft_tokens > 0,
+                                  vocab=tokenizer.vocab_size)
         self._inbox = Inbox(seed)
         sampler = Sampler(tokenizer, nucleus_logprobs)
         spec = (SpeculativeDecoder(self.model, self.runner.kv, sampler, draft_tokens=draft_tokens, seq_len=seq_len)

@@ -23,11 +23,13 @@ from arbor.models.lora_peft import arbor_tensors
 from arbor.models.qwen3 import lm_logits
 
 
-def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int) -> PromptLogprobs:
+def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int, vocab: int | None = None) -> PromptLogprobs:
     """vLLM's prompt logprobs from the logits `[L, V]` of every prompt position: None for the first token, then
-    each token's raw logprob `log_softmax(logits)` (temperature 1, the full vocabulary as the trainer scores it)
-    and rank, with the `top` most likely alternatives."""
-    logp = torch.log_softmax(logits[:-1], dim=-1)
+    each token's raw logprob `log_softmax(logits)` at temperature 1 and rank, with the `top` most likely
+    alternatives. The softmax runs over the tokenizer's ids (the first `vocab` columns, None for all), the
+    distribution the engine samples from and the trainer scores; vLLM's prompt logprobs span every row of the
+    head instead (its logits processors do not apply to them)."""
+    logp = torch.log_softmax(logits[:-1, :vocab], dim=-1)
     target = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)
     chosen = logp.gather(1, target[:, None])
     ranks = ((logp > chosen).sum(-1) + 1).tolist()
@@ -46,11 +48,14 @@ class ModelRunner:
     """Runs `model` over `max_batch_size` cache slots of `seq_len` positions; `weights` loads published
     directories (a `FilesystemTransport`: checksums verified, bounded by its timeout); up to `max_loras` LoRA
     adapters of rank up to `max_lora_rank` are served beside the base model. With `keep_hidden` (speculative
-    decoding) each `forward` leaves the decoder's hidden states of its tokens in `last_hidden`."""
+    decoding) each `forward` leaves the decoder's hidden states of its tokens in `last_hidden`. `vocab`: the
+    tokenizer's id count, the ids prompt logprobs are normalised over (None: every row of the head)."""
 
     def __init__(self, model: torch.nn.Module, *, seq_len: int, max_batch_size: int, weights: Any,
-                 max_loras: int = 4, max_lora_rank: int = 64, keep_hidden: bool = False) -> None:
+                 max_loras: int = 4, max_lora_rank: int = 64, keep_hidden: bool = False,
+                 vocab: int | None = None) -> None:
         self.model = model
+        self.vocab = vocab
         self.weights = weights
         self.adapters = AdapterSlots(model, max_loras, max_lora_rank)
         self.keep_hidden = keep_hidden
@@ -72,7 +77,7 @@ class ModelRunner:
                 logits = self.forward(prompt, 0, seqs[0].slot)
             else:  # every position's logits, scored against the next prompt token
                 every = self.forward(prompt, 0, seqs[0].slot, keep=0)
-                req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs)
+                req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs, self.vocab)
                 logits = every[-1:]
         self._record_routes(seqs, 0, len(prompt))
         if len(seqs) > 1:

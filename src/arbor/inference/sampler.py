@@ -7,11 +7,14 @@ above 0) a sampler built with `nucleus_logprobs` reports the truncated, renormal
 (the trainer's `logprobs` module), and its listed alternatives are that distribution's too (-9999 outside the nucleus,
 vLLM's floor for -inf); without it (the library default) both stay the full distribution's.
 
-Padding rows: a model's embedding is often larger than its tokenizer (Qwen3: 151,936 rows, 151,669 tokens; the
+Padding rows: a model's head is often larger than its tokenizer (Qwen3: 151,936 rows, 151,669 tokens; the
 presets: 264 rows, 259 byte-tokenizer ids). Ids from the tokenizer's `vocab_size` upwards decode to nothing and
-were never trained as targets, so they are never drawn or chosen greedily; like top-p (whose nucleus is still
-measured on the whole distribution), this only restricts the choice: the reported logprob and the listed top
-alternatives stay those of the full-vocabulary distribution (or its nucleus) the trainer computes.
+are never training targets, so the policy is a distribution over the tokenizer's ids only: `scaled_logprobs`
+takes the logits of those ids (the padding rows are the trailing columns, so ids are unchanged) and everything
+after it (the draw, the greedy argmax, the top-p nucleus, the reported logprob and the listed alternatives)
+sees that distribution, renormalised over the real ids. It is what vLLM reports behind arbor's padding mask
+(arbor.inference.vllm_logits) and what the trainer scores (its `logprobs` module cuts the head to the same ids),
+so the three agree exactly; a padding id is never drawn, chosen or listed.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import torch
 from arbor.inference.requests import Seq
 
 
-def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(logits / T)` per row in fp32; rows with T = 0 use T = 1 (greedy reports the raw distribution)."""
+def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """`log_softmax(logits[:, :vocab] / T)` per row in fp32 `[B, vocab]` (`vocab`: the tokenizer's id count, None
+    for every column); rows with T = 0 use T = 1 (greedy reports the untempered distribution)."""
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    return torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    return torch.log_softmax(logits[:, :vocab].float() / t[:, None], dim=-1)
 
 
 FLOOR_LOGPROB = -9999.0
@@ -40,23 +44,13 @@ def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     return order[(sorted_p.cumsum(0) - sorted_p) < top_p]
 
 
-def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator, vocab: int | None = None,
-         kept: torch.Tensor | None = None) -> int:
-    """Samples one token id from a row of (temperature-scaled) logprobs, keeping the smallest top-p nucleus
-    (`kept`, when the caller has it already); with `vocab`, only ids below it (the nucleus is still measured on
-    the whole row, then padding rows leave it)."""
-    vocab = logprobs.shape[-1] if vocab is None else vocab
-    real = logprobs[:vocab]
-    # Renormalised in log space: padding rows may hold nearly all the mass, real ids' probabilities underflow.
-    weights = (real - real.logsumexp(-1)).exp() if vocab < logprobs.shape[-1] else real.exp()
+def draw(logprobs: torch.Tensor, top_p: float, generator: torch.Generator, kept: torch.Tensor | None = None) -> int:
+    """Samples one token id from a row of (temperature-scaled) logprobs over the tokenizer's ids, keeping the
+    smallest top-p nucleus (`kept`, when the caller has it already)."""
+    weights = logprobs.exp()
     if top_p >= 1.0:
         return int(torch.multinomial(weights, 1, generator=generator))
-    # Padding rows leave the nucleus; the most likely real id is the first real one in its order, so it survives
-    # if any does.
     nucleus_ids = nucleus(logprobs, top_p) if kept is None else kept
-    nucleus_ids = nucleus_ids[nucleus_ids < vocab]
-    if nucleus_ids.numel() == 0:  # padding rows took the whole nucleus: the most likely real id
-        return int(weights.argmax())
     return int(nucleus_ids[int(torch.multinomial(weights[nucleus_ids], 1, generator=generator))])
 
 
@@ -71,13 +65,13 @@ class Sampler:
         """Report the top-p nucleus' renormalised logprobs (the module docstring)."""
 
     def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int | Sequence[int]) -> None:
-        """Chooses one token per sequence from `logits` `[B, V]` and records it as sampled from `version` (one
-        for all, or one per sequence: each sequence's adapter has its own versions)."""
+        """Chooses one token per sequence from `logits` `[B, V]` (the head's rows; only the tokenizer's ids are
+        read) and records it as sampled from `version` (one for all, or one per sequence: each sequence's adapter
+        has its own versions)."""
         versions = [version] * len(seqs) if isinstance(version, int) else list(version)
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
-        logp = scaled_logprobs(logits, temps)
-        # Only the tokenizer's ids are candidates (padding rows are the trailing columns, so ids are unchanged).
-        greedy = logp[:, :self.vocab_size].argmax(-1).tolist()
+        logp = scaled_logprobs(logits, temps, self.vocab_size)
+        greedy = logp.argmax(-1).tolist()
         k = max(s.req.params.top_logprobs for s in seqs)
         top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
         top_vals = top_vals.tolist() if k else None
@@ -85,13 +79,13 @@ class Sampler:
         for b, s in enumerate(seqs):
             p = s.req.params
             kept = self._kept(s, logp[b])
-            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, self.vocab_size, kept)
+            tok = greedy[b] if s.generator is None else draw(logp[b], p.top_p, s.generator, kept)
             self._append(s, tok, logp[b], versions[b], kept, top_ids[b][:p.top_logprobs] if p.top_logprobs else [],
                          top_vals[b][:p.top_logprobs] if p.top_logprobs else [])
 
     def record(self, s: Seq, tok: int, logprobs: torch.Tensor, version: int) -> None:
         """Appends `tok`, chosen elsewhere (speculative decoding), with its logprob and top alternatives from the
-        target's scaled logprobs `[V]` at its position."""
+        target's scaled logprobs over the tokenizer's ids `[vocab]` (`scaled_logprobs`) at its position."""
         k = s.req.params.top_logprobs
         vals, ids = logprobs.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
         self._append(s, tok, logprobs, version, self._kept(s, logprobs), ids.tolist(), vals.tolist())
@@ -103,7 +97,7 @@ class Sampler:
 
     def _append(self, s: Seq, tok: int, logp: torch.Tensor, version: int, kept: torch.Tensor | None,
                 top_ids: list[int], top_vals: list[float]) -> None:
-        """Records `tok` with its logprob under `logp` `[V]` (renormalised over the nucleus `kept` when reported
+        """Records `tok` with its logprob under `logp` `[vocab]` (renormalised over the nucleus `kept` when reported
         truncated) and its listed alternatives, then checks the stop conditions."""
         s.tokens.append(tok)
         s.versions.append(version)
@@ -118,7 +112,7 @@ class Sampler:
     @staticmethod
     def _record_truncated(s: Seq, logp: torch.Tensor, kept: torch.Tensor, tok: int, top_ids: list[int]) -> None:
         """The token's logprob (and its alternatives') under the nucleus, renormalised: the choice is always in
-        the nucleus (padding rows only leave it)."""
+        the nucleus."""
         log_mass = float(logp[kept].logsumexp(0))
         s.logprobs.append(float(logp[tok]) - log_mass)
         if top_ids:

@@ -1,8 +1,9 @@
 """Sampling parameters of the local engine and their validation (no torch here: the server imports it early).
 
 Logprob convention (shared with the trainer): the logprob reported for a generated token is taken from the
-temperature-scaled distribution `log_softmax(logits / T)`; at T = 0 (greedy) it is `log_softmax(logits)` and
-top_p is ignored. With top_p < 1 the server's engine reports the distribution the token was drawn from, the
+temperature-scaled distribution `log_softmax(logits / T)` over the tokenizer's ids (a head padded past the
+tokenizer has its extra rows left out, arbor.inference.sampler); at T = 0 (greedy) it is `log_softmax(logits)`
+and top_p is ignored. With top_p < 1 the server's engine reports the distribution the token was drawn from, the
 top-p nucleus renormalised (as vLLM's `processed_logprobs`), and the trainer scores the same truncated
 distribution (the trainer's `logprobs` module), so importance ratios compare like with like; an `Engine` built without
 `nucleus_logprobs` (the library default) reports the full distribution's logprob instead.
@@ -53,8 +54,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     """vLLM's `prompt_logprobs`: report each prompt token's logprob (after the first token) with this many
-    alternatives; None reports none. These are the raw model's, `log_softmax(logits)` at temperature 1 whatever
-    the request's temperature (as vLLM's default `logprobs_mode`): a teacher's scores in on-policy distillation."""
+    alternatives; None reports none. These are the raw model's, `log_softmax(logits)` over the tokenizer's ids at
+    temperature 1 whatever the request's temperature (as vLLM's default `logprobs_mode`, which however spans the
+    head's padding rows too): a teacher's scores in on-policy distillation."""
 
     def validate(self) -> None:
         if self.max_tokens < 1:

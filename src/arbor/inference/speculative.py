@@ -5,13 +5,14 @@ with one target forward of `[B, k + 1]` tokens (the newest token and the drafts)
 the drafts and appends one more token, so a sequence gains between 1 and k + 1 tokens per step.
 
 Exactness. Acceptance is the standard speculative-sampling rule against the target's *processed*
-distribution `p` (temperature, top-p nucleus, tokenizer ids only: exactly what `sampler.draw` samples from)
+distribution `p` (the tokenizer's ids only, temperature, top-p nucleus: exactly what `sampler.draw` samples from)
 and the draft's distribution `q` processed the same way: draft d is kept with probability min(1, p(d) / q(d));
 at the first rejection the token is drawn from the residual `max(p - q, 0)` renormalised; when every draft is
 kept one more token is drawn from `p` after the last. Each emitted token is therefore distributed exactly as
 under plain decoding. Greedy requests (temperature 0) keep a draft iff it equals the target's argmax, so they
 produce exactly plain decoding's tokens. The logprob recorded for each token is the target's (the convention
-of arbor.inference.sampling), from the verifying forward; its version is the loaded policy's, as today.
+of arbor.inference.sampling: over the tokenizer's ids, as plain decoding reports it), from the verifying
+forward; its version is the loaded policy's, as today.
 
 Caches. Rejected drafts need no rollback: a slot's KV entries are addressed by position and a query attends
 only to positions at or before its own, so entries past the accepted length are never read before the next
@@ -32,25 +33,19 @@ from arbor.inference.sampler import Sampler, scaled_logprobs
 from arbor.models.qwen3 import lm_logits
 
 
-def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float, vocab: int) -> torch.Tensor:
-    """The distribution `sampler.draw` samples from, as probabilities `[..., V]` for rows of scaled logprobs
-    `[..., V]` with their `top_p` (a float, or one per row): ids below `vocab` only, the smallest top-p nucleus
-    (measured on the whole row, then padding ids leave it; the most likely real id if none is left),
-    renormalised."""
-    real = logprobs[..., :vocab]
-    weights = (real - real.logsumexp(-1, keepdim=True)).exp()
+def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+    """The distribution `sampler.draw` samples from, as probabilities `[..., vocab]` for rows of scaled logprobs
+    over the tokenizer's ids `[..., vocab]` (`scaled_logprobs`) with their `top_p` (a float, or one per row):
+    the smallest top-p nucleus, renormalised."""
+    weights = logprobs.exp()
     top_p = torch.as_tensor(top_p, dtype=logprobs.dtype, device=logprobs.device)
     if bool((top_p < 1.0).any()):
-        sorted_p, order = logprobs.exp().sort(dim=-1, descending=True)
+        sorted_p, order = weights.sort(dim=-1, descending=True)
         # Keep a token if the mass strictly before it is below top_p (as `draw`), rows with top_p = 1 whole.
         keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p[..., None]) | (top_p[..., None] >= 1.0)
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)[..., :vocab]
-        empty = ~keep.any(-1, keepdim=True)
-        best = torch.zeros_like(keep).scatter_(-1, weights.argmax(-1, keepdim=True), True)
-        weights = torch.where(keep | (empty & best), weights, torch.zeros_like(weights))
-    out = torch.zeros_like(logprobs)
-    out[..., :vocab] = weights / weights.sum(-1, keepdim=True)
-    return out
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
+    return weights / weights.sum(-1, keepdim=True)
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
@@ -133,12 +128,12 @@ class SpeculativeDecoder:
         hidden = self.model.hidden_states(x, pos, self.kv, slots)
         logits = lm_logits(self.model, hidden, 0).float()
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=self.device)
-        logp = scaled_logprobs(logits.reshape(-1, logits.shape[-1]), temps.repeat_interleave(K + 1))
+        logp = scaled_logprobs(logits.reshape(-1, logits.shape[-1]), temps.repeat_interleave(K + 1),
+                               self.sampler.vocab_size)
         logp = logp.view(len(seqs), K + 1, -1)
-        vocab = self.sampler.vocab_size
-        greedy = logp[:, :, :vocab].argmax(-1).tolist()
+        greedy = logp.argmax(-1).tolist()
         sampled = [b for b, s in enumerate(seqs) if s.generator is not None]
-        p = processed_probs(logp[sampled], self._top_p([seqs[b] for b in sampled])[:, None], vocab) if sampled else None
+        p = processed_probs(logp[sampled], self._top_p([seqs[b] for b in sampled])[:, None]) if sampled else None
         for b, s in enumerate(seqs):
             k = len(drafts[b])
             if s.generator is None:
@@ -190,11 +185,10 @@ class SpeculativeDecoder:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=dev)
         top_p = self._top_p(seqs)
-        vocab = self.sampler.vocab_size
         for i in range(max(budgets)):
-            logp = scaled_logprobs(model.mtp_logits(0, g).float(), temps)
-            greedy = logp[:, :vocab].argmax(-1).tolist()
-            qs = processed_probs(logp, top_p, vocab)
+            logp = scaled_logprobs(model.mtp_logits(0, g).float(), temps, self.sampler.vocab_size)
+            greedy = logp.argmax(-1).tolist()
+            qs = processed_probs(logp, top_p)
             for b in (b for b, s in enumerate(seqs) if i < budgets[b]):
                 s = seqs[b]
                 if s.generator is None:

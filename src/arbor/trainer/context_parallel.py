@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk
+from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk, policy_vocab
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -246,10 +246,10 @@ def packed_logprobs_cp(
         model.aux_valid, model.aux_group = idx < T, ctx.group
     nxt = ids[(idx + 1).clamp(max=Tp - 1)]
     rows = torch.arange(idx.shape[0], device=device)
-    chunk = logprob_chunk(model)
+    chunk, vocab = logprob_chunk(model), policy_vocab(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk, top_p)
+        return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk, top_p, vocab)
 
     picked, ent = model(ids[idx][None], pos[idx][None], None, head_fn=head, **kwargs)
     full = gather_tokens(ctx, picked)  # full[t] = logprob of token t+1

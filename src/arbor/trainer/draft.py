@@ -5,7 +5,8 @@ states), MTP depth d at position i reads the previous depth's hidden state there
 i + d + 1, and is fitted to the policy's next-token distribution at position i + d + 1 (the one that predicts
 token i + d + 2): a top-K KL over K + 1 outcomes, the policy's K most likely tokens and "any other token",
 `sum_k p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)`, with `p` the policy's probabilities
-(detached) and `q` the module's, both over the whole vocabulary at the training temperature. The tail term keeps
+(detached) and `q` the module's, both over the tokenizer's ids (the head's first `policy_vocab` rows, as the
+policy's logprobs, arbor.trainer.logprobs) at the training temperature. The tail term keeps
 the module from piling the policy's whole mass onto its top K: acceptance is 1 - TV(p, q), and a draft fitted to
 a renormalised top K would be over-confident wherever the policy is spread out. Positions count where tokens i + 1 .. i + d + 2 lie on i's own path (the same sample of a packed
 row, descendants of i in a prefix-tree merged row).
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk
+from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk, policy_vocab, real_rows
 from arbor.trainer.parallel import clip_grad_norm
 
 
@@ -73,7 +74,8 @@ def make_draft_fn(subtree_end: torch.Tensor, temperature: float, top_k: int, chu
 def policy_top_k(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, k: int,
                  chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's `k` most likely tokens per row of normalised hidden states `[N, H]`: their probabilities
-    `[N, k]` (fp32, over the whole vocabulary) and ids `[N, k]`, a chunk of rows at a time."""
+    `[N, k]` (fp32, over the head's rows `weight`: the caller cuts it to the tokenizer's ids) and ids `[N, k]`, a
+    chunk of rows at a time."""
     probs, ids = [], []
     for start in range(0, hidden.shape[0], chunk):
         logits = F.linear(hidden[start:start + chunk], weight).float()
@@ -89,7 +91,7 @@ def draft_loss(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, 
                subtree_end: torch.Tensor, temperature: float, top_k: int, chunk: int) -> DraftOut:
     """The top-K KL of every MTP depth against the policy (module docstring), for one row `[1, T]`."""
     h = hidden.detach()
-    weight = model.lm_head.weight.detach()
+    weight = real_rows(model.lm_head.weight.detach(), policy_vocab(model))  # the policy's ids only
     emb_weight = model.model.embed_tokens.weight.detach()
     ids = input_ids[0]
     T = ids.shape[0]

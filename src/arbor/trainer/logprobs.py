@@ -25,8 +25,17 @@ distribution: `log q(x) = log p(x) - log sum_{j in S} p(j)` with S the nucleus o
 (`nucleus_mask`: the most likely tokens until their mass reaches top_p, the rule both engines apply), and its
 gradient flows through the renormalisation. A target outside the trainer's nucleus (the two policies disagree at
 the nucleus' edge) joins its support, S plus the target, so its logprob stays finite: the exact truncated one
-would be -inf, a ratio of 0 that a loss such as CISPO's `A log pi` cannot take. The entropy stays the full
+would be -inf, a ratio of 0 that a loss such as CISPO's `A log pi` cannot take. The entropy stays the untruncated
 distribution's.
+
+The policy is a distribution over the tokenizer's ids only. A model's head often has more rows than its
+tokenizer has ids (Qwen3: 151,936 rows, 151,669 ids; the presets: 264 rows, 259 byte-tokenizer ids); the rows
+from the tokenizer's `vocab_size` up decode to nothing and are never sampled (both inference engines keep off
+them). So every function here takes `vocab`, the number of real ids, and reads only the head's first `vocab`
+rows: the softmax, the nucleus and the entropy are over the real ids, exactly the distribution the engines
+sample from and report, and the padding rows' gradients are exactly 0 (were they in the softmax, nothing would
+ever push their mass down, since they are never sampled). `vocab = 0`, or one covering every row, is the whole
+head, unchanged. The trainer records it on the model once (`policy_vocab`).
 """
 
 from __future__ import annotations
@@ -47,6 +56,23 @@ def logprob_chunk(model: torch.nn.Module) -> int:
     """Rows per chunk for `model`'s logprobs: `trainer.logprob_chunk_tokens` as `parallelize` set it on the
     model (`_arbor_logprob_chunk`), 0 (the default from V) on a model the trainer did not prepare."""
     return getattr(model, "_arbor_logprob_chunk", 0)
+
+
+def set_policy_vocab(model: torch.nn.Module, vocab: int) -> None:
+    """Records on `model` the ids its policy spans, its tokenizer's `vocab_size` (`parallelize` and the SFT
+    trainer call it once, when they prepare the model)."""
+    model._arbor_vocab = vocab
+
+
+def policy_vocab(model: torch.nn.Module) -> int:
+    """The head rows `model`'s policy spans (`set_policy_vocab`), 0 (every row) on a model the trainer did not
+    prepare."""
+    return getattr(model, "_arbor_vocab", 0)
+
+
+def real_rows(weight: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The head `weight [V, H]`'s first `vocab` rows (a view), or the whole head when `vocab` is 0 or covers it."""
+    return weight[:vocab] if 0 < vocab < weight.shape[0] else weight
 
 
 def effective_top_p(temperature: float, top_p: float) -> float:
@@ -84,15 +110,16 @@ def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) 
 
 
 class VocabChunkedLogprobs(torch.autograd.Function):
-    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy, top_p)` ->
-    `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`,
-    renormalised over the row's nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty
-    unless `with_entropy`. `hidden` and `weight` share a dtype (autocast is applied by the caller, see
+    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy, top_p, vocab)` ->
+    `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`
+    with `W` the head's first `vocab` rows (`real_rows`; the other rows' gradient is 0), renormalised over the
+    row's nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty unless `with_entropy`. `hidden` and `weight` share a dtype (autocast is applied by the caller, see
     `chunked_token_logprobs`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy, top_p=1.0):
-        ctx.temperature, ctx.chunk, ctx.top_p = temperature, chunk, top_p
+    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy, top_p=1.0, vocab=0):
+        ctx.temperature, ctx.chunk, ctx.top_p, ctx.vocab = temperature, chunk, top_p, vocab
+        head = real_rows(weight, vocab)
         order, bounds = _pairs_by_chunk(rows, hidden.shape[0], chunk)
         out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
         # with a nucleus: per pair, log of the nucleus' share of its support, and whether the target is outside
@@ -101,7 +128,7 @@ class VocabChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, hidden.shape[0], chunk)):
-                logp = _chunk_logp(hidden[start: start + chunk], weight, temperature)
+                logp = _chunk_logp(hidden[start: start + chunk], head, temperature)
                 mine = order[bounds[i]: bounds[i + 1]]
                 if top_p < 1:
                     out[mine], shift[mine], outside[mine] = _nucleus_pairs(
@@ -142,11 +169,13 @@ class VocabChunkedLogprobs(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        head = real_rows(weight, ctx.vocab)
+        grad_head = None if grad_w is None else grad_w[:head.shape[0]]  # a view: padding rows keep 0
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, live.shape[0], chunk)):
                 idx = live[start: start + chunk]
                 h = hidden[idx]
-                logp = _chunk_logp(h, weight, temperature)
+                logp = _chunk_logp(h, head, temperature)
                 if top_p < 1:  # the softmax over the nucleus
                     nuc = nucleus_mask(logp, top_p)
                     logp = torch.where(nuc, logp, torch.full_like(logp, -torch.inf)).log_softmax(-1)
@@ -158,14 +187,14 @@ class VocabChunkedLogprobs(torch.autograd.Function):
                     grad.div_(temperature)
                 grad = grad.to(hidden.dtype)
                 if need_h:
-                    grad_h[idx] = grad.mm(weight)
+                    grad_h[idx] = grad.mm(head)
                 if need_w and acc == weight.dtype:
-                    grad_w.addmm_(grad.t(), h)
+                    grad_head.addmm_(grad.t(), h)
                 elif need_w:  # a low-precision head: each chunk's product is summed in fp32
-                    grad_w += grad.t().mm(h)
+                    grad_head += grad.t().mm(h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _pairs_by_chunk(rows: torch.Tensor, n_rows: int, chunk: int) -> tuple[torch.Tensor, list[int]]:
@@ -186,10 +215,11 @@ def chunked_token_logprobs(
     with_entropy: bool = True,
     chunk: int = 0,
     top_p: float = 1.0,
+    vocab: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head applied to `hidden [N, H]` rows
-    `rows` (renormalised over each row's top-p nucleus when `top_p < 1` and the temperature is above 0);
-    `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's matmuls run in the autocast
+    """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head's first `vocab` rows (0: all of
+    them) applied to `hidden [N, H]` rows `rows` (renormalised over each row's top-p nucleus when `top_p < 1`
+    and the temperature is above 0); `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's matmuls run in the autocast
     dtype, as `nn.Linear` would; the casts are outside the function so autograd carries their gradients."""
     dtype = weight.dtype
     if torch.is_autocast_enabled(hidden.device.type):
@@ -198,7 +228,7 @@ def chunked_token_logprobs(
     rows, targets = rows.to(hidden.device, torch.long), targets.to(hidden.device, torch.long)
     logprobs, entropy = VocabChunkedLogprobs.apply(
         hidden.to(dtype), weight.to(dtype), rows, targets, temperature, chunk, with_entropy,
-        effective_top_p(temperature, top_p),
+        effective_top_p(temperature, top_p), vocab,
     )
     return logprobs, entropy if with_entropy else None
 
@@ -206,25 +236,27 @@ def chunked_token_logprobs(
 def chunked_extra_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
     extra_ids: torch.Tensor | None, temperature: float, with_entropy: bool = True, chunk: int = 0,
-    top_p: float = 1.0,
+    top_p: float = 1.0, vocab: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`chunked_token_logprobs` plus, with `extra_ids [K, k]`, the logprobs `[K, k]` of those ids under each
     pair's row (pair j's row read at `extra_ids[j]` as well as at `targets[j]`), in the same chunked pass."""
     if extra_ids is None:
-        return (*chunked_token_logprobs(hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p), None)
+        return (*chunked_token_logprobs(hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p, vocab),
+                None)
     n, k = rows.shape[0], extra_ids.shape[1]
     rows = rows.to(hidden.device, torch.long)
     all_rows = torch.cat([rows, rows.repeat_interleave(k)])
     extra = extra_ids.to(hidden.device, torch.long).reshape(-1)
     all_targets = torch.cat([targets.to(hidden.device, torch.long), extra])
     lp, entropy = chunked_token_logprobs(hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk,
-                                         top_p)
+                                         top_p, vocab)
     return lp[:n], entropy, lp[n:].view(n, k)
 
 
 def shifted_chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, temperature: float,
     with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0, extra_ids: torch.Tensor | None = None,
+    vocab: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """`shifted_logprobs` from hidden states `[T, H]` and the head weight: per-token logprobs `[T]` (token t
     scored by row t-1, token 0 gets 0) and, optionally, the entropy of the distribution that predicted each.
@@ -233,7 +265,7 @@ def shifted_chunked_logprobs(
     T = hidden.shape[0]
     rows = torch.arange(T - 1, device=hidden.device)
     lp, ent, extra = chunked_extra_logprobs(hidden[:-1], weight, rows, input_ids[1:], None if extra_ids is None
-                                            else extra_ids[1:], temperature, with_entropy, chunk, top_p)
+                                            else extra_ids[1:], temperature, with_entropy, chunk, top_p, vocab)
     logprobs = torch.cat([lp.new_zeros(1), lp])
     entropy = None if ent is None else torch.cat([ent.new_zeros(1), ent])
     if extra is None:

@@ -21,12 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from arbor.config.trainer import ParallelConfig, TrainerConfig
+from arbor.models import build_tokenizer
 from arbor.models.fp8 import apply_fp8
 from arbor.models.lora import apply_lora, load_adapter_into
 from arbor.models.lora_peft import load_adapter
 from arbor.trainer.context_parallel import apply_cp
 from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
 from arbor.trainer.expert_parallel import apply_ep, expert_params, sync_expert_grads
+from arbor.trainer.logprobs import set_policy_vocab
 
 
 def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
@@ -174,10 +176,12 @@ def parallelize(
     4. FSDP2 last: it replaces the remaining parameters with DTensors sharded over dp_shard x cp (HSDP with
        dp_replicate) and registers its hooks around the already-rewritten modules.
     With one rank nothing is sharded and the model stays a plain module. The model also records
-    `trainer.logprob_chunk_tokens` for the chunked logprobs (arbor.trainer.logprobs).
+    `trainer.logprob_chunk_tokens` and its tokenizer's `vocab_size` (the ids the policy spans, fewer than the
+    head's rows when the head is padded) for the chunked logprobs (arbor.trainer.logprobs).
     """
     pc = config.parallel
     model._arbor_logprob_chunk = config.logprob_chunk_tokens  # read by arbor.trainer.logprobs.logprob_chunk
+    set_policy_vocab(model, build_tokenizer(config.model).vocab_size)
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
     apply_fp8(model, config.model)
     if config.model.lora is not None:  # after the FP8 swap: the adapter wraps the FP8 forward

@@ -31,7 +31,7 @@ from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
-from arbor.trainer.logprobs import logprob_chunk
+from arbor.trainer.logprobs import logprob_chunk, set_policy_vocab
 from arbor.trainer.sft import Example, batches, load_examples
 from arbor.trainer.step import packed_logprobs
 
@@ -61,6 +61,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     examples = load_examples(cfg, tokenizer)
     beat("building the model")
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
+    set_policy_vocab(model, tokenizer.vocab_size)  # as `parallelize` does for RL training
     apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
     lora = cfg.model.lora if cfg.adapter else None
     if lora is not None:  # after the FP8 swap, as the RL trainer does (arbor.trainer.parallel)

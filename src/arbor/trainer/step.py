@@ -4,8 +4,9 @@ functions, so what is measured is what trains.
 
 Logprobs never materialise `[T, V]` logits: the model's forward hands its final hidden states and lm_head weight
 to arbor.trainer.logprobs, which applies the head a chunk of tokens at a time with an exact custom backward
-(chunk: `trainer.logprob_chunk_tokens`, set on the model by `parallelize`). `shifted_logprobs` is the
-full-logits reference it equals.
+(chunk: `trainer.logprob_chunk_tokens`, set on the model by `parallelize`) and over the tokenizer's ids only
+(the head's first `policy_vocab(model)` rows, also set by `parallelize`). `shifted_logprobs` is the
+full-logits reference it equals (given logits cut to those ids).
 
 Prefix-tree merged rows (their wire format is arbor.transport.batch's) forward the trie's nodes once under
 their tree mask and unmerge: each original sample token's logprob is read from the distribution of the node
@@ -35,7 +36,7 @@ from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
 from arbor.trainer.logprobs import (chunked_extra_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
-                                    shifted_chunked_logprobs)
+                                    policy_vocab, shifted_chunked_logprobs)
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
 
@@ -95,11 +96,11 @@ def packed_logprobs(
                                   routed_experts, top_p)
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
-    chunk = logprob_chunk(model)
+    chunk, vocab = logprob_chunk(model), policy_vocab(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p,
-                                        extra_ids)
+                                        extra_ids, vocab)
 
     return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head)
 
@@ -145,11 +146,11 @@ def tree_logprobs(
     nodes = mb.token_nodes.to(device, torch.long)
     input_ids = mb.input_ids.to(device)
     predictors = mb.predictor_nodes().to(device)
-    chunk = logprob_chunk(model)
+    chunk, vocab = logprob_chunk(model), policy_vocab(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return unmerged_logprobs(hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk,
-                                 top_p, extra_ids)
+                                 top_p, extra_ids, vocab)
 
     moe = hasattr(model, "aux_valid")
     if moe:
@@ -164,17 +165,17 @@ def tree_logprobs(
 def unmerged_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, token_nodes: torch.Tensor,
     predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0,
-    extra_ids: torch.Tensor | None = None,
+    extra_ids: torch.Tensor | None = None, vocab: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` applied
-    to the node hidden states `[M, H]` (0 where predictors[t] < 0), and with `extra_ids [N, k]` the logprobs
+    """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` (its
+    first `vocab` rows, arbor.trainer.logprobs) applied to the node hidden states `[M, H]` (0 where predictors[t] < 0), and with `extra_ids [N, k]` the logprobs
     `[N, k]` of those ids under the same node. Each node's distribution is normalised once, chunk by chunk
     (arbor.trainer.logprobs), then read by every sample token it predicts, so a node shared by many samples
     costs one row of the vocabulary, not one per sample."""
     has = predictors >= 0
     src = predictors.clamp(min=0)
     picked, ent, extra = chunked_extra_logprobs(hidden, weight, src, input_ids[token_nodes], extra_ids, temperature,
-                                                with_entropy, chunk, top_p)
+                                                with_entropy, chunk, top_p, vocab)
     zero = torch.zeros_like(picked)
     logprobs = torch.where(has, picked, zero)
     entropy = None if ent is None else torch.where(has, ent[src], zero)
