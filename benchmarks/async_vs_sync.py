@@ -60,8 +60,9 @@ the environment. Unless `--median-s` is given, two short sync calibration runs (
 environment's `median_s`) measure the trainer's time per step (compute and publish) and fit the orchestrator's
 generation time per step as the fleet's fixed share plus the environment's, proportional to `median_s`; the
 latency scale is set so that generation takes about as long as training (refined by up to
-`--calibration-checks` short runs, interpolating between the measured points, until generation is within `--balance` of training, since
-stragglers make generation time non-linear in `median_s`), and both arms then run with that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
+`--calibration-checks` short runs, interpolating between the measured points, until generation is within
+`--balance` of training, since stragglers make generation time non-linear in `median_s`), and both arms then run
+with that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
 its orchestrator for weights (`weights_wait_s`, median per step): an async arm that overlaps has a trainer that
 rarely waits.
 
@@ -172,7 +173,8 @@ def calibrate(root: Path, a: argparse.Namespace) -> float:
     points = [(0.0, fixed), (median, measured[1]["generate_s"])]
     for i in range(a.calibration_checks):
         args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=chosen)})
-        res = run(root / f"calibration_check{i}", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1)
+        res = run(root / f"calibration_check{i}", a.calibration_steps, "sync",
+                  shared_args(args) + arm_args("sync", a), 1)
         gen, train = res["generate_s"], res["train_s"]
         print(f"calibration check at median_s {chosen:.4f}: training {train:.3f}s, generation {gen:.3f}s per step",
               flush=True)

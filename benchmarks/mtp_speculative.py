@@ -154,7 +154,8 @@ def main() -> None:
         "frozen_acceptance": [round(x, 3) for x in ends["frozen"]],
         "acceptance_at_speed": round(statistics.mean(acceptance), 3),
         "decode_tokens_per_s": {"plain": round(plain, 1), "speculative": round(spec, 1)},
-        "model": args.model, "steps": args.steps, "sft_steps": args.sft_steps, "draft_tokens": args.draft_tokens, "batch": args.batch,
+        "model": args.model, "steps": args.steps, "sft_steps": args.sft_steps, "draft_tokens": args.draft_tokens,
+        "batch": args.batch,
     }))
 
 

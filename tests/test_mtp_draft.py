@@ -4,18 +4,24 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
+from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
+from arbor.config.sft import SFTConfig
 from arbor.config.trainer import DraftConfig, LossConfig
-from arbor.models import build_model, model_args
+from arbor.models import build_model, build_tokenizer, model_args
 from arbor.models.attention import position_ids_for, subtree_end_for
-from arbor.models.hf import load_weights, save_checkpoint_dir
+from arbor.models.hf import load_weights, read_safetensors_dir, save_checkpoint_dir
 from arbor.models.mtp import mtp_from_hf, mtp_to_hf
 from arbor.trainer.draft import draft_loss, make_draft_fn, path_steps
 from arbor.trainer.loss import ppo_clip
+from arbor.trainer.sft import load_examples
+from arbor.trainer.sft import main as sft_main
+from arbor.trainer.sft_train import pack
 from arbor.trainer.step import packed_logprobs, train_step
 from arbor.transport.batch import MicroBatch, StepBatch
 
@@ -157,16 +163,6 @@ def test_sft_warm_up_fits_the_drafts_and_rl_loads_them(tmp_path):
     (a model built from that directory) finds it instead of re-initialising it: on the fine-tuned policy its
     draft KL is well below that of the module as built (`--draft.enabled false`, whose policy training is the
     same)."""
-    import json
-
-    from arbor.config.environment import EnvironmentConfig
-    from arbor.config.sft import SFTConfig
-    from arbor.models import build_tokenizer
-    from arbor.models.hf import read_safetensors_dir
-    from arbor.trainer.sft import load_examples
-    from arbor.trainer.sft import main as sft_main
-    from arbor.trainer.sft_train import pack
-
     common = ["--model.name", "qwen3-test-mtp", "--steps", "30", "--batch-size", "8", "--lr", "3e-3",
               "--num-threads", "1", "--environment.args", "{num_tasks = 200}"]
     losses = {}

@@ -92,9 +92,9 @@ class RLConfig(Config):
     """The inference server."""
     teacher: InferenceConfig | None = None
     """On-policy distillation: a teacher inference server `rl` launches (arbor's local engine, or vLLM behind
-    arbor's proxy with `backend = "vllm"`, with its own `model` and settings; seq_len defaults to the run's + 1) and points `orchestrator.teacher.url` at. Leave it out to use
-    a running server (arbor's `inference`, or `vllm serve`) named by `orchestrator.teacher.url` instead. The
-    teacher must share the policy's tokenizer."""
+    arbor's proxy with `backend = "vllm"`, with its own `model` and settings; seq_len defaults to the run's + 1)
+    and points `orchestrator.teacher.url` at. Leave it out to use a running server (arbor's `inference`, or
+    `vllm serve`) named by `orchestrator.teacher.url` instead. The teacher must share the policy's tokenizer."""
     sft: SFTConfig = SFTConfig()
     """Optional SFT warm-up run before RL (`steps = 0` skips it)."""
     wandb: WandbConfig | None = None

@@ -113,8 +113,8 @@ class VocabChunkedLogprobs(torch.autograd.Function):
     """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy, top_p, vocab)` ->
     `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`
     with `W` the head's first `vocab` rows (`real_rows`; the other rows' gradient is 0), renormalised over the
-    row's nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty unless `with_entropy`. `hidden` and `weight` share a dtype (autocast is applied by the caller, see
-    `chunked_token_logprobs`)."""
+    row's nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty unless `with_entropy`.
+    `hidden` and `weight` share a dtype (autocast is applied by the caller, see `chunked_token_logprobs`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy, top_p=1.0, vocab=0):
@@ -219,8 +219,8 @@ def chunked_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head's first `vocab` rows (0: all of
     them) applied to `hidden [N, H]` rows `rows` (renormalised over each row's top-p nucleus when `top_p < 1`
-    and the temperature is above 0); `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's matmuls run in the autocast
-    dtype, as `nn.Linear` would; the casts are outside the function so autograd carries their gradients."""
+    and the temperature is above 0); `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's
+    matmuls run in the autocast dtype, as `nn.Linear` would; the casts are outside the function so autograd carries their gradients."""
     dtype = weight.dtype
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
