@@ -144,7 +144,9 @@ def test_trainer_publishes_adapters_and_checkpoints_adapters_only(tmp_path: Path
 def test_two_rank_fsdp_lora_step_matches_one_rank(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     write_rollouts({1: one, 2: two}, steps=2)
-    lora = ["--model.lora.rank", "4", "--model.lora.alpha", "8.0"]
+    # every projection and the head (root group: gathered around the forward that reads its effective weight)
+    targets = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]'
+    lora = ["--model.lora.rank", "4", "--model.lora.alpha", "8.0", "--model.lora.target-modules", targets]
     assert trainer_main(trainer_args(one, 2, *lora)) == 0
     run_torchrun(2, trainer_args(two, 2, *lora, "--parallel.nproc", "2"))
     for r1, r2 in zip(read_metrics(one), read_metrics(two), strict=True):
@@ -154,6 +156,7 @@ def test_two_rank_fsdp_lora_step_matches_one_rank(tmp_path: Path) -> None:
         a = load_file(str(broadcast_dir(one, version) / ADAPTER_WEIGHTS))
         b = load_file(str(broadcast_dir(two, version) / ADAPTER_WEIGHTS))
         assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max().item() <= 1e-5 for k in a)
+        assert any("lm_head.lora_B" in k for k in a)
 
 
 def test_expert_parallel_lora_step_matches_one_rank(tmp_path: Path) -> None:

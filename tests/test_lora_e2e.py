@@ -20,13 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(3600)  # SFT warm-up + 60 RL steps: about 25 minutes on 2 busy cores
 def test_lora_quick_start_learns(tmp_path: Path) -> None:
-    """The reward rises. Measured with the layer's rank 64 at lr 2e-3 (asynchronous RL is not bit-reproducible),
-    first five steps -> last five: +0.164, +0.105, +0.111 (earlier sitting), and with the policy over the tokenizer's
-    ids only (seeds 0-2) +0.029, +0.124, +0.086; 100 steps +0.131, +0.120, +0.094. Issue 18 asks for +0.15, which
-    this layer reaches in some runs only: on this from-scratch preset the adapter leaves the policy's entropy near
-    0.9 nats where full fine-tuning takes it to 0.5 (likely: the head and final norm stay frozen). The end
-    points are noisy, so the assertion is on 10-step windows: the best one is at least 0.05 above the first
-    (0.058 .. 0.121 in every run above)."""
+    """The reward rises and the policy sharpens. Measured with the layer (rank 64, lm_head among the targets, lr
+    1e-3; asynchronous RL is not bit-reproducible), first five steps -> last five, seeds 0-2: +0.254, +0.228,
+    +0.176 (issue 18 asks for +0.15), best 10-step window over the first +0.236, +0.220, +0.166, entropy over the
+    last ten steps 0.2 .. 0.46 nats. Without the head among the targets the adapter learned +0.03 .. +0.16 and
+    left the entropy near 0.9 (the failure this guards against). End points are noisy, so the assertions are on
+    10-step windows and on the entropy."""
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "arbor.launch.rl", "@", "examples/reverse_text/rl.toml",
                           "@", "configs/lora.toml", "--sft.num-threads", "1", "--output-dir", str(out)],
@@ -36,7 +35,8 @@ def test_lora_quick_start_learns(tmp_path: Path) -> None:
     rewards = [r["reward/mean"] for r in rows]
     assert len(rewards) == 60
     windows = [sum(rewards[i:i + 10]) / 10 for i in range(len(rewards) - 9)]
-    assert max(windows) - windows[0] >= 0.05, rewards
+    assert max(windows) - windows[0] >= 0.12, rewards
+    assert min(r["entropy"] for r in rows[-10:]) < 0.7, [round(r["entropy"], 2) for r in rows]
     for step in published_steps(out):  # an adapter, not the model, went out each step
         names = {p.name for p in broadcast_dir(out, step).iterdir()}
         assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= names and "model.safetensors" not in names

@@ -112,21 +112,24 @@ def test_proxy_forwards_adapter_loads_and_tags_tokens_with_the_adapters_version(
     asyncio.run(go())
 
 
-def check_hot_swap(url: str, tmp_path: Path, tol: float) -> None:
+def check_hot_swap(url: str, tmp_path: Path, tol: float, targets: list[str] | None = None,
+                   adapter: str = "run") -> None:
     """Loads two versions of an adapter by name into the server at `url`; each serves the logprobs of the merged
-    model (within `tol`) and tags its tokens with its version and the adapter's name."""
+    model (within `tol`; with an adapter on the tied head, which cannot be merged, of the adapted model itself)
+    and tags its tokens with its version and the adapter's name."""
     name = VLLM_MODEL
     vocab = build_tokenizer(ModelConfig(name=name)).vocab_size
     for version in (1, 2):
-        model, path = random_adapter(name, tmp_path / f"v{version}", seed=version, rank=8)
-        load = {"lora_name": "run", "lora_path": str(path), "load_inplace": True, "version": version}
+        model, path = random_adapter(name, tmp_path / f"v{version}", seed=version, rank=8, targets=targets)
+        load = {"lora_name": adapter, "lora_path": str(path), "load_inplace": True, "version": version}
         assert post_json(url, "/v1/load_lora_adapter", load)["version"] == version
-        out = post_json(url, "/v1/completions", {"model": "run", "prompt": PROMPT, "max_tokens": 8,
+        out = post_json(url, "/v1/completions", {"model": adapter, "prompt": PROMPT, "max_tokens": 8,
                                                   "temperature": 0, "logprobs": 0, "return_token_ids": True})
         (c,) = out["choices"]
-        assert c["adapter"] == "run" and c["policy_versions"] == [version] * len(c["token_ids"])
+        assert c["adapter"] == adapter and c["policy_versions"] == [version] * len(c["token_ids"])
         with torch.no_grad():
-            logits = merged(name, model)(torch.tensor([PROMPT + c["token_ids"]]))[0].float()
+            reference = model if targets and "lm_head" in targets else merged(name, model)
+            logits = reference(torch.tensor([PROMPT + c["token_ids"]]))[0].float()
         # vLLM's processed logprobs are renormalised over the tokenizer's ids: the adapter masks the head's padding
         # rows (arbor.inference.vllm_logits)
         logp = torch.log_softmax(logits[..., :vocab], -1)
@@ -154,3 +157,11 @@ def vllm_lora_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_vllm_cpu_hot_swaps_adapters_with_merged_model_logprobs(vllm_lora_url: str, tmp_path: Path) -> None:
     """vLLM's CPU build serves adapters loaded at run time, in fp32: the merged model's logprobs, swapped by name."""
     check_hot_swap(vllm_lora_url, tmp_path, 1e-4)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_vllm_cpu_serves_an_adapter_on_the_tied_head(vllm_lora_url: str, tmp_path: Path) -> None:
+    """An adapter with `lm_head` among its targets (the head's weight tied to the embeddings, as on the presets):
+    vLLM applies it to the output projection only, as arbor's trainer and engine do."""
+    check_hot_swap(vllm_lora_url, tmp_path, 1e-4, targets=["q_proj", "down_proj", "lm_head"], adapter="head")

@@ -227,7 +227,7 @@ class AdapterSlots:
                 out_f, in_f = expert_shapes(module)[proj]
                 want_a, want_b = (module.num_experts, a.shape[-2], in_f), (module.num_experts, out_f, a.shape[-2])
             else:
-                if not isinstance(module, nn.Linear) or path == "lm_head":
+                if not isinstance(module, nn.Linear):
                     raise AdapterError(f"adapter targets {path}, which is not a linear layer of the model")
                 want_a, want_b = (a.shape[-2], module.in_features), (module.out_features, a.shape[-2])
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b or a.shape[-2] > self.max_rank:

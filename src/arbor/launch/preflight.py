@@ -63,6 +63,7 @@ def run_checks(cfg: RLConfig) -> list[str]:
     model_here = not (cluster and is_hub_id(cfg.model.name) and cached_config(cfg.model.name) is None)
     if model_here:
         check_model_files(cfg.model)
+        check_lora_head(cfg)
     else:
         skipped.append(f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
                        "this machine's Hugging Face cache (the job's nodes fetch it; nothing is downloaded here)")
@@ -154,6 +155,19 @@ def check_model_files(model: ModelConfig) -> None:
         raise PreflightError(f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)")
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
+
+
+def check_lora_head(cfg: RLConfig) -> None:
+    """The SFT warm-up with `sft.adapter` merges its adapter into the base RL starts from, which an adapter on a
+    head tied to the embeddings cannot be (arbor.models.lora.check_mergeable, read here from the model's args)."""
+    lora = cfg.model.lora
+    if lora is None or "lm_head" not in lora.target_modules or not (cfg.sft.steps and cfg.sft.adapter):
+        return
+    args = PRESETS.get(cfg.model.name) or ModelArgs.from_dir(_resolve(cfg.model.name, "model.name"))
+    if args.tie_word_embeddings:
+        raise PreflightError(f"model.lora.target_modules has lm_head, whose weight {cfg.model.name} ties to its "
+                             "embeddings, and sft.adapter = true merges the warm-up's adapter into the base, which "
+                             "such an adapter cannot be: set sft.adapter = false or leave lm_head out")
 
 
 def _resolve(name: str, key: str) -> Path:

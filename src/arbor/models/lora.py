@@ -108,8 +108,10 @@ def expert_shapes(experts: GroupedExperts) -> dict[str, tuple[int, int]]:
 
 def lora_targets(model: nn.Module, patterns: list[str]) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
     """Module path -> (module, adapted expert projections; empty for a linear layer) for every target of
-    `patterns` (`matches`). Routers, the head, the embeddings and the MTP draft modules (the base model's drafts:
-    speculative decoding serves the base's requests only) are never targets."""
+    `patterns` (`matches`). The head (`lm_head`) is a target only when a pattern names it exactly: a regular
+    expression never picks it up (PEFT's "all-linear" leaves it out too). Routers, the embeddings and the MTP
+    draft modules (the base model's drafts: speculative decoding serves the base's requests only) are never
+    targets."""
     out: dict[str, tuple[nn.Module, tuple[str, ...]]] = {}
     for path, module in model.named_modules():
         if path == "mtp" or path.startswith("mtp."):
@@ -118,7 +120,10 @@ def lora_targets(model: nn.Module, patterns: list[str]) -> dict[str, tuple[nn.Mo
             projs = tuple(p for p in EXPERT_PROJS if matches(f"{path}.0.{p}_proj", patterns))
             if projs:
                 out[path] = (module, projs)
-        elif isinstance(module, nn.Linear) and path != "lm_head" and matches(path, patterns):
+        elif path == "lm_head":
+            if isinstance(module, nn.Linear) and "lm_head" in patterns:
+                out[path] = (module, ())
+        elif isinstance(module, nn.Linear) and matches(path, patterns):
             out[path] = (module, ())
     return out
 
@@ -177,9 +182,20 @@ def linear_weight(module: nn.Linear) -> torch.Tensor:
     return module.weight if delta is None else module.weight + delta()
 
 
+def check_mergeable(model: nn.Module) -> None:
+    """Raises ValueError when `merged_state` cannot fold the adapters in: an adapter on a head tied to the
+    embeddings changes the output projection only, which one shared weight cannot hold."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, LoRALinearMixin) and head.weight is model.model.embed_tokens.weight:
+        raise ValueError("model.lora.target_modules: an adapter on lm_head cannot be merged into a model whose head "
+                         "is tied to its embeddings (sft.adapter merges it): leave lm_head out, or set "
+                         "sft.adapter = false")
+
+
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every adapter folded into its base weight and the adapters left out: the
     full weights that compute what base + adapter computes."""
+    check_mergeable(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if not is_lora_param(k)}
     with torch.no_grad():
         for path, module in model.named_modules():

@@ -145,13 +145,23 @@ HeadFn = Callable[[torch.Tensor, torch.Tensor], Any]
 weight usable under FSDP2 (the root module's parameters are gathered only around its forward and backward)."""
 
 
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The language-model head's effective weight `[V, H]`: its own, plus `scale * B A` when the trainer gave it
+    a LoRA adapter (arbor.models.lora; an adapter on `lm_head` changes the output projection only, also when the
+    weight is tied to the embeddings). Read by code that takes the weight instead of calling the head; building
+    the `[V, H]` sum costs one copy of the head, against a forward's `[T, V]` logits that are never built."""
+    head = model.lm_head
+    delta = getattr(head, "delta_weight", None)
+    return head.weight if delta is None else head.weight + delta().to(head.weight.dtype)
+
+
 def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int, head_fn: HeadFn | None = None) -> Any:
     """The forward epilogue: final norm and language-model head, on the last `logits_to_keep` positions only
     when it is > 0 (prefill); with `head_fn`, its result instead of logits. `model` has `model.norm` and
     `lm_head` (a bias-free nn.Linear)."""
     x = model.model.norm(x)
     if head_fn is not None:
-        return head_fn(x, model.lm_head.weight)
+        return head_fn(x, head_weight(model))
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return model.lm_head(x)

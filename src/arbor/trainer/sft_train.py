@@ -25,7 +25,7 @@ from arbor.models import build_model, build_tokenizer
 from arbor.models.attention import position_ids_for, subtree_end_for
 from arbor.models.fp8 import apply_fp8
 from arbor.models.hf import save_checkpoint_dir
-from arbor.models.lora import apply_lora, load_adapter_into, lora_parameters, merged_state
+from arbor.models.lora import apply_lora, check_mergeable, load_adapter_into, lora_parameters, merged_state
 from arbor.models.lora_peft import adapter_config, load_adapter, save_adapter
 from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat
@@ -66,6 +66,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     lora = cfg.model.lora if cfg.adapter else None
     if lora is not None:  # after the FP8 swap, as the RL trainer does (arbor.trainer.parallel)
         apply_lora(model, lora, cfg.model.init_seed)
+        check_mergeable(model)  # the end merges the adapter: fail before training, not after
         if lora.path is not None:
             load_adapter_into(model, load_adapter(lora.path)[1], lora.path)
     trains_drafts = cfg.draft.enabled and draft_modules(model) is not None
