@@ -166,6 +166,23 @@ def test_a_reply_without_the_topk_names_the_sample_and_a_refused_k_names_the_fie
     assert str(e.value).endswith("(orchestrator.teacher.top_k = 21)")
 
 
+def test_a_teacher_topk_id_outside_the_students_vocabulary_names_the_sample():
+    """A teacher with another tokenizer ranks ids the student's head has no row for: one line naming the sample,
+    not an index error in the trainer."""
+    r = rollout([5, 6], [7, 8])
+    r.task_id = "t-3"
+
+    async def score(url: str) -> None:
+        async with Teacher(TeacherConfig(url=url, top_k=3, max_retries=0), vocab=100) as teacher:
+            await teacher.score([r])
+
+    with fake_teacher([(200, topk_reply([5, 6, 7, 8], 3))]) as (url, _), \
+            pytest.raises(TeacherError, match=r"^sample of task 't-3' \(group 0\): the teacher's top-k token '102' at "
+                                              r"position 2 is not one of the student's 100 token ids: teacher and "
+                                              r"student must share a tokenizer$"):
+        asyncio.run(score(url))
+
+
 # ---- the trainer's side ----
 
 def topk_step(k: int, prefix_merge: bool) -> StepBatch:

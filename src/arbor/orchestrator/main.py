@@ -88,7 +88,7 @@ class Orchestrator:
         self.figures = StepFigures(cfg, self.env, self.source, self.pool, self.counts, self.env_stats)
         self.buffer: ExperienceBuffer | None = None
         """Opened by `run` when `[orchestrator.buffer]` is on."""
-        self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
+        self.teacher = Teacher(cfg.teacher, self.tokenizer.vocab_size) if cfg.teacher is not None else None
         """On-policy distillation's teacher (arbor.orchestrator.teacher), opened by `run`."""
         self.clock = RunClock(cfg.output_dir, self.start)
         self.stopped_at: int | None = None

@@ -73,9 +73,11 @@ def completion_logprobs(prompt_logprobs: Any, token_ids: list[int], start: int) 
     return out
 
 
-def completion_topk(prompt_logprobs: list[Any], start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def completion_topk(prompt_logprobs: list[Any], start: int, k: int,
+                    vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`[C, k]` ids and logprobs of the entries ranked 1..k at each position from `start` on (a list that
-    `completion_logprobs` has checked); a position without all k is a TeacherError."""
+    `completion_logprobs` has checked); a position without all k, or (with `vocab`, the student's number of
+    token ids) a ranked id outside the student's vocabulary, is a TeacherError."""
     ids = np.zeros((len(prompt_logprobs) - start, k), np.int32)
     lps = np.zeros(ids.shape, np.float32)
     for i in range(start, len(prompt_logprobs)):
@@ -83,7 +85,11 @@ def completion_topk(prompt_logprobs: list[Any], start: int, k: int) -> tuple[np.
         for key, item in prompt_logprobs[i].items():
             rank = item.get("rank") if isinstance(item, dict) else None
             if isinstance(rank, int) and 1 <= rank <= k and isinstance(item.get("logprob"), (int, float)):
-                ranked[rank] = (int(key), float(item["logprob"]))
+                token = int(key) if str(key).isdigit() else -1
+                if token < 0 or (vocab is not None and token >= vocab):
+                    raise TeacherError(f"the teacher's top-k token {key!r} at position {i} is not one of the "
+                                       f"student's {vocab} token ids: teacher and student must share a tokenizer")
+                ranked[rank] = (token, float(item["logprob"]))
         if len(ranked) < k:
             raise TeacherError(f"the teacher's prompt_logprobs hold {len(ranked)} of the top_k = {k} ranked tokens "
                                f"at position {i}")
@@ -94,12 +100,14 @@ def completion_topk(prompt_logprobs: list[Any], start: int, k: int) -> tuple[np.
 class Teacher(InferenceClient):
     """Scores rollouts with the teacher at `cfg.url` (use as an async context manager, like its base)."""
 
-    def __init__(self, cfg: TeacherConfig) -> None:
+    def __init__(self, cfg: TeacherConfig, vocab: int | None = None) -> None:
         if cfg.url is None:
             raise ValueError("orchestrator.teacher.url is not set: give the teacher server's URL (or, under rl, a "
                              "[teacher] section to launch one)")
         super().__init__([cfg.url], cfg.timeout, cfg.max_retries, model=cfg.model or "")
         self.cfg = cfg
+        self.vocab = vocab
+        """The student's number of token ids: teacher top-k ids must fall below it."""
         self._headers = bearer_headers(cfg.api_key)
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self.seconds = 0.0
@@ -139,7 +147,7 @@ class Teacher(InferenceClient):
         plp = choices[0].get("prompt_logprobs")
         scores = TeacherScores(completion_logprobs(plp, ids, len(prompt_ids)))
         if k:
-            scores.topk_ids, scores.topk_logprobs = completion_topk(plp, len(prompt_ids), k)
+            scores.topk_ids, scores.topk_logprobs = completion_topk(plp, len(prompt_ids), k, self.vocab)
         return scores
 
     async def _score(self, r: Rollout) -> None:
