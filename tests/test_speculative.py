@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from arbor.config.model import ModelConfig
 from arbor.inference.engine import Engine
 from arbor.inference.sampling import SamplingParams
 from arbor.inference.server import BackgroundServer
-from arbor.inference.speculative import accept_greedy, accept_sampled, processed_probs
+from arbor.inference.speculative import accept_greedy, accept_sampled, inverse_cdf, processed_probs
 from arbor.models import build_model, build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hf import save_checkpoint_dir
@@ -168,13 +167,16 @@ def test_acceptance_rule_matches_the_target_distribution():
     gen = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(3, VOCAB, generator=gen) * 2, -1)
     q = torch.softmax(torch.randn(2, VOCAB, generator=gen) * 2, -1)
-    first: Counter[int] = Counter()
-    n = 20_000
-    for _ in range(n):
-        drafts = [int(torch.multinomial(q[0], 1, generator=gen)), int(torch.multinomial(q[1], 1, generator=gen))]
-        first[accept_sampled(p, q, drafts, gen)[0]] += 1
-    observed = torch.tensor([first[t] for t in range(VOCAB)], dtype=torch.float64)
+    n = 20_000  # rows of one batched call, each with its own uniforms
+    u = torch.rand(n, 5, generator=gen, dtype=torch.float64)
+    drafts = torch.stack([inverse_cdf(q[j].expand(n, -1), u[:, j]) for j in range(2)], 1)
+    kept, last = accept_sampled(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, torch.full((n,), 2), u)
+    first = torch.where(kept > 0, drafts[:, 0], last)
+    observed = torch.bincount(first, minlength=VOCAB).double()
     assert chi_squared_p(observed, p[0].double() * n) > 0.01
+    # the second emitted token, among rows that kept the first draft, follows p[1]
+    second = torch.where(kept > 1, drafts[:, 1], last)[kept > 0]
+    assert chi_squared_p(torch.bincount(second, minlength=VOCAB).double(), p[1].double() * len(second)) > 0.01
 
 
 def test_greedy_rule_and_processed_probabilities():

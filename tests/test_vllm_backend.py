@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 import torch
 
+from test_orphans import alive
 from vllm_server import post_json, vllm_server
 
 from arbor.config.inference import RouterConfig
@@ -154,11 +155,15 @@ def test_cache_salts_pause_resume_and_chat(server: str) -> None:
     assert chat["prompt_token_ids"] == tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
 
 def test_router_in_front_of_two_vllm_servers_survives_one_killed(server: str, tmp_path: Path) -> None:
     """arbor's router over the module's server and a second one: requests go to both; once the second is killed
-    (proxy and vLLM, SIGKILL) every request still answers (retried on the survivor), the dead one is ejected,
-    and an admin fan-out reports it as unreachable while the survivor takes the call."""
+    (its proxy SIGKILLed, vLLM then dies with it) every request still answers (retried on the survivor), the dead
+    one is ejected, and an admin fan-out reports it as unreachable while the survivor takes the call."""
     body = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0.0, "logprobs": 0}
     procs: list = []
     with vllm_server(tmp_path, MODEL, SEQ_LEN, procs=procs) as second:
@@ -172,6 +177,8 @@ def test_router_in_front_of_two_vllm_servers_survives_one_killed(server: str, tm
                         async with s.post(url + "/v1/completions", json=body) as r:
                             assert r.status == 200 and len((await r.json())["choices"][0]["token_ids"]) == 6
                     assert [b.requests for b in router.backends] == [2, 2]
+                    vllm_pids = children(procs[0].pid)  # vLLM's server: its own session, out of the group
+                    assert vllm_pids
                     os.killpg(procs[0].pid, signal.SIGKILL)
                     procs[0].wait(timeout=60)
                     for _ in range(4):
@@ -183,6 +190,10 @@ def test_router_in_front_of_two_vllm_servers_survives_one_killed(server: str, tm
                         results = (await r.json())["results"]
                     assert results[router.backends[0].url]["status"] == 200
                     assert results[router.backends[1].url]["status"] != 200
+                    deadline = time.monotonic() + 120  # vLLM dies with its proxy (arbor.orphans)
+                    while any(alive(p) for p in vllm_pids) and time.monotonic() < deadline:
+                        await asyncio.sleep(0.5)
+                    assert not any(alive(p) for p in vllm_pids)
             finally:
                 await runner.cleanup()
 

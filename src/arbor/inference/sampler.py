@@ -87,7 +87,10 @@ class Sampler:
         """Appends `tok`, chosen elsewhere (speculative decoding), with its logprob and top alternatives from the
         target's scaled logprobs over the tokenizer's ids `[vocab]` (`scaled_logprobs`) at its position."""
         k = s.req.params.top_logprobs
-        vals, ids = logprobs.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        if not k:  # the common case, without building empty tensors per token
+            self._append(s, tok, logprobs, version, self._kept(s, logprobs), [], [])
+            return
+        vals, ids = logprobs.topk(k)
         self._append(s, tok, logprobs, version, self._kept(s, logprobs), ids.tolist(), vals.tolist())
 
     def _kept(self, s: Seq, logp: torch.Tensor) -> torch.Tensor | None:

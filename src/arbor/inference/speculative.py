@@ -48,28 +48,36 @@ def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float) -> torc
     return weights / weights.sum(-1, keepdim=True)
 
 
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
-    """Speculative sampling: target probabilities `p [k + 1, V]`, draft probabilities `q [k, V]` that `drafts`
-    were drawn from; returns the accepted drafts and one token drawn from the residual or, all accepted, from
-    `p[k]`. Every returned token is distributed as a draw from `p` at its position."""
-    out: list[int] = []
-    if drafts:  # one uniform per draft, drawn at once (independent of everything else, so still exact)
-        rows = torch.arange(len(drafts), device=p.device)
-        ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
-        u = torch.rand(len(drafts), generator=generator, device=p.device)
-        # u < p/q without dividing (q > 0 at each draft: it was drawn from q)
-        keep = (u * q[rows, ids] < p[rows, ids]).tolist()
-    for j, d in enumerate(drafts):
-        if keep[j]:
-            out.append(d)
-            continue
-        residual = (p[j] - q[j]).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual's mass is nil, p itself
-            residual = p[j]
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
-    return out
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row of `probs` `[R, V]` from uniforms `u` `[R]` in [0, 1) (float64): the first id whose
+    cumulative probability exceeds u times the row's total, so an id of probability 0 is never drawn."""
+    c = probs.double().cumsum(-1)
+    return torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor,
+                   u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for R rows at once: target probabilities `p [R, K + 1, V]`, draft probabilities
+    `q [R, K, V]` that `drafts [R, K]` were drawn from (row r's first `lens[r]` are real) and uniforms
+    `u [R, 2K + 1]` (float64; draft j is kept iff u[K + j] q(d) < p(d), u[2K] draws the last token). Returns
+    (accepted drafts per row, the one token drawn after them: from the residual max(p - q, 0) at the first
+    rejection, or from p after the last draft when all were kept). Every emitted token is distributed as a draw
+    from p at its position."""
+    R, K = drafts.shape
+    rows = torch.arange(R, device=p.device)
+    n = torch.zeros(R, dtype=torch.long, device=p.device)
+    if K:
+        idx = drafts[..., None]
+        kept = u[:, K:2 * K] * q.gather(-1, idx)[..., 0] < p[:, :K].gather(-1, idx)[..., 0]  # no division: q(d) > 0
+        kept &= torch.arange(K, device=p.device) < lens[:, None]
+        n = kept.long().cumprod(1).sum(1)  # the kept prefix
+    p_n = p[rows, n]
+    if K:
+        residual = (p_n - q[rows, n.clamp_max(K - 1)]).clamp_min(0.0)
+        # p == q up to rounding leaves the residual no mass: p itself then
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
+        p_n = torch.where((n < lens)[:, None], residual, p_n)
+    return n, inverse_cdf(p_n, u[:, 2 * K])
 
 
 def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
@@ -114,8 +122,13 @@ class SpeculativeDecoder:
     def step(self, seqs: list[Seq], version: int, stats: EngineStats) -> None:
         """Drafts, verifies and appends the accepted tokens of every sequence (`sampler.record`)."""
         budgets = [self._budget(s) for s in seqs]
-        drafts, q = self._draft(seqs, budgets)
         K = max(budgets)
+        # Every uniform a sampled row needs this step, in one draw from its own generator (reproducible per
+        # request whatever the batch): K to draw drafts, K to accept them, one for the last token.
+        sampled = [b for b, s in enumerate(seqs) if s.generator is not None]
+        u = torch.stack([torch.rand(2 * K + 1, generator=seqs[b].generator, dtype=torch.float64) for b in sampled]
+                        ) if sampled else None
+        drafts, q = self._draft(seqs, budgets, sampled, u)
         rows_ids, rows_pos = [], []
         for s, d in zip(seqs, drafts):
             ids = [s.tokens[-1]] + d
@@ -131,18 +144,22 @@ class SpeculativeDecoder:
         logp = scaled_logprobs(logits.reshape(-1, logits.shape[-1]), temps.repeat_interleave(K + 1),
                                self.sampler.vocab_size)
         logp = logp.view(len(seqs), K + 1, -1)
-        greedy = logp.argmax(-1).tolist()
-        sampled = [b for b, s in enumerate(seqs) if s.generator is not None]
-        p = processed_probs(logp[sampled], self._top_p([seqs[b] for b in sampled])[:, None]) if sampled else None
+        greedy = logp.argmax(-1).tolist() if len(sampled) < len(seqs) else None
+        kept: dict[int, list[int]] = {}
+        if sampled:
+            p = processed_probs(logp[sampled], self._top_p([seqs[b] for b in sampled])[:, None])
+            lens = torch.tensor([budgets[b] for b in sampled], dtype=torch.long, device=self.device)
+            padded = torch.tensor([drafts[b] + [0] * (K - len(drafts[b])) for b in sampled], dtype=torch.long,
+                                  device=self.device).view(len(sampled), K)
+            n, last = accept_sampled(p, q, padded, lens, u)
+            for b, m, t in zip(sampled, n.tolist(), last.tolist()):
+                kept[b] = drafts[b][:m] + [t]
         for b, s in enumerate(seqs):
             k = len(drafts[b])
-            if s.generator is None:
-                toks = accept_greedy(greedy[b][:k + 1], drafts[b])
-            else:
-                toks = accept_sampled(p[sampled.index(b), :k + 1], q[b], drafts[b], s.generator)
-            start = s.position
+            toks = kept[b] if s.generator is not None else accept_greedy(greedy[b][:k + 1], drafts[b])
+            start, row = s.position, logp[b]
             for j, tok in enumerate(toks):
-                self.sampler.record(s, tok, logp[b, j], version)
+                self.sampler.record(s, tok, row[j], version)
                 if s.finish_reason is not None:
                     break
             stats.draft_tokens += k
@@ -158,9 +175,11 @@ class SpeculativeDecoder:
         left = s.req.params.max_tokens - len(s.tokens) - 1
         return max(0, min(self.k, left, self.seq_len - 1 - s.position))
 
-    def _draft(self, seqs: list[Seq], budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def _draft(self, seqs: list[Seq], budgets: list[int], sampled: list[int],
+               u: torch.Tensor | None) -> tuple[list[list[int]], torch.Tensor | None]:
         """Catch-up of the MTP cache over each sequence's pending positions, then `budgets[b]` drafts per
-        sequence; returns the drafts and, for sampled sequences, their processed probabilities `[k, V]`."""
+        sequence (greedy rows: the argmax; the `sampled` rows: drawn with their uniforms `u[:, i]`); returns the
+        drafts and the sampled rows' processed draft probabilities `[len(sampled), K, V]`."""
         dev, model = self.device, self.model
         N = max(s.spec_pending[1].shape[0] for s in seqs)
         hid, nxt, pos, ns = [], [], [], []
@@ -181,34 +200,35 @@ class SpeculativeDecoder:
         last = torch.tensor(ns, dtype=torch.long, device=dev) - 1  # each row's last real input
         rows = torch.arange(len(seqs), device=dev)
         g, cur_h, cur_id, cur_pos = out[rows, last], inp_h[rows, last], inp_id[rows, last], inp_pos[rows, last]
+        positions = torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev)
         drafts: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        probs: list[torch.Tensor] = []
         temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=dev)
-        top_p = self._top_p(seqs)
-        for i in range(max(budgets)):
+        top_p = self._top_p([seqs[b] for b in sampled])
+        sampled_rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        K = max(budgets)
+        for i in range(K):
             logp = scaled_logprobs(model.mtp_logits(0, g).float(), temps, self.sampler.vocab_size)
-            greedy = logp.argmax(-1).tolist()
-            qs = processed_probs(logp, top_p)
-            for b in (b for b, s in enumerate(seqs) if i < budgets[b]):
-                s = seqs[b]
-                if s.generator is None:
-                    drafts[b].append(greedy[b])
-                else:
-                    drafts[b].append(int(torch.multinomial(qs[b], 1, generator=s.generator)))
-                    probs[b].append(qs[b])
-            if i + 1 >= max(budgets):
-                break
+            choice = logp.argmax(-1)
+            if sampled:
+                qs = processed_probs(logp[sampled_rows], top_p)
+                probs.append(qs)
+                choice[sampled_rows] = inverse_cdf(qs, u[:, i])
+            chosen = choice.tolist()
+            for b in range(len(seqs)):
+                if i < budgets[b]:
+                    drafts[b].append(chosen[b])
             more = [b for b in range(len(seqs)) if i + 1 < budgets[b]]  # the others repeat their last input
             if not more:
                 break
-            idx = torch.tensor(more, dtype=torch.long, device=dev)
-            cur_h = cur_h.clone()
-            cur_h[idx] = g[idx]
-            cur_id = cur_id.clone()
-            cur_id[idx] = torch.tensor([drafts[b][-1] for b in more], dtype=torch.long, device=dev)
-            cur_pos = cur_pos.clone()
-            cur_pos[idx] = torch.tensor([seqs[b].position + i for b in more], dtype=torch.long, device=dev)
+            if len(more) == len(seqs):
+                cur_h, cur_id, cur_pos = g, choice, positions + i
+            else:
+                idx = torch.tensor(more, dtype=torch.long, device=dev)
+                cur_h, cur_id, cur_pos = cur_h.clone(), cur_id.clone(), cur_pos.clone()
+                cur_h[idx], cur_id[idx], cur_pos[idx] = g[idx], choice[idx], positions[idx] + i
             g = model.mtp_hidden(0, cur_h[:, None], cur_id[:, None], cur_pos[:, None], kv_cache=self.kv,
                                  cache_slots=slots)[:, 0]
-        q = [torch.stack(p) if p else None for p in probs]
-        return drafts, q
+        if not sampled:
+            return drafts, None
+        return drafts, torch.stack(probs, 1) if probs else g.new_zeros(len(sampled), 0, self.sampler.vocab_size)

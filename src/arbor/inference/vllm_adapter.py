@@ -74,6 +74,7 @@ from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.inference.vllm_launch import padding_bound, serve_argv, serve_env, vllm_build
 from arbor.inference.vllm_model import model_dir
+from arbor.orphans import die_with_parent
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file
@@ -433,7 +434,10 @@ def run(cfg: InferenceConfig) -> int:
         port = s.getsockname()[1]
     argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None)
     log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
-    proc = subprocess.Popen(argv, env=serve_env(cfg=cfg, cpu=cpu, vocab=vocab), start_new_session=True)
+    # Its own session, so that stopping it reaches vLLM's engine and worker processes; and it dies with this
+    # proxy, so that a proxy killed outright (SIGKILL, OOM) leaves no vLLM holding the accelerator.
+    proc = subprocess.Popen(argv, env=serve_env(cfg=cfg, cpu=cpu, vocab=vocab), start_new_session=True,
+                            preexec_fn=die_with_parent())
     upstream = f"http://127.0.0.1:{port}"
 
     async def main() -> None:

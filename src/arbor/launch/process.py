@@ -1,27 +1,18 @@
 """Child-process supervision for `rl`: per-process logs, one process group each, nothing left behind.
 
 Each child runs in its own session (so torchrun's workers and any helpers are killed with it) and asks the
-kernel to SIGTERM it if the launcher dies (PR_SET_PDEATHSIG), so even a `kill -9` of `rl` leaves no orphan.
+kernel to SIGTERM it if the launcher dies (arbor.orphans), so even a `kill -9` of `rl` leaves no orphan.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the session-kill in stop() still applies
+from arbor.orphans import die_with_parent
 
 
 class Child:
@@ -32,7 +23,7 @@ class Child:
         self.started, self.ended = time.time(), None
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            start_new_session=True, preexec_fn=die_with_parent(),
         )
 
     def poll(self) -> int | None:
