@@ -338,12 +338,21 @@ def test_http_health_metrics_pause_and_errors(tmp_path: Path) -> None:
             ("/v1/chat/completions", {"messages": "hello"}, "messages"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * SEQ_LEN}]}, "messages"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+            # sampling fields the local engine does not implement: refused unless neutral, never silently ignored
+            ("/v1/completions", {"prompt": "x", "top_k": 20}, "top_k"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_p": 0.05}, "min_p"),
+            ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+            ("/v1/completions", {"prompt": "x", "ignore_eos": True}, "ignore_eos"),
+            ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
             ("/update_weights", {"path": str(tmp_path / "nope"), "version": 3}, "path"),
             ("/update_weights", {"path": str(tmp_path)}, "version"),
         ]:
             status, err = http(url + route, bad)
             assert status == 400, (bad, err)
             assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error", (bad, err)
+        neutral = {"top_k": -1, "min_p": 0.0, "presence_penalty": 0, "repetition_penalty": 1.0, "logit_bias": {},
+                   "best_of": 1, "response_format": {"type": "text"}}
+        assert http(url + "/v1/completions", {"prompt": "x", "max_tokens": 2, **neutral})[0] == 200
         assert http(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                    "stream": True})[1]["error"]["message"] == \
             "stream is not supported by the local backend"

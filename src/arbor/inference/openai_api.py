@@ -15,6 +15,16 @@ from arbor.transport.http import BadRequest, get_field
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
 MAX_REQUEST_ID_CHARS = 256
+NEUTRAL_SAMPLING = {
+    "top_k": (-1, 0), "min_p": (0, 0.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "ignore_eos": (False,),
+    "bad_words": ([],), "allowed_token_ids": (), "use_beam_search": (False,), "logits_processors": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "response_format": ({"type": "text"},),
+}
+"""vLLM sampling fields the local engine does not implement (it samples with temperature and top-p only), with
+the values that leave sampling unchanged. Any other value is refused, naming the field: a silently ignored
+field would return samples (and logprobs) of another distribution than the one asked for."""
 
 
 # ---- request parsing ----
@@ -27,6 +37,14 @@ def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, ma
         raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if get_field(body, "stream", (bool,), False):
         raise BadRequest(STREAM_UNSUPPORTED, "stream")
+    if get_field(body, "best_of", (int,), n) != n:
+        raise BadRequest(f"best_of is not supported by the local backend: leave it unset or equal to n ({n})", "best_of")
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            raise BadRequest(f"{name} is not supported by the local backend (it samples with temperature and top_p "
+                             f"only): leave it unset{' or ' + repr(neutral[0]) if neutral else ''}, or serve with "
+                             "the vLLM backend", name)
     return SamplingParams(
         max_tokens=max_tokens, temperature=read_temperature(body, 1.0), top_p=read_top_p(body, 1.0), n=n,
         stop=read_stop(body), seed=read_seed(body), top_logprobs=top_logprobs,
