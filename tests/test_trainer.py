@@ -215,6 +215,13 @@ def test_checkpoint_pruning_leaves_orchestrator_state(tmp_path: Path):
     assert latest_checkpoint(tmp_path) == 4 and latest_checkpoint(tmp_path / "nowhere") is None
 
 
+def test_checkpoint_seconds_are_reported_once_with_the_step_after_the_save(tmp_path: Path):
+    write_rollouts({1: tmp_path}, steps=4)
+    assert trainer_main(trainer_args(tmp_path, 4, "--ckpt.interval", "2")) == 0
+    seconds = [r["time/checkpoint"] for r in read_metrics(tmp_path)]
+    assert seconds[0] == 0 and seconds[1] == 0 and seconds[2] > 0 and seconds[3] == 0  # saved after steps 1 and 3
+
+
 def test_bad_loss_name_fails_fast(tmp_path: Path, capsys):
     assert trainer_main(trainer_args(tmp_path, 1, "--loss.name", "ppo")) == 2
     assert "loss.name: unknown loss 'ppo'" in capsys.readouterr().err

@@ -13,7 +13,8 @@ steps: `trainer.mini_batches` x `trainer.epochs`), `lr`, `tokens/s` (non-padding
 the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
 trainer starved of rollouts; also as `throughput/trainer_wait_frac`, which the orchestrator's concurrency control
 reads), `time/compute`, `time/publish`,
-`time/checkpoint` (of the previous checkpoint), `weights/bytes_moved` (bytes the weight update moved: less than
+`time/checkpoint` (seconds of the checkpoint saved after the previous step; 0 on other steps, so its sum over the
+rows is the run's checkpointing time), `weights/bytes_moved` (bytes the weight update moved: less than
 `weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
 figures (see arbor.trainer.loss; `draft/kl`, the MTP draft modules' top-K KL to the policy, when they are
 trained (arbor.trainer.draft); `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
@@ -121,7 +122,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     clock = RunClock(cfg.output_dir, start)
     if rank == 0:
         stopped_path(cfg.output_dir).unlink(missing_ok=True)  # an earlier attempt's stop is not this one's
-    last_checkpoint_seconds = 0.0  # reported with the step after the checkpoint
+    last_checkpoint_seconds = 0.0  # reported once, with the step after the checkpoint
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
         beat(f"waiting for rollouts step {step}")
@@ -166,6 +167,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 **stamp,
             }
             write_metrics(cfg.output_dir, record)
+            last_checkpoint_seconds = 0.0
             log(rank, f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
                       f"{record['tokens/s']:.0f} tok/s")
         out_of_time = step + 1 < cfg.max_steps and over_budget(cfg, stamp["elapsed_s"])  # the last step ends anyway
