@@ -55,7 +55,10 @@ def test_the_trainer_head_path_trains_the_head_adapter() -> None:
     model = build_model(ModelConfig(name="qwen3-test"))
     apply_lora(model, LoRAConfig(rank=4, target_modules=HEAD_TARGETS), 0)
     ids = torch.tensor([PROMPT + [10, 11, 12]])
-    loss = model(ids, head_fn=lambda h, w: torch.log_softmax(h @ w.T, -1)[0, :-1].gather(-1, ids[0, 1:, None]).sum())
+    def head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the sequence's logprob through the weight
+        return torch.log_softmax(h @ w.T, -1)[0, :-1].gather(-1, ids[0, 1:, None]).sum()
+
+    loss = model(ids, head_fn=head)
     loss.backward()
     grads = {n: p.grad for n, p in lora_parameters(model)}
     assert grads["lm_head.lora_B"].abs().max().item() > 0  # B starts at zero: its gradient is A's projection of x
@@ -101,7 +104,8 @@ def test_a_tied_head_adapter_is_refused_where_it_would_be_merged() -> None:
         check_mergeable(model)
     with pytest.raises(ValueError, match="tied to its embeddings"):
         merged_state(model)
-    args = ["--model.name", "qwen3-test", "--model.lora.target-modules", '["q_proj", "lm_head"]', "--sft.steps", "5"]
+    args = ["--model.name", "qwen3-test", "--model.lora.target-modules", '["q_proj", "lm_head"]',
+            "--sft.steps", "5"]
     with pytest.raises(PreflightError, match="sft.adapter"):
         check_lora_head(load_config(RLConfig, args))
     check_lora_head(load_config(RLConfig, args + ["--sft.adapter", "false"]))  # full-weight warm-up: nothing merged

@@ -11,7 +11,7 @@ prefill, most decodes) takes that slot's matrices directly.
 
 Slots are written by the engine thread only, between forwards: loading a new version of a loaded adapter
 overwrites its slot in place; other adapters' requests keep running. MLA's absorbed `kv_b_proj` is read as a
-weight (arbor.models.lora.linear_weight), which one forward can hold for one slot only: with such a layer
+weight (arbor.models.qwen3.linear_weight), which one forward can hold for one slot only: with such a layer
 adapted the runner decodes rows grouped by slot (`uniform_rows`).
 """
 
@@ -70,7 +70,7 @@ class SlottedLinearMixin:
         return y + delta.reshape(*y.shape)
 
     def lora_weight_delta(self) -> torch.Tensor:
-        """The current slot's `B A` (read by `arbor.models.lora.linear_weight`); all rows must share one slot."""
+        """The current slot's `B A` (read by `arbor.models.qwen3.linear_weight`); all rows must share one slot."""
         s = self.lora_rows.single
         if s is None:
             raise RuntimeError("a layer read as a weight cannot serve rows of different adapters in one forward")

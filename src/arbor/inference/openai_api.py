@@ -38,7 +38,8 @@ def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, ma
     if get_field(body, "stream", (bool,), False):
         raise BadRequest(STREAM_UNSUPPORTED, "stream")
     if get_field(body, "best_of", (int,), n) != n:
-        raise BadRequest(f"best_of is not supported by the local backend: leave it unset or equal to n ({n})", "best_of")
+        raise BadRequest(f"best_of is not supported by the local backend: leave it unset or equal to n ({n})",
+                         "best_of")
     for name, neutral in NEUTRAL_SAMPLING.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in neutral):

@@ -101,9 +101,13 @@ def estimate_run_bytes(cfg: RLConfig) -> int:
     return ckpt + broadcasts + sft
 
 
+def model_args(model: ModelConfig) -> ModelArgs:
+    """The preset's, or the checkpoint's config.json read as arbor reads it."""
+    return PRESETS.get(model.name) or ModelArgs.from_dir(resolve_dir(model.name))
+
+
 def model_params(model: ModelConfig) -> int:
-    args = PRESETS.get(model.name) or ModelArgs.from_dir(resolve_dir(model.name))
-    return args.num_params()
+    return model_args(model).num_params()
 
 
 def check_output_dir(cfg: RLConfig, disk: bool = True) -> None:
@@ -163,8 +167,7 @@ def check_lora_head(cfg: RLConfig) -> None:
     lora = cfg.model.lora
     if lora is None or "lm_head" not in lora.target_modules or not (cfg.sft.steps and cfg.sft.adapter):
         return
-    args = PRESETS.get(cfg.model.name) or ModelArgs.from_dir(_resolve(cfg.model.name, "model.name"))
-    if args.tie_word_embeddings:
+    if model_args(cfg.model).tie_word_embeddings:
         raise PreflightError(f"model.lora.target_modules has lm_head, whose weight {cfg.model.name} ties to its "
                              "embeddings, and sft.adapter = true merges the warm-up's adapter into the base, which "
                              "such an adapter cannot be: set sft.adapter = false or leave lm_head out")

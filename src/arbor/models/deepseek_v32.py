@@ -35,8 +35,7 @@ from torch import nn
 
 from arbor.models.args import DSAArgs
 from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
-from arbor.models.lora import linear_weight
-from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, RotaryEmbedding, apply_rope, embed, lm_logits
+from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, RotaryEmbedding, apply_rope, embed, linear_weight, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:

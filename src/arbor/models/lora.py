@@ -8,7 +8,8 @@ does), so base parameters keep their names and identity and the Hugging Face wei
 - MoE experts (`GroupedExperts`, weights `[E, out, in]`) gain one pair per expert and projection,
   `lora_{gate,up,down}_A [E, r, in]` / `lora_{gate,up,down}_B [E, out, r]`, applied with the same grouped matmul;
 - a layer whose weight is read directly instead of through its forward (MLA's absorbed `kv_b_proj`) reads it
-  through `linear_weight`, which adds the adapter's `B A` product.
+  through `arbor.models.qwen3.linear_weight`, which adds the adapter's `B A` product (so does the head, `lm_head`,
+  when a target names it).
 
 A is drawn from `seed` (PEFT's Kaiming-uniform bound, the same on every rank), B starts at zero, so a fresh
 adapter leaves the model's function unchanged. Every other parameter is frozen (`requires_grad` False): FSDP2
@@ -171,15 +172,6 @@ def is_lora_param(name: str) -> bool:
 def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every adapter, in the model's parameter order."""
     return [(n, p) for n, p in model.named_parameters() if is_lora_param(n)]
-
-
-def linear_weight(module: nn.Linear) -> torch.Tensor:
-    """The layer's effective weight: its own, plus the adapter's `scale * B A` when it has one (for code that
-    reads the weight instead of calling the layer)."""
-    if isinstance(module, LoRALinearMixin):
-        return module.weight + module.delta_weight().to(module.weight.dtype)
-    delta = getattr(module, "lora_weight_delta", None)  # the engine's adapter slots (arbor.inference.adapters)
-    return module.weight if delta is None else module.weight + delta()
 
 
 def check_mergeable(model: nn.Module) -> None:

@@ -145,14 +145,16 @@ HeadFn = Callable[[torch.Tensor, torch.Tensor], Any]
 weight usable under FSDP2 (the root module's parameters are gathered only around its forward and backward)."""
 
 
-def head_weight(model: nn.Module) -> torch.Tensor:
-    """The language-model head's effective weight `[V, H]`: its own, plus `scale * B A` when the trainer gave it
-    a LoRA adapter (arbor.models.lora; an adapter on `lm_head` changes the output projection only, also when the
-    weight is tied to the embeddings). Read by code that takes the weight instead of calling the head; building
-    the `[V, H]` sum costs one copy of the head, against a forward's `[T, V]` logits that are never built."""
-    head = model.lm_head
-    delta = getattr(head, "delta_weight", None)
-    return head.weight if delta is None else head.weight + delta().to(head.weight.dtype)
+def linear_weight(module: nn.Linear) -> torch.Tensor:
+    """The layer's effective weight, for code that reads the weight instead of calling the layer (the trainer's
+    vocabulary-chunked head, MLA's absorbed `kv_b_proj`): its own, plus `scale * B A` of the trainer's LoRA
+    adapter (`delta_weight`, arbor.models.lora) or of the engine's current adapter slot (`lora_weight_delta`,
+    arbor.inference.adapters). Defined here, where every model reads it, by what the layer has rather than its
+    class: the adapter module imports the models. An adapter on `lm_head` changes the output projection only,
+    also when the weight is tied to the embeddings; the `[V, H]` sum costs one copy of the head, against a
+    forward's `[T, V]` logits that are never built."""
+    delta = getattr(module, "delta_weight", None) or getattr(module, "lora_weight_delta", None)
+    return module.weight if delta is None else module.weight + delta().to(module.weight.dtype)
 
 
 def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int, head_fn: HeadFn | None = None) -> Any:
@@ -161,7 +163,7 @@ def lm_logits(model: nn.Module, x: torch.Tensor, logits_to_keep: int, head_fn: H
     `lm_head` (a bias-free nn.Linear)."""
     x = model.model.norm(x)
     if head_fn is not None:
-        return head_fn(x, head_weight(model))
+        return head_fn(x, linear_weight(model.lm_head))
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return model.lm_head(x)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.models.qwen3 import head_weight
+from arbor.models.qwen3 import linear_weight
 from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk, policy_vocab, real_rows
 from arbor.trainer.parallel import clip_grad_norm
 
@@ -92,7 +92,7 @@ def draft_loss(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, 
                subtree_end: torch.Tensor, temperature: float, top_k: int, chunk: int) -> DraftOut:
     """The top-K KL of every MTP depth against the policy (module docstring), for one row `[1, T]`."""
     h = hidden.detach()
-    weight = real_rows(head_weight(model).detach(), policy_vocab(model))  # the policy's ids only
+    weight = real_rows(linear_weight(model.lm_head).detach(), policy_vocab(model))  # the policy's ids only
     emb_weight = model.model.embed_tokens.weight.detach()
     ids = input_ids[0]
     T = ids.shape[0]

@@ -220,7 +220,8 @@ def chunked_token_logprobs(
     """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head's first `vocab` rows (0: all of
     them) applied to `hidden [N, H]` rows `rows` (renormalised over each row's top-p nucleus when `top_p < 1`
     and the temperature is above 0); `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's
-    matmuls run in the autocast dtype, as `nn.Linear` would; the casts are outside the function so autograd carries their gradients."""
+    matmuls run in the autocast dtype, as `nn.Linear` would; the casts are outside the function so autograd
+    carries their gradients."""
     dtype = weight.dtype
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)

@@ -169,9 +169,9 @@ def unmerged_logprobs(
 ) -> tuple[torch.Tensor, ...]:
     """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` (its
     first `vocab` rows, arbor.trainer.logprobs) applied to the node hidden states `[M, H]` (0 where
-    predictors[t] < 0), and with `extra_ids [N, k]` the logprobs `[N, k]` of those ids under the same node. Each node's distribution is normalised once, chunk by chunk
-    (arbor.trainer.logprobs), then read by every sample token it predicts, so a node shared by many samples
-    costs one row of the vocabulary, not one per sample."""
+    predictors[t] < 0), and with `extra_ids [N, k]` the logprobs `[N, k]` of those ids under the same node. Each
+    node's distribution is normalised once, chunk by chunk (arbor.trainer.logprobs), then read by every sample
+    token it predicts, so a node shared by many samples costs one row of the vocabulary, not one per sample."""
     has = predictors >= 0
     src = predictors.clamp(min=0)
     picked, ent, extra = chunked_extra_logprobs(hidden, weight, src, input_ids[token_nodes], extra_ids, temperature,
