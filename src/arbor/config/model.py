@@ -59,8 +59,9 @@ class LoRAConfig(Config):
 
 class ModelConfig(Config):
     name: str = "qwen3-tiny"
-    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small, qwen3-test-mtp, qwen3-tiny-mtp (one MTP draft module), qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse
-    attention: dsa-test, dsa-tiny, dsa-moe-test), a local Hugging Face checkpoint directory, or a Hugging Face hub
+    """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small; with one MTP draft module: qwen3-test-mtp,
+    qwen3-tiny-mtp, qwen3-deep-mtp; qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse attention: dsa-test,
+    dsa-tiny, dsa-moe-test), a local Hugging Face checkpoint directory, or a Hugging Face hub
     id such as "Qwen/Qwen3-4B" (Qwen3, Qwen3-MoE, DeepSeek-V3.2, GLM-5): taken from the Hugging Face cache
     (HF_HOME), downloaded into it by preflight when missing and the hub is reachable (HF_HUB_OFFLINE unset)."""
     tokenizer: str | None = None

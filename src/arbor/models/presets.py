@@ -34,6 +34,13 @@ PRESETS: dict[str, ModelArgs | DSAArgs] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=1024,
         mtp_depth=1,
     ),
+    # ~2.5M parameters, 12 layers and one MTP module: the speculative-decoding benchmark, whose draft (one block)
+    # costs a twelfth of the decoder, nearer real MTP models (one layer beside dozens) than qwen3-tiny-mtp's quarter.
+    "qwen3-deep-mtp": ModelArgs(
+        vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=1024,
+        mtp_depth=1,
+    ),
     # ~0.2M parameters, 4 experts top-2: MoE unit and distributed tests.
     "qwen3-moe-test": ModelArgs(
         vocab_size=BYTE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
