@@ -27,8 +27,15 @@ from the random preset on the idle machine).
 
 Measured on the idle 2-core machine (defaults: qwen3-deep-mtp, SFT 20 steps, 30 RL steps at lr 1e-3, 3 drafts,
 batch 8): online 0.970 -> 0.954 (x0.98), frozen 0.947 -> 0.694 (x0.73); decode 923 -> 1460 tokens/s, median
-paired ratio 1.55x at acceptance 0.926 (a second invocation reading the same runs back: 1.60x). The frozen
-arm's last steps include two where the policy briefly collapsed (below).
+paired ratio 1.55x at acceptance 0.926 (a second invocation reading the same runs back: 1.60x; a fresh third,
+whose frozen arm did not collapse: frozen x0.92, 1.46x). The frozen arm's last steps in the first include two
+where the policy briefly collapsed (below).
+
+Then the MTP cache of the prompt moved into the prefill (arbor.inference.speculative: before, the first decode
+step after a request joined caught the module up over its whole prompt, padding every row of the batch to that
+length, and with the trained policy's short completions, 8-12 tokens, and 64 requests through 8 slots nearly
+every step had a newcomer): the speculative step went from 15.8 to 12.3 ms at batch 8, and the third
+invocation's runs, read back, gave 931 -> 1675 tokens/s, 1.79x at acceptance 0.925.
 
 History, and what it showed:
 - From the random preset (`--sft-steps 0`, qwen3-tiny-mtp, lr 3e-3, the earlier defaults): online 0.930 ->
@@ -38,9 +45,12 @@ History, and what it showed:
   preset does not keep up with it: acceptance ~0.3, decode 0.55x.
 - After the SFT warm-up, lr 3e-3 moved the 12-layer preset's weights by ~5% a step and the policy collapsed now
   and then to near-uniform output for a step or two (entropy 5.5 nats, every completion truncated, reward 0,
-  then back), with or without speculation: a property of this narrow, deep random-init model under Adam's
-  lr-sized steps on a flat reward, not of the drafts (the same happened in a plain-decoding run). lr 1e-3 with a
-  3-step warm-up makes it rarer; it still shows once or twice in 30 steps.
+  then back), with or without speculation (the same happened in a plain-decoding run), so not the drafts. In
+  the collapsed weights the residual stream is dominated by one large activation of layer 0's MLP (norm ~67
+  against the stream's ~8 per channel): the last layers add ~4 to it, against ~34 one step later, and the final
+  norm then leaves little but that one direction, whose logits are nearly flat. A few percent of weight change
+  tips the balance, a property of this narrow 12-layer model under Adam's lr-sized steps on a flat reward. lr
+  1e-3 with a 3-step warm-up makes it rarer; it still shows once or twice in 30 steps.
 
 Last line: `{"benchmark": "mtp_speculative", "value": speedup, "target": 1.5, "ok": ..., ...}`.
 

@@ -15,7 +15,8 @@ from arbor.config.model import ModelConfig
 from arbor.inference.engine import Engine
 from arbor.inference.sampling import SamplingParams
 from arbor.inference.server import BackgroundServer
-from arbor.inference.speculative import accept_greedy, accept_sampled, inverse_cdf, processed_probs
+from arbor.inference.speculative import (SpeculativeDecoder, accept_greedy, accept_sampled, inverse_cdf,
+                                        processed_probs)
 from arbor.models import build_model, build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hf import save_checkpoint_dir
@@ -160,6 +161,47 @@ def test_speculative_decoding_survives_a_weight_update(tmp_path):
         for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
             if versions[j] == v:
                 assert abs(float(logp[2 + j, tok]) - lp) < 1e-5
+
+
+def test_drafts_read_the_mtp_cache_an_uncached_pass_writes(tmp_path, monkeypatch):
+    """Every step's first draft distribution equals the MTP module's over the whole sequence without a cache: the
+    prompt's entries are written in the prefill and copied to each sample's slot (n = 2), a weight update
+    rewrites them. (Exactness cannot see a wrong MTP cache: it costs acceptance, never the distribution.)"""
+    torch.set_num_threads(1)
+    cfg = ModelConfig(name="qwen3-test-mtp")
+    model, tokenizer = build_model(cfg), build_tokenizer(cfg)
+    new = build_model(ModelConfig(name="qwen3-test-mtp", init_seed=4))
+    save_checkpoint_dir(new.state_dict(), new.args, tmp_path)
+    gaps: list[float] = []
+    draft = SpeculativeDecoder._draft
+
+    def checked(self, seqs, budgets, sampled, u):
+        first: list[torch.Tensor] = []
+        head = self.model.mtp_logits
+        monkeypatch.setattr(self.model, "mtp_logits", lambda d, out: first.append(head(d, out)) or first[-1])
+        try:
+            result = draft(self, seqs, budgets, sampled, u)
+        finally:
+            monkeypatch.setattr(self.model, "mtp_logits", head)
+        for b, s in enumerate(seqs):  # the reference: a fresh cache, the sequence from position 0
+            ids = s.req.prompt + s.tokens
+            kv, slot = self.model.make_kv_cache(1, 128), torch.tensor([0])
+            pos = torch.arange(len(ids) - 1)[None]
+            hidden = self.model.hidden_states(torch.tensor([ids[:-1]]), pos, kv, slot)
+            out = self.model.mtp_hidden(0, hidden, torch.tensor([ids[1:]]), pos, kv_cache=kv, cache_slots=slot)
+            gaps.append(float((head(0, out[:, -1])[0] - first[0][b]).abs().max()))
+        return result
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", checked)
+    with Engine(model, tokenizer, seq_len=128, max_batch_size=8, draft_tokens=3) as engine:
+        engine.pause().result(10)
+        futures = [engine.submit(p, SamplingParams(max_tokens=40, temperature=1.0, n=2, seed=i))
+                   for i, p in enumerate([[5, 6, 7], [72, 101, 108, 108, 111, 32, 33]])]
+        engine.resume().result(10)
+        engine.update_weights(tmp_path, 1).result(60)
+        outs = [f.result(60) for f in futures]
+    assert any(c.policy_versions[0] == 0 and c.policy_versions[-1] == 1 for o in outs for c in o.completions)
+    assert len(gaps) > 20 and max(gaps) < 1e-4
 
 
 def test_acceptance_rule_matches_the_target_distribution():

@@ -18,7 +18,8 @@ Caches. Rejected drafts need no rollback: a slot's KV entries are addressed by p
 only to positions at or before its own, so entries past the accepted length are never read before the next
 forward at those positions overwrites them. The MTP module keeps its own cache layer (after the decoder's).
 Its entry at position j reads the decoder's hidden state at j and token j + 1, so it is written once token
-j + 1 is known ("catch-up", from the hidden states the verifying forward kept); drafting then continues
+j + 1 is known: over the prompt in the prefill (all but its last position), then by each step's "catch-up"
+from the hidden states the verifying forward kept (at most k + 1 positions a row); drafting then continues
 autoregressively past the newest token, the module's own output standing in for the decoder's hidden state.
 Sequences in one batch may draft different numbers of tokens (near their `max_tokens` or the cache end):
 shorter rows repeat their last input, which rewrites the same entry with the same values.
@@ -104,20 +105,43 @@ class SpeculativeDecoder:
         self.model, self.kv, self.sampler = model, kv, sampler
         self.k, self.seq_len = draft_tokens, seq_len
         self.device = next(model.parameters()).device
+        self.mtp_layer = model.args.num_hidden_layers  # the first MTP module's cache layer, after the decoder's
 
     def admitted(self, seqs: list[Seq], prompt_hidden: torch.Tensor) -> None:
-        """After a prefill: the prompt's hidden states `[P, H]` are pending for every sample of the request."""
+        """After a prefill (`prompt_hidden`: the prompt's hidden states `[P, H]`): the MTP cache of every prompt
+        position whose next token is known (all but the last) is written now, once for the request and copied to
+        its samples' slots, as part of the prefill (vLLM runs its MTP over the prompt in the prefill too). Left to
+        the next decode step's catch-up, every row of that step would be padded to the newest prompt's length."""
+        prompt = seqs[0].req.prompt
+        P = len(prompt)
+        self._write_known(seqs[0].slot, prompt_hidden, prompt[1:])
+        if len(seqs) > 1 and P > 1:
+            self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], P - 1, layers=[self.mtp_layer])
         for s in seqs:
-            s.spec_pending = (0, prompt_hidden)
+            s.spec_pending = (P - 1, prompt_hidden[P - 1:])
 
     def recompute(self, seqs: list[Seq]) -> None:
-        """Rewrites each sequence's cache with the current weights (all positions before its newest token)."""
+        """Rewrites each sequence's cache with the current weights (all positions before its newest token), the
+        MTP module's too but for the last position, which the next step's catch-up writes."""
         for s in seqs:
             ids = s.req.prompt + s.tokens[:-1]
             x = torch.tensor([ids], dtype=torch.long, device=self.device)
             pos = torch.arange(len(ids), device=self.device)[None]
             slots = torch.tensor([s.slot], dtype=torch.long, device=self.device)
-            s.spec_pending = (0, self.model.hidden_states(x, pos, self.kv, slots)[0])
+            hidden = self.model.hidden_states(x, pos, self.kv, slots)[0]
+            self._write_known(s.slot, hidden, ids[1:])
+            s.spec_pending = (len(ids) - 1, hidden[len(ids) - 1:])
+
+    def _write_known(self, slot: int, hidden: torch.Tensor, next_ids: list[int]) -> None:
+        """Writes the MTP cache of positions 0 .. n - 1 of `slot` from the decoder's hidden states there
+        (`hidden [>= n, H]`) and the token after each (`next_ids`, n of them)."""
+        n = len(next_ids)
+        if n == 0:
+            return
+        dev = self.device
+        self.model.mtp_hidden(0, hidden[None, :n], torch.tensor([next_ids], dtype=torch.long, device=dev),
+                              torch.arange(n, device=dev)[None], kv_cache=self.kv,
+                              cache_slots=torch.tensor([slot], dtype=torch.long, device=dev))
 
     def step(self, seqs: list[Seq], version: int, stats: EngineStats) -> None:
         """Drafts, verifies and appends the accepted tokens of every sequence (`sampler.record`)."""

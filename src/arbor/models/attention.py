@@ -154,10 +154,12 @@ class KVCache:
         values = self.v[layer][slots, :, :L]
         return keys, values, cache_mask(positions, L)
 
-    def copy_slot(self, src: int, dst: torch.Tensor | list[int], length: int) -> None:
+    def copy_slot(self, src: int, dst: torch.Tensor | list[int], length: int, layers: list[int] | None = None) -> None:
+        """Copies positions `[0, length)` of slot `src` into the slots `dst`, in every layer or in `layers`."""
         for kv in (self.k, self.v):
-            for t in kv:
-                t[dst, :, :length] = t[src, :, :length]
+            for i, t in enumerate(kv):
+                if layers is None or i in layers:
+                    t[dst, :, :length] = t[src, :, :length]
 
 
 def cache_mask(positions: torch.Tensor, L: int) -> torch.Tensor:
