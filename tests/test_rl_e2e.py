@@ -132,3 +132,33 @@ def test_max_minutes_ends_the_run_with_a_checkpoint_and_resume_goes_on(tmp_path)
     assert [r["step"] for r in resumed] == list(range(at + 2))
     assert resumed[at]["elapsed_s"] > rows[-1]["elapsed_s"]  # goes on from the last row, downtime not counted
     assert resumed[at]["time"] > rows[-1]["time"]
+
+
+HANGING_ENV = '''
+import asyncio, time
+from arbor.environments.reverse_text import ReverseTextEnv
+
+
+class HangingEnv(ReverseTextEnv):
+    """Scoring every third task never returns: a verifier stuck in a loop in a worker thread."""
+
+    async def score(self, task, completion):
+        if task["id"] % 3 == 0:
+            await asyncio.to_thread(time.sleep, 3600)
+        return await super().score(task, completion)
+'''
+
+
+def test_a_run_whose_environment_never_returns_still_ends(tmp_path):
+    """The stuck calls time out (`environment.timeout`, scored 0) and their threads, which Python cannot stop, no
+    longer keep the orchestrator, and with it `rl`, from exiting after the last step (arbor.runloop)."""
+    (tmp_path / "hanging_env.py").write_text(HANGING_ENV)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "run"
+    rc, stdout, stderr = _finish(_rl(
+        out, "--max-steps", "2", "--orchestrator.environment.id", "hanging_env:HangingEnv",
+        "--orchestrator.environment.timeout", "1", "--orchestrator.environment.retries", "0", env=env,
+    ), timeout=180)
+    assert rc == 0, stderr + stdout
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+    assert "worker thread(s) still running" in (out / "logs" / "orchestrator.log").read_text()

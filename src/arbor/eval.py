@@ -15,6 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from arbor import runloop
 from arbor.config.eval import EvalConfig, EvalSettings
 from arbor.config.loader import load_config, main_guard
 from arbor.inference.sampling import SamplingParams
@@ -82,11 +83,12 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(EvalConfig, argv, prog="eval")  # before torch: a bad config fails in milliseconds
-    record = asyncio.run(run_eval(cfg))
+    record = runloop.run(run_eval(cfg))
     for key, value in record.items():
         if key.startswith("eval/"):
             print(f"{key}: {value:.4f}", file=sys.stderr)
     print(json.dumps(record))
+    runloop.exit_if_stuck()  # an environment call that never returned must not keep eval from ending
     return 0
 
 

@@ -38,6 +38,7 @@ import json
 import logging
 import time
 
+from arbor import runloop
 from arbor.config.loader import load_config, main_guard
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import load_environment
@@ -244,7 +245,8 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(OrchestratorConfig, argv, prog="orchestrator")
     setup_logging(cfg.log_level)
-    asyncio.run(Orchestrator(cfg).run())
+    runloop.run(Orchestrator(cfg).run())
+    runloop.exit_if_stuck()  # an environment call that never returned must not keep the run from ending
     return 0
 
 
