@@ -57,8 +57,17 @@ the gap to the 1.6 target.
 With the paired measurement (5 pairs, order alternating; idle, same flags, calibration median_s 0.0166: sync
 generation 0.17-0.19 s against training 0.16-0.17 s): paired ratios 1.62, 1.29, 1.34, 1.26, 1.52 -> median 1.34x
 (sync 7.8 s loop, greedy 5.8 s, trainer waiting 56% against 26%), reward 0.027 vs 0.023 (parity); the whole
-command 20.5 s against 12.5 s (1.64x), of which ~7 s in each sync run is its orchestrator's exit after the last
-step (the environment's compute-bound scorings still running in its threads).
+command 20.5 s against 12.5 s (1.64x). Where the time goes (per-process CPU seconds read from /proc over the 19
+timed steps of one run per arm): greedy 5.4 s of loop used 8.97 CPU-s (engine 2.22, trainer 3.38, orchestrator
+3.37, almost all of it the environment's hashing), 1.66 of the 2 cores; the sync run's 8.2 s used 14.84 (its
+orchestrator 10.26). The environment's CPU share varies more between runs than anything else: 0.6% of the
+scorings are compute-bound stragglers of up to ~8 CPU-s each (that sync run drew three: 7.8, 5.6 and 2.3 s, 19.5
+CPU-s of hashing in all, against 3.2 in the greedy run with none), and one of them takes a core for most of a
+20-step loop. That, and not the scheduling, is the spread between pairs; and the asynchronous arm already keeps
+the two cores five-sixths busy, which leaves 1.6x out of reach here. The sync runs' ~7 s more of whole-command
+time was their orchestrator's exit waiting for such a straggler's thread, abandoned with the run's last step:
+arbor.runloop now gives a busy worker thread 2 s, then exits without it (a sync run since: 15.5 s whole command
+against 20.5-22.9 s, its orchestrator done 2 s before the fleet stopped, two threads left behind).
 
 The regime is chosen by measurement. Asynchrony can at best hide the shorter of generation and training behind
 the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal, 1 + short/long
