@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 from arbor import runloop
@@ -68,3 +69,27 @@ def test_run_returns_the_result_and_closes_its_loop():
 
     assert runloop.run(main()) == 42
     runloop.exit_if_stuck(grace=1.0)  # nothing is stuck: returns
+
+
+def test_the_pool_runs_as_many_blocking_calls_at_once_as_it_has_threads():
+    """`threads` (environment.threads) bounds how many blocking calls run at once; Python's default pool would
+    have run min(32, cores + 4)."""
+    def peak(threads: int, calls: int) -> int:
+        running, most, lock = [0], [0], threading.Lock()
+
+        def call() -> None:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.3)
+            with lock:
+                running[0] -= 1
+
+        async def main() -> None:
+            await asyncio.gather(*(asyncio.to_thread(call) for _ in range(calls)))
+
+        runloop.run(main(), threads=threads)
+        return most[0]
+
+    assert peak(40, 40) == 40
+    assert peak(3, 12) == 3

@@ -83,7 +83,7 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(EvalConfig, argv, prog="eval")  # before torch: a bad config fails in milliseconds
-    record = runloop.run(run_eval(cfg))
+    record = runloop.run(run_eval(cfg), threads=max(env.threads for env in cfg.environments))
     for key, value in record.items():
         if key.startswith("eval/"):
             print(f"{key}: {value:.4f}", file=sys.stderr)

@@ -28,12 +28,12 @@ PREFIX = "arbor-worker"
 """Name prefix of the default executor's threads (`asyncio.to_thread` and `run_in_executor(None, ...)`)."""
 
 
-def run(main: Coroutine[Any, Any, T], grace: float = 2.0) -> T:
-    """`asyncio.run(main)`, except that closing the loop does not wait for the default executor's threads (the
-    caller ends with `exit_if_stuck`); if `main` raises and a thread is still busy after `grace` seconds, the
-    process exits with status 1 without it."""
+def run(main: Coroutine[Any, Any, T], threads: int | None = None, grace: float = 2.0) -> T:
+    """`asyncio.run(main)` with a default executor of `threads` workers (None: Python's default size), except
+    that closing the loop does not wait for its threads (the caller ends with `exit_if_stuck`); if `main` raises
+    and a thread is still busy after `grace` seconds, the process exits with status 1 without it."""
     loop = asyncio.new_event_loop()
-    executor = ThreadPoolExecutor(thread_name_prefix=PREFIX)
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=PREFIX)
     loop.set_default_executor(executor)
     asyncio.set_event_loop(loop)
     try:

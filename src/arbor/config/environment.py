@@ -48,6 +48,10 @@ class EnvironmentConfig(Config):
     """Seconds one environment call (scoring, an episode's setup or step) may take before it counts as failed."""
     retries: Count = Field(1, ge=0)
     """Retries of a failed or timed-out environment call, with a short backoff, before `on_failure` applies."""
+    threads: Count = Field(64, ge=1)
+    """Worker threads for the environment's blocking calls (`asyncio.to_thread`: synchronous tools, verifiers,
+    sandbox set-up), created as needed: at most this many run at once. Python's default pool, min(32, cores + 4),
+    let 6 such calls run at once on a 2-core orchestrator node. With several environments (`eval`), the largest."""
     on_failure: Literal["score_zero", "skip"] = "score_zero"
     """When an environment call fails for good: "score_zero" keeps the rollout with reward 0 (counted as
     `env/failed`); "skip" drops it (counted as `env/skipped`; its group trains with the rest, or is replaced

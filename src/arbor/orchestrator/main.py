@@ -245,7 +245,7 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(OrchestratorConfig, argv, prog="orchestrator")
     setup_logging(cfg.log_level)
-    runloop.run(Orchestrator(cfg).run())
+    runloop.run(Orchestrator(cfg).run(), threads=cfg.environment.threads)
     runloop.exit_if_stuck()  # an environment call that never returned must not keep the run from ending
     return 0
 
