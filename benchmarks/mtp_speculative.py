@@ -61,9 +61,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
-import random
 import subprocess
 import sys
 import tempfile
@@ -185,9 +185,9 @@ def main() -> None:
     speeds: dict[int, list[float]] = {0: [], args.draft_tokens: []}
     acceptance = []
     for r in range(args.repeats):
+        prompts = task_prompts(tokenizer, args.requests, seed=1000 + r)  # the same for both arms of a pair
         # one pair per repeat, the arms' order alternating, so that a drift of the machine's speed hits both
         for k in (0, args.draft_tokens) if r % 2 == 0 else (args.draft_tokens, 0):
-            prompts = task_prompts(tokenizer, args.requests, seed=1000 + r)
             tps, acc = decode_speed(model, tokenizer, prompts, k, args.batch, MAX_TOKENS, seed=1000 * r)
             speeds[k].append(tps)
             if k:

@@ -153,7 +153,8 @@ def test_a_run_whose_environment_never_returns_still_ends(tmp_path):
     """The stuck calls time out (`environment.timeout`, scored 0) and their threads, which Python cannot stop, no
     longer keep the orchestrator, and with it `rl`, from exiting after the last step (arbor.runloop)."""
     (tmp_path / "hanging_env.py").write_text(HANGING_ENV)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = tmp_path / "run"
     rc, stdout, stderr = _finish(_rl(
         out, "--max-steps", "2", "--orchestrator.environment.id", "hanging_env:HangingEnv",
