@@ -6,7 +6,8 @@ An agent that only knows the `openai` package is pointed at a session:
     OPENAI_API_KEY  = the gateway's api_key (any string when none is set)
 
 Routes (under the session prefix `/v1/sessions/{id}` or with the header): POST /v1/chat/completions (with
-`stream: true` as server-sent events in OpenAI's chunk format), POST /v1/completions, GET /v1/models. Session
+`stream: true` as server-sent events in OpenAI's chunk format), POST /v1/responses (the Responses API, plain and
+streamed, arbor.orchestrator.gateway_responses), POST /v1/completions, GET /v1/models. Session
 management: POST /v1/sessions (open; body `{"id"?, "task_id"?}`), GET /v1/sessions/{id},
 POST /v1/sessions/{id}/reward `{"reward": float, "components": {name: float}}` (closes it), GET /health.
 Pull mode (agents on other machines, the black_box environment with `remote = true`): POST /v1/work
@@ -175,9 +176,11 @@ class Gateway:
             web.get(s, manage.show_session),
             web.post(s + "/reward", manage.reward),
             web.post(s + "/v1/chat/completions", openai.chat),
+            web.post(s + "/v1/responses", openai.responses),
             web.post(s + "/v1/completions", openai.completions),
             web.get(s + "/v1/models", openai.models),
             web.post("/v1/chat/completions", openai.chat),
+            web.post("/v1/responses", openai.responses),
             web.post("/v1/completions", openai.completions),
             web.get("/v1/models", openai.models),
         ])

@@ -34,7 +34,17 @@ from arbor.orchestrator.gateway_openai import (
     token_usage,
     trim_at_stop,
 )
+from arbor.orchestrator.gateway_responses import (
+    input_messages,
+    instructions,
+    output_items,
+    response_object,
+    sampling_body,
+    stream_events,
+)
+from arbor.orchestrator.gateway_responses import parse_tools as response_tools
 from arbor.orchestrator.gateway_sessions import Session, SessionStore
+from arbor.orchestrator.trajectory import Prompt
 from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
 
 if TYPE_CHECKING:
@@ -109,7 +119,8 @@ class SessionRoutes:
 
 
 class OpenAIRoutes:
-    """POST /v1/chat/completions, POST /v1/completions, GET /v1/models, each recording into its session."""
+    """POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, GET /v1/models, each recording into
+    its session."""
 
     def __init__(self, client: "InferenceClient", tokenizer: Any, store: SessionStore, sampling: RunSampling,
                  model_name: str) -> None:
@@ -134,10 +145,7 @@ class OpenAIRoutes:
         messages, tools = parse_messages(body), parse_tools(body)
         stream = get_field(body, "stream", (bool,), False)
         include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-        try:
-            prompt = s.trajectory.chat_prompt(messages, tools)
-        except Exception as e:  # a template that rejects these messages is the client's problem
-            raise HTTPError(400, f"messages could not be rendered with the chat template: {e}", "messages") from None
+        prompt = _render(s, messages, tools, "messages")
         completions = await self._generate(s, prompt.ids, self.sampling.parse(body, len(prompt.ids)))
         headers = self._override_headers(body)
         choices = chat_choices(completions)
@@ -151,6 +159,32 @@ class OpenAIRoutes:
             return web.json_response({**head, "choices": choices, "usage": usage}, headers=headers)
         chunks = chat_chunks({**head, "object": "chat.completion.chunk"}, choices, usage if include_usage else None)
         return await _sse(request, chunks, headers)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API (arbor.orchestrator.gateway_responses): the same rendering, sampling and recording
+        as a chat call, one reply per request."""
+        s = self._session(request)
+        body = await read_json_object(request)
+        previous = get_field(body, "previous_response_id", (str,), None)
+        if previous is not None and previous not in s.responses:
+            raise HTTPError(400, f"previous_response_id {previous!r} is not a stored response of this session",
+                            "previous_response_id")
+        new = [template_message(m, i) for i, m in enumerate(input_messages(body.get("input")))]
+        conversation = (s.responses[previous] if previous is not None else []) + new
+        stream = get_field(body, "stream", (bool,), False)
+        prompt = _render(s, instructions(body) + conversation, response_tools(body), "input")
+        sampling = sampling_body(body)
+        (completion,) = await self._generate(s, prompt.ids, self.sampling.parse(sampling, len(prompt.ids)))
+        headers = self._override_headers(sampling)
+        items, reply = output_items(completion)
+        s.trajectory.record(prompt, completion, reply)
+        self.calls += 1
+        response = response_object(body, self.model_name, items, completion, len(prompt.ids))
+        if get_field(body, "store", (bool,), True):  # store: false (stateless agents) keeps nothing to continue
+            s.responses[response["id"]] = conversation + [reply]
+        if not stream:
+            return web.json_response(response, headers=headers)
+        return await _sse(request, stream_events(response), headers, named=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
@@ -211,11 +245,24 @@ class OpenAIRoutes:
                 raise HTTPError(502, f"inference backend: {e}", None, "api_error") from None
 
 
-async def _sse(request: web.Request, chunks: list[dict[str, Any]], headers: dict[str, str]) -> web.StreamResponse:
+def _render(s: Session, messages: list[dict[str, Any]], tools: list[dict] | None, field: str) -> Prompt:
+    """The session's prompt for a chat-style call; a template that rejects these messages is the client's problem."""
+    try:
+        return s.trajectory.chat_prompt(messages, tools)
+    except Exception as e:
+        raise HTTPError(400, f"{field} could not be rendered with the chat template: {e}", field) from None
+
+
+async def _sse(request: web.Request, chunks: list[dict[str, Any]], headers: dict[str, str],
+               named: bool = False) -> web.StreamResponse:
+    """Server-sent events: chat's `data:` chunks ended by `[DONE]`, or (`named`) the Responses API's events, each
+    under its `event:` type, ended by the last event."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     for c in chunks:
-        await resp.write(f"data: {json.dumps(c)}\n\n".encode())
-    await resp.write(b"data: [DONE]\n\n")
+        event = f"event: {c['type']}\n" if named else ""
+        await resp.write(f"{event}data: {json.dumps(c)}\n\n".encode())
+    if not named:
+        await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -43,6 +43,9 @@ class Session:
     """Opened over HTTP (POST /v1/sessions) rather than by an environment: served and recorded, not trained on."""
     pending: int = 0
     """Calls being generated; a session closed meanwhile still records them (the agent saw their answers)."""
+    responses: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    """Responses API: each stored response's conversation (without instructions), which a later call continues
+    by `previous_response_id` (arbor.orchestrator.gateway_responses)."""
 
     @property
     def turns(self) -> list[Turn]:
