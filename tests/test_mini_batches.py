@@ -185,3 +185,20 @@ def test_the_batcher_packs_a_micro_batch_per_mini_batch_where_the_samples_allow(
             int(mb.loss_mask.sum()) for mb in one.micro_batches)
     few = build_step_batches(rollouts[:1], 0, 1, 4096, 1.0, 0, min_micro_batches=2)
     assert len(few[0].micro_batches) == 1  # one sample: one row, no endless halving
+
+
+def test_a_non_finite_gradient_skips_its_update_and_is_counted() -> None:
+    """One NaN advantage would reach every weight through the optimizer: that mini-batch's update is skipped
+    (and counted), the other mini-batch's is taken."""
+    cfg = LossConfig(name="ppo_clip")
+    model, mbs = _setup()
+    poisoned = dataclasses.replace(mbs[0], advantages=mbs[0].advantages.clone())
+    poisoned.advantages[poisoned.loss_mask.nonzero()[0]] = float("nan")
+    opt = build_optimizer(model, OptimConfig(lr=1e-2))
+    before = _params(model)
+    figures = train_step(model, opt, _batch([poisoned, *mbs[1:]]), build_loss(cfg), cfg, 1.0, CPU, mini_batches=2)
+    assert figures["skipped_updates"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))  # the clean half trained
+    clean = train_step(model, opt, _batch(mbs), build_loss(cfg), cfg, 1.0, CPU)
+    assert clean["skipped_updates"] == 0

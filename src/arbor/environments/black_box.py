@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.base import Task, load_environment, load_object, total_reward
+from arbor.environments.guard import reward_components
 
 if TYPE_CHECKING:
     from arbor.orchestrator.gateway import Gateway
@@ -142,7 +143,8 @@ class BlackBoxEnv:
             failed = False
             if session.reward is None:  # no reward was posted: score the agent's answer
                 try:
-                    session.components = await asyncio.wait_for(self.inner.score(spec.task, answer), score_timeout)
+                    scored = await asyncio.wait_for(self.inner.score(spec.task, answer), score_timeout)
+                    session.components = reward_components(scored)
                     session.reward = total_reward(session.components, weights)
                 except Exception as e:  # noqa: BLE001 - a failing scorer scores 0 and is counted, as in rollout.py
                     log.warning("scoring task %s failed: %r", spec.task.get("id"), e)

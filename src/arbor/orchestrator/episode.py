@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.base import MultiTurnEnvironment, Task, env_prompt_ids, total_reward
 from arbor.environments.context import ContextPolicy
-from arbor.environments.guard import EnvFailure, EnvStats, guarded
+from arbor.environments.guard import EnvFailure, EnvStats, guarded, reward_components, step_result
 from arbor.environments.tools import tool_schema
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.trajectory import Trajectory
@@ -130,14 +130,15 @@ async def run_episode(
             reply = {"role": "assistant", "content": completion.text}
             full.append(reply)
             view.append(reply)
-            result = await guarded(f"step of task {tid}", env.step, task, state, full, **policy)
+            result = await guarded(f"step of task {tid}", env.step, task, state, full, **policy, check=step_result)
             turn.reward = result.reward
             full += result.messages
             view += result.messages
             if result.done:
                 finish = "done"
                 break
-        components = await guarded(f"scoring of task {tid}", env.score_episode, task, state, full, **policy)
+        components = await guarded(f"scoring of task {tid}", env.score_episode, task, state, full, **policy,
+                                   check=reward_components)
     except EnvFailure as e:
         log.warning("episode of task %s: %s", tid, e)
         failure, finish, components = e, "env_failed", {}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments import Environment, Task, is_multi_turn, total_reward
-from arbor.environments.guard import EnvFailure, guarded
+from arbor.environments.guard import EnvFailure, guarded, reward_components
 from arbor.orchestrator.client import InferenceClient
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ async def _score(env: Environment, task: Task, r: Rollout, cfg: EnvironmentConfi
     # counted as failed, or is dropped and counted as skipped.
     try:
         r.components = await guarded(f"scoring task {r.task_id}", env.score, task, r.text, timeout=cfg.timeout,
-                                     retries=cfg.retries, stats=stats)
+                                     retries=cfg.retries, stats=stats, check=reward_components)
         r.reward = total_reward(r.components, cfg.reward_weights)
     except EnvFailure as e:
         log.warning("%s", e)

@@ -15,7 +15,9 @@ trainer starved of rollouts; also as `throughput/trainer_wait_frac`, which the o
 reads), `time/compute`, `time/publish`,
 `time/checkpoint` (seconds of the checkpoint saved after the previous step; 0 on other steps, so its sum over the
 rows is the run's checkpointing time), `weights/bytes_moved` (bytes the weight update moved: less than
-`weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`), `num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
+`weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`),
+`skipped_updates` (optimizer steps skipped because the gradient norm was not finite, arbor.trainer.step),
+`num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
 figures (see arbor.trainer.loss; `draft/kl`, the MTP draft modules' top-K KL to the policy, when they are
 trained (arbor.trainer.draft); `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
 `build_reference` builds from the initial weights), and `time` / `elapsed_s` (arbor.monitor.metrics.RunClock).

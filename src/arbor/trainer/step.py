@@ -267,6 +267,7 @@ def train_step(
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
     groups = split_mini_batches(len(batch.micro_batches), mini_batches, batch.step)
     normalisers = mini_batch_normalisers(batch, groups, acc.weight)
+    skipped = 0
     proximal: list[torch.Tensor | None] = [None] * len(batch.micro_batches)
     if mini_batches * epochs > 1:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
@@ -283,10 +284,23 @@ def train_step(
                     seen = logprobs if proximal[i] is None else proximal[i]  # the policy before any update
                     _account(acc, batch.micro_batches[i], mask, seen, entropy, batch.step, device)
             grad_norm = clip_grad_norm_split(model, max_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            skipped += _update(optimizer, grad_norm, batch.step)
             acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
-    return _figures(acc, dp_size, max(batch.loss_tokens_total, 1))
+    return {**_figures(acc, dp_size, max(batch.loss_tokens_total, 1)), "skipped_updates": skipped}
+
+
+def _update(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, step: int) -> int:
+    """The optimizer step, unless the gradients are not finite (a NaN or inf in the batch, an overflow): then
+    the update is skipped, as a NaN would reach every weight and end the run's learning for good, and counted
+    (`skipped_updates`). The global norm is the same on every rank, so all ranks skip together; reading it costs
+    one host sync per optimizer step, not per micro-batch."""
+    finite = bool(torch.isfinite(grad_norm).item())
+    if finite:
+        optimizer.step()
+    else:
+        log.warning("step %d: gradient norm is %s; optimizer update skipped", step, grad_norm.item())
+    optimizer.zero_grad(set_to_none=True)
+    return int(not finite)
 
 
 def split_mini_batches(n_micro: int, k: int, step: int) -> list[range]:
