@@ -15,7 +15,8 @@ from test_multiturn import TOK, Scripted
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import EvalSettings
-from arbor.environments import StepResult
+from arbor.config.orchestrator import OrchestratorConfig
+from arbor.environments import NoTaskFits, StepResult
 from arbor.environments.guard import BadOutput, EnvFailure, EnvStats, guarded, reward_components, step_result
 from arbor.environments.multiturn import ToolEnv
 from arbor.environments.reverse_text import ReverseTextEnv
@@ -23,6 +24,8 @@ from arbor.orchestrator.client import Completion
 from arbor.orchestrator.episode import EpisodeSettings, EpisodeStats, run_group_episodes
 from arbor.orchestrator.eval import evaluate
 from arbor.orchestrator.rollout import GroupSpec, generate_group
+from arbor.orchestrator.state import OrchestratorState
+from arbor.orchestrator.tasks import TaskSource
 
 BAD_COMPONENTS = [None, 1.0, "1", [1.0], {"r": math.nan}, {"r": math.inf}, {"r": "1"}, {"r": None}, {1: 1.0},
                   {"r": [1.0]}, {"r": torch.ones(2)}]
@@ -143,3 +146,34 @@ def test_eval_counts_failing_scorers_as_0_and_finishes():
     assert figures["eval/poisoned/failed"] == 6  # tasks 1, 2 and 3, two samples each
     assert figures["eval/hangs/failed"] == 4  # tasks 1 and 3
     assert all(math.isfinite(v) for v in figures.values())
+
+
+class BadPrompts(ReverseTextEnv):
+    """reverse_text whose prompt raises for every third task and returns None for the next."""
+
+    def prompt(self, task):
+        if task["id"] % 3 == 1:
+            raise KeyError("a template field is missing")
+        return None if task["id"] % 3 == 2 else super().prompt(task)
+
+
+def bad_prompts(**args):
+    return BadPrompts(**args)
+
+
+class NoPrompts(ReverseTextEnv):
+    def prompt(self, task):
+        raise KeyError("a template field is missing")
+
+
+def test_tasks_whose_prompt_cannot_be_built_are_skipped_and_counted_in_training_and_eval():
+    cfg = OrchestratorConfig(environment={"id": "test_env_outputs:bad_prompts"})
+    source = TaskSource(cfg, BadPrompts(num_tasks=30), TOK, OrchestratorState())
+    specs = [source.next_spec(0, k) for k in range(10)]
+    assert all(s.task["id"] % 3 == 0 and s.prompt_ids for s in specs)
+    assert source.skipped_bad >= 10  # about two skipped per launch
+    with pytest.raises(NoTaskFits, match=r"no prompt of environment 'reverse_text' could be built \(task 0: KeyError"):
+        TaskSource(cfg, NoPrompts(num_tasks=5), TOK, OrchestratorState())
+    envs = [{"id": "test_env_outputs:bad_prompts", "args": {"min_len": 3, "max_len": 3}}]
+    figures = asyncio.run(evaluate(_reversed, TOK, EvalSettings(num_tasks=6, k=2, environments=envs)))
+    assert figures["eval/bad_prompts/failed"] == 8  # tasks 1, 2, 4 and 5

@@ -135,12 +135,18 @@ def check_some_task_fits(env: Any, tasks: list[Task], tokenizer: Any, seq_len: i
     tasks that cannot fit; preflight and the task source call this so that a dataset of them all fails at once."""
     if not tasks:
         raise NoTaskFits(f"environment {env.name!r} has no tasks")
-    shortest = None
+    shortest, failed = None, None
     for task in tasks:
-        n = len(env_prompt_ids(env, task, tokenizer, prompt_format))
+        try:
+            n = len(env_prompt_ids(env, task, tokenizer, prompt_format))
+        except Exception as e:  # noqa: BLE001 - a task whose prompt cannot be built is skipped in the run, too
+            failed = failed or f"task {task.get('id', '?')}: {e!r}"
+            continue
         if n + max_tokens <= seq_len:
             return
         shortest = n if shortest is None else min(shortest, n)
+    if shortest is None:
+        raise NoTaskFits(f"no prompt of environment {env.name!r} could be built ({failed})")
     raise NoTaskFits(
         f"no task of environment {env.name!r} fits: its shortest prompt is {shortest} tokens, which with "
         f"sampling.max_tokens = {max_tokens} exceeds seq_len = {seq_len}; raise seq_len or lower max_tokens"

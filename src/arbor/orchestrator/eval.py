@@ -4,8 +4,8 @@ For each eval environment, the first `num_tasks` tasks of `dataset(seed)` are sa
 scored by the environment (reward components summed with its `reward_weights`). Reported per environment:
 `avg@k` (mean reward over all samples), `pass@k` (fraction of tasks with at least one sample whose reward
 reaches `solve_threshold`), `pass@1` (the unbiased single-sample solve rate c/n averaged over tasks), plus the
-mean completion length, and `failed`: the samples (episodes) whose scoring failed after the environment's retries
-or answered something that is not reward components (arbor.environments.guard), each counted as reward 0, as in
+mean completion length, and `failed`: the samples (episodes) whose prompt could not be built or whose scoring
+failed after the environment's retries or answered something that is not reward components (arbor.environments.guard), each counted as reward 0, as in
 training, rather than ending the evaluation or the run that called it. Generation goes through the same
 token-ids-in API as training: a running server (the `InferenceClient`) or, standalone, arbor's local engine in
 the `eval` process (any `Generate` will do).
@@ -57,7 +57,11 @@ async def evaluate(generate: Generate, tokenizer: Any, cfg: EvalSettings, max_pr
             seed = zlib.crc32(f"eval/{cfg.seed}/{name}/{i}".encode()) & 0x7FFFFFFF
             if is_multi_turn(env):
                 return await _episodes(generate, env, env_cfg, task, tokenizer, cfg, seq_len, seed, i)
-            prompt = env_prompt_ids(env, task, tokenizer, env_cfg.prompt_format)
+            try:
+                prompt = env_prompt_ids(env, task, tokenizer, env_cfg.prompt_format)
+            except Exception as e:  # noqa: BLE001 - the environment's prompt for one task: its samples fail
+                log.warning("eval task %s of %s skipped: its prompt could not be built: %r", i, env_cfg.id, e)
+                return [None] * cfg.k, [0] * cfg.k
             if max_prompt is not None and len(prompt) > max_prompt:
                 raise ValueError(f"eval task {i} of {env_cfg.id}: prompt of {len(prompt)} tokens exceeds {max_prompt}")
             completions = await generate(prompt, cfg.k, cfg.max_tokens, cfg.temperature, cfg.top_p, seed)

@@ -113,6 +113,7 @@ class StepFigures:
             **staleness_histogram(stale.tolist()),
             "dropped/stale": self.counts.dropped_stale,
             "skipped/too_long": self.source.skipped_long,
+            "skipped/bad_prompt": self.source.skipped_bad,
             "score/failed": int(sum(r.score_failed for r in rollouts)),
             **self.agents(),
             **self.gateway_counts(),

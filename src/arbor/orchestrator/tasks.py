@@ -4,7 +4,9 @@ A launch takes, in this order: a task queued for another try (a straggler cancel
 `straggler_action = "retry"`), a task a resumed run must relaunch (the saved state's `pending`: launched but in
 no batch when the state was saved, so a crash skips no task), then a fresh task from the curriculum or the
 seeded `TaskSampler` (the dataset position is saved as launched). A task whose prompt plus `max_tokens` cannot
-fit in `seq_len` is skipped and counted; a dataset of which no task fits makes the source raise `NoTaskFits`
+fit in `seq_len` is skipped and counted, and so is one whose prompt cannot be built (the environment's `prompt`
+raised or returned what the chat template cannot render: a warning names the task and the error, for the first
+few); a dataset of which no task fits, or whose prompts keep failing, makes the source raise `NoTaskFits`
 (preflight's message) when it is built, so that the orchestrator fails at once instead of skipping forever (the
 check stops at the first task that fits). Each launch gets a group id (launch order) and a sampling seed derived
 from (seed, step, k), k counting the step's launches.
@@ -17,14 +19,19 @@ the saved state.
 from __future__ import annotations
 
 import collections
+import logging
 import zlib
 from typing import Any
 
 from arbor.config.orchestrator import OrchestratorConfig
-from arbor.environments import Task, check_some_task_fits, env_prompt_ids
+from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt_ids
 from arbor.orchestrator.filters import CurriculumSampler
 from arbor.orchestrator.rollout import GroupSpec
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
+
+log = logging.getLogger(__name__)
+WARNED_PROMPTS = 10
+"""Failed prompts warned about one by one; later ones are only counted (`skipped/bad_prompt`)."""
 
 
 class TaskSource:
@@ -46,12 +53,15 @@ class TaskSource:
         self.groups_launched = 0
         self.skipped_long = 0
         """Tasks skipped because their prompt plus max_tokens exceeds seq_len."""
+        self.skipped_bad = 0
+        """Tasks skipped because their prompt could not be built."""
         self._task_of_group: dict[int, Task] = {}
         self._retries: dict[int, int] = {}  # group id -> how many times its task was retried before it
 
     def next_spec(self, step: int, k: int) -> GroupSpec:
         """The next group to launch: the step's k-th launch."""
         cfg = self.cfg
+        failed_in_a_row = 0
         while True:
             retries = 0
             if self.retry:
@@ -60,7 +70,12 @@ class TaskSource:
                 task = self.relaunch.popleft()
             else:
                 task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
-            prompt_ids = env_prompt_ids(self.env, task, self.tokenizer, cfg.environment.prompt_format)
+            try:
+                prompt_ids = env_prompt_ids(self.env, task, self.tokenizer, cfg.environment.prompt_format)
+            except Exception as e:  # noqa: BLE001 - the environment's code for one task: skipped and counted
+                failed_in_a_row += 1
+                self._bad_prompt(task, e, failed_in_a_row)
+                continue
             if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
                 break
             self.skipped_long += 1
@@ -71,6 +86,15 @@ class TaskSource:
         if retries:
             self._retries[group_id] = retries
         return GroupSpec(task, prompt_ids, seed, group_id)
+
+    def _bad_prompt(self, task: Task, error: Exception, in_a_row: int) -> None:
+        self.skipped_bad += 1
+        if self.skipped_bad <= WARNED_PROMPTS:
+            more = "; later ones are only counted (skipped/bad_prompt)" if self.skipped_bad == WARNED_PROMPTS else ""
+            log.warning("task %s skipped: its prompt could not be built: %r%s", task.get("id", "?"), error, more)
+        if in_a_row > 2 * len(self.tasks) + 10:  # more than every task twice over: nothing left to train on
+            raise NoTaskFits(f"the last {in_a_row} tasks' prompts could not be built (last: task "
+                             f"{task.get('id', '?')}: {error!r})")
 
     def taken(self, group_id: int) -> Task | None:
         """A group of this task left the queue for a batch (kept or dropped): it is no longer pending."""
