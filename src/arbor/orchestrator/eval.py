@@ -5,10 +5,10 @@ scored by the environment (reward components summed with its `reward_weights`). 
 `avg@k` (mean reward over all samples), `pass@k` (fraction of tasks with at least one sample whose reward
 reaches `solve_threshold`), `pass@1` (the unbiased single-sample solve rate c/n averaged over tasks), plus the
 mean completion length, and `failed`: the samples (episodes) whose prompt could not be built or whose scoring
-failed after the environment's retries or answered something that is not reward components (arbor.environments.guard), each counted as reward 0, as in
-training, rather than ending the evaluation or the run that called it. Generation goes through the same
-token-ids-in API as training: a running server (the `InferenceClient`) or, standalone, arbor's local engine in
-the `eval` process (any `Generate` will do).
+failed after the environment's retries or answered something that is not reward components
+(arbor.environments.guard), each counted as reward 0, as in training, rather than ending the evaluation or the run
+that called it. Generation goes through the same token-ids-in API as training: a running server (the
+`InferenceClient`) or, standalone, arbor's local engine in the `eval` process (any `Generate` will do).
 """
 
 from __future__ import annotations
