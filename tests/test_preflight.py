@@ -90,6 +90,26 @@ def test_backend_not_importable(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_vllms_cpu_build_cannot_serve_fails_before_vllm_starts(tmp_path, monkeypatch):
+    """vLLM's CPU build starts any model, then its engine dies at the first request when the heads are of a size its
+    CPU attention lacks (qwen3-test's 8): preflight refuses that, for the policy and for a launched teacher."""
+    monkeypatch.setattr(preflight, "vllm_build", lambda: "cpu")
+    monkeypatch.setattr(preflight, "_importable", lambda module: True)
+    for flags in (["--inference.backend", "vllm"],
+                  ["--teacher.model.name", "qwen3-test", "--teacher.backend", "vllm",
+                   "--trainer.loss.name", "distill"]):
+        cfg = load_config(RLConfig, ["--output-dir", str(tmp_path / "run"), *TINY, *flags])
+        with pytest.raises(PreflightError, match=r"backend = 'vllm' with \w+.model.name 'qwen3-test': vLLM's CPU build "
+                                                 r"cannot serve attention heads of size 8 \(it serves 32, 64,") as e:
+            preflight.check_backends(cfg)
+        assert "\n" not in str(e.value)
+    served = load_config(RLConfig, ["--output-dir", str(tmp_path / "run"), *TINY, "--inference.backend", "vllm",
+                                    "--model.name", "qwen3-tiny"])
+    preflight.check_backends(served)
+    monkeypatch.setattr(preflight, "vllm_build", lambda: "gpu")  # CUDA attention kernels have their own sizes
+    preflight.check_backends(cfg)
+
+
 def test_sft_dataset_unreadable_or_not_jsonl(tmp_path):
     line = _fails(tmp_path / "run", "--sft.steps", "2", "--sft.data", str(tmp_path / "missing.jsonl"))
     assert "sft.data" in line and "not readable" in line

@@ -1,7 +1,8 @@
 """`inference --backend vllm` against a real vLLM server (CPU or CUDA build), one server for the module: token
 ids and logprobs through arbor's proxy, per-token policy versions, filesystem weight updates in a row with the
 trainer-vs-vLLM mismatch after each, abort and resume, cache salts, pause/resume, chat with the byte
-tokenizer's Hugging Face export, and the router in front of it and a second server that is killed.
+tokenizer's Hugging Face export, hostile requests answered in arbor's error shape (never a 5xx, never a dead
+engine), and the router in front of it and a second server that is killed.
 
 The dense model is the `qwen3-tiny` preset (head_dim 32: vLLM's CPU attention refuses `qwen3-test`'s 8), in
 float32, served by name (the adapter writes it and its tokenizer out once)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import threading
 import time
@@ -19,6 +21,7 @@ import aiohttp
 import pytest
 import torch
 
+from fuzz_requests import check_answer, malformed, send
 from test_orphans import alive
 from vllm_server import post_json, vllm_server
 
@@ -198,3 +201,28 @@ def test_router_in_front_of_two_vllm_servers_survives_one_killed(server: str, tm
                 await runner.cleanup()
 
         asyncio.run(go())
+
+
+def test_fuzzed_requests_get_arbors_error_shape_and_never_kill_vllm(server: str) -> None:
+    """The local engine's fuzz (tests/fuzz_requests.py) through the vLLM proxy: malformed JSON, deep nesting, bad
+    gzip, surrogates, NaN, huge numbers, token ids past the vocabulary, unknown routes. Every refusal is a 4xx in
+    arbor's JSON error shape (vLLM's own refusals relayed, FastAPI's 404 rewrapped), and vLLM still serves."""
+    rng = random.Random(7)
+    chat = [{"role": "user", "content": "hi"}]
+    valid = {"/v1/completions": {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0},
+             "/v1/chat/completions": {"messages": chat, "max_tokens": 2},
+             "/abort_requests": {"request_ids": ["nobody"]}, "/resume": {}, "/no/such/route": {}}
+    requests = [(path, *malformed(rng, valid[path])) for path in (rng.choice(list(valid)) for _ in range(240))]
+    requests.append(("/v1/completions", b'{"prompt": [1000000000], "max_tokens": 2}', {}))  # vLLM: 500, code 400
+
+    async def go() -> list[tuple[int, object]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            return [await send(s, server + path, body, headers) for path, body, headers in requests]
+
+    results = asyncio.run(go())
+    for (path, body, headers), (status, data) in zip(requests, results):
+        check_answer(status, data, (path, body[:100], headers))
+    assert results[-1][0] == 400 and "out of vocabulary" in results[-1][1]["error"]["message"]
+    assert sum(400 <= s < 500 for s, _ in results) > 150
+    out = post_json(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 3, "n": 2, "temperature": 1.0})
+    assert [len(c["token_ids"]) for c in out["choices"]] == [3, 3]

@@ -72,12 +72,21 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
-from arbor.inference.vllm_launch import padding_bound, serve_argv, serve_env, vllm_build
+from arbor.inference.vllm_launch import cpu_head_size_error, padding_bound, serve_argv, serve_env, vllm_build
 from arbor.inference.vllm_model import model_dir
+from arbor.models import model_args
 from arbor.orphans import die_with_parent
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
-from arbor.transport.http import HTTPError, error_middleware, start_site, write_ready_file
+from arbor.transport.http import (
+    HTTPError,
+    error_middleware,
+    get_field,
+    read_json_object,
+    relayed_error,
+    start_site,
+    write_ready_file,
+)
 
 log = logging.getLogger("arbor.inference.vllm")
 
@@ -244,12 +253,10 @@ class VLLMProxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
         chat = request.path.endswith("/chat/completions")
-        try:
-            body = json.loads(await request.read())
-        except ValueError as e:
-            return web.json_response({"error": {"message": f"malformed JSON body: {e}", "param": None}}, status=400)
-        if not isinstance(body, dict) or body.get("stream"):
-            return web.json_response({"error": {"message": "the body must be an object without stream", "param": "stream"}}, status=400)
+        body = await read_json_object(request)  # malformed, too deep, surrogates, NaN: a 400 before vLLM sees it
+        if get_field(body, "stream", (bool,), False):
+            raise HTTPError(400, "stream is not supported: the proxy answers whole completions (with token ids, "
+                                 "logprobs and policy versions)", "stream")
         await self._open.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         adapter = requested_adapter(body, self.adapters)
@@ -269,7 +276,7 @@ class VLLMProxy:
         try:
             async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
                 if resp.status != 200:
-                    return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+                    return relayed_error(resp.status, await resp.read(), "vLLM")
                 reader = asyncio.create_task(self._read(resp, acc, adapter))
                 aborted = asyncio.create_task(stop.wait())
                 await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -280,8 +287,8 @@ class VLLMProxy:
                 else:
                     aborted.cancel()
                     error = reader.result()
-                    if error is not None:  # vLLM reports a failure inside the stream: a 5xx, so routers retry it
-                        return web.json_response({"error": error}, status=500)
+                    if error is not None:  # vLLM reports a failure inside the stream: its own code if a 4xx
+                        return relayed_error(_stream_status(error), json.dumps({"error": error}).encode(), "vLLM")
         finally:
             self._inflight[rid].discard(stop)
             if not self._inflight[rid]:
@@ -299,7 +306,7 @@ class VLLMProxy:
         forwarded["model"] = adapter or self.cfg.model.name
         async with self._session.post(self.upstream + path, json=forwarded) as resp:
             if resp.status != 200:
-                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+                return relayed_error(resp.status, await resp.read(), "vLLM")
             data = await resp.json()
         for choice in data.get("choices") or []:
             choice["policy_versions"] = [version] * len(choice.get("token_ids") or [])
@@ -328,10 +335,9 @@ class VLLMProxy:
         return None
 
     async def abort_requests(self, request: web.Request) -> web.Response:
-        ids = (await request.json()).get("request_ids")
+        ids = (await read_json_object(request)).get("request_ids")
         if ids != "all" and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
-            return web.json_response({"error": {"message": 'request_ids must be a list of ids or "all"',
-                                                "param": "request_ids"}}, status=400)
+            raise HTTPError(400, 'request_ids must be a list of ids or "all"', "request_ids")
         keys = list(self._inflight) if ids == "all" else ids
         if ids != "all":
             for rid in ids:
@@ -420,13 +426,26 @@ class VLLMProxy:
         assert self._session is not None
         async with self._session.request(request.method, self.upstream + request.rel_url.raw_path_qs,
                                          data=await request.read(), headers={"Content-Type": request.content_type}) as r:
+            if r.status >= 400:
+                return relayed_error(r.status, await r.read(), "vLLM")
             return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+
+
+def _stream_status(error: Any) -> int:
+    """The status of an error vLLM streamed: a client error (a token id out of the vocabulary) carries its 4xx
+    `code`; anything else is a 5xx, which routers retry on another backend."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and 400 <= code < 500 else 500
 
 
 def run(cfg: InferenceConfig) -> int:
     """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
     require_vllm()
     cpu = vllm_build() == "cpu"
+    error = cpu_head_size_error(getattr(model_args(cfg.model), "head_dim", None)) if cpu else None
+    if error is not None:  # before vLLM starts: it would start, then die at the first request
+        raise ConfigError(f"model.name {cfg.model.name!r}: {error}")
     path, skip_tok = model_dir(cfg)
     vocab = padding_bound(cfg, skip_tok)
     with socket.socket() as s:

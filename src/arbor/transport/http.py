@@ -64,6 +64,22 @@ def error_kind(status: int) -> str:
             429: "rate_limit_error"}.get(status, "invalid_request_error")
 
 
+def relayed_error(status: int, raw: bytes, source: str) -> web.Response:
+    """An upstream server's refusal (`source`: who answered) in the one error shape: an OpenAI-style error as it
+    is (with `type` and `param` filled in where missing), anything else (FastAPI's `{"detail": ...}`, plain text)
+    as the message."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return web.json_response({"error": {"type": error_kind(status), "param": None, **error}}, status=status)
+    detail = body.get("detail") if isinstance(body, dict) else None
+    message = detail if isinstance(detail, str) else raw.decode(errors="replace")[:500] or f"status {status}"
+    return error_response(status, f"{source}: {message}", None, error_kind(status))
+
+
 def error_middleware(log: logging.Logger, client_errors: tuple[type[Exception], ...] = ()):
     """Turns every failure into the JSON error shape. `client_errors` are further exception types that mean bad
     input (400 with `str(e)`, and `e.param` when they have one)."""
