@@ -73,20 +73,12 @@ from aiohttp import web
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.inference.vllm_launch import cpu_head_size_error, padding_bound, serve_argv, serve_env, vllm_build
-from arbor.inference.vllm_model import model_dir
-from arbor.models import model_args
+from arbor.inference.vllm_model import model_dir, served_head_dim
 from arbor.orphans import die_with_parent
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
-from arbor.transport.http import (
-    HTTPError,
-    error_middleware,
-    get_field,
-    read_json_object,
-    relayed_error,
-    start_site,
-    write_ready_file,
-)
+from arbor.transport.http import (HTTPError, error_middleware, get_field, read_json_object, relayed_error, start_site,
+                                  write_ready_file)
 
 log = logging.getLogger("arbor.inference.vllm")
 
@@ -432,6 +424,7 @@ class VLLMProxy:
 
 
 
+
 def _stream_status(error: Any) -> int:
     """The status of an error vLLM streamed: a client error (a token id out of the vocabulary) carries its 4xx
     `code`; anything else is a 5xx, which routers retry on another backend."""
@@ -443,7 +436,7 @@ def run(cfg: InferenceConfig) -> int:
     """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
     require_vllm()
     cpu = vllm_build() == "cpu"
-    error = cpu_head_size_error(getattr(model_args(cfg.model), "head_dim", None)) if cpu else None
+    error = cpu_head_size_error(served_head_dim(cfg)) if cpu else None
     if error is not None:  # before vLLM starts: it would start, then die at the first request
         raise ConfigError(f"model.name {cfg.model.name!r}: {error}")
     path, skip_tok = model_dir(cfg)

@@ -50,3 +50,12 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
         if quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]:
             return str(path)
     return _materialize(cfg, fp8=True)
+
+
+def served_head_dim(cfg: InferenceConfig) -> int | None:
+    """The model's attention head size where arbor reads the model; None for what only vLLM loads (a DeepSeek-V3
+    checkpoint, say), whose kernels are then vLLM's to check."""
+    try:
+        return getattr(model_args(cfg.model), "head_dim", None)
+    except (ValueError, KeyError, OSError):
+        return None

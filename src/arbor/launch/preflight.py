@@ -319,7 +319,11 @@ def check_backends(cfg: RLConfig, model_here: bool = True) -> None:
     served += [("teacher", cfg.teacher)] if cfg.teacher is not None else []  # always local (RLConfig)
     for where, inference in served:
         if inference.backend == "vllm":
-            error = cpu_head_size_error(getattr(model_args(inference.model), "head_dim", None))
+            try:
+                head_dim = getattr(model_args(inference.model), "head_dim", None)
+            except (ValueError, KeyError, OSError):  # what only vLLM loads: its kernels are vLLM's to check
+                head_dim = None
+            error = cpu_head_size_error(head_dim)
             if error is not None:
                 raise PreflightError(f"{where}.backend = 'vllm' with {where}.model.name {inference.model.name!r}: "
                                      f"{error}")
