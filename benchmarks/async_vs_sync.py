@@ -3,84 +3,48 @@ equal. Both arms run `rl` on CPU with the same tiny model, data, seed, number of
 trained samples), environment, staleness bound (`max_off_policy_steps`), groups in flight and partial-rollout
 settings; only `[orchestrator.scheduler].mode` differs (async arm: "greedy" by default, whose first-finished-
 first-out matches what the sync arm's oversampling does within a step; strict-FIFO "async" waits on stragglers).
+An earlier version reported 4.9x: only its async arm had partial rollouts, a staleness bound of 3 (sync: 2) and
+12 groups in flight, on an environment whose cost was all `sleep`, and no reward was compared.
 
 The environment (arbor.environments.skewed_latency) mixes latency-bound scoring (a lognormal wait, slower for
 harder tasks, rare 20x stragglers) with compute-bound scoring (`compute_p` of the scorings spend their time as
 CPU work that competes with the trainer and the inference engine for the cores), so asynchrony cannot hide all
-of the environment's cost for free.
-
-Reported, from one run: the wall-clock ratio sync / async of the training loop (the sum of the trainer's
-`time/step` after the first step, whose wait holds the start-up of the other processes) and of the
-whole `rl` command, and the reward each arm reached (mean `reward/mean` of its last `--tail` steps), with the
-gap: parity means async within 0.02 of sync. The arms run in `--repeats` pairs, back to back with their order
-alternating (sync then async, async then sync, ...), since the machine may be shared: the ratio is the median of
-the paired ratios, the other figures the medians of each arm's runs. The last line (JSON) holds both arms' wall
-time (`sync_wall_s`, `async_wall_s`: the training loop) and reward (`sync_reward`, `async_reward`).
-
-What changed from the earlier version of this benchmark (which reported 4.9x): only its async arm had partial
-rollouts with straggler retry, a staleness bound of 3 (sync: 2) and 12 groups in flight, on an environment
-whose cost was all `sleep`, and no reward was compared. Now both arms share every one of those settings.
-
-Measured under load (2 cores shared with six other engineers' work, load average 12-17; one repeat, 16 steps,
-256 trained samples per arm):
-
-    compute_p = 0.2 (default): sync 80.3 s loop (205 s wall), reward 0.022; greedy 98.6 s loop (281 s wall),
-        reward 0.023 -> ratio 0.81x, reward gap +0.001 (parity)
-    compute_p = 0.0 (latency only): sync 12.2 s loop (71.9 s wall), reward 0.034; greedy 10.9 s loop (44.2 s
-        wall), reward 0.021 -> ratio 1.12x, reward gap -0.013 (parity)
-
-On a saturated machine the compute-bound scorings cannot overlap anything (no core is free), and the async arm's
-extra groups in flight add CPU work at the same moments, so asynchrony loses; the ratio is the figure to take
-on an idle machine, where the latency-bound share overlaps training.
-
-With the calibrated regime (below), measured under the same kind of load (load average 16-22; 20 steps):
-calibration: generation = 0.011 s + 63.9 x median_s per step, training 0.41 s -> median_s 0.0062; sync 20.4 s
-loop (135.0 s wall), reward 0.011, per step training 0.39 s and generation 0.44 s, trainer waiting 55%;
-greedy 14.3 s loop (122.6 s wall), reward 0.013, trainer waiting 34% -> ratio 1.43x, reward gap +0.002
-(parity). An earlier 20-step run (load 18-19, median_s 0.0044) measured 1.21x, gap -0.004: on a saturated
-machine the generation that overlaps training competes with it for the cores.
-
-Measured on the idle 2-core machine (load < 1), 20 steps, 3 interleaved repeats, `--model qwen3-tiny --seq-len 64
---max-tokens 16` (the default `qwen3-test` with 8 tokens trains in 0.05 s a step, where fixed per-step costs
-dominate: 1.23x): calibration generation = 0.002 s + 4.11 x median_s, checked at 0.0498 (generation 0.42 s vs
-training 0.21 s) -> median_s 0.0247; sync 10.4 s loop per arm (training 0.19 s, generation 0.29 s, orchestrator
-waiting 0.24 s for each step's weights), greedy 6.6 s (trainer waiting 21-25%) -> ratio 1.57x (repeats 1.37x,
-1.73x, 1.58x), reward 0.026 vs 0.021 (parity, but 20 steps barely move this task's reward in either arm).
-Again idle, a later sitting, the same flags, with the calibration refined until generation is within 10% of
-training (median_s 0.0139: sync generation 0.15-0.18 s against training 0.16-0.19 s): sync 8.1 s loop, greedy 6.4 s
-(repeats 5.7, 8.5, 6.4) -> 1.27x, reward 0.034 vs 0.020 (parity within 0.02). The async arm's trainer computes
-0.18-0.21 s a step against the sync arm's 0.16-0.19 (the engine, the orchestrator and the compute-bound scorings
-run beside it on the two cores) and its generation varies with the stragglers (0.15-0.30 s): balancing the two
-phases does not buy the ideal 2x on two cores, and the spread between repeats (1.37x-1.73x before) is as large as
-the gap to the 1.6 target.
-
-With the paired measurement (5 pairs, order alternating; idle, same flags, calibration median_s 0.0166: sync
-generation 0.17-0.19 s against training 0.16-0.17 s): paired ratios 1.62, 1.29, 1.34, 1.26, 1.52 -> median 1.34x
-(sync 7.8 s loop, greedy 5.8 s, trainer waiting 56% against 26%), reward 0.027 vs 0.023 (parity); the whole
-command 20.5 s against 12.5 s (1.64x). Where the time goes (per-process CPU seconds read from /proc over the 19
-timed steps of one run per arm): greedy 5.4 s of loop used 8.97 CPU-s (engine 2.22, trainer 3.38, orchestrator
-3.37, almost all of it the environment's hashing), 1.66 of the 2 cores; the sync run's 8.2 s used 14.84 (its
-orchestrator 10.26). The environment's CPU share varies more between runs than anything else: 0.6% of the
-scorings are compute-bound stragglers of up to ~8 CPU-s each (that sync run drew three: 7.8, 5.6 and 2.3 s, 19.5
-CPU-s of hashing in all, against 3.2 in the greedy run with none), and one of them takes a core for most of a
-20-step loop. That, and not the scheduling, is the spread between pairs; and the asynchronous arm already keeps
-the two cores five-sixths busy, which leaves 1.6x out of reach here. The sync runs' ~7 s more of whole-command
-time was their orchestrator's exit waiting for such a straggler's thread, abandoned with the run's last step:
-arbor.runloop now gives a busy worker thread 2 s, then exits without it (a sync run since: 15.5 s whole command
-against 20.5-22.9 s, its orchestrator done 2 s before the fleet stopped, two threads left behind).
+of the environment's cost for free. The trainer and the engine get one thread each: each side then leaves a
+core idle while the other works, as a cluster's trainer and inference GPUs idle in turn in a synchronous run.
 
 The regime is chosen by measurement. Asynchrony can at best hide the shorter of generation and training behind
-the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal, 1 + short/long
-otherwise), so a benchmark whose environment waits far longer than the trainer computes measures nothing but
-the environment. Unless `--median-s` is given, two short sync calibration runs (no environment latency, and the
-environment's `median_s`) measure the trainer's time per step (compute and publish) and fit the orchestrator's
-generation time per step as the fleet's fixed share plus the environment's, proportional to `median_s`; the
-latency scale is set so that generation takes about as long as training (refined by up to
-`--calibration-checks` short runs, interpolating between the measured points, until generation is within
-`--balance` of training, since stragglers make generation time non-linear in `median_s`), and both arms then run
-with that one environment. Each arm also reports how much its trainer waited for rollouts (`trainer_wait_frac`) and
-its orchestrator for weights (`weights_wait_s`, median per step): an async arm that overlaps has a trainer that
-rarely waits.
+the longer (a sync step takes their sum, an async one their maximum: 2x when they are equal), so unless
+`--median-s` is given, short sync calibration runs (no environment latency, then the environment's `median_s`)
+fit the orchestrator's generation time per step as the fleet's fixed share plus the environment's, and set the
+latency scale so that generation takes about as long as training (refined by up to `--calibration-checks` runs,
+interpolating between measured points, until within `--balance`); both arms then run with that environment.
+
+Reported: the wall-clock ratio sync / async of the training loop (the sum of the trainer's `time/step` after the
+first step, whose wait holds the other processes' start-up) and of the whole `rl` command, and the reward each
+arm reached (mean `reward/mean` of its last `--tail` steps), with the gap: parity means async within 0.02 of
+sync. The arms run in `--repeats` pairs, back to back with their order alternating, since the machine may be
+shared: the ratio is the median of the paired ratios, the other figures the medians of each arm's runs. Each
+arm also reports its per-step training and generation time, how much its trainer waited for rollouts
+(`trainer_wait_frac`), its orchestrator's wait for weights, and the CPU seconds each of its processes spent
+over the loop (/proc, `cpu_*_s`). From the latter comes `cpu_ceiling`: the largest ratio any schedule could
+reach on this machine given the async arm's own work, its CPU seconds spread over every core (and never below
+its trainer's, one process on the critical path). The last line (JSON) holds both arms' wall time
+(`sync_wall_s`, `async_wall_s`: the training loop), reward (`sync_reward`, `async_reward`) and the ceiling.
+
+Measured on the idle 2-core machine, `--model qwen3-tiny --seq-len 64 --max-tokens 16` (the default `qwen3-test`
+trains in 0.07 s a step, where fixed per-step costs dominate: 1.28x with 50 ms handoff polls), 20 steps, 5
+pairs, median_s 0.0174:
+
+    sync 11.1 s loop (0.58 s a step: training 0.25, generation 0.27, trainer waiting 50%), reward 0.022;
+    greedy 8.7 s (trainer waiting 12-23%), reward 0.023 -> 1.22x (pairs 1.07-1.57x), gap +0.001 (parity);
+    CPU per step: sync 0.95 CPU-s (1.62 of 2 cores busy), greedy 0.67 (trainer 0.25, inference 0.21,
+    orchestrator 0.23, nearly all of it the environment's hashing) -> cpu_ceiling 1.50x.
+    Another invocation the same day, whose runs polled the handoffs at 5 ms or as now: 1.42x (1.10-1.62x).
+
+So the target (1.6x) is out of reach on two cores whatever the schedule: the environment's compute-bound share,
+which on a cluster runs in sandboxes on CPU nodes of its own, here takes the cores that asynchrony would fill
+(the sync arm already keeps 1.6 of the 2 busy). The spread between pairs comes from the environment's rare
+compute-bound stragglers (0.6% of scorings, up to ~8 CPU-s each, one of which takes a core for most of a loop).
 
     uv run python benchmarks/async_vs_sync.py [--model qwen3-test] [--seq-len 48] [--max-tokens 8] [--steps 20]
         [--repeats 5] [--async-mode greedy] [--median-s S]
@@ -90,16 +54,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import threading
 import tomllib
+from collections import Counter
 from pathlib import Path
 
 from arbor.monitor.metrics import read_jsonl
+from arbor.run_dir import trainer_metrics_path
 
 BATCH, GROUP = 16, 4
 ENV = "arbor.environments.skewed_latency:SkewedLatencyEnv"
@@ -135,19 +103,96 @@ def arm_args(mode: str, a: argparse.Namespace) -> list[str]:
     return []
 
 
+ROLES = {"arbor.trainer": "trainer", "arbor.inference.server": "inference", "arbor.orchestrator": "orchestrator"}
+"""Module in a process's command line -> the role its CPU time is counted under (the rest: "other")."""
+
+
+class CpuMeter:
+    """Samples the CPU time (user + system, from /proc) of a process and all its descendants every `interval`
+    seconds, by role, and keeps the samples taken at the trainer's first and last metrics rows: the CPU that each
+    process spent during the timed loop. Linux only; elsewhere `loop_cpu` is empty."""
+
+    def __init__(self, root: int, rows_path: Path, interval: float = 0.05) -> None:
+        self.root, self.rows_path, self.interval = root, rows_path, interval
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.roles: dict[int, str] = {}
+        self.samples: list[tuple[int, Counter]] = []  # (trainer rows written, CPU seconds by role)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "CpuMeter":
+        if Path("/proc/self/stat").exists():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                rows = self.rows_path.read_bytes().count(b"\n")
+            except OSError:
+                rows = 0
+            self.samples.append((rows, self._cpu()))
+
+    def _cpu(self) -> Counter:
+        children: dict[int, list[int]] = {}
+        stats: dict[int, list[str]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(entry)] = fields
+                children.setdefault(int(fields[1]), []).append(int(entry))
+        cpu: Counter = Counter()
+        todo = [self.root]
+        while todo:
+            pid = todo.pop()
+            todo.extend(children.get(pid, []))
+            if pid not in stats:
+                continue
+            if pid not in self.roles:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                self.roles[pid] = next((r for m, r in ROLES.items() if m in cmd), "other")
+            cpu[self.roles[pid]] += (int(stats[pid][11]) + int(stats[pid][12])) / self.tick
+        return cpu
+
+    def loop_cpu(self, first_row: int, last_row: int) -> dict[str, float]:
+        """CPU seconds by role between the first samples that saw `first_row` and `last_row` trainer rows."""
+        start = next((c for n, c in self.samples if n >= first_row), None)
+        end = next((c for n, c in self.samples if n >= last_row), None)
+        if start is None or end is None:
+            return {}
+        return {role: round(end[role] - start.get(role, 0.0), 3) for role in end}
+
+
 def run(out: Path, steps: int, mode: str, args: list[str], tail: int) -> dict:
     argv = [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), "--max-steps", str(steps), *BASE,
             "--orchestrator.scheduler.mode", mode, *args]
     shutil.rmtree(out, ignore_errors=True)  # a kept directory from an earlier invocation
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with CpuMeter(proc.pid, trainer_metrics_path(out)) as meter:
+        _, stderr = proc.communicate(timeout=1800)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{mode} run failed:\n{stderr[-3000:]}")
     rows = read_jsonl(out / "metrics.jsonl")
     # The first step's wait holds the other processes' start-up: the loop is timed from its end.
     later = rows[1:] or rows
+    # The CPU of the same loop: from the trainer's first row (step 0 done) to its last.
+    cpu = meter.loop_cpu(1, len(rows))
     return {"wall_s": wall, "loop_s": sum(r["time/step"] for r in rows[1:]), "steps": len(rows),
+            "cpu_s": round(sum(cpu.values()), 3), "cpu_trainer_s": cpu.get("trainer", 0.0),
+            "cpu_inference_s": cpu.get("inference", 0.0), "cpu_orchestrator_s": cpu.get("orchestrator", 0.0),
             "samples": len(rows) * BATCH,
             "reward": statistics.fmean(r["reward/mean"] for r in rows[-tail:]),
             "staleness_max": max(r["staleness/max"] for r in rows),
@@ -265,19 +310,38 @@ def main() -> None:
     sync, asyn = median_of(arms["sync"]), median_of(arms["async"])
     # The median of the paired ratios: single 6-9 s loops on this shared VM vary by +-20% between repeats.
     ratio = statistics.median(s["loop_s"] / x["loop_s"] for s, x in zip(arms["sync"], arms["async"]))
+    ceiling = cpu_ceiling(arms["sync"], arms["async"])
     gap = asyn["reward"] - sync["reward"]
     print(f"sync: {sync['loop_s']:.1f}s loop ({sync['wall_s']:.1f}s wall), reward {sync['reward']:.3f} | "
           f"{a.async_mode}: {asyn['loop_s']:.1f}s loop ({asyn['wall_s']:.1f}s wall), reward {asyn['reward']:.3f} | "
-          f"median paired ratio {ratio:.2f}x, reward gap {gap:+.3f} over {sync['samples']:.0f} trained samples each")
+          f"median paired ratio {ratio:.2f}x, reward gap {gap:+.3f} over {sync['samples']:.0f} trained samples each",
+          flush=True)
+    if ceiling is not None:
+        print(f"CPU: sync {sync['cpu_s'] / sync['loop_s']:.2f} cores busy, {a.async_mode} "
+              f"{asyn['cpu_s'] / asyn['loop_s']:.2f} of {CORES}; the async arm's own CPU work on {CORES} cores "
+              f"allows at most {ceiling:.2f}x", flush=True)
     print(json.dumps({
         "benchmark": "async_vs_sync", "value": round(ratio, 3), "target": 1.6,
         "ok": ratio >= 1.6 and abs(gap) <= 0.02, "reward_gap": round(gap, 4), "reward_parity": abs(gap) <= 0.02,
+        "cpu_ceiling": None if ceiling is None else round(ceiling, 3), "cores": CORES,
         "wall_ratio_including_startup": round(sync["wall_s"] / asyn["wall_s"], 3), "async_mode": a.async_mode,
         "sync_wall_s": round(sync["loop_s"], 2), "async_wall_s": round(asyn["loop_s"], 2),
         "sync_reward": round(sync["reward"], 4), "async_reward": round(asyn["reward"], 4),
         "paired_ratios": [round(s["loop_s"] / x["loop_s"], 3) for s, x in zip(arms["sync"], arms["async"])],
         "sync": sync, "async": asyn, "steps": a.steps, "repeats": a.repeats, "env_args": a.env_args,
     }))
+
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_ceiling(sync: list[dict], asyn: list[dict]) -> float | None:
+    """The largest ratio any schedule could reach on this machine given the async arm's measured work: its
+    processes' CPU seconds over the loop, spread over every core, and never below its trainer's own (one
+    process, the critical path). The median over the pairs; None without /proc figures."""
+    bounds = [s["loop_s"] / max(x["cpu_s"] / CORES, x["cpu_trainer_s"])
+              for s, x in zip(sync, asyn) if x["cpu_s"] > 0]
+    return statistics.median(bounds) if bounds else None
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 
 from arbor.models.attention import position_ids_for
 from arbor.transport.batch import MicroBatch, StepBatch
-from arbor.run_dir import STABLE, latest_published, published_steps, rollout_rank_file as rank_file
+from arbor.run_dir import STABLE, latest_published, poll_interval, published_steps, rollout_rank_file as rank_file
 from arbor.transport.files import read_step, wait_for_step, write_step
 from arbor.transport.weights import publish_weights
 
@@ -85,3 +85,42 @@ def test_publish_weights_is_atomic_and_pruned(tmp_path):
     assert (tmp_path / "broadcasts" / "step_4" / STABLE).exists()
     (tmp_path / "broadcasts" / "step_9").mkdir()  # a directory without STABLE is invisible
     assert latest_published(tmp_path) == 4
+
+
+class FakeClock:
+    """`time.monotonic` and `time.sleep` for arbor.transport.files: sleeping advances the clock, and a callback
+    runs at a given time (a writer that finishes then)."""
+
+    def __init__(self, at: float, action) -> None:
+        self.now, self.at, self.action, self.sleeps = 100.0, 100.0 + at, action, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        before, self.now = self.now, self.now + seconds
+        if before < self.at <= self.now:
+            self.action()
+
+
+@pytest.mark.parametrize("appears_after", [0.003, 0.12, 0.4, 5.0])
+def test_wait_for_step_notices_a_file_within_a_tenth_of_the_wait(tmp_path, monkeypatch, appears_after):
+    """The handoff's poll grows with the wait (arbor.run_dir.poll_interval): a rollout file is seen at most ~10% of
+    the wait (at least 2 ms) after it appears, and past its first half second a wait looks 20 times a second."""
+    clock = FakeClock(appears_after, lambda: write_step(tmp_path, 2, [_batch(2, 8, 1)]))
+    monkeypatch.setattr("arbor.transport.files.time", clock)
+    batch = wait_for_step(tmp_path, 2, 0, timeout=60)
+    assert batch.step == 2
+    waited = clock.now - 100.0
+    assert appears_after <= waited <= max(appears_after * 1.1, appears_after + 0.002) + 1e-9
+    assert min(clock.sleeps) >= 0.002 and max(clock.sleeps) <= 0.05
+    if appears_after >= 5:
+        assert clock.sleeps[-1] == 0.05 and len(clock.sleeps) <= 20 * appears_after + 40  # ~35 looks ramping up
+
+
+def test_poll_interval_is_a_tenth_of_the_wait_within_bounds():
+    assert poll_interval(0.0) == 0.002
+    assert poll_interval(0.2) == pytest.approx(0.02)
+    assert poll_interval(3600.0) == 0.05
+    assert all(poll_interval(w) <= poll_interval(w + 0.01) for w in [i / 100 for i in range(100)])

@@ -1,12 +1,13 @@
 """Keeps the inference fleet on the newest published policy.
 
-A background task watches `broadcasts/` and, as soon as the trainer publishes a newer version, tells every
-server to load it (servers swap weights between decode steps, so in-flight requests continue and their later
-tokens carry the new version). `ensure(v)` blocks a step until the fleet serves version >= v: that is the
-scheduler's lag bound (`ensure(step - lag)`, arbor.orchestrator.scheduler). With `pause_generation`/`resume_generation` set (partial rollouts,
-`abort_on_weight_update`), running generations are aborted before each update and resumed after it. A LoRA run
-(`lora_name` set) loads each published adapter version through `/v1/load_lora_adapter` under that name instead
-of `/update_weights`: the base weights, and other runs' adapters on a shared fleet, stay as they are.
+A background task watches `broadcasts/` (as often as `arbor.run_dir.poll_interval` says, counting from the last
+version it loaded) and, as soon as the trainer publishes a newer version, tells every server to load it (servers
+swap weights between decode steps, so in-flight requests continue and their later tokens carry the new version).
+`ensure(v)` blocks a step until the fleet serves version >= v: that is the scheduler's lag bound
+(`ensure(step - lag)`, arbor.orchestrator.scheduler). With `pause_generation`/`resume_generation` set (partial
+rollouts, `abort_on_weight_update`), running generations are aborted before each update and resumed after it. A
+LoRA run (`lora_name` set) loads each published adapter version through `/v1/load_lora_adapter` under that name
+instead of `/update_weights`: the base weights, and other runs' adapters on a shared fleet, stay as they are.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from arbor.orchestrator.client import InferenceClient, InferenceError
-from arbor.run_dir import broadcast_dir, latest_published
+from arbor.run_dir import broadcast_dir, latest_published, poll_interval
 
 log = logging.getLogger("arbor.orchestrator.weights")
 
 
 class WeightSync:
-    def __init__(self, client: InferenceClient, output_dir: str | Path, loaded_version: int, poll: float = 0.05,
+    def __init__(self, client: InferenceClient, output_dir: str | Path, loaded_version: int,
                  lora_name: str | None = None) -> None:
-        self.client, self.output_dir, self.poll = client, Path(output_dir), poll
+        self.client, self.output_dir = client, Path(output_dir)
         self.lora_name = lora_name
         self.loaded_version = loaded_version
         self.updates = 0
@@ -50,6 +51,7 @@ class WeightSync:
             raise RuntimeError(f"weight update failed: {self.error}") from self.error
 
     async def _watch(self) -> None:
+        since = time.monotonic()  # when the newest version was loaded: the poll interval grows from there
         while True:
             newest = latest_published(self.output_dir)
             if newest is not None and newest > self.loaded_version:
@@ -77,7 +79,8 @@ class WeightSync:
                 log.info("inference serves policy version %d", newest)
                 self._changed.set()
                 self._changed = asyncio.Event()
-            await asyncio.sleep(self.poll)
+                since = time.monotonic()
+            await asyncio.sleep(poll_interval(time.monotonic() - since))
 
     async def ensure(self, version: int, timeout: float) -> float:
         """Waits until the fleet serves `version` or newer; returns the seconds waited."""

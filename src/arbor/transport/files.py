@@ -14,7 +14,7 @@ from pathlib import Path
 import safetensors.torch
 from safetensors.torch import save_file
 
-from arbor.run_dir import rollout_rank_file, write_atomic
+from arbor.run_dir import poll_interval, rollout_rank_file, write_atomic
 from arbor.transport.batch import StepBatch
 
 
@@ -36,15 +36,17 @@ def read_step(path: str | Path) -> StepBatch:
 
 
 def wait_for_step(
-    output_dir: str | Path, step: int, rank: int, timeout: float, poll: float = 0.05, alive=lambda: True
+    output_dir: str | Path, step: int, rank: int, timeout: float, alive=lambda: True
 ) -> StepBatch:
-    """Blocks until this rank's file for `step` exists; raises TimeoutError naming the file after `timeout` s."""
+    """Blocks until this rank's file for `step` exists, looking as often as `arbor.run_dir.poll_interval` says;
+    raises TimeoutError naming the file after `timeout` s."""
     path = rollout_rank_file(output_dir, step, rank)
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     while not path.exists():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - start > timeout:
             raise TimeoutError(f"no rollouts for step {step} after {timeout:.0f}s: {path} never appeared")
         if not alive():
             raise RuntimeError(f"stopped while waiting for {path}")
-        time.sleep(poll)
+        time.sleep(poll_interval(now - start))
     return read_step(path)
