@@ -91,10 +91,11 @@ def test_cpu_build_defaults_and_dry_run(monkeypatch) -> None:
     assert "VLLM_CPU_KVCACHE_SPACE" not in serve_env({}, cfg)
     monkeypatch.setattr(vllm_launch, "vllm_build", lambda: "cpu")
     line = dry_run_command(cfg)
-    assert line.startswith("VLLM_CPU_KVCACHE_SPACE=3 ", len("ARBOR_VLLM_VOCAB_SIZE=259 "))
+    prefix = "ARBOR_VLLM_FP32_ROUTER=1 ARBOR_VLLM_VOCAB_SIZE=259 "  # the router plugin's switch, the padding bound
+    assert line.startswith(prefix) and line.startswith("VLLM_CPU_KVCACHE_SPACE=3 ", len(prefix))
     assert "vllm.entrypoints.openai.api_server --model " in line
     # the preset's head (264 rows) outgrows the byte tokenizer (259 ids): the dry run shows the padding mask too
-    assert line.startswith("ARBOR_VLLM_VOCAB_SIZE=259 ") and f"--logits-processors {vllm_launch.PADDING_MASK}" in line
+    assert f"--logits-processors {vllm_launch.PADDING_MASK}" in line
     assert str(vllm_launch.materialized_path(cfg, False)) in line and "--enforce-eager" in line
     assert importlib.import_module("arbor.inference.vllm_worker").WeightUpdateExtension.__name__ in line
 

@@ -48,6 +48,10 @@ class VLLMConfig(Config):
     """KV-cache offloading to CPU memory: `--kv-offloading-backend`; None disables it."""
     kv_offloading_size: Float | None = Field(None, gt=0)
     """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
+    fp32_router: bool = True
+    """MoE gates compute fp32 router logits, as the trainer's and the local engine's do whatever the compute dtype
+    (arbor.inference.vllm_router, a vLLM plugin; off: vLLM's own choice, bf16 logits when serving bf16, whose
+    near-tied top-k choices then differ from the trainer's)."""
     worker_extension_cls: str = "arbor.inference.vllm_worker.WeightUpdateExtension"
     """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
     enable_lora: bool | None = None

@@ -37,6 +37,9 @@ PADDING_MASK = "arbor.inference.vllm_logits:PaddingRowsMask"
 """The logits processor that keeps vLLM off the head's padding rows (`--logits-processors`)."""
 VOCAB_ENV = "ARBOR_VLLM_VOCAB_SIZE"
 """Environment variable telling `PADDING_MASK` the tokenizer's id count (rows from it upwards are masked)."""
+FP32_ROUTER_ENV = "ARBOR_VLLM_FP32_ROUTER"
+"""Set to "1" where `inference.vllm.fp32_router` is on: the vLLM plugin arbor.inference.vllm_router then gives
+the served model's MoE gates fp32 logits, as the trainer's."""
 
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -157,12 +160,15 @@ def vllm_lora_rank(cfg: InferenceConfig) -> int:
 
 def serve_env(base: dict[str, str] | None = None, cfg: InferenceConfig | None = None, cpu: bool = False,
               vocab: int | None = None) -> dict[str, str]:
-    """The server's environment: vLLM's dev routes on, with the CPU build its KV space and thread binding, and
-    with `vocab` (the tokenizer's id count, below the head's rows) the bound of the padding mask."""
+    """The server's environment: vLLM's dev routes on, with the CPU build its KV space and thread binding, with
+    `vocab` (the tokenizer's id count, below the head's rows) the bound of the padding mask, and the switch of
+    the fp32 router plugin (arbor.inference.vllm_router)."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
     if vocab is not None:
         env[VOCAB_ENV] = str(vocab)
+    if (cfg or InferenceConfig()).vllm.fp32_router:
+        env[FP32_ROUTER_ENV] = "1"
     if cfg is not None and lora_enabled(cfg):
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     if cpu:
