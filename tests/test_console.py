@@ -112,10 +112,29 @@ def test_skewed_latency_compute_share_is_cpu_work_with_reverse_text_rewards() ->
     waits = SkewedLatencyEnv(median_s=0.001, sigma=0.0, min_len=2, max_len=4, num_tasks=50)
     burns = SkewedLatencyEnv(median_s=0.001, sigma=0.0, compute_p=1.0, min_len=2, max_len=4, num_tasks=50)
     task = waits.dataset(0)[0]
-    assert waits.cost(task, "x") == (pytest.approx(burns.cost(task, "x")[0]), False) and burns.cost(task, "x")[1]
+    assert waits.cost(task, 0) == (pytest.approx(burns.cost(task, 0)[0]), False) and burns.cost(task, 0)[1]
     tasks = waits.dataset(0)[:20]
-    share = sum(SkewedLatencyEnv(compute_p=0.3).cost(t, "y")[1] for t in tasks) / len(tasks)
+    share = sum(SkewedLatencyEnv(compute_p=0.3).cost(t, 1)[1] for t in tasks) / len(tasks)
     assert 0.0 < share < 1.0
     assert asyncio.run(burns.score(task, task["answer"])) == asyncio.run(waits.score(task, task["answer"]))
     with pytest.raises(ValueError, match="compute_p"):
         SkewedLatencyEnv(compute_p=1.5)
+
+
+def test_skewed_latency_costs_follow_the_task_and_its_scorings_not_the_completion(monkeypatch) -> None:
+    """Two runs that score the same tasks meet the same costs whatever their completions (common random
+    numbers for benchmarks/async_vs_sync.py): the k-th scoring of a task draws the k-th cost."""
+    waited: list[list[float]] = [[], []]
+    for run, completion in enumerate(("policy one wrote this", "another policy, another text")):
+        env = SkewedLatencyEnv(median_s=0.01, sigma=0.8, straggler_p=0.3, min_len=2, max_len=4, num_tasks=10)
+        monkeypatch.setattr("arbor.environments.skewed_latency.asyncio.sleep", _recorder(waited[run]))
+        for task in env.dataset(0)[:5]:
+            for _ in range(4):  # a group of four samples
+                asyncio.run(env.score(task, completion))
+    assert waited[0] == waited[1] and len(set(waited[0])) > 10
+
+
+def _recorder(out: list[float]):
+    async def sleep(seconds: float) -> None:
+        out.append(seconds)
+    return sleep

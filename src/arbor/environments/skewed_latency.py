@@ -2,8 +2,11 @@
 tool calls and sandboxes take seconds, used by `benchmarks/async_vs_sync.py` and the scheduler tests.
 
 Scoring a completion sleeps for a lognormal time whose median grows with the task's length (longer texts are
-the harder tasks here), and with probability `straggler_p` for `straggler_x` times as long. The draw is seeded
-by the task and the completion, so a rerun sees the same latencies. Rewards are exactly reverse_text's.
+the harder tasks here), and with probability `straggler_p` for `straggler_x` times as long. The k-th scoring of
+a task draws its cost from a generator seeded by the task and k, not by the completion: two runs that score
+the same tasks (the two arms of benchmarks/async_vs_sync.py, a rerun) meet the same costs, whatever their
+policies wrote (common random numbers: a comparison's spread then comes from the schedules, not from which run
+drew the rare compute-bound stragglers). Rewards are exactly reverse_text's.
 
 With `compute_p > 0`, that share of the scorings is compute-bound instead of latency-bound: the drawn time is
 spent as CPU time (hashing in a worker thread, which releases the GIL, like a verifier running tests), so it
@@ -40,10 +43,13 @@ class SkewedLatencyEnv(ReverseTextEnv):
             raise ValueError("need median_s >= 0, sigma >= 0, 0 <= straggler_p <= 1, straggler_x >= 1, 0 <= compute_p <= 1")
         self.median_s, self.sigma, self.straggler_p, self.straggler_x = median_s, sigma, straggler_p, straggler_x
         self.compute_p = compute_p
+        self.scorings: dict[str, int] = {}
+        """Scorings so far per task id: the next one's draw."""
 
-    def cost(self, task: Task, completion: str) -> tuple[float, bool]:
-        """Seconds that scoring takes, and whether they are CPU time (True) or waiting (False)."""
-        rng = random.Random(zlib.crc32(f"{task.get('id')}/{completion}".encode()))
+    def cost(self, task: Task, draw: int) -> tuple[float, bool]:
+        """Seconds that the `draw`-th scoring of `task` takes, and whether they are CPU time (True) or waiting
+        (False)."""
+        rng = random.Random(zlib.crc32(f"{task.get('id')}/{draw}".encode()))
         scale = len(task["text"]) / self.min_len  # harder (longer) tasks are slower
         seconds = rng.lognormvariate(math.log(max(self.median_s * scale, 1e-9)), self.sigma)
         if rng.random() < self.straggler_p:
@@ -51,7 +57,10 @@ class SkewedLatencyEnv(ReverseTextEnv):
         return seconds, rng.random() < self.compute_p
 
     async def score(self, task: Task, completion: str) -> dict[str, float]:
-        seconds, compute = self.cost(task, completion)
+        key = str(task.get("id"))
+        draw = self.scorings.get(key, 0)
+        self.scorings[key] = draw + 1
+        seconds, compute = self.cost(task, draw)
         if compute:
             await asyncio.to_thread(burn_cpu, seconds)
         else:
