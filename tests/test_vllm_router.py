@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from arbor.config.inference import InferenceConfig
-from arbor.inference.vllm_launch import FP32_ROUTER_ENV, serve_env
+from arbor.inference.vllm_launch import serve_env
+from arbor.inference.vllm_router import FP32_ROUTER_ENV
 
 PROBE = Path(__file__).with_name("vllm_router_probe.py")
 

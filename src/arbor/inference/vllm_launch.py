@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from arbor.config.inference import InferenceConfig, SpeculativeConfig
+from arbor.inference.vllm_router import FP32_ROUTER_ENV
 from arbor.models import PRESETS, build_tokenizer
 from arbor.models.hub import resolve_dir
 
@@ -37,9 +38,6 @@ PADDING_MASK = "arbor.inference.vllm_logits:PaddingRowsMask"
 """The logits processor that keeps vLLM off the head's padding rows (`--logits-processors`)."""
 VOCAB_ENV = "ARBOR_VLLM_VOCAB_SIZE"
 """Environment variable telling `PADDING_MASK` the tokenizer's id count (rows from it upwards are masked)."""
-FP32_ROUTER_ENV = "ARBOR_VLLM_FP32_ROUTER"
-"""Set to "1" where `inference.vllm.fp32_router` is on: the vLLM plugin arbor.inference.vllm_router then gives
-the served model's MoE gates fp32 logits, as the trainer's."""
 
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

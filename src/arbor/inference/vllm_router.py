@@ -13,8 +13,9 @@ keeps its choice, and a gate whose quantisation method quantises it keeps that (
 
 The plugin acts only in the vLLM servers arbor starts: `arbor.inference.vllm_launch.serve_env` sets
 `FP32_ROUTER_ENV` unless `inference.vllm.fp32_router = false`. An installed entry point is seen by every vLLM in
-the environment, and must change nothing in a `vllm serve` that arbor did not start. Nothing here imports vLLM
-until the plugin acts.
+the environment, and must change nothing in a `vllm serve` that arbor did not start; for the same reason the
+module stays light (the standard library only, and the arbor package's light `__init__`s), and imports vLLM and
+torch only once the plugin acts.
 """
 
 from __future__ import annotations
@@ -23,23 +24,26 @@ import functools
 import inspect
 import os
 
-import torch
-
-from arbor.inference.vllm_launch import FP32_ROUTER_ENV
+FP32_ROUTER_ENV = "ARBOR_VLLM_FP32_ROUTER"
+"""Set to "1" in a vLLM server's environment by arbor.inference.vllm_launch.serve_env where
+`inference.vllm.fp32_router` is on."""
 
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` hook: patches `GateLinear` in this process when FP32_ROUTER_ENV is "1"."""
     if os.environ.get(FP32_ROUTER_ENV) != "1":
         return
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear  # optional dependency
+    # Imported only now: vLLM loads this plugin in every process of every server in the environment.
+    import torch
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
-    fp32_gate_defaults(GateLinear)
+    fp32_gate_defaults(GateLinear, torch.float32)
 
 
-def fp32_gate_defaults(cls: type) -> None:
-    """Makes `cls.__init__` default `out_dtype` to float32 and `force_fp32_compute` to True where the caller
-    passed neither (module docstring). Idempotent: vLLM may load a plugin more than once in a process."""
+def fp32_gate_defaults(cls: type, fp32: object) -> None:
+    """Makes `cls.__init__` default `out_dtype` to `fp32` (torch.float32) and `force_fp32_compute` to True where
+    the caller passed neither (module docstring). Idempotent: vLLM may load a plugin more than once in a
+    process."""
     if getattr(cls, "_arbor_fp32_router", False):
         return
     init = cls.__init__
@@ -54,7 +58,7 @@ def fp32_gate_defaults(cls: type) -> None:
         named = signature.bind_partial(self, *args, **kwargs).arguments  # only what the caller passed
         del named[params[0].name]
         if named.get("out_dtype") is None:
-            named["out_dtype"] = torch.float32
+            named["out_dtype"] = fp32
         named.setdefault("force_fp32_compute", True)
         init(self, **named)
 
