@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,18 +44,25 @@ def test_hang_dumps_every_stack_and_stops_within_stall_timeout(tmp_path):
     res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     elapsed = time.monotonic() - t0
     assert res.returncode == 3, res.stderr + res.stdout
-    stacks = out / "logs" / "stacks"
     for name in ("inference", "orchestrator", "trainer_rank0"):
-        text = (stacks / f"{name}.txt").read_text()
-        assert "Thread 0x" in text or "Current thread" in text, (name, text)
+        text = _stack(out, name)
+        # faulthandler: "Thread 0x..." / "Current thread"; py-spy: "Thread <tid> (idle|active...)"
+        assert re.search(r"Thread 0x|Current thread|^Thread \d+ \((idle|active)", text, re.M), (name, text)
     # The orchestrator's dump shows where it hangs; the message names who waits on what.
-    assert "hang_env.py" in (stacks / "orchestrator.txt").read_text()
+    assert "hang_env.py" in _stack(out, "orchestrator")
     assert "orchestrator" in res.stderr and "generating and scoring step 0" in res.stderr
     assert "trainer_rank0" in res.stderr and "waiting for rollouts step 0" in res.stderr
     # stall_timeout + 30 s, plus up to 30 s for the inference server's start-up (the clock starts after it).
     assert elapsed < stall + 30 + 30, elapsed
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftovers, "processes outlived the launcher"
+
+
+def _stack(out: Path, name: str) -> str:
+    """A process's dump: py-spy's when py-spy is on PATH (the watchdog prefers it), else faulthandler's."""
+    stacks = out / "logs" / "stacks"
+    spy = stacks / f"{name}.py-spy.txt"
+    return (spy if spy.exists() else stacks / f"{name}.txt").read_text()
 
 
 def _sleeper(out: Path, name: str) -> subprocess.Popen:
