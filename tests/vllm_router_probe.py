@@ -2,7 +2,7 @@
 line, each MoE gate's output and weight dtypes and the largest difference between its logits on bf16 activations
 and the trainer's router logits (arbor.models.qwen3_moe: `F.linear(x.float(), w.float())`) on the weights it
 serves (the checkpoint's where the CPU build packed them away).
-Whether arbor's plugin acts is the caller's environment (arbor.inference.vllm_launch.FP32_ROUTER_ENV).
+Whether arbor's plugin acts is the caller's environment (arbor.inference.vllm_router.FP32_ROUTER_ENV).
 
     python tests/vllm_router_probe.py MODEL DTYPE
 """
