@@ -87,9 +87,31 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     assert rc != 0 and "--resume" in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_dead_inference_server_stops_the_run_naming_it(tmp_path):
+def test_a_killed_lone_inference_server_is_restarted_with_the_runs_weights(tmp_path):
+    """The orchestrator's requests wait for the restarted server, which gets the policy the run serves before
+    it answers one of them; no step is lost."""
     out = tmp_path / "run"
-    proc = _rl(out, "--max-steps", "200")
+    steps = 20
+    proc = _rl(out, "--max-steps", str(steps))
+    _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 3, 180, "three steps")
+    pids = subprocess.run(["pgrep", "-f", f"arbor.inference.server @ {out}"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    os.kill(int(pids[0]), signal.SIGKILL)
+    rc, stdout, stderr = _finish(proc, timeout=300)
+    assert rc == 0, stderr + stdout
+    assert "inference exited with code -9; restarting it" in stderr
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert rows[-1]["client/reconnects"] >= 1 and rows[0]["client/reconnects"] == 0
+    log = (out / "logs" / "orchestrator.log").read_text()
+    assert "came back at policy version 0: loaded version" in log, log[-3000:]
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, "processes outlived the launcher"
+
+
+def test_dead_inference_server_without_restarts_stops_the_run_naming_it(tmp_path):
+    out = tmp_path / "run"
+    proc = _rl(out, "--max-steps", "200", "--inference.restart-dead-replicas", "false")
     _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 1, 180, "the first step")
     pids = subprocess.run(["pgrep", "-f", f"arbor.inference.server @ {out}"], capture_output=True, text=True).stdout.split()
     assert pids, "inference process not found"

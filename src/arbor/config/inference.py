@@ -110,8 +110,6 @@ class RouterConfig(Config):
     """Other backends an idempotent request (completions) is retried on after a connection error or 5xx."""
     request_timeout: Seconds = Field(600.0, gt=0)
     """Seconds one forwarded request may take."""
-    restart_dead_replicas: bool = True
-    """Under `rl`: restart a replica process that died (the router re-admits it once healthy)."""
     backends: list[str] = []
     """Backend base URLs (the standalone `router` command); `rl` fills this in."""
     admin_token: AdminToken | None = Field(None, exclude=True)
@@ -169,6 +167,11 @@ class InferenceConfig(Config):
     """Servers `rl` starts; more than one puts the router in front of them (the orchestrator talks to it)."""
     replica: Ranks = Field(0, ge=0)
     """Index of this server among the replicas (`rl` sets it); places its workers in the NCCL weight group."""
+    restart_dead_replicas: bool = True
+    """Under `rl` and `fleet`: restart a replica process that died after it was ready (at most 3 times in 10
+    minutes), behind the router (which re-admits it once healthy) or alone (the orchestrator waits for it); its
+    current weights are loaded on it before it serves again. Off: the death ends the run unless other replicas
+    are alive."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()

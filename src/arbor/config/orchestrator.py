@@ -39,6 +39,9 @@ class ClientConfig(Config):
     """Seconds one generation request may take."""
     max_retries: Count = Field(3, ge=0)
     """Retries of a failed request (connection errors and 5xx) before the run fails."""
+    reconnect_timeout: Seconds = Field(600.0, gt=0)
+    """Seconds a request waits for a server that refuses or drops connections (its process died and is being
+    restarted) to answer /health again; the server then gets the fleet's current weights before it serves."""
 
 
 class AdvantageConfig(Config):

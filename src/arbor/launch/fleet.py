@@ -6,7 +6,7 @@ one) with `backend_slots` set, so that runs share the fleet by weight (arbor.inf
 router's URL to `<output_dir>/url` once it answers; then, every `metrics_interval` seconds, appends the router's
 fleet-wide and per-run figures (tokens, tokens/s, slot-seconds, utilisation) to `<output_dir>/fleet_usage.jsonl`,
 which `arbor-report <output_dir>` turns into the fleet's $/Mtok and utilisation. A dead replica is restarted as
-under `rl`; a dead router, or every replica dead at once, stops the fleet (exit 1).
+under `rl`; a dead router, or no replica left alive, stops the fleet (exit 1).
 
 Admin token: when the router or a server binds beyond loopback and the config gives none, one is generated and
 written to `<output_dir>/admin_token` (mode 0600): runs register with it (`ARBOR_FLEET_TOKEN`).
@@ -96,6 +96,7 @@ def serve(cfg: FleetConfig, conf: Path, sup: Supervisor) -> None:
         fleet.start(name)
     for name, backend in fleet.urls.items():
         wait_healthy(sup, backend, cfg.startup_timeout, name, fleet)
+        fleet.ready.add(name)
     sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
     url = url_of(cfg)
     wait_healthy(sup, url, cfg.startup_timeout, "router", fleet)

@@ -20,11 +20,15 @@ on a free port; the orchestrator scores each step's samples with it (`orchestrat
 its death stops the run like any child's.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
-the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only. The death of
-one replica is not fatal: the router ejects it and retries its requests elsewhere, and (with
-`inference.router.restart_dead_replicas`) the launcher restarts it on the same port, at most once per
-`RESTART_BACKOFF` seconds; the router re-admits it once healthy, after replaying the current weights. The run
-fails only when every replica is dead at once (with one replica, its death is fatal, as before).
+the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only.
+
+A replica that dies after it served is restarted on the same port (`inference.restart_dead_replicas`, on by
+default), at most once per `RESTART_BACKOFF` seconds: behind a router, which retries its requests elsewhere
+meanwhile and re-admits it once healthy after replaying the current weights; alone, the orchestrator's requests
+wait for it and the orchestrator loads the current weights on it before it serves (arbor.orchestrator.client).
+A replica that died `MAX_RESTARTS` times within `RESTART_WINDOW` seconds is not restarted again (it would only
+die again), and one that dies before it was first healthy is never restarted (a bad model, config or memory
+fails the same way each time). The run fails when no replica is left alive to serve.
 
 Admin token: when a server (an inference replica or the router) binds beyond loopback and the config gives no
 `admin_token`, `rl` generates one for the run. It reaches the servers and the orchestrator through their
@@ -90,6 +94,8 @@ def free_port() -> int:
 
 RESTART_BACKOFF = 5.0
 """Seconds between two restarts of the same dead replica."""
+MAX_RESTARTS, RESTART_WINDOW = 3, 600.0
+"""A replica restarted this many times within this many seconds is given up on."""
 
 
 def resolve(cfg: RLConfig) -> RLConfig:
@@ -191,9 +197,9 @@ def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
 
 
 class Fleet:
-    """The inference replicas: argv per replica, restarts of dead ones, failure when all are dead. One replica
-    without a router is `inference`; behind a router (`routed`, default: more than one replica) they are
-    `inference_<i>` on the router's backends. `cfg` is an `rl` or a `fleet` config."""
+    """The inference replicas: argv per replica, restarts of dead ones (module docstring), failure when none is
+    left. One replica without a router is `inference`; behind a router (`routed`, default: more than one replica)
+    they are `inference_<i>` on the router's backends. `cfg` is an `rl` or a `fleet` config."""
 
     def __init__(self, cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, routed: bool | None = None) -> None:
         self.sup = sup
@@ -208,35 +214,51 @@ class Fleet:
                          for i, url in enumerate(inf.router.backends)}
             self.urls = dict(zip(self.argv, inf.router.backends))
         self.env = token_env(cfg, ADMIN_TOKEN_ENV)
-        self.restart = len(self.argv) > 1 and inf.router.restart_dead_replicas
+        self.restart = inf.restart_dead_replicas
         self.last_start: dict[str, float] = {}
+        self.restarts: dict[str, list[float]] = {name: [] for name in self.argv}
+        """When each replica was restarted (monotonic seconds)."""
+        self.ready: set[str] = set()
+        """Replicas that answered /health since the launch: only those are restarted."""
         self.reported: set[str] = set()
-        self.deaths = 0
 
     def start(self, name: str) -> None:
         self.sup.start(name, self.argv[name], self.env)
         self.last_start[name] = time.monotonic()
 
     def on_death(self, name: str, rc: int, console: Console | None) -> None:
-        """Called while replica `name` is dead: fails when it was the last one, else restarts it (backed off)."""
-        alive = [n for n in self.argv if self.sup.children[n].poll() is None]
+        """Called while replica `name` is dead: restarts it (backed off) unless it may not be; fails when then no
+        replica is alive."""
         child = self.sup.children[name]
-        if len(self.argv) == 1:
-            raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
+        why_not = self.why_not_restart(name)
+        if why_not is None:
+            if time.monotonic() - self.last_start.get(name, 0.0) >= RESTART_BACKOFF:
+                self.restarts[name].append(time.monotonic())
+                if console is not None:
+                    console.say(f"rl: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True)
+                self.start(name)
+            return
+        alive = [n for n in self.argv if self.sup.children[n].poll() is None]
         if not alive:
+            what = (f"{name} exited with code {rc}" if len(self.argv) == 1 else
+                    f"all {len(self.argv)} inference replicas exited (last: {name}, code {rc})")
             logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
-            raise ChildFailed(f"all {len(self.argv)} inference replicas exited (last: {name}, code {rc}); see {logs}\n{tail(child.log_path)}")
+            raise ChildFailed(f"{what}{why_not}; see {logs}\n{tail(child.log_path)}")
+        if name not in self.reported and console is not None:
+            console.say(f"rl: {name} exited with code {rc}{why_not}; continuing with {len(alive)} replicas "
+                        f"(see {child.log_path})", err=True)
+        self.reported.add(name)
+
+    def why_not_restart(self, name: str) -> str | None:
+        """None when dead replica `name` is to be restarted, else why not (a clause for the message)."""
         if not self.restart:
-            if name not in self.reported and console is not None:
-                console.say(f"rl: {name} exited with code {rc}; continuing with {len(alive)} replicas (see {child.log_path})", err=True)
-            self.reported.add(name)
-            return
-        if time.monotonic() - self.last_start.get(name, 0.0) < RESTART_BACKOFF:
-            return
-        self.deaths += 1
-        if console is not None:
-            console.say(f"rl: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True)
-        self.start(name)
+            return ""
+        if name not in self.ready:
+            return " before it was ready (not restarted: it would fail the same way)"
+        recent = [t for t in self.restarts[name] if time.monotonic() - t < RESTART_WINDOW]
+        if len(recent) >= MAX_RESTARTS:
+            return f" after {len(recent)} restarts within {RESTART_WINDOW:.0f}s (not restarted again)"
+        return None
 
 
 def router_argv(cfg: RLConfig | FleetConfig, conf: Path) -> list[str]:
@@ -349,6 +371,7 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
             fleet = start_processes(cfg, conf, sup)
             for name, url in fleet.urls.items():
                 wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
+                fleet.ready.add(name)
         if cfg.teacher is not None and cfg.orchestrator.teacher is not None:
             wait_healthy(sup, str(cfg.orchestrator.teacher.url), cfg.inference_startup_timeout, "teacher",
                          on_wait=waits)

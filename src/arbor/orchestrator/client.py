@@ -16,6 +16,14 @@ its run in the `X-Arbor-Run` header (the inference router's `tenants` module); `
 published version through `/v1/load_lora_adapter`; and a choice that another adapter generated is an error,
 never a sample.
 
+A server that refuses or drops connections (its process died; `rl` restarts it), or answers 503 (a dead engine, a
+router with no backend left), is waited for, not counted out: its requests wait, up to `reconnect_timeout`
+seconds, until it answers /health with 200 again, and the first of them starts the recovery that `catch_up`
+completes (WeightSync replays the policy the fleet serves) before any request reaches it; a restarted server
+therefore never serves the weights it started with. Each such wait still counts as one of a request's
+`max_retries`, so a server that keeps dying fails its requests in the end. Other servers in `base_urls` take the
+requests meanwhile.
+
 Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
 `abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls
 then return what was produced so far with `finish_reason == "abort"` (arbor.orchestrator.partial resumes them).
@@ -28,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -51,6 +60,17 @@ class InferenceError(RuntimeError):
         """The server's 4xx status when it rejected the request itself; None for failures after retries."""
 
 
+RECONNECT_POLL = 0.5
+"""Seconds between two /health checks of an unreachable server."""
+
+
+def unreachable(e: BaseException) -> bool:
+    """True for a refused, reset or dropped connection (the server process is gone or restarting), not for a
+    slow answer: a timeout is an ordinary failed attempt."""
+    gone = isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))  # payload: cut mid-answer
+    return gone and not isinstance(e, asyncio.TimeoutError)
+
+
 @dataclasses.dataclass
 class Completion:
     token_ids: list[int]
@@ -67,7 +87,7 @@ class Completion:
 class InferenceClient:
     def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor",
                  admin_urls: list[str] | None = None, admin_token: SecretStr | None = None,
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None, reconnect_timeout: float = 600.0) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
         self.base_urls = [u.rstrip("/") for u in base_urls]
@@ -80,6 +100,14 @@ class InferenceClient:
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._session: aiohttp.ClientSession | None = None
         self.retries = 0
+        self.reconnect_timeout = reconnect_timeout
+        self.reconnects = 0
+        """Servers that came back after being unreachable (a restarted process), for the run's metrics."""
+        self._down: dict[str, asyncio.Task[None]] = {}
+        """Unreachable servers -> their recovery (wait for /health, then `catch_up`); requests to them await it."""
+        self.catch_up: Callable[[str, int], Awaitable[None]] | None = None
+        """Brings a server that came back (its URL, the policy version its /health reports) to the fleet's state
+        before it serves again; its calls pass `gate=False`. Set by WeightSync."""
 
     async def __aenter__(self) -> "InferenceClient":
         conn = aiohttp.TCPConnector(limit=0)  # concurrency is bounded by the orchestrator, not the pool
@@ -87,15 +115,24 @@ class InferenceClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
+        for task in list(self._down.values()):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
     async def _post(self, path: str, body: dict[str, Any], url: str | None = None,
-                    headers: dict[str, str] | None = None) -> dict[str, Any]:
+                    headers: dict[str, str] | None = None, gate: bool = True) -> dict[str, Any]:
+        """POSTs to `url`, or to the next reachable server of `base_urls`, retrying as the module docstring says.
+        `gate=False` (a recovery's own calls) neither waits for a recovery nor starts one."""
         assert self._session is not None, "use InferenceClient as an async context manager"
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
-            base = url or self.base_urls[next(self._next)]
+            base = url or self._pick()
+            if gate and base in self._down:
+                # Shielded: a waiter cancelled (its group's timeout, the run's end) must not cancel the recovery
+                # that the other waiters share. Raises when the server did not come back in time.
+                await asyncio.shield(self._down[base])
+            gone = False  # the server process is gone: wait for its return, not a backoff
             try:
                 async with self._session.post(base + path, json=body, headers=headers) as resp:
                     data = await resp.json(content_type=None)
@@ -105,13 +142,73 @@ class InferenceClient:
                     if resp.status < 500:
                         raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}", resp.status)
                     last = InferenceError(f"{base}{path} failed ({resp.status}): {message}")
+                    if gate and resp.status == 503:  # a dead engine, or a router with no backend: wait for /health
+                        self._recover(base)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 last = e
+                gone = gate and unreachable(e)
+                if gone:
+                    self._recover(base)
             if attempt < self.max_retries:
                 self.retries += 1
                 log.warning("request to %s%s failed (%s); retry %d/%d", base, path, last, attempt + 1, self.max_retries)
-                await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+                if not gone:
+                    await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
         raise InferenceError(f"{path} failed after {self.max_retries + 1} attempts: {last}")
+
+    def _pick(self) -> str:
+        """The next server in rotation that is not recovering; when all are, the next one (then waited for)."""
+        for _ in range(len(self.base_urls)):
+            base = self.base_urls[next(self._next)]
+            if base not in self._down:
+                return base
+        return self.base_urls[next(self._next)]
+
+    def _recover(self, base: str) -> None:
+        """Starts the recovery of `base` unless one is under way."""
+        if base in self._down:
+            return
+        task = asyncio.create_task(self._await_return(base))
+        self._down[base] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._down.get(base) is t:
+                del self._down[base]
+            if not t.cancelled():
+                t.exception()  # retrieved: a recovery nobody waited for must not log "exception never retrieved"
+
+        task.add_done_callback(done)
+
+    async def _await_return(self, base: str) -> None:
+        """Waits until `base` answers /health again, then runs `catch_up` on it before requests reach it."""
+        log.warning("inference server %s is unreachable: waiting up to %.0fs for it to come back", base,
+                    self.reconnect_timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_timeout
+        while (version := await self._health(base)) is None:
+            if loop.time() > deadline:
+                raise InferenceError(f"inference server {base} was unreachable for {self.reconnect_timeout:.0f}s "
+                                     "(orchestrator.client.reconnect_timeout)")
+            await asyncio.sleep(RECONNECT_POLL)
+        if self.catch_up is not None:
+            await self.catch_up(base, version)
+        self.reconnects += 1
+        log.warning("inference server %s is back (it reports policy version %d)", base, version)
+
+    async def _health(self, base: str) -> int | None:
+        """The policy version `base`'s /health reports (0 when it reports none, as vLLM's), None while it is not
+        healthy (no answer, or a 5xx). An API without /health (a 4xx) counts as answering, with version 0."""
+        assert self._session is not None
+        try:
+            async with self._session.get(base + "/health", headers=self._headers,
+                                         timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status >= 500:
+                    return None
+                data = await r.json(content_type=None) if r.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        version = data.get("policy_version", 0) if isinstance(data, dict) else 0
+        return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
     async def generate(
         self,
@@ -164,19 +261,26 @@ class InferenceClient:
             out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""), choice.get("finish_reason", ""), routes))
         return out
 
-    async def update_weights(self, path: str, version: int) -> None:
-        """Loads a published weights directory on every server (each pauses, swaps, resumes)."""
+    async def update_weights(self, path: str, version: int, urls: list[str] | None = None,
+                             gate: bool = True) -> None:
+        """Loads a published weights directory on every server (each pauses, swaps, resumes), or on `urls` only
+        (a recovery's replay, which leaves the fleet's version as it is)."""
         body = {"path": path, "version": version}
-        await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers) for u in self.admin_urls))
-        self.policy_version = max(self.policy_version, version)
+        await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers, gate)
+                               for u in urls or self.admin_urls))
+        if urls is None:
+            self.policy_version = max(self.policy_version, version)
 
-    async def load_adapter(self, name: str, path: str, version: int) -> None:
-        """Loads (or replaces in place) LoRA adapter `name` from a published directory on every server."""
+    async def load_adapter(self, name: str, path: str, version: int, urls: list[str] | None = None,
+                           gate: bool = True) -> None:
+        """Loads (or replaces in place) LoRA adapter `name` from a published directory on every server, or on
+        `urls` only (as `update_weights`)."""
         # Absolute: a shared fleet's servers run in a directory of their own.
         body = {"lora_name": name, "lora_path": os.path.abspath(path), "load_inplace": True, "version": version}
-        await asyncio.gather(*(self._post("/v1/load_lora_adapter", body, u, self._admin_headers)
-                               for u in self.admin_urls))
-        self.policy_version = max(self.policy_version, version)
+        await asyncio.gather(*(self._post("/v1/load_lora_adapter", body, u, self._admin_headers, gate)
+                               for u in urls or self.admin_urls))
+        if urls is None:
+            self.policy_version = max(self.policy_version, version)
 
     async def abort_requests(self, request_ids: list[str] | None) -> None:
         """Finishes these requests (None: every request) on every server in `admin_urls` (a router fans out)."""

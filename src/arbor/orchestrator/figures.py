@@ -120,6 +120,7 @@ class StepFigures:
             "policy_version": weights.loaded_version if weights is not None else -1,
             "weights/updates": weights.updates if weights is not None else 0,
             "client/retries": client.retries if client is not None else 0,
+            "client/reconnects": client.reconnects if client is not None else 0,
             "time/generate": times.generate,
             "time/wait_weights": times.wait_weights,
             "time/orchestrator_step": times.step,

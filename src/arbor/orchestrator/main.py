@@ -131,7 +131,7 @@ class Orchestrator:
         lora = cfg.model.lora.adapter_name(cfg.output_dir) if cfg.model.lora is not None else None
         async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries,
                                    admin_urls=cfg.client.admin_urls, admin_token=cfg.client.admin_token,
-                                   adapter=lora) as client:
+                                   adapter=lora, reconnect_timeout=cfg.client.reconnect_timeout) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout),
                                  lora_name=lora)
             client.policy_version = weights.loaded_version

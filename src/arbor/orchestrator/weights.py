@@ -8,6 +8,11 @@ swap weights between decode steps, so in-flight requests continue and their late
 rollouts, `abort_on_weight_update`), running generations are aborted before each update and resumed after it. A
 LoRA run (`lora_name` set) loads each published adapter version through `/v1/load_lora_adapter` under that name
 instead of `/update_weights`: the base weights, and other runs' adapters on a shared fleet, stay as they are.
+
+A server that was unreachable (a restarted process) is brought back to the policy the fleet serves before it
+serves again (`catch_up`, the client's recovery hook): the same version is loaded on it alone, or the newest
+published one when that directory was pruned meanwhile. Where that cannot be done (an NCCL transfer cannot be
+replayed to a late receiver) the server serves its own weights until the next update, and says so per token.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from arbor.orchestrator.client import InferenceClient, InferenceError
-from arbor.run_dir import broadcast_dir, latest_published, poll_interval
+from arbor.run_dir import broadcast_dir, latest_published, poll_interval, published_steps
 
 log = logging.getLogger("arbor.orchestrator.weights")
 
@@ -38,6 +43,8 @@ class WeightSync:
         """Optional (partial rollouts' abort_on_weight_update): awaited before each update; its result is
         passed to `resume_generation` after the update, whether it succeeded or not."""
         self.resume_generation: Callable[[Any], None] | None = None
+        self.initial_version = loaded_version
+        client.catch_up = self.catch_up
 
     async def run(self) -> None:
         try:
@@ -81,6 +88,31 @@ class WeightSync:
                 self._changed = asyncio.Event()
                 since = time.monotonic()
             await asyncio.sleep(poll_interval(time.monotonic() - since))
+
+    async def catch_up(self, url: str, version: int) -> None:
+        """Loads the fleet's policy on server `url`, which came back reporting policy `version` (module docstring).
+        A LoRA server reports its base model's version, so a loaded adapter is always replayed."""
+        target = self.loaded_version
+        behind = version < target if self.lora_name is None else target > self.initial_version
+        if not behind or url not in self.client.admin_urls:  # a router's backends are the router's to catch up
+            return
+        published = [v for v in published_steps(self.output_dir) if v >= target]
+        if not published:
+            log.warning("%s came back at policy version %d; no published version >= %d to load on it", url, version,
+                        target)
+            return
+        newest = target if target in published else published[-1]
+        path = str(broadcast_dir(self.output_dir, newest).resolve())
+        try:
+            if self.lora_name is not None:
+                await self.client.load_adapter(self.lora_name, path, newest, urls=[url], gate=False)
+            else:
+                await self.client.update_weights(path, newest, urls=[url], gate=False)
+        except InferenceError as e:
+            log.warning("%s came back at policy version %d and could not load version %d (%s): it serves its own "
+                        "weights until the next update, its tokens tagged with their version", url, version, newest, e)
+            return
+        log.warning("%s came back at policy version %d: loaded version %d on it", url, version, newest)
 
     async def ensure(self, version: int, timeout: float) -> float:
         """Waits until the fleet serves `version` or newer; returns the seconds waited."""

@@ -1,0 +1,102 @@
+"""The launcher's replica restarts (arbor.launch.rl.Fleet): a replica that dies after it was ready is restarted,
+alone or behind the router; one that never got ready, or keeps dying, is not; the run fails only when no
+replica is left alive. The processes are stand-ins that exit or sleep; the end-to-end run is in test_rl_e2e."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from arbor.config.rl import RLConfig
+from arbor.launch import rl
+from arbor.launch.process import Supervisor
+from arbor.launch.rl import ChildFailed, Fleet, resolve
+from arbor.run_dir import configs_dir
+
+DIE = [sys.executable, "-c", "import sys; sys.exit(3)"]
+LIVE = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rl, "RESTART_BACKOFF", 0.0)
+
+
+def _fleet(tmp_path: Path, replicas: int = 1, restart: bool = True, **argv: list[str]) -> Fleet:
+    cfg = resolve(RLConfig.model_validate({"output_dir": str(tmp_path / "run"), "inference": {
+        "replicas": replicas, "restart_dead_replicas": restart}}))
+    fleet = Fleet(cfg, configs_dir(cfg.output_dir), Supervisor(tmp_path / "logs", {}))
+    fleet.argv = {name: argv.get(name, DIE) for name in fleet.argv}
+    for name in fleet.argv:
+        fleet.start(name)
+    return fleet
+
+
+def _died(fleet: Fleet, name: str) -> None:
+    """Waits for `name` to exit and tells the fleet, as the launcher's poll loop does."""
+    rc = fleet.sup.children[name].proc.wait(timeout=30)
+    fleet.on_death(name, rc, None)
+
+
+def test_a_lone_replica_is_restarted_until_it_keeps_dying(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path)
+    try:
+        fleet.ready.add("inference")
+        first = fleet.sup.children["inference"]
+        for restarts in range(1, rl.MAX_RESTARTS + 1):
+            _died(fleet, "inference")
+            assert len(fleet.restarts["inference"]) == restarts
+        assert fleet.sup.children["inference"] is not first
+        with pytest.raises(ChildFailed, match=r"inference exited with code 3 after 3 restarts within 600s "
+                                              r"\(not restarted again\); see .*inference.log"):
+            _died(fleet, "inference")
+    finally:
+        fleet.sup.stop()
+
+
+def test_a_replica_that_dies_before_it_was_ready_is_not_restarted(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path)
+    try:
+        with pytest.raises(ChildFailed, match="inference exited with code 3 before it was ready"):
+            _died(fleet, "inference")
+        assert fleet.restarts["inference"] == []
+    finally:
+        fleet.sup.stop()
+
+
+def test_without_restarts_a_lone_replicas_death_ends_the_run(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path, restart=False)
+    try:
+        fleet.ready.add("inference")
+        with pytest.raises(ChildFailed, match=r"^inference exited with code 3; see .*inference.log"):
+            _died(fleet, "inference")
+    finally:
+        fleet.sup.stop()
+
+
+def test_behind_a_router_the_others_serve_while_one_is_given_up_on(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path, replicas=2, inference_1=LIVE)
+    try:
+        fleet.ready.update(fleet.argv)
+        for _ in range(rl.MAX_RESTARTS + 2):  # restarted 3 times, then left dead: no failure, one still serves
+            _died(fleet, "inference_0")
+        assert len(fleet.restarts["inference_0"]) == rl.MAX_RESTARTS and fleet.reported == {"inference_0"}
+        fleet.sup.children["inference_1"].signal_group(9)
+        with pytest.raises(ChildFailed, match=r"all 2 inference replicas exited \(last: inference_1, code -9\) "
+                                              r"before it was ready"):
+            fleet.ready.discard("inference_1")  # died during start-up, say: no restart, and no one left
+            _died(fleet, "inference_1")
+    finally:
+        fleet.sup.stop()
+
+
+def test_without_restarts_a_routed_fleet_continues_on_the_live_replicas(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path, replicas=2, restart=False, inference_1=LIVE)
+    try:
+        fleet.ready.update(fleet.argv)
+        _died(fleet, "inference_0")
+        assert fleet.reported == {"inference_0"} and fleet.restarts["inference_0"] == []
+    finally:
+        fleet.sup.stop()
