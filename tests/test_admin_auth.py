@@ -25,7 +25,7 @@ from arbor.config.rl import RLConfig
 from arbor.inference.router import Router
 from arbor.inference.server import BackgroundServer
 from arbor.launch.process import Supervisor
-from arbor.launch.rl import Fleet, resolve, token_env, write_configs
+from arbor.launch.rl import replica_servers, resolve, token_env, write_configs
 from arbor.models.hf import save_checkpoint_dir
 from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import broadcast_dir, broadcasts_root, configs_dir
@@ -208,7 +208,7 @@ def test_rl_generates_a_token_beyond_loopback_and_hands_it_over_the_environment(
     assert resolve(RLConfig.model_validate({"output_dir": str(tmp_path / "b"), "inference": {"host": "0.0.0.0"}})
                    ).inference.admin_token not in (None, token)  # one per run
     assert token_env(cfg, CLIENT_TOKEN_ENV) == {CLIENT_TOKEN_ENV: token.get_secret_value()}
-    fleet = Fleet(cfg, configs_dir(cfg.output_dir), Supervisor(tmp_path / "logs", {}))
+    fleet = replica_servers(cfg, configs_dir(cfg.output_dir), Supervisor(tmp_path / "logs", {}))
     assert fleet.env == {ADMIN_TOKEN_ENV: token.get_secret_value()}
     assert not any(token.get_secret_value() in " ".join(argv) for argv in fleet.argv.values())
 

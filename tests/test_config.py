@@ -67,6 +67,8 @@ def test_shared_fields_are_pushed_down_and_conflicts_fail(tmp_path):
         (["--max-steps", "many"], {}, r"^max_steps: "),
         (["--trainer.optim.lr"], {}, r"needs a value"),
         (["stray"], {}, r"unexpected argument 'stray'"),
+        (["--output-dir", ""], {}, r"^output_dir: the path is empty"),  # not ".": the run would fill the cwd
+        ([], {"ARBOR_MODEL__LORA__PATH": " "}, r"^model\.lora\.path: the path is empty"),
     ],
 )
 def test_bad_input_gives_one_line_naming_the_field(argv, env, pattern):

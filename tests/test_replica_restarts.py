@@ -1,6 +1,7 @@
-"""The launcher's replica restarts (arbor.launch.rl.Fleet): a replica that dies after it was ready is restarted,
-alone or behind the router; one that never got ready, or keeps dying, is not; the run fails only when no
-replica is left alive. The processes are stand-ins that exit or sleep; the end-to-end run is in test_rl_e2e."""
+"""The launcher's server restarts (arbor.launch.servers): a replica that dies after it was ready is restarted,
+alone or behind the router, and so is the distillation teacher; one that never got ready, or keeps dying, is
+not; the run fails only when none of a group is left alive. The processes are stand-ins that exit or sleep; the
+end-to-end run is in test_rl_e2e."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
-from arbor.launch import rl
-from arbor.launch.process import Supervisor
-from arbor.launch.rl import ChildFailed, Fleet, resolve
+from arbor.launch import servers
+from arbor.launch.process import ChildFailed, Supervisor
+from arbor.launch.rl import replica_servers, resolve, teacher_servers
+from arbor.launch.servers import Servers
 from arbor.run_dir import configs_dir
 
 DIE = [sys.executable, "-c", "import sys; sys.exit(3)"]
@@ -21,20 +24,20 @@ LIVE = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rl, "RESTART_BACKOFF", 0.0)
+    monkeypatch.setattr(servers, "RESTART_BACKOFF", 0.0)
 
 
-def _fleet(tmp_path: Path, replicas: int = 1, restart: bool = True, **argv: list[str]) -> Fleet:
+def _fleet(tmp_path: Path, replicas: int = 1, restart: bool = True, **argv: list[str]) -> Servers:
     cfg = resolve(RLConfig.model_validate({"output_dir": str(tmp_path / "run"), "inference": {
         "replicas": replicas, "restart_dead_replicas": restart}}))
-    fleet = Fleet(cfg, configs_dir(cfg.output_dir), Supervisor(tmp_path / "logs", {}))
+    fleet = replica_servers(cfg, configs_dir(cfg.output_dir), Supervisor(tmp_path / "logs", {}))
     fleet.argv = {name: argv.get(name, DIE) for name in fleet.argv}
     for name in fleet.argv:
         fleet.start(name)
     return fleet
 
 
-def _died(fleet: Fleet, name: str) -> None:
+def _died(fleet: Servers, name: str) -> None:
     """Waits for `name` to exit and tells the fleet, as the launcher's poll loop does."""
     rc = fleet.sup.children[name].proc.wait(timeout=30)
     fleet.on_death(name, rc, None)
@@ -45,7 +48,7 @@ def test_a_lone_replica_is_restarted_until_it_keeps_dying(tmp_path: Path) -> Non
     try:
         fleet.ready.add("inference")
         first = fleet.sup.children["inference"]
-        for restarts in range(1, rl.MAX_RESTARTS + 1):
+        for restarts in range(1, servers.MAX_RESTARTS + 1):
             _died(fleet, "inference")
             assert len(fleet.restarts["inference"]) == restarts
         assert fleet.sup.children["inference"] is not first
@@ -80,9 +83,9 @@ def test_behind_a_router_the_others_serve_while_one_is_given_up_on(tmp_path: Pat
     fleet = _fleet(tmp_path, replicas=2, inference_1=LIVE)
     try:
         fleet.ready.update(fleet.argv)
-        for _ in range(rl.MAX_RESTARTS + 2):  # restarted 3 times, then left dead: no failure, one still serves
+        for _ in range(servers.MAX_RESTARTS + 2):  # restarted 3 times, then left dead: no failure, one still serves
             _died(fleet, "inference_0")
-        assert len(fleet.restarts["inference_0"]) == rl.MAX_RESTARTS and fleet.reported == {"inference_0"}
+        assert len(fleet.restarts["inference_0"]) == servers.MAX_RESTARTS and fleet.reported == {"inference_0"}
         fleet.sup.children["inference_1"].signal_group(9)
         with pytest.raises(ChildFailed, match=r"all 2 inference replicas exited \(last: inference_1, code -9\) "
                                               r"before it was ready"):
@@ -100,3 +103,22 @@ def test_without_restarts_a_routed_fleet_continues_on_the_live_replicas(tmp_path
         assert fleet.reported == {"inference_0"} and fleet.restarts["inference_0"] == []
     finally:
         fleet.sup.stop()
+
+
+def test_the_distillation_teacher_is_restarted_like_a_lone_replica(tmp_path: Path) -> None:
+    cfg = load_config(RLConfig, ["--output-dir", str(tmp_path / "run"), "--trainer.loss.name", "distill",
+                                 "--teacher.model.name", "qwen3-tiny"], env={})
+    teacher = teacher_servers(resolve(cfg), configs_dir(cfg.output_dir), Supervisor(tmp_path / "logs", {}))
+    assert teacher is not None and list(teacher.urls) == ["teacher"] and teacher.restart
+    assert teacher.urls["teacher"] == str(cfg.orchestrator.teacher.url)
+    assert teacher.argv["teacher"][-1].endswith("teacher.toml")
+    teacher.argv["teacher"] = DIE
+    teacher.start("teacher")
+    try:
+        teacher.ready.add("teacher")
+        _died(teacher, "teacher")
+        assert len(teacher.restarts["teacher"]) == 1
+    finally:
+        teacher.sup.stop()
+    plain = load_config(RLConfig, ["--output-dir", str(tmp_path / "plain")], env={})
+    assert teacher_servers(resolve(plain), configs_dir(plain.output_dir), Supervisor(tmp_path / "logs", {})) is None

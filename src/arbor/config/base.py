@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 INT_MAX = 2**31 - 1
 """Largest count or step number (a 32-bit signed integer, which every consumer holds)."""
@@ -100,7 +100,15 @@ def _fits_filesystem(path: Path | None) -> Path | None:
     return path
 
 
-FilePath = Annotated[Path, AfterValidator(_fits_filesystem)]
+def _not_empty(value: object) -> object:
+    # pathlib reads "" as ".": an empty value (a shell variable that was never set) would put a run in the working
+    # directory, beside whatever files it holds.
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("the path is empty ('.' is the working directory)")
+    return value
+
+
+FilePath = Annotated[Path, BeforeValidator(_not_empty), AfterValidator(_fits_filesystem)]
 """A file or directory path that the filesystem could hold (whether it exists is preflight's question)."""
 
 

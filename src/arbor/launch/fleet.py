@@ -28,19 +28,19 @@ from arbor import run_dir
 from arbor.config.admin import ADMIN_TOKEN_ENV, is_loopback, new_admin_token
 from arbor.config.fleet import FleetConfig
 from arbor.config.loader import load_config, main_guard
-from arbor.launch.process import Supervisor
+from arbor.launch.process import ChildFailed, Supervisor
 from arbor.launch.rl import (
-    ChildFailed,
-    Fleet,
     Terminated,
     check_children,
     child_env,
     free_port,
     on_sigterm,
     record_timings,
+    replica_servers,
     router_argv,
     token_env,
     wait_healthy,
+    wait_ready,
 )
 from arbor.transport.router import parse_router_metrics, parse_run_metrics
 
@@ -91,21 +91,19 @@ def record_usage(cfg: FleetConfig, url: str) -> None:
 
 def serve(cfg: FleetConfig, conf: Path, sup: Supervisor) -> None:
     """Starts the replicas and the router, then watches them until a signal or a fatal death."""
-    fleet = Fleet(cfg, conf, sup, routed=True)
+    fleet = replica_servers(cfg, conf, sup, routed=True)
     for name in fleet.argv:
         fleet.start(name)
-    for name, backend in fleet.urls.items():
-        wait_healthy(sup, backend, cfg.startup_timeout, name, fleet)
-        fleet.ready.add(name)
+    wait_ready(sup, [fleet], cfg.startup_timeout)
     sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
     url = url_of(cfg)
-    wait_healthy(sup, url, cfg.startup_timeout, "router", fleet)
+    wait_healthy(sup, url, cfg.startup_timeout, "router", [fleet])
     run_dir.write_text_atomic(run_dir.fleet_url_path(cfg.output_dir), url + "\n")
     print(f"fleet: {cfg.model.name} on {len(fleet.argv)} replica(s) at {url}; runs join with "
           f"`rl @ run.toml --fleet {url}`; Ctrl-C stops it", flush=True)
     next_row = time.monotonic()
     while True:
-        check_children(sup, set(), may_finish=(), fleet=fleet)
+        check_children(sup, set(), may_finish=(), servers=[fleet])
         if time.monotonic() >= next_row:
             try:
                 record_usage(cfg, url)

@@ -15,6 +15,10 @@ from pathlib import Path
 from arbor.orphans import die_with_parent
 
 
+class ChildFailed(RuntimeError):
+    """A child process died where the run cannot go on without it (the launcher's error line)."""
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name, self.argv, self.log_path = name, argv, log_path

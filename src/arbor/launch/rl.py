@@ -17,7 +17,7 @@ throughput planner's estimates for the config instead (arbor.planner) and starts
 
 With a `[teacher]` section (on-policy distillation) one more inference server, `teacher`, serves the teacher model
 on a free port; the orchestrator scores each step's samples with it (`orchestrator.teacher.url` is set to it) and
-its death stops the run like any child's.
+it is restarted like a lone replica (below), under `teacher.restart_dead_replicas`.
 
 With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
 the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only.
@@ -44,7 +44,7 @@ import socket
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tomli_w import dumps
@@ -59,16 +59,13 @@ from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import run_checks
-from arbor.launch.process import Supervisor, tail
+from arbor.launch.process import ChildFailed, Supervisor, tail
+from arbor.launch.servers import Servers
 from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import truncate_jsonl
 from arbor.planner import plan, render
 from arbor.transport.router import use_vllm_router, vllm_router_argv
-
-
-class ChildFailed(RuntimeError):
-    pass
 
 
 class Stalled(RuntimeError):
@@ -92,10 +89,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RESTART_BACKOFF = 5.0
-"""Seconds between two restarts of the same dead replica."""
-MAX_RESTARTS, RESTART_WINDOW = 3, 600.0
-"""A replica restarted this many times within this many seconds is given up on."""
 
 
 def resolve(cfg: RLConfig) -> RLConfig:
@@ -196,69 +189,30 @@ def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
     ]
 
 
-class Fleet:
-    """The inference replicas: argv per replica, restarts of dead ones (module docstring), failure when none is
-    left. One replica without a router is `inference`; behind a router (`routed`, default: more than one replica)
-    they are `inference_<i>` on the router's backends. `cfg` is an `rl` or a `fleet` config."""
+def replica_servers(cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, routed: bool | None = None) -> Servers:
+    """The inference replicas. One replica without a router is `inference`; behind a router (`routed`, default:
+    more than one replica) they are `inference_<i>` on the router's backends. `cfg` is an `rl` or a `fleet`
+    config."""
+    base = [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "inference.toml")]
+    inf = cfg.inference
+    if not (inf.replicas > 1 if routed is None else routed):
+        assert isinstance(cfg, RLConfig)
+        argv, urls = {"inference": base}, {"inference": cfg.orchestrator.client.base_urls[0]}
+    else:
+        argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
+                for i, url in enumerate(inf.router.backends)}
+        urls = dict(zip(argv, inf.router.backends))
+    return Servers(sup, argv, urls, token_env(cfg, ADMIN_TOKEN_ENV), inf.restart_dead_replicas, "inference replicas")
 
-    def __init__(self, cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, routed: bool | None = None) -> None:
-        self.sup = sup
-        base = [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "inference.toml")]
-        inf = cfg.inference
-        if not (inf.replicas > 1 if routed is None else routed):
-            assert isinstance(cfg, RLConfig)
-            self.argv = {"inference": base}
-            self.urls = {"inference": cfg.orchestrator.client.base_urls[0]}
-        else:
-            self.argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
-                         for i, url in enumerate(inf.router.backends)}
-            self.urls = dict(zip(self.argv, inf.router.backends))
-        self.env = token_env(cfg, ADMIN_TOKEN_ENV)
-        self.restart = inf.restart_dead_replicas
-        self.last_start: dict[str, float] = {}
-        self.restarts: dict[str, list[float]] = {name: [] for name in self.argv}
-        """When each replica was restarted (monotonic seconds)."""
-        self.ready: set[str] = set()
-        """Replicas that answered /health since the launch: only those are restarted."""
-        self.reported: set[str] = set()
 
-    def start(self, name: str) -> None:
-        self.sup.start(name, self.argv[name], self.env)
-        self.last_start[name] = time.monotonic()
-
-    def on_death(self, name: str, rc: int, console: Console | None) -> None:
-        """Called while replica `name` is dead: restarts it (backed off) unless it may not be; fails when then no
-        replica is alive."""
-        child = self.sup.children[name]
-        why_not = self.why_not_restart(name)
-        if why_not is None:
-            if time.monotonic() - self.last_start.get(name, 0.0) >= RESTART_BACKOFF:
-                self.restarts[name].append(time.monotonic())
-                if console is not None:
-                    console.say(f"rl: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True)
-                self.start(name)
-            return
-        alive = [n for n in self.argv if self.sup.children[n].poll() is None]
-        if not alive:
-            what = (f"{name} exited with code {rc}" if len(self.argv) == 1 else
-                    f"all {len(self.argv)} inference replicas exited (last: {name}, code {rc})")
-            logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
-            raise ChildFailed(f"{what}{why_not}; see {logs}\n{tail(child.log_path)}")
-        if name not in self.reported and console is not None:
-            console.say(f"rl: {name} exited with code {rc}{why_not}; continuing with {len(alive)} replicas "
-                        f"(see {child.log_path})", err=True)
-        self.reported.add(name)
-
-    def why_not_restart(self, name: str) -> str | None:
-        """None when dead replica `name` is to be restarted, else why not (a clause for the message)."""
-        if not self.restart:
-            return ""
-        if name not in self.ready:
-            return " before it was ready (not restarted: it would fail the same way)"
-        recent = [t for t in self.restarts[name] if time.monotonic() - t < RESTART_WINDOW]
-        if len(recent) >= MAX_RESTARTS:
-            return f" after {len(recent)} restarts within {RESTART_WINDOW:.0f}s (not restarted again)"
+def teacher_servers(cfg: RLConfig, conf: Path, sup: Supervisor) -> Servers | None:
+    """On-policy distillation's teacher server, when the config has a `[teacher]` section to launch."""
+    if cfg.teacher is None or cfg.orchestrator.teacher is None:
         return None
+    token = token_value(cfg.teacher.admin_token)
+    argv = {"teacher": [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")]}
+    return Servers(sup, argv, {"teacher": str(cfg.orchestrator.teacher.url)},
+                   {} if token is None else {ADMIN_TOKEN_ENV: token}, cfg.teacher.restart_dead_replicas, "teachers")
 
 
 def router_argv(cfg: RLConfig | FleetConfig, conf: Path) -> list[str]:
@@ -282,34 +236,44 @@ def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> Non
     console.poll_sft()
 
 
-def start_run(cfg: RLConfig, conf: Path, sup: Supervisor, env: dict[str, str]) -> None:
-    """Starts the teacher server (on-policy distillation), the trainer and the orchestrator (the latter with `env`:
-    the admin token it sends)."""
-    if cfg.teacher is not None:  # on-policy distillation's teacher server
-        token = token_value(cfg.teacher.admin_token)
-        sup.start("teacher", [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")],
-                  {} if token is None else {ADMIN_TOKEN_ENV: token})
+def start_run(cfg: RLConfig, conf: Path, sup: Supervisor, env: dict[str, str]) -> Servers | None:
+    """Starts the teacher server (on-policy distillation; returned), the trainer and the orchestrator (the latter
+    with `env`: the admin token it sends)."""
+    teacher = teacher_servers(cfg, conf, sup)
+    if teacher is not None:
+        teacher.start("teacher")
     sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
     orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
     sup.start("orchestrator", orchestrator, {**env, **teacher_key_env(cfg)})
+    return teacher
 
 
-def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> Fleet:
-    """Starts the inference replicas, the trainer and the orchestrator at once: each builds its model while the
-    others start (the orchestrator waits for /health itself, the trainer needs nothing from the fleet)."""
-    fleet = Fleet(cfg, conf, sup)
+def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> list[Servers]:
+    """Starts the inference replicas, the teacher, the trainer and the orchestrator at once: each builds its model
+    while the others start (the orchestrator waits for /health itself, the trainer needs nothing from the fleet).
+    Returns the server groups: the replicas, then the teacher if any."""
+    fleet = replica_servers(cfg, conf, sup)
     for name in fleet.argv:
         fleet.start(name)
-    start_run(cfg, conf, sup, token_env(cfg, CLIENT_TOKEN_ENV))
-    return fleet
+    teacher = start_run(cfg, conf, sup, token_env(cfg, CLIENT_TOKEN_ENV))
+    return [fleet] if teacher is None else [fleet, teacher]
 
 
-def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", fleet: Fleet | None = None,
+def wait_ready(sup: Supervisor, servers: Sequence[Servers], timeout: float,
+               on_wait: Callable[[], None] | None = None) -> None:
+    """Waits for each server of each group to answer /health, then counts it as ready (restarted if it dies)."""
+    for group in servers:
+        for name, url in group.urls.items():
+            wait_healthy(sup, url, timeout, name, servers, on_wait)
+            group.ready.add(name)
+
+
+def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", servers: Sequence[Servers] = (),
                  on_wait: Callable[[], None] | None = None) -> None:
     """Polls `url`/health until it answers 200; calls `on_wait` between polls (the console's "waiting for")."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        check_children(sup, finished=set(), fleet=fleet)
+        check_children(sup, finished=set(), servers=servers)
         if on_wait is not None:
             on_wait()
         try:
@@ -323,7 +287,7 @@ def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inferen
 
 
 def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, ...] = ("trainer", "orchestrator", "sft"),
-                   fleet: Fleet | None = None, console: Console | None = None) -> None:
+                   servers: Sequence[Servers] = (), console: Console | None = None) -> None:
     for name, child in list(sup.children.items()):
         if name in finished:
             continue
@@ -333,8 +297,9 @@ def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, .
         if rc == 0 and name in may_finish:
             finished.add(name)
             continue
-        if fleet is not None and name in fleet.argv:
-            fleet.on_death(name, rc, console)
+        group = next((g for g in servers if name in g.argv), None)
+        if group is not None:
+            group.on_death(name, rc, console.say if console is not None else None)
             continue
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
 
@@ -363,26 +328,21 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
     try:
         if cfg.sft.steps and not (run_dir.sft_model_dir(cfg.output_dir) / "config.json").exists():
             warm_up(cfg, conf, sup, console)
-        if shared is not None:  # a run on a shared fleet: its trainer and orchestrator only
-            start_run(cfg, conf, sup, {CLIENT_TOKEN_ENV: shared.register()})
+        if shared is not None:  # a run on a shared fleet: its trainer, orchestrator (and teacher) only
+            teacher = start_run(cfg, conf, sup, {CLIENT_TOKEN_ENV: shared.register()})
             console.say(f"on fleet {cfg.fleet} as run {shared.name!r} (adapter {shared.name!r})")
-            fleet = None
+            servers = [] if teacher is None else [teacher]
         else:
-            fleet = start_processes(cfg, conf, sup)
-            for name, url in fleet.urls.items():
-                wait_healthy(sup, url, cfg.inference_startup_timeout, name, fleet, on_wait=waits)
-                fleet.ready.add(name)
-        if cfg.teacher is not None and cfg.orchestrator.teacher is not None:
-            wait_healthy(sup, str(cfg.orchestrator.teacher.url), cfg.inference_startup_timeout, "teacher",
-                         on_wait=waits)
-        if fleet is not None and cfg.inference.replicas > 1:
+            servers = start_processes(cfg, conf, sup)
+        wait_ready(sup, servers, cfg.inference_startup_timeout, on_wait=waits)
+        if shared is None and cfg.inference.replicas > 1:
             sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
-            wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", fleet,
+            wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", servers,
                          on_wait=waits)
         finished = {"sft"}
         watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:
-            check_children(sup, finished, fleet=fleet, console=console)
+            check_children(sup, finished, servers=servers, console=console)
             console.poll()
             waits()
             if watchdog.stalled(console.seen):

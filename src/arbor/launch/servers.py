@@ -1,0 +1,79 @@
+"""Inference servers the launcher keeps alive (the replicas, the distillation teacher), and when it restarts one.
+
+A server that dies after it was ready is restarted on the same port (`restart_dead_replicas` of its config, on
+by default), at most once per `RESTART_BACKOFF` seconds; its clients wait for it meanwhile (a router retries on
+the other replicas; the orchestrator's client holds the requests and loads the run's weights on it before they
+reach it, arbor.orchestrator.client). One that died `MAX_RESTARTS` times within `RESTART_WINDOW` seconds is not
+restarted again (it would only die again), and one that dies before it was first healthy is never restarted (a
+bad model, config or memory fails the same way each time). The run fails when none of a group is left alive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from arbor.launch.process import ChildFailed, Supervisor, tail
+
+RESTART_BACKOFF = 5.0
+"""Seconds between two restarts of the same dead server."""
+MAX_RESTARTS, RESTART_WINDOW = 3, 600.0
+"""A server restarted this many times within this many seconds is given up on."""
+
+Say = Callable[..., None]
+"""The console's `say(text, err=...)`: where a restart is announced."""
+
+
+class Servers:
+    """Servers the launcher keeps alive, by name: their argv and URL, restarts of dead ones (module docstring),
+    failure when none is left. `env` adds variables to each one's environment (its admin token); `plural` names
+    them in the message when all are dead."""
+
+    def __init__(self, sup: Supervisor, argv: dict[str, list[str]], urls: dict[str, str], env: dict[str, str],
+                 restart: bool, plural: str) -> None:
+        self.sup, self.argv, self.urls, self.env, self.plural = sup, argv, urls, env, plural
+        self.restart = restart
+        self.last_start: dict[str, float] = {}
+        self.restarts: dict[str, list[float]] = {name: [] for name in self.argv}
+        """When each server was restarted (monotonic seconds)."""
+        self.ready: set[str] = set()
+        """Servers that answered /health since the launch: only those are restarted."""
+        self.reported: set[str] = set()
+
+    def start(self, name: str) -> None:
+        self.sup.start(name, self.argv[name], self.env)
+        self.last_start[name] = time.monotonic()
+
+    def on_death(self, name: str, rc: int, console: Say | None) -> None:
+        """Called while server `name` is dead: restarts it (backed off) unless it may not be; fails when then none
+        of the group is alive."""
+        child = self.sup.children[name]
+        why_not = self.why_not_restart(name)
+        if why_not is None:
+            if time.monotonic() - self.last_start.get(name, 0.0) >= RESTART_BACKOFF:
+                self.restarts[name].append(time.monotonic())
+                if console is not None:
+                    console(f"rl: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True)
+                self.start(name)
+            return
+        alive = [n for n in self.argv if self.sup.children[n].poll() is None]
+        if not alive:
+            what = (f"{name} exited with code {rc}" if len(self.argv) == 1 else
+                    f"all {len(self.argv)} {self.plural} exited (last: {name}, code {rc})")
+            logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
+            raise ChildFailed(f"{what}{why_not}; see {logs}\n{tail(child.log_path)}")
+        if name not in self.reported and console is not None:
+            console(f"rl: {name} exited with code {rc}{why_not}; continuing with {len(alive)} of {len(self.argv)} "
+                    f"(see {child.log_path})", err=True)
+        self.reported.add(name)
+
+    def why_not_restart(self, name: str) -> str | None:
+        """None when dead server `name` is to be restarted, else why not (a clause for the message)."""
+        if not self.restart:
+            return ""
+        if name not in self.ready:
+            return " before it was ready (not restarted: it would fail the same way)"
+        recent = [t for t in self.restarts[name] if time.monotonic() - t < RESTART_WINDOW]
+        if len(recent) >= MAX_RESTARTS:
+            return f" after {len(recent)} restarts within {RESTART_WINDOW:.0f}s (not restarted again)"
+        return None
