@@ -50,6 +50,10 @@ def test_hang_dumps_every_stack_and_stops_within_stall_timeout(tmp_path):
         assert re.search(r"Thread 0x|Current thread|^Thread \d+ \((idle|active)", text, re.M), (name, text)
     # The orchestrator's dump shows where it hangs; the message names who waits on what.
     assert "hang_env.py" in _stack(out, "orchestrator")
+    # ... and its log said so long before the watchdog fired (arbor.loopwatch), naming the line.
+    log = (out / "logs" / "orchestrator.log").read_text()
+    assert re.search(r"the event loop has been blocked for 1\.\ds at .*score \(.*hang_env\.py:\d+\): "
+                     r"`time\.sleep\(3600\)", log), log[-2000:]
     assert "orchestrator" in res.stderr and "generating and scoring step 0" in res.stderr
     assert "trainer_rank0" in res.stderr and "waiting for rollouts step 0" in res.stderr
     # stall_timeout + 30 s, plus up to 30 s for the inference server's start-up (the clock starts after it).

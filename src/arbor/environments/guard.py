@@ -13,7 +13,8 @@ exception, reported in one line that names the call and the value, but not retri
 the same answer, and a multi-turn step may already have changed its state.
 
 A blocking (non-async) call cannot be cancelled by a timeout; environments must keep blocking work in threads
-or subprocesses (`asyncio.to_thread`), as the built-ins do.
+or subprocesses (`asyncio.to_thread`), as the built-ins do. One that does not is named in the orchestrator's log
+while it blocks, and counted in `time/loop_blocked` (arbor.loopwatch).
 """
 
 from __future__ import annotations

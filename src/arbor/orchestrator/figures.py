@@ -46,6 +46,8 @@ class StepTimes:
     """Seconds waiting for the fleet to serve the policy the step needs."""
     step: float
     """Seconds from the step's start to its batch on disk."""
+    loop_blocked: float = 0.0
+    """Seconds the event loop was blocked (by blocking code in a coroutine: arbor.loopwatch) during the step."""
 
 
 class StepFigures:
@@ -124,6 +126,7 @@ class StepFigures:
             "time/generate": times.generate,
             "time/wait_weights": times.wait_weights,
             "time/orchestrator_step": times.step,
+            "time/loop_blocked": times.loop_blocked,
             "epoch": self.source.sampler.epoch,
             **self.env_stats.figures(),
         }

@@ -39,6 +39,7 @@ import logging
 import time
 
 from arbor import runloop
+from arbor.loopwatch import LoopWatch
 from arbor.config.loader import load_config, main_guard
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import load_environment
@@ -97,6 +98,8 @@ class Orchestrator:
         self.matching = ConcurrencyController.from_config(cfg, self.policy)
         self._trainer_seen: int | None = None  # the trainer row the controller last read
         self._dropped_before = 0  # stale drops counted before the current step
+        self.watch = LoopWatch()
+        """Names blocking code on the event loop as it blocks (an environment's, typically); entered by `run`."""
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -106,6 +109,7 @@ class Orchestrator:
         polling = asyncio.create_task(poll_metrics(metrics))
         try:
             async with contextlib.AsyncExitStack() as stack:
+                await stack.enter_async_context(self.watch)
                 if self.teacher is not None:
                     await stack.enter_async_context(self.teacher)
                     await self.teacher.wait_ready()
@@ -207,7 +211,7 @@ class Orchestrator:
             await self.teacher.score([r for g in groups for r in g])
         self.writer.save_state(step, self.source)  # before the batch (arbor.orchestrator.step_writer)
         batches = self.writer.write(step, [r for g in groups for r in g])
-        times = StepTimes(gen_seconds, waited, time.perf_counter() - t0)
+        times = StepTimes(gen_seconds, waited, time.perf_counter() - t0, self.watch.take())
         figures = await self.figures.step(step, groups, batches, times, weights, client)
         if client is not None:  # decode speed and speculative acceptance over the step (local engines)
             figures.update(self.figures.decoding(await client.engine_counters()))
