@@ -1,4 +1,5 @@
-"""`rl` with two local inference replicas behind the built-in router: a killed replica does not fail the run."""
+"""`rl` with two local inference replicas behind the built-in router: neither a killed replica nor a killed router
+fails the run."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from test_rl_e2e import _finish, _rl, _wait_for
 pytestmark = pytest.mark.slow
 
 
-def test_two_replicas_survive_a_killed_one_and_take_it_back(tmp_path):
+def test_two_replicas_survive_a_killed_one_and_take_it_back_and_a_killed_router(tmp_path):
     out = tmp_path / "run"
     steps = 250  # long enough (~25 s even on an idle machine) for the restart and re-admission to happen mid-run
     proc = _rl(out, "--max-steps", str(steps), "--inference.replicas", "2", "--inference.router.eject-after", "3")
@@ -43,16 +44,24 @@ def test_two_replicas_survive_a_killed_one_and_take_it_back(tmp_path):
         except OSError:
             pass
         time.sleep(0.5)
+    # Then the router: the launcher restarts it on its port, and the orchestrator's requests wait for it.
+    lines = subprocess.run(["pgrep", "-af", f"arbor.inference.router @ {out}"], capture_output=True, text=True).stdout
+    routers = [int(line.split()[0]) for line in lines.splitlines()]
+    assert proc.poll() is None and len(routers) == 1, lines
+    before = len(read_jsonl(out / "metrics.jsonl"))
+    os.kill(routers[0], signal.SIGKILL)
     rc, stdout, stderr = _finish(proc, timeout=400)
     assert rc == 0, stderr + stdout
     assert "inference_1 exited with code -9; restarting it" in stderr
+    assert "router exited with code -9; restarting it" in stderr
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(steps))
-    last = rows[-1]
-    assert last["router/ejections"] >= 1, last
-    assert last["router/retries"] >= 1, last
+    assert before < steps, "the run ended before the router was killed"
+    # The router's counters start again with it: the replica's ejection and retry are in the rows before.
+    assert max(r["router/ejections"] for r in rows[:before]) >= 1
+    assert max(r["router/retries"] for r in rows[:before]) >= 1
     assert seen.get("readmissions", 0) >= 1, f"the restarted replica never came back into rotation: {seen}"
-    assert "router/readmissions" in last and last["router/backends_in_rotation"] in (1, 2)
+    assert rows[-1]["client/reconnects"] >= 1 and rows[-1]["router/backends_in_rotation"] in (1, 2)
     assert rows[0]["router/ejections"] == 0 and rows[0]["router/retries"] == 0
     leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftovers, "processes outlived the launcher"

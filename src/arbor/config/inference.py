@@ -170,8 +170,8 @@ class InferenceConfig(Config):
     restart_dead_replicas: bool = True
     """Under `rl` and `fleet`: restart a replica process that died after it was ready (at most 3 times in 10
     minutes), behind the router (which re-admits it once healthy) or alone (the orchestrator waits for it); its
-    current weights are loaded on it before it serves again. Off: the death ends the run unless other replicas
-    are alive."""
+    current weights are loaded on it before it serves again. Under `rl` the router is restarted too. Off: a death
+    ends the run unless other replicas are alive."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()

@@ -28,7 +28,8 @@ meanwhile and re-admits it once healthy after replaying the current weights; alo
 wait for it and the orchestrator loads the current weights on it before it serves (arbor.orchestrator.client).
 A replica that died `MAX_RESTARTS` times within `RESTART_WINDOW` seconds is not restarted again (it would only
 die again), and one that dies before it was first healthy is never restarted (a bad model, config or memory
-fails the same way each time). The run fails when no replica is left alive to serve.
+fails the same way each time). The run fails when no replica is left alive to serve. The router is restarted the
+same way (its restarted self finds the replicas as they are; the orchestrator's requests wait for it).
 
 Admin token: when a server (an inference replica or the router) binds beyond loopback and the config gives no
 `admin_token`, `rl` generates one for the run. It reaches the servers and the orchestrator through their
@@ -260,11 +261,12 @@ def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> list[Servers]
 
 
 def wait_ready(sup: Supervisor, servers: Sequence[Servers], timeout: float,
-               on_wait: Callable[[], None] | None = None) -> None:
-    """Waits for each server of each group to answer /health, then counts it as ready (restarted if it dies)."""
+               on_wait: Callable[[], None] | None = None, watch: Sequence[Servers] | None = None) -> None:
+    """Waits for each server of each group to answer /health, then counts it as ready (restarted if it dies);
+    meanwhile a death among `watch` (default: `servers`) is handled as their group says."""
     for group in servers:
         for name, url in group.urls.items():
-            wait_healthy(sup, url, timeout, name, servers, on_wait)
+            wait_healthy(sup, url, timeout, name, servers if watch is None else watch, on_wait)
             group.ready.add(name)
 
 
@@ -333,12 +335,14 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
             console.say(f"on fleet {cfg.fleet} as run {shared.name!r} (adapter {shared.name!r})")
             servers = [] if teacher is None else [teacher]
         else:
-            servers = start_processes(cfg, conf, sup)
+            servers = start_processes(cfg, conf, sup)  # the router joins them once the replicas are ready
         wait_ready(sup, servers, cfg.inference_startup_timeout, on_wait=waits)
         if shared is None and cfg.inference.replicas > 1:
-            sup.start("router", router_argv(cfg, conf), token_env(cfg, ADMIN_TOKEN_ENV))
-            wait_healthy(sup, cfg.orchestrator.client.base_urls[0], cfg.inference_startup_timeout, "router", servers,
-                         on_wait=waits)
+            router = Servers(sup, {"router": router_argv(cfg, conf)}, {"router": cfg.orchestrator.client.base_urls[0]},
+                             token_env(cfg, ADMIN_TOKEN_ENV), cfg.inference.restart_dead_replicas, "routers")
+            servers.append(router)
+            router.start("router")
+            wait_ready(sup, [router], cfg.inference_startup_timeout, on_wait=waits, watch=servers)
         finished = {"sft"}
         watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
         while not {"trainer", "orchestrator"} <= finished:
