@@ -15,6 +15,8 @@ from orch_fakes import FakeEnv, FakeTokenizer, group, make_cfg
 
 from arbor.orchestrator.assembler import StepAssembler, open_buffer
 from arbor.orchestrator.buffer import ExperienceBuffer
+from arbor.orchestrator.client import InferenceError
+from arbor.orchestrator.generation import FailedGroup
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.scheduler import SchedulePolicy
@@ -164,3 +166,31 @@ def test_a_resume_rewinds_only_its_own_run(tmp_path: Path) -> None:
     assert sorted(g[0].task_id for g in buffer.claim(5, 1)) == [10, 11, 12]
     buffer.close()
     b.close()
+
+
+def test_a_group_whose_generation_failed_is_skipped_counted_and_replaced(caplog) -> None:
+    refused = InferenceError("http://fleet/v1/completions rejected the request (400): prompt too long", 400)
+    assembler, _ = _assembler([[FailedGroup(0, refused), group(1, [1, 0])], [FailedGroup(2, refused)],
+                               [group(3, [0, 1])]])
+    assembler.source.next_spec(0, 0)  # group 0's task is pending until it is taken
+    assert 0 in assembler.source._task_of_group
+    with caplog.at_level(logging.WARNING, logger="arbor.orchestrator"):
+        kept = _collect(assembler, 0)
+    assert [g[0].group_id for g in kept] == [1, 3] and assembler.counts.failed_groups == 2
+    assert 0 not in assembler.source._task_of_group  # skipped: not relaunched by a resume
+    warned = [r.getMessage() for r in caplog.records if "generation failed" in r.getMessage()]
+    assert len(warned) == 2 and "prompt too long" in warned[0] and "(1 in a row; the run fails after 8)" in warned[0]
+
+
+def test_too_many_failed_generations_in_a_row_fail_the_run_with_the_last_error() -> None:
+    refused = InferenceError("rejected the request (400): model 'x' does not exist", 400)
+    endless = ([FailedGroup(k, refused)] for k in range(100))
+    assembler, _ = _assembler(endless, client={"max_failed_groups": 3})
+    with pytest.raises(RuntimeError, match=r"generation failed for 4 groups in a row at step 0 "
+                                           r"\(orchestrator.client.max_failed_groups = 3\): .*does not exist"):
+        _collect(assembler, 0)
+    # A success in between starts the count again.
+    mixed = [[FailedGroup(0, refused)], [FailedGroup(1, refused)], [group(2, [1, 0])], [FailedGroup(3, refused)],
+             [FailedGroup(4, refused)], [group(5, [0, 1])]]
+    assembler, _ = _assembler(mixed, client={"max_failed_groups": 2})
+    assert len(_collect(assembler, 0)) == 2 and assembler.counts.failed_groups == 4

@@ -1,5 +1,5 @@
 """The generation pool on a scripted fleet: admission per mode, taking in queue order, the stall error, the
-per-step surplus and its resumption, cancelled groups, and pauses around weight updates."""
+per-step surplus and its resumption, cancelled groups, failed ones, and pauses around weight updates."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import asyncio
 
 import pytest
 from orch_fakes import Fleet, make_pool, seed_of, settle
+
+from arbor.orchestrator.client import InferenceError
+from arbor.orchestrator.generation import FailedGroup
 
 
 def test_per_step_admission_launches_the_oversampled_step_and_takes_in_queue_order() -> None:
@@ -144,3 +147,44 @@ def test_resume_after_a_weight_update_leaves_parked_groups_parked() -> None:
 
     parked, resumes = asyncio.run(go())
     assert parked == [True, False] and resumes == [0, 0]  # a pause for an update is no scheduled resume
+
+
+def test_a_group_the_fleet_refuses_is_taken_as_failed_and_any_other_error_ends_the_run() -> None:
+    pool = make_pool(scheduler={"mode": "one_step_off"})
+    refused_seed = seed_of(pool.cfg, 0, 0)
+
+    class RefusingFleet(Fleet):
+        async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, request_id=None):
+            if seed == refused_seed:
+                raise InferenceError("rejected the request (400): too long", 400)
+            return await super().generate(prompt_ids, n, max_tokens, temperature, top_p, seed, request_id)
+
+    async def go():
+        pool.use(RefusingFleet())
+        pool.admit(0, 0, 2, 0, 0)
+        await settle()
+        taken = pool.take(2)
+        await pool.stop()
+        return taken
+
+    taken = asyncio.run(go())
+    assert isinstance(taken[0], FailedGroup) and taken[0].error.status == 400 and len(taken[1]) == 2
+    assert taken[0].group_id != taken[1][0].group_id
+
+    broken = make_pool(scheduler={"mode": "one_step_off"})
+
+    class BrokenFleet(Fleet):
+        async def generate(self, *args, **kwargs):
+            raise KeyError("a bug, not the fleet")
+
+    async def go_broken():
+        broken.use(BrokenFleet())
+        broken.admit(0, 0, 2, 0, 0)
+        await settle()
+        try:
+            return broken.take(2)
+        finally:
+            await broken.stop()
+
+    with pytest.raises(KeyError, match="a bug"):
+        asyncio.run(go_broken())

@@ -39,6 +39,10 @@ class ClientConfig(Config):
     """Seconds one generation request may take."""
     max_retries: Count = Field(3, ge=0)
     """Retries of a failed request (connection errors and 5xx) before the run fails."""
+    max_failed_groups: Count = Field(8, ge=0)
+    """Groups in a row whose generation failed for good (a request the fleet rejected with a 4xx, or one that failed
+    all `max_retries`) that are skipped, each logged and counted in `generate/failed_groups`, before the run fails
+    with the last error; 0 fails at the first."""
     reconnect_timeout: Seconds = Field(600.0, gt=0)
     """Seconds a request waits for a server that refuses or drops connections (its process died and is being
     restarted) to answer /health again; the server then gets the fleet's current weights before it serves."""

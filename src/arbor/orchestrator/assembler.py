@@ -6,7 +6,10 @@ always full. Each taken group, in order: an empty one (every rollout skipped aft
 dropped as `env_skipped`; one with a token older than `max_off_policy_steps` is dropped as stale (counted in
 rollouts); otherwise its advantages are computed (group-relative), its solve rate goes to the curriculum, and
 the filters (zero advantage, solve-rate band) may drop it. More than 50 x need groups in a row filtered at a
-step with nothing kept fails the run with the reason (a filter or an environment that can never pass).
+step with nothing kept fails the run with the reason (a filter or an environment that can never pass). A group
+whose generation failed for good (a request the fleet rejected, or one that failed every retry) is skipped with
+a warning and counted (`generate/failed_groups`); more than `client.max_failed_groups` in a row fail the run
+with the last error (a fleet that refuses every request: a model or length the servers were not started for).
 
 With the experience buffer (`[orchestrator.buffer]`) the step's new groups are written to it and the batch is
 claimed from it (which may include groups left from before a restart). A group claimed from the buffer obeys
@@ -30,7 +33,7 @@ from arbor.orchestrator.buffer import ExperienceBuffer
 from arbor.orchestrator.client import InferenceClient
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.filters import filter_reason, solve_rate
-from arbor.orchestrator.generation import GenerationPool
+from arbor.orchestrator.generation import FailedGroup, GenerationPool
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.scheduler import SchedulePolicy
 from arbor.orchestrator.tasks import TaskSource
@@ -68,6 +71,7 @@ class StepAssembler:
         self.cfg, self.policy, self.pool, self.source, self.counts = cfg, policy, pool, source, counts
         self.need = cfg.batch_size // cfg.group_size
         self._filtered_here = 0  # groups dropped by filters or environment skips in this step's collection
+        self._failed_in_row = 0  # groups whose generation failed, since the last one that did not
 
     async def collect(self, step: int, client: InferenceClient, weights: WeightSync) -> list[Group]:
         """Takes a step's groups from the generation queue (launching as the mode allows), replacing those
@@ -91,9 +95,12 @@ class StepAssembler:
         await pool.end_step()
         return kept
 
-    def _keep(self, step: int, group: Group, kept: int) -> bool:
+    def _keep(self, step: int, group: Group | FailedGroup, kept: int) -> bool:
         """Staleness bound, advantages, curriculum record and filters for one taken group."""
         cfg = self.cfg
+        if isinstance(group, FailedGroup):
+            return self._skip_failed(step, group)
+        self._failed_in_row = 0
         if not group:  # every rollout skipped after environment failures (counted in env/skipped)
             self.counts.filtered["env_skipped"] += 1
             if self._too_many_dropped(kept):
@@ -115,6 +122,20 @@ class StepAssembler:
                 f"orchestrator.filters dropped {self._filtered_here} groups in a row at step {step} "
                 f"(last reason: {reason}): loosen drop_zero_advantage / min_solve_rate / max_solve_rate"
             )
+        return False
+
+    def _skip_failed(self, step: int, failed: FailedGroup) -> bool:
+        """Skips a group whose generation failed (its task is not retried: the same request would fail again);
+        fails the run after too many in a row."""
+        self.source.taken(failed.group_id)
+        self.counts.failed_groups += 1
+        self._failed_in_row += 1
+        limit = self.cfg.client.max_failed_groups
+        if self._failed_in_row > limit:
+            raise RuntimeError(f"generation failed for {self._failed_in_row} groups in a row at step {step} "
+                               f"(orchestrator.client.max_failed_groups = {limit}): {failed.error}") from failed.error
+        log.warning("step %d: a group is skipped, its generation failed (%d in a row; the run fails after %d): %s",
+                    step, self._failed_in_row, limit, failed.error)
         return False
 
     def _fresh(self, step: int, group: Group) -> bool:

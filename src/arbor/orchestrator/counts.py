@@ -20,6 +20,8 @@ class Counts:
     """Rollouts dropped because a token was older than max_off_policy_steps."""
     finished_groups: int = 0
     """Groups the generator has produced (for the production rate)."""
+    failed_groups: int = 0
+    """Groups skipped because their generation failed for good (arbor.orchestrator.assembler)."""
     filtered: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FILTER_REASONS, 0))
     """Rollouts (groups, for env_skipped) the filters dropped, by reason."""
     partial: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(PARTIAL_EVENTS, 0))

@@ -114,6 +114,7 @@ class StepFigures:
             "staleness/mean": float(stale.mean()),
             **staleness_histogram(stale.tolist()),
             "dropped/stale": self.counts.dropped_stale,
+            "generate/failed_groups": self.counts.failed_groups,
             "skipped/too_long": self.source.skipped_long,
             "skipped/bad_prompt": self.source.skipped_bad,
             "score/failed": int(sum(r.score_failed for r in rollouts)),

@@ -13,6 +13,10 @@ launch only groups the staleness bound will still admit when their step comes (A
 groups fill the rest of this step's batch, then the next steps, in order; windowed_fifo keeps `policy.slack`
 steps of the bound free, so the window's waits never turn into stale drops.
 
+A group whose generation failed for good (`InferenceError`: the fleet rejected a request, or it failed all of
+the client's retries) is taken as a `FailedGroup`, which the assembler skips and counts; any other exception in a
+group is a bug and ends the run.
+
 When nothing visible is ready (`wait`), stragglers are moved (arbor.orchestrator.parking) and the pool waits for
 the next group to finish; with nothing running and nothing parked the scheduler has stalled, which is an
 error. After a per-step batch fills (`end_step`), the surplus is cancelled or parked. With
@@ -23,11 +27,12 @@ those the scheduler parked meanwhile (`resume_after_update`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
 from arbor.config.orchestrator import OrchestratorConfig
-from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.orchestrator.concurrency import IdleClock
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
@@ -38,6 +43,13 @@ from arbor.orchestrator.rollout import Rollout, generate_group
 from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 from arbor.orchestrator.tasks import TaskSource
 from arbor.run_dir import gateway_url_path, write_text_atomic
+
+
+@dataclasses.dataclass
+class FailedGroup:
+    """A group whose generation failed for good, in the place of its rollouts."""
+    group_id: int
+    error: InferenceError
 
 
 class GenerationPool:
@@ -58,6 +70,8 @@ class GenerationPool:
         self.max_in_flight = policy.max_in_flight
         """Groups generating at once: the policy's, then what arbor.orchestrator.concurrency chooses per step."""
         self.idle = IdleClock(time.monotonic())
+        self._failed: dict[asyncio.Task, int] = {}
+        """Finished groups whose generation failed for good -> their group id, until taken."""
         """Wall time with no group generating (the generator-idle fraction)."""
 
     def use(self, client: InferenceClient) -> None:
@@ -101,10 +115,13 @@ class GenerationPool:
                     n += 1
         return n
 
-    def take(self, limit: int) -> list[list[Rollout]]:
-        """Up to `limit` finished groups the window lets out, in queue order."""
-        # a failed generation fails the run, as the client already retried
-        return [task.result() for _, task in self.queue.take(limit)]
+    def take(self, limit: int) -> list[list[Rollout] | FailedGroup]:
+        """Up to `limit` finished groups the window lets out, in queue order (a failed one as a FailedGroup)."""
+        out: list[list[Rollout] | FailedGroup] = []
+        for _, task in self.queue.take(limit):
+            key = self._failed.pop(task, None)
+            out.append(task.result() if key is None else FailedGroup(key, task.exception()))  # type: ignore[arg-type]
+        return out
 
     async def wait(self, step: int, kept: int, need: int, version: int) -> None:
         """Nothing ready: moves stragglers (then returns at once), or waits until a group finishes or the next
@@ -171,4 +188,6 @@ class GenerationPool:
         if flight.parked:  # it finished while parked (it was not generating): back in the queue, done
             flight.pos, flight.parked = self.queue.launch(), False
         self.counts.finished_groups += 1
+        if isinstance(task.exception(), InferenceError):  # any other exception ends the run when taken
+            self._failed[task] = key
         self.queue.finish(flight.pos, task)
