@@ -122,3 +122,14 @@ def test_the_distillation_teacher_is_restarted_like_a_lone_replica(tmp_path: Pat
         teacher.sup.stop()
     plain = load_config(RLConfig, ["--output-dir", str(tmp_path / "plain")], env={})
     assert teacher_servers(resolve(plain), configs_dir(plain.output_dir), Supervisor(tmp_path / "logs", {})) is None
+
+
+def test_the_orchestrator_waits_for_a_restart_as_long_as_a_start_up_may_take(tmp_path: Path) -> None:
+    slow = resolve(load_config(RLConfig, ["--output-dir", str(tmp_path / "a"), "--inference-startup-timeout", "1800"],
+                               env={}))
+    assert slow.orchestrator.client.reconnect_timeout > 1800
+    assert resolve(load_config(RLConfig, ["--output-dir", str(tmp_path / "b")], env={})
+                   ).orchestrator.client.reconnect_timeout == 600
+    mine = resolve(load_config(RLConfig, ["--output-dir", str(tmp_path / "c"), "--inference-startup-timeout", "1800",
+                                          "--orchestrator.client.reconnect-timeout", "30"], env={}))
+    assert mine.orchestrator.client.reconnect_timeout == 30

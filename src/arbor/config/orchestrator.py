@@ -45,7 +45,8 @@ class ClientConfig(Config):
     with the last error; 0 fails at the first."""
     reconnect_timeout: Seconds = Field(600.0, gt=0)
     """Seconds a request waits for a server that refuses or drops connections (its process died and is being
-    restarted) to answer /health again; the server then gets the fleet's current weights before it serves."""
+    restarted) to answer /health again; the server then gets the fleet's current weights before it serves. Unset
+    under `rl`: at least `inference_startup_timeout` plus the restart back-off."""
 
 
 class AdvantageConfig(Config):

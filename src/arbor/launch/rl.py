@@ -61,7 +61,7 @@ from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import run_checks
 from arbor.launch.process import ChildFailed, Supervisor, tail
-from arbor.launch.servers import Servers
+from arbor.launch.servers import RESTART_BACKOFF, Servers
 from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import truncate_jsonl
@@ -110,6 +110,9 @@ def resolve(cfg: RLConfig) -> RLConfig:
         cfg.orchestrator.client.base_urls = [f"http://{rhost}:{inf.router.port}"]
         # vllm-router has no admin routes: weight updates then go to every backend directly.
         cfg.orchestrator.client.admin_urls = inf.router.backends if use_vllm_router(inf.router) else []
+    client = cfg.orchestrator.client
+    if "reconnect_timeout" not in client.model_fields_set:  # a restarted server gets its whole start-up time
+        client.reconnect_timeout = max(client.reconnect_timeout, cfg.inference_startup_timeout + RESTART_BACKOFF)
     token = cfg.run_admin_token()
     public = [inf.host] + ([inf.router.host] if inf.replicas > 1 else [])
     if token is None and not all(is_loopback(h) for h in public):
