@@ -104,8 +104,16 @@ def test_trainer_and_orchestrator_start_beside_the_fleet(tmp_path: Path) -> None
 
     cfg = rl.resolve(RLConfig(output_dir=tmp_path, model={"name": "qwen3-test"}))
     sup = Recorder()
-    fleet = rl.start_processes(cfg, tmp_path / "configs", sup)  # returns before any /health answers
-    assert sup.started == ["inference", "trainer", "orchestrator"] and list(fleet.urls) == ["inference"]
+    servers = rl.start_processes(cfg, tmp_path / "configs", sup)  # returns before any /health answers
+    assert sup.started == ["inference", "trainer", "orchestrator"]
+    assert [list(group.urls) for group in servers] == [["inference"]]
+    distill = rl.resolve(RLConfig.model_validate({"output_dir": str(tmp_path / "d"), "model": {"name": "qwen3-test"},
+                                                  "trainer": {"loss": {"name": "distill"}},
+                                                  "teacher": {"model": {"name": "qwen3-tiny"}}}))
+    sup = Recorder()
+    servers = rl.start_processes(distill, tmp_path / "configs", sup)
+    assert sup.started == ["inference", "teacher", "trainer", "orchestrator"]
+    assert [list(group.urls) for group in servers] == [["inference"], ["teacher"]]
 
 
 def test_skewed_latency_compute_share_is_cpu_work_with_reverse_text_rewards() -> None:

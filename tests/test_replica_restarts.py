@@ -133,3 +133,38 @@ def test_the_orchestrator_waits_for_a_restart_as_long_as_a_start_up_may_take(tmp
     mine = resolve(load_config(RLConfig, ["--output-dir", str(tmp_path / "c"), "--inference-startup-timeout", "1800",
                                           "--orchestrator.client.reconnect-timeout", "30"], env={}))
     assert mine.orchestrator.client.reconnect_timeout == 30
+
+
+def test_a_failed_run_resumes_by_itself_only_after_progress_and_within_max_restarts(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """arbor.launch.rl.run_attempts with a scripted `run`: each attempt prepares the run directory as `run` does,
+    appends the steps it completed to metrics.jsonl with a checkpoint after each, and ends with its exit code."""
+    from arbor.launch import rl
+
+    def attempts(script: list[tuple[int, int]], max_restarts: int) -> tuple[int, list[bool]]:
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        cfg = load_config(RLConfig, ["--output-dir", str(out), "--max-restarts", str(max_restarts)], env={})
+        resumed: list[bool] = []
+
+        def run(cfg: RLConfig, note: str | None = None) -> int:
+            resumed.append(cfg.resume and cfg.trainer.resume and cfg.orchestrator.resume)
+            start = rl.prepare_run_dir(cfg)
+            steps, rc = script[len(resumed) - 1]
+            with open(out / "metrics.jsonl", "a") as f:
+                for step in range(start, start + steps):
+                    f.write(f'{{"step": {step}}}\n')
+                    (out / "checkpoints" / f"step_{step + 1}" / "trainer").mkdir(parents=True)
+                    (out / "checkpoints" / f"step_{step + 1}" / "trainer" / "DONE").write_text("")
+            return rc
+
+        monkeypatch.setattr(rl, "run", run)
+        monkeypatch.setattr(rl, "write_configs", lambda cfg: None)
+        return rl.run_attempts(cfg), resumed
+
+    assert attempts([(3, 1), (2, 0)], 1) == (0, [False, True])  # died after 3 steps, resumed, finished
+    assert attempts([(3, 3), (1, 1)], 1) == (1, [False, True])  # a stall, then out of restarts
+    assert attempts([(0, 1)], 2) == (1, [False])  # died before a step: it would only repeat
+    assert attempts([(3, 1), (0, 1)], 3) == (1, [False, True])  # the resumed attempt made no progress
+    assert attempts([(3, 1)], 0) == (1, [False])  # restarts off (the default)
+    assert attempts([(2, 130)], 2) == (130, [False]) and attempts([(2, 143)], 2) == (143, [False])

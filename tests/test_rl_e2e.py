@@ -79,6 +79,22 @@ def test_killed_run_resumes_with_no_step_missing_or_repeated(tmp_path):
     assert steps == list(range(30)), steps
 
 
+def test_with_max_restarts_a_dead_trainer_resumes_the_run_by_itself(tmp_path):
+    out = tmp_path / "run"
+    proc = _rl(out, "--max-steps", "12", "--trainer.ckpt.interval", "2", "--max-restarts", "1")
+    _wait_for(lambda: latest_checkpoint(out) is not None and len(read_jsonl(out / "metrics.jsonl")) >= 3, 180,
+              "a checkpoint and three steps")
+    pids = subprocess.run(["pgrep", "-f", f"arbor.trainer.main @ {out}"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    os.kill(int(pids[0]), signal.SIGKILL)
+    rc, stdout, stderr = _finish(proc, timeout=300)
+    assert rc == 0, stderr + stdout
+    assert "trainer exited with code -9" in stderr and "rl: restart 1/1: resuming from the last checkpoint" in stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(12))
+    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, "processes outlived the launcher"
+
+
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints" / "step_2" / "trainer").mkdir(parents=True)

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 
 from arbor.config.admin import AdminToken, token_value
-from arbor.config.base import MAX_TOP_LOGPROBS, Config, FilePath, Float, Int, Seconds, Seed, Tokens
+from arbor.config.base import MAX_TOP_LOGPROBS, Config, Count, FilePath, Float, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.hardware import HardwareConfig, PlanConfig
 from arbor.config.inference import InferenceConfig
@@ -55,6 +55,10 @@ class RLConfig(Config):
     """Base seed."""
     resume: bool = False
     """Continue a killed run from its latest checkpoint."""
+    max_restarts: Count = Field(0, ge=0)
+    """Times `rl` resumes a failed run by itself from its latest checkpoint, as `--resume` would (every process
+    stopped and started again), after a process died for good or the watchdog stopped a stall; only after an
+    attempt that completed a step (a failure before any would only repeat). 0: a failure ends the run."""
     weights: WeightTransportConfig = WeightTransportConfig()
     """Weight transfer from trainer to inference, shared by both."""
     dry_run: bool = False

@@ -8,7 +8,8 @@ resume) -> optional SFT warm-up (with its own progress lines) -> inference, trai
 at once (each builds its model while the others start; the orchestrator waits for the fleet's /health itself)
 -> wait for /health, printing what each process is doing until the first step -> print one line per step from
 metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero naming it and its
-log (exit 1; 3 for a stall); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is the clean stop: every
+log (exit 1; 3 for a stall), unless `max_restarts` lets it resume the run by itself from the last checkpoint
+(`run_attempts`: the attempt must have completed a step); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is the clean stop: every
 process is stopped, no checkpoint or batch is left half-written (both are written atomically) and `--resume`
 continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on time with a checkpoint
 of its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This module never imports
@@ -54,7 +55,7 @@ from arbor import run_dir
 from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.fleet import FleetConfig
-from arbor.config.rl import RLConfig
+from arbor.config.rl import SECTIONS, RLConfig
 from arbor.inference.vllm_launch import dry_run_command
 from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
@@ -64,7 +65,7 @@ from arbor.launch.process import ChildFailed, Supervisor, tail
 from arbor.launch.servers import RESTART_BACKOFF, Servers
 from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
-from arbor.monitor.metrics import truncate_jsonl
+from arbor.monitor.metrics import read_jsonl, truncate_jsonl
 from arbor.planner import plan, render
 from arbor.transport.router import use_vllm_router, vllm_router_argv
 
@@ -390,6 +391,43 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
                             err=True)
 
 
+def run_attempts(cfg: RLConfig, note: str | None = None) -> int:
+    """`run`, then `run` again from the last checkpoint after each failed attempt (exit 1: a process died for
+    good; 3: a stall) that completed a step, at most `max_restarts` times."""
+    rc = 0
+    for attempt in range(cfg.max_restarts + 1):
+        start = (run_dir.latest_checkpoint(cfg.output_dir) if cfg.resume else None) or 0
+        rc = run(cfg, note)
+        if rc not in (1, 3) or attempt == cfg.max_restarts or last_step(cfg.output_dir) < start:
+            return rc
+        try:
+            print(f"rl: restart {attempt + 1}/{cfg.max_restarts}: resuming from the last checkpoint "
+                  f"(step {run_dir.latest_checkpoint(cfg.output_dir) or 0})", file=sys.stderr, flush=True)
+            cfg = resume_everywhere(cfg)
+            write_configs(cfg)
+        except KeyboardInterrupt:
+            return 130
+        except Terminated:
+            return 143
+    return rc
+
+
+def last_step(output_dir: Path) -> int:
+    """The last step in metrics.jsonl (-1: none)."""
+    return max((int(r["step"]) for r in read_jsonl(run_dir.metrics_path(output_dir))), default=-1)
+
+
+def resume_everywhere(cfg: RLConfig) -> RLConfig:
+    """`cfg` with `resume` set in every process's section and in the run's config, as `--resume` at load time
+    does (the top level by copy: an assignment would validate the whole config again, its load-time rules
+    included)."""
+    for section in SECTIONS:
+        sub = getattr(cfg, section)
+        if "resume" in type(sub).model_fields:
+            sub.resume = True
+    return cfg.model_copy(update={"resume": True})
+
+
 def plan_main(argv: list[str]) -> int:
     """`rl plan @ config.toml`: prints the throughput planner's table for the config and starts nothing."""
     cfg = load_config(RLConfig, argv, prog="rl plan")
@@ -423,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run as Ctrl-C does, but exits 143, not 130.
     signal.signal(signal.SIGTERM, on_sigterm)
-    return run(cfg, cores)
+    return run_attempts(cfg, cores)
 
 
 if __name__ == "__main__":
