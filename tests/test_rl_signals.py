@@ -20,7 +20,7 @@ def wait_healthy(*args, **kwargs):  # in place of inference start-up: the signal
     time.sleep(30)
     raise AssertionError("the signal did not stop rl")
 
-rl.Fleet.start = lambda self, name: None
+rl.Servers.start = lambda self, name: None
 rl.wait_healthy = wait_healthy
 sys.exit(rl.main(["--output-dir", {out!r}, "--model.name", "qwen3-test"]))
 """
