@@ -66,33 +66,27 @@ def test_sync_run_with_warmup_and_two_trainer_ranks_stays_on_policy(tmp_path):
     assert (out / "checkpoints" / "step_3" / "trainer" / "DONE").exists()
 
 
-def test_killed_run_resumes_with_no_step_missing_or_repeated(tmp_path):
+def test_a_failed_run_resumes_by_itself_and_a_killed_one_by_hand_with_no_step_missing_or_repeated(tmp_path):
+    """`max_restarts`: a dead trainer makes `rl` resume the run itself; then the launcher and everything in its
+    session are killed with no clean-up, and `--resume` goes on. Every step is in the metrics exactly once."""
     out = tmp_path / "run"
-    args = ("--max-steps", "30", "--trainer.ckpt.interval", "2")
+    args = ("--max-steps", "30", "--trainer.ckpt.interval", "2", "--max-restarts", "1")
     proc = _rl(out, *args)
-    _wait_for(lambda: latest_checkpoint(out) is not None and len(read_jsonl(out / "metrics.jsonl")) >= 3, 180, "a checkpoint and three steps")
+    _wait_for(lambda: latest_checkpoint(out) is not None and len(read_jsonl(out / "metrics.jsonl")) >= 3, 180,
+              "a checkpoint and three steps")
+    trainers = subprocess.run(["pgrep", "-f", f"arbor.trainer.main @ {out}"], capture_output=True, text=True).stdout
+    assert len(trainers.split()) == 1, trainers
+    os.kill(int(trainers.split()[0]), signal.SIGKILL)
+    _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 8 or proc.poll() is not None, 180,
+              "the resumed attempt's steps")
+    assert proc.poll() is None, proc.communicate()[1]
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and everything in its session, no clean-up
-    proc.wait()
+    _, stderr = proc.communicate()
+    assert "trainer exited with code -9" in stderr and "rl: restart 1/1: resuming from the last checkpoint" in stderr
     rc, stdout, stderr = _finish(_rl(out, *args, "--resume"))
     assert rc == 0, stderr + stdout
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl")]
     assert steps == list(range(30)), steps
-
-
-def test_with_max_restarts_a_dead_trainer_resumes_the_run_by_itself(tmp_path):
-    out = tmp_path / "run"
-    proc = _rl(out, "--max-steps", "12", "--trainer.ckpt.interval", "2", "--max-restarts", "1")
-    _wait_for(lambda: latest_checkpoint(out) is not None and len(read_jsonl(out / "metrics.jsonl")) >= 3, 180,
-              "a checkpoint and three steps")
-    pids = subprocess.run(["pgrep", "-f", f"arbor.trainer.main @ {out}"], capture_output=True, text=True).stdout.split()
-    assert len(pids) == 1, pids
-    os.kill(int(pids[0]), signal.SIGKILL)
-    rc, stdout, stderr = _finish(proc, timeout=300)
-    assert rc == 0, stderr + stdout
-    assert "trainer exited with code -9" in stderr and "rl: restart 1/1: resuming from the last checkpoint" in stderr
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(12))
-    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
-    assert not leftovers, "processes outlived the launcher"
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
