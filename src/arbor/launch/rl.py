@@ -1,20 +1,20 @@
 """`rl`: resolves one layered config, then runs inference, trainer and orchestrator as supervised children.
 
-Order: validate the whole config (a bad one fails here, before any process starts) -> preflight (files,
-environment and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
+Order: validate the whole config (a bad one fails here, before any process starts) -> preflight (files, environment
+and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
 `<output_dir>/configs/`, with the trainer's and the engine's torch threads split between the cores where the user
 set none (arbor.launch.cores; `--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
-resume) -> optional SFT warm-up (with its own progress lines) -> inference, trainer and orchestrator, started
-at once (each builds its model while the others start; the orchestrator waits for the fleet's /health itself)
--> wait for /health, printing what each process is doing until the first step -> print one line per step from
-metrics.jsonl until both finish. Any child that dies stops everything and `rl` exits non-zero naming it and its
-log (exit 1; 3 for a stall), unless `max_restarts` lets it resume the run by itself from the last checkpoint
-(`run_attempts`: the attempt must have completed a step); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is the clean stop: every
-process is stopped, no checkpoint or batch is left half-written (both are written atomically) and `--resume`
-continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on time with a checkpoint
-of its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This module never imports
-torch, so `--dry-run` and config errors answer in well under a second. `rl plan @ config.toml` prints the
-throughput planner's estimates for the config instead (arbor.planner) and starts nothing.
+resume) -> optional SFT warm-up (with its own progress lines) -> inference, trainer and orchestrator, started at
+once (each builds its model while the others start; the orchestrator waits for the fleet's /health itself) -> wait
+for /health, printing what each process is doing until the first step -> print one line per step from metrics.jsonl
+until both finish. Any child that dies stops everything and `rl` exits non-zero naming it and its log (exit 1; 3 for
+a stall), unless `max_restarts` lets it resume the run by itself from the last checkpoint (`run_attempts`: the
+attempt must have completed a step); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is the clean stop:
+every process is stopped, no checkpoint or batch is left half-written (both are written atomically) and `--resume`
+continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on time with a checkpoint of
+its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This module never imports torch, so
+`--dry-run` and config errors answer in well under a second. `rl plan @ config.toml` prints the throughput planner's
+estimates for the config instead (arbor.planner) and starts nothing.
 
 With a `[teacher]` section (on-policy distillation) one more inference server, `teacher`, serves the teacher model
 on a free port; the orchestrator scores each step's samples with it (`orchestrator.teacher.url` is set to it) and
@@ -89,8 +89,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
 
 
 def resolve(cfg: RLConfig) -> RLConfig:
