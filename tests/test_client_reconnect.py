@@ -46,6 +46,14 @@ def _publish(out, *steps: int) -> None:
         (d / run_dir.STABLE).write_text(str(step))
 
 
+async def _dead_url() -> tuple[FakeBackend, str]:
+    """A server that was started, then stopped: its URL refuses connections; its port is free to start again."""
+    gone = FakeBackend("gone")
+    url = await gone.start()
+    await gone.stop()
+    return gone, url
+
+
 async def _generate(client: InferenceClient):
     return await client.generate([1, 2], n=1, max_tokens=1, temperature=1.0, top_p=1.0)
 
@@ -82,9 +90,7 @@ def test_a_restarted_server_gets_the_fleets_policy_before_the_waiting_request(tm
 
 def test_a_server_that_never_comes_back_fails_its_requests_naming_the_timeout():
     async def scenario():
-        gone = FakeBackend("gone")
-        url = await gone.start()
-        await gone.stop()
+        _, url = await _dead_url()
         async with InferenceClient([url], timeout=10, max_retries=3, reconnect_timeout=1.0) as client:
             t0 = time.monotonic()
             with pytest.raises(InferenceError, match="unreachable for 1s .*reconnect_timeout"):
@@ -96,9 +102,8 @@ def test_a_server_that_never_comes_back_fails_its_requests_naming_the_timeout():
 
 def test_requests_go_to_a_live_server_while_another_recovers():
     async def scenario():
-        gone, live = FakeBackend("gone"), FakeBackend("live")
-        dead_url, live_url = await gone.start(), await live.start()
-        await gone.stop()
+        (_, dead_url), live = await _dead_url(), FakeBackend("live")
+        live_url = await live.start()
         try:
             async with InferenceClient([dead_url, live_url], timeout=10, max_retries=2,
                                        reconnect_timeout=30) as client:
@@ -192,9 +197,7 @@ def test_a_503_is_waited_out_until_health_says_the_server_is_back():
 
 def test_a_cancelled_waiter_leaves_the_shared_recovery_running():
     async def scenario():
-        gone = FakeBackend("gone")
-        url = await gone.start()
-        await gone.stop()
+        gone, url = await _dead_url()
         async with InferenceClient([url], timeout=10, max_retries=2, reconnect_timeout=20) as client:
             waiters = [asyncio.create_task(_generate(client)) for _ in range(2)]
             await asyncio.sleep(0.3)  # both failed once and wait for the server's return

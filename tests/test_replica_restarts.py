@@ -12,7 +12,7 @@ import pytest
 
 from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
-from arbor.launch import servers
+from arbor.launch import rl, servers
 from arbor.launch.process import ChildFailed, Supervisor
 from arbor.launch.rl import replica_servers, resolve, teacher_servers
 from arbor.launch.servers import Servers
@@ -139,7 +139,6 @@ def test_a_failed_run_resumes_by_itself_only_after_progress_and_within_max_resta
                                                                                     monkeypatch) -> None:
     """arbor.launch.rl.run_attempts with a scripted `run`: each attempt prepares the run directory as `run` does,
     appends the steps it completed to metrics.jsonl with a checkpoint after each, and ends with its exit code."""
-    from arbor.launch import rl
 
     def attempts(script: list[tuple[int, int]], max_restarts: int) -> tuple[int, list[bool]]:
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"

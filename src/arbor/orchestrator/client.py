@@ -314,20 +314,13 @@ class InferenceClient:
             return {}
 
     async def wait_healthy(self, timeout: float) -> int:
-        """Waits until every server answers /health; returns the lowest policy version they report."""
-        assert self._session is not None
+        """Waits until every server answers /health (`_health`); returns the lowest policy version they report."""
         deadline = asyncio.get_running_loop().time() + timeout
         versions = []
         for base in self.base_urls:
-            while True:
-                try:
-                    async with self._session.get(base + "/health") as resp:
-                        if resp.status == 200:
-                            versions.append(int((await resp.json()).get("policy_version", 0)))
-                            break
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
+            while (version := await self._health(base)) is None:
                 if asyncio.get_running_loop().time() > deadline:
                     raise InferenceError(f"inference server {base} is not healthy after {timeout:.0f}s")
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(RECONNECT_POLL)
+            versions.append(version)
         return min(versions)
