@@ -70,9 +70,9 @@ class GenerationPool:
         self.max_in_flight = policy.max_in_flight
         """Groups generating at once: the policy's, then what arbor.orchestrator.concurrency chooses per step."""
         self.idle = IdleClock(time.monotonic())
+        """Wall time with no group generating (the generator-idle fraction)."""
         self._failed: dict[asyncio.Task, int] = {}
         """Finished groups whose generation failed for good -> their group id, until taken."""
-        """Wall time with no group generating (the generator-idle fraction)."""
 
     def use(self, client: InferenceClient) -> None:
         """Generates on `client` from now on."""
