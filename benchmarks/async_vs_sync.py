@@ -48,9 +48,19 @@ each, one of which takes a core for most of a loop).
 So the target (1.6x) is out of reach on two cores whatever the schedule: the environment's compute-bound share,
 which on a cluster runs in sandboxes on CPU nodes of its own, here takes the cores that asynchrony would fill
 (the sync arm already keeps 1.5 of the 2 busy). On a machine with cores to spare beyond the trainer's and the
-engine's (one thread each here), the environment's CPU work would run beside them and `cpu_ceiling` rise
-towards the 2x of balanced phases: not measured here (no such machine; the GPU hosts sessions are sometimes
-lent have 16 cores, and the benchmark runs there as it is).
+engine's (one thread each here), the environment's CPU work runs beside them and `cpu_ceiling` rises towards
+the 2x of balanced phases. Measured on a 16-core GPU host (an H100 machine, 2026-11-27, `CUDA_VISIBLE_DEVICES=`
+so that the trainer stays on CPU as here, torch 2.11), the same invocation with `--repeats 2
+--calibration-checks 2`:
+
+    calibrated median_s 0.015 (the checks ended with generation 0.12-0.25 s against training 0.17-0.18 s);
+    sync 6.3 s loop, reward 0.033; greedy 5.2 s, reward 0.023 -> 1.22x (pairs 1.06x, 1.39x), gap -0.009
+    (parity); CPU: sync 1.73 of 16 cores busy, greedy 2.05 -> cpu_ceiling 1.69x.
+
+So the cores were not what held the ratio down there: the async arm's step (0.26 s) stayed above its training
+(0.17 s), its trainer waiting 15-23% of the loop, and its generation per step was slower than the sync arm's
+(0.16-0.25 s against 0.12-0.14 s). Not yet explained; a longer run (more pairs) on such a host is the next
+measurement.
 
     uv run python benchmarks/async_vs_sync.py [--model qwen3-test] [--seq-len 48] [--max-tokens 8] [--steps 20]
         [--repeats 5] [--async-mode greedy] [--median-s S]

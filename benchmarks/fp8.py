@@ -5,6 +5,10 @@ CPU: forward + backward of one linear layer (tokens x in -> out) as `nn.Linear` 
 the reference path (quantisation + per-128-block fp32 GEMMs). The reference exists for correctness and CPU
 runs, not speed: the target only guards against a pathological slowdown. GPU (when present): forward GEMM
 time of the chosen FP8 backend vs `torch.mm` in bf16 at a DeepSeek-like shape; the value then is the speedup.
+
+On one H100 (2026-11-27, torch 2.11, no DeepGEMM installed, defaults): scaled_mm 0.241 ms against bf16 0.311 ms
+at 4096x7168x4096 -> 1.29x (target 1.2, met); CPU reference 3.45x fp32 (target <= 8).
+
 Usage: uv run python benchmarks/fp8.py [--tokens 2048] [--hidden 512] [--inter 1536]
 """
 

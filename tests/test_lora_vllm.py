@@ -138,6 +138,8 @@ def check_hot_swap(url: str, tmp_path: Path, tol: float, targets: list[str] | No
 
 
 @pytest.mark.gpu(reason="vLLM's CUDA build serving LoRA adapters: bf16 Punica kernels on a GPU")
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_hot_swaps_adapters_with_merged_model_logprobs(tmp_path: Path) -> None:
     """On a GPU: vLLM serving a LoRA adapter through arbor's proxy gives (within kernel noise) the logprobs of the
     merged model, and a new version swaps in by name."""

@@ -81,7 +81,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    # "AUTO" picks the flex-decoding kernel for rows under 128 tokens, which has no training variant: on an H100
+    # (torch 2.11) a 73-token row then failed to compile ("No choices to select"); the standard Triton kernel
+    # serves every length, with no recompile when the length changes.
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=_FLEX_KERNEL)
+
+
+_FLEX_KERNEL = {"BACKEND": "TRITON"}
 
 
 _FLEX = None

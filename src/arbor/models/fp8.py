@@ -179,7 +179,10 @@ def _gemm_scaled_mm(a, sa, b, sb, wgrad: bool) -> torch.Tensor:
         a, b = F.pad(a.view(torch.uint8), (0, k_pad)).view(FP8), F.pad(b.view(torch.uint8), (0, k_pad)).view(FP8)
         sa, sb = F.pad(sa, (0, k_pad // BLOCK), value=1.0), F.pad(sb, (0, k_pad // BLOCK), value=1.0)
     recipe_b = F.ScalingType.BlockWise1x128 if wgrad else F.ScalingType.BlockWise128x128
-    scale_b = sb.t().contiguous() if wgrad else sb.t()
+    # 1x128 scales of either operand are `[rows, K/128]` with the rows contiguous (strides (1, rows)); the
+    # 128x128 weight scales go in transposed, `[K/128, N/128]`. (An H100 with torch 2.11 refused the wgrad's
+    # `[K/128, N]`, the layout of the older `torch._scaled_mm`.)
+    scale_b = sb.t().contiguous().t() if wgrad else sb.t()
     out = F.scaled_mm(a, b.t(), sa.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale_b, recipe_b,
                       output_dtype=torch.float32 if wgrad else torch.bfloat16)
     return out[:M]
