@@ -1,13 +1,20 @@
 """Shared test setup: `gpu` tests are skipped with a reason where no CUDA device is present, `vllm` tests where
-no vLLM build (CUDA or CPU) is installed."""
+no vLLM build (CUDA or CPU) is installed; one vLLM server that the `vllm` modules serving the `qwen3-tiny` preset
+share (`shared_vllm`)."""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Iterator
 
 import pytest
 
+from vllm_server import SharedServer
+
 from arbor.models.tokenizer import ByteTokenizer, HFTokenizer
+
+SHARED_VLLM: list[SharedServer] = []
+"""The session's shared vLLM server, once a test has asked for it."""
 
 
 def _has_cuda() -> bool:
@@ -36,6 +43,22 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("vllm"):
                 item.add_marker(skip)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the shared vLLM server after the last test that uses it: the modules that share it run one after the
+    other (test_vllm_backend, test_vllm_distill_teacher), and later modules start servers of their own."""
+    if SHARED_VLLM and (nextitem is None or "shared_vllm" not in nextitem.fixturenames):
+        SHARED_VLLM[0].stop()
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(tmp_path_factory) -> Iterator[SharedServer]:
+    """The `qwen3-tiny` preset served by vLLM in float32 with 512 tokens of context, started at the first `url()`
+    (test_vllm_backend and test_vllm_distill_teacher use it; run apart, each starts it for itself)."""
+    SHARED_VLLM.append(SharedServer(tmp_path_factory.mktemp("vllm-shared"), "qwen3-tiny", 512))
+    yield SHARED_VLLM[0]
+    SHARED_VLLM.pop().stop()
 
 
 @pytest.fixture(scope="session")

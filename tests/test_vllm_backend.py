@@ -1,4 +1,4 @@
-"""`inference --backend vllm` against a real vLLM server (CPU or CUDA build), one server for the module: token
+"""`inference --backend vllm` against a real vLLM server (CPU or CUDA build), the session's shared one: token
 ids and logprobs through arbor's proxy, per-token policy versions, filesystem weight updates in a row with the
 trainer-vs-vLLM mismatch after each, abort and resume, cache salts, pause/resume, chat with the byte
 tokenizer's Hugging Face export, hostile requests answered in arbor's error shape (never a 5xx, never a dead
@@ -23,7 +23,7 @@ import torch
 
 from fuzz_requests import check_answer, malformed, send
 from test_orphans import alive
-from vllm_server import post_json, vllm_server
+from vllm_server import SharedServer, post_json, vllm_server
 
 from arbor.config.inference import RouterConfig
 from arbor.config.model import ModelConfig
@@ -45,9 +45,10 @@ PROMPTS = [ByteTokenizer().encode(t) for t in ("reverse: abcdef", "hello vllm", 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> str:
-    with vllm_server(tmp_path_factory.mktemp("vllm-dense"), MODEL, SEQ_LEN) as url:
-        yield url
+def server(shared_vllm: SharedServer) -> str:
+    """The session's shared server of this preset (conftest): the module's tests leave it trained (three updates)."""
+    assert (shared_vllm.model, shared_vllm.seq_len) == (MODEL, SEQ_LEN)
+    return shared_vllm.url()
 
 
 def mismatch_kl(trainer_lp: torch.Tensor, inference_lp: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """A real vLLM-backed `inference` server for the `vllm` and `gpu` tests (CUDA or CPU build): started like `rl`
-starts one, stopped with its process group, and a plain JSON POST to talk to it."""
+starts one, stopped with its process group; `SharedServer`, one such server that several modules use in turn; and a
+plain JSON POST and GET to talk to them."""
 
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ def vllm_server(tmp_path: Path, model_dir: Path | str, seq_len: int, *extra: str
         except subprocess.TimeoutExpired:  # a server stuck in shutdown must not outlive the tests
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class SharedServer:
+    """One `vllm_server` that tests of several modules share (a vLLM start costs ~50 s of a 2-core CI machine):
+    started at the first `url()`, stopped by `stop()` (conftest stops it after the last test that uses it, so it
+    never idles beside other modules' servers). Its weights are whatever the last user left: a module that needs
+    the model's own weights loads them back (`restore`)."""
+
+    def __init__(self, tmp_path: Path, model: str, seq_len: int) -> None:
+        self.tmp_path, self.model, self.seq_len = tmp_path, model, seq_len
+        self._server: contextlib.AbstractContextManager[str] | None = None
+        self._url = ""
+
+    def url(self) -> str:
+        if self._server is None:
+            server = vllm_server(self.tmp_path, self.model, self.seq_len)
+            self._url = server.__enter__()
+            self._server = server
+        return self._url
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.__exit__(None, None, None)
+
+
+def get_json(url: str, path: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + path, timeout=60) as r:
+        return json.loads(r.read())
 
 
 def post_json(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_server import post_json, vllm_server
+from vllm_server import SharedServer, get_json, post_json
 
 from arbor.config.model import ModelConfig
 from arbor.config.orchestrator import TeacherConfig
@@ -26,6 +26,7 @@ from arbor.inference.server import BackgroundServer
 from arbor.models import build_model, build_tokenizer
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.teacher import Teacher, TeacherError
+from arbor.transport.weights import FilesystemTransport
 
 pytestmark = pytest.mark.vllm
 
@@ -39,9 +40,17 @@ SAMPLES = [("reverse: abcdef", "fedcba"), ("hello vllm", " and hello teacher"), 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> str:
-    with vllm_server(tmp_path_factory.mktemp("vllm-teacher"), MODEL, SEQ_LEN) as url:
-        yield url
+def server(shared_vllm: SharedServer, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The session's shared server of this preset (conftest), serving the preset's own weights: an earlier module
+    may have trained it (test_vllm_backend does), so they are loaded back as the next version."""
+    assert shared_vllm.model == MODEL
+    url = shared_vllm.url()
+    version = get_json(url, "/health")["policy_version"]
+    if version:
+        model = build_model(ModelConfig(name=MODEL))
+        path = FilesystemTransport().publish(tmp_path_factory.mktemp("preset"), version + 1, model.state_dict(), model.args)
+        assert post_json(url, "/update_weights", {"path": str(path), "version": version + 1}) == {"policy_version": version + 1}
+    return url
 
 
 @contextlib.contextmanager
@@ -115,7 +124,8 @@ def test_the_proxy_passes_prompt_logprobs_through_and_refuses_too_many(server: s
     plp = c["prompt_logprobs"]
     assert len(plp) == len(ids) and plp[0] is None
     assert all(str(t) in e and 3 <= len(e) <= 4 for t, e in zip(ids[1:], plp[1:]))
-    assert c["policy_versions"] == [0] * len(c["token_ids"]) == [0] and c["logprobs"] is None
+    version = get_json(server, "/health")["policy_version"]
+    assert c["policy_versions"] == [version] * len(c["token_ids"]) == [version] and c["logprobs"] is None
 
     async def too_many() -> None:
         async with Teacher(TeacherConfig(url=server, top_k=21, max_retries=0)) as teacher:
