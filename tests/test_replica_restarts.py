@@ -1,11 +1,14 @@
 """The launcher's server restarts (arbor.launch.servers): a replica that dies after it was ready is restarted,
 alone or behind the router, and so is the distillation teacher; one that never got ready, or keeps dying, is
-not; the run fails only when none of a group is left alive. The processes are stand-ins that exit or sleep; the
-end-to-end run is in test_rl_e2e."""
+not; the run fails only when none of a group is left alive; a frozen one is killed, then restarted. The processes
+are stand-ins that exit, sleep or answer /health; the end-to-end run is in test_rl_e2e."""
 
 from __future__ import annotations
 
+import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,57 @@ def test_a_failed_run_resumes_by_itself_only_after_progress_and_within_max_resta
     assert attempts([(3, 1), (0, 1)], 3) == (1, [False, True])  # the resumed attempt made no progress
     assert attempts([(3, 1)], 0) == (1, [False])  # restarts off (the default)
     assert attempts([(2, 130)], 2) == (130, [False]) and attempts([(2, 143)], 2) == (143, [False])
+
+
+HEALTHY = [sys.executable, "-c", (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200 if self.path == '/health' else 404); self.end_headers()\n"
+    "    def log_message(self, *a): pass\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")]
+"""A stand-in server that answers GET /health with 200 on the port given."""
+
+
+def test_a_frozen_server_is_killed_and_restarted_and_a_silent_restart_too(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ready server that stops answering /health (SIGSTOP: alive, silent) is killed after `liveness_timeout`
+    and restarted on its port, then answers again; a restart that never answers is killed after the start-up
+    limit, and after MAX_RESTARTS the group fails naming the server."""
+    monkeypatch.setattr(servers, "PROBE_INTERVAL", 0.2)
+    port = _free_port()
+    sup = Supervisor(tmp_path / "logs", {})
+    url = f"http://127.0.0.1:{port}"
+    group = Servers(sup, {"inference": [*HEALTHY, str(port)]}, {"inference": url}, {}, True, "inference replicas",
+                    liveness_timeout=1.5, startup_timeout=20.0)
+    try:
+        group.start("inference")
+        rl.wait_ready(sup, [group], 30)
+        first = sup.children["inference"]
+        first.signal_group(signal.SIGSTOP)
+        _poll_until(lambda: sup.children["inference"] is not first, sup, group, 30)
+        assert first.proc.returncode == -signal.SIGKILL and len(group.restarts["inference"]) == 1
+        _poll_until(lambda: group.last_ok["inference"] > group.last_start["inference"], sup, group, 30)
+        group.argv["inference"] = LIVE  # lives, never answers: killed once the start-up limit passes
+        group.startup_timeout = 1.0
+        sup.children["inference"].signal_group(signal.SIGKILL)
+        with pytest.raises(ChildFailed, match=r"inference exited with code -9 after 3 restarts within 600s"):
+            _poll_until(lambda: False, sup, group, 60)
+    finally:
+        group.close()
+        sup.stop()
+
+
+def _poll_until(done, sup: Supervisor, group: Servers, timeout: float) -> None:
+    """The launcher's poll loop (rl.check_children: deaths, then liveness) until `done()`."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        rl.check_children(sup, set(), servers=[group])
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

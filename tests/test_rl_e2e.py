@@ -97,18 +97,21 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     assert rc != 0 and "--resume" in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_a_killed_lone_inference_server_is_restarted_with_the_runs_weights(tmp_path):
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_killed_or_frozen_lone_inference_server_is_restarted_with_the_runs_weights(tmp_path, fault):
     """The orchestrator's requests wait for the restarted server, which gets the policy the run serves before
-    it answers one of them; no step is lost."""
+    it answers one of them; no step is lost. A frozen server (SIGSTOP: alive, silent) is first killed once it has
+    not answered /health for `inference.liveness_timeout` seconds."""
     out = tmp_path / "run"
     steps = 20
-    proc = _rl(out, "--max-steps", str(steps))
+    proc = _rl(out, "--max-steps", str(steps), "--inference.liveness-timeout", "3")
     _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 3, 180, "three steps")
     pids = subprocess.run(["pgrep", "-f", f"arbor.inference.server @ {out}"], capture_output=True, text=True).stdout.split()
     assert len(pids) == 1, pids
-    os.kill(int(pids[0]), signal.SIGKILL)
+    os.kill(int(pids[0]), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     rc, stdout, stderr = _finish(proc, timeout=300)
     assert rc == 0, stderr + stdout
+    assert ("inference stopped answering /health for" in stderr) == (fault == "frozen"), stderr
     assert "inference exited with code -9; restarting it" in stderr
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(steps))

@@ -172,6 +172,10 @@ class InferenceConfig(Config):
     minutes), behind the router (which re-admits it once healthy) or alone (the orchestrator waits for it); its
     current weights are loaded on it before it serves again. Under `rl` the router is restarted too. Off: a death
     ends the run unless other replicas are alive."""
+    liveness_timeout: Seconds | None = Field(60.0, gt=0)
+    """Under `rl` and `fleet`, with `restart_dead_replicas`: a server that stops answering `/health` for this long
+    (frozen, deadlocked, its vLLM engine gone while its proxy lives) is killed, then restarted like a dead one; so
+    is a restarted one that does not answer within `inference_startup_timeout`. None: only deaths are noticed."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()

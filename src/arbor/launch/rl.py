@@ -29,8 +29,10 @@ meanwhile and re-admits it once healthy after replaying the current weights; alo
 wait for it and the orchestrator loads the current weights on it before it serves (arbor.orchestrator.client).
 A replica that died `MAX_RESTARTS` times within `RESTART_WINDOW` seconds is not restarted again (it would only
 die again), and one that dies before it was first healthy is never restarted (a bad model, config or memory
-fails the same way each time). The run fails when no replica is left alive to serve. The router is restarted the
-same way (its restarted self finds the replicas as they are; the orchestrator's requests wait for it).
+fails the same way each time). The run fails when no replica is left alive to serve. One that lives but stops
+answering `/health` for `inference.liveness_timeout` seconds is killed, and so restarted (arbor.launch.servers).
+The router is restarted the same way (its restarted self finds the replicas as they are; the orchestrator's
+requests wait for it).
 
 Admin token: when a server (an inference replica or the router) binds beyond loopback and the config gives no
 `admin_token`, `rl` generates one for the run. It reaches the servers and the orchestrator through their
@@ -205,7 +207,12 @@ def replica_servers(cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, ro
         argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
                 for i, url in enumerate(inf.router.backends)}
         urls = dict(zip(argv, inf.router.backends))
-    return Servers(sup, argv, urls, token_env(cfg, ADMIN_TOKEN_ENV), inf.restart_dead_replicas, "inference replicas")
+    return Servers(sup, argv, urls, token_env(cfg, ADMIN_TOKEN_ENV), inf.restart_dead_replicas, "inference replicas",
+                   inf.liveness_timeout, startup_timeout(cfg))
+
+
+def startup_timeout(cfg: RLConfig | FleetConfig) -> float:
+    return cfg.inference_startup_timeout if isinstance(cfg, RLConfig) else cfg.startup_timeout
 
 
 def teacher_servers(cfg: RLConfig, conf: Path, sup: Supervisor) -> Servers | None:
@@ -215,7 +222,8 @@ def teacher_servers(cfg: RLConfig, conf: Path, sup: Supervisor) -> Servers | Non
     token = token_value(cfg.teacher.admin_token)
     argv = {"teacher": [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")]}
     return Servers(sup, argv, {"teacher": str(cfg.orchestrator.teacher.url)},
-                   {} if token is None else {ADMIN_TOKEN_ENV: token}, cfg.teacher.restart_dead_replicas, "teachers")
+                   {} if token is None else {ADMIN_TOKEN_ENV: token}, cfg.teacher.restart_dead_replicas, "teachers",
+                   cfg.teacher.liveness_timeout, cfg.inference_startup_timeout)
 
 
 def router_argv(cfg: RLConfig | FleetConfig, conf: Path) -> list[str]:
@@ -270,6 +278,8 @@ def wait_ready(sup: Supervisor, servers: Sequence[Servers], timeout: float,
         for name, url in group.urls.items():
             wait_healthy(sup, url, timeout, name, servers if watch is None else watch, on_wait)
             group.ready.add(name)
+            group.last_ok[name] = time.monotonic()
+        group.watch()
 
 
 def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", servers: Sequence[Servers] = (),
@@ -306,6 +316,8 @@ def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, .
             group.on_death(name, rc, console.say if console is not None else None)
             continue
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
+    for group in servers:
+        group.check_liveness(console.say if console is not None else None)
 
 
 def record_timings(output_dir: Path, sup: Supervisor) -> None:
@@ -325,6 +337,7 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
     if note:
         console.say(note)
     shared = Registration(cfg) if cfg.fleet is not None else None
+    servers: list[Servers] = []
 
     def waits() -> None:
         console.waiting({n: c.started for n, c in sup.children.items() if n != "sft"})
@@ -341,7 +354,8 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
         wait_ready(sup, servers, cfg.inference_startup_timeout, on_wait=waits)
         if shared is None and cfg.inference.replicas > 1:
             router = Servers(sup, {"router": router_argv(cfg, conf)}, {"router": cfg.orchestrator.client.base_urls[0]},
-                             token_env(cfg, ADMIN_TOKEN_ENV), cfg.inference.restart_dead_replicas, "routers")
+                             token_env(cfg, ADMIN_TOKEN_ENV), cfg.inference.restart_dead_replicas, "routers",
+                             cfg.inference.liveness_timeout, cfg.inference_startup_timeout)
             servers.append(router)
             router.start("router")
             wait_ready(sup, [router], cfg.inference_startup_timeout, on_wait=waits, watch=servers)
@@ -379,6 +393,8 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
         console.say("rl: terminated (SIGTERM); stopping every process", err=True)
         return 143  # 128 + SIGTERM
     finally:
+        for group in servers:
+            group.close()
         sup.stop()
         record_timings(cfg.output_dir, sup)
         if shared is not None:

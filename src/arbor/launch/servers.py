@@ -6,11 +6,20 @@ the other replicas; the orchestrator's client holds the requests and loads the r
 reach it, arbor.orchestrator.client). One that died `MAX_RESTARTS` times within `RESTART_WINDOW` seconds is not
 restarted again (it would only die again), and one that dies before it was first healthy is never restarted (a
 bad model, config or memory fails the same way each time). The run fails when none of a group is left alive.
+
+A server that lives but stops answering (frozen, deadlocked, its vLLM engine dead behind a live proxy) would hold
+its clients until the stall watchdog ends the run: once a group is ready a thread polls each server's `/health`
+every `PROBE_INTERVAL` seconds, and one silent for `liveness_timeout` seconds (or, after a restart, not healthy
+within `startup_timeout`) is killed with its process group, which the restart rule above then handles.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 
 from arbor.launch.process import ChildFailed, Supervisor, tail
@@ -19,6 +28,8 @@ RESTART_BACKOFF = 5.0
 """Seconds between two restarts of the same dead server."""
 MAX_RESTARTS, RESTART_WINDOW = 3, 600.0
 """A server restarted this many times within this many seconds is given up on."""
+PROBE_INTERVAL = 2.0
+"""Seconds between two liveness probes of a server (and each probe's own timeout)."""
 
 Say = Callable[..., None]
 """The console's `say(text, err=...)`: where a restart is announced."""
@@ -30,9 +41,15 @@ class Servers:
     them in the message when all are dead."""
 
     def __init__(self, sup: Supervisor, argv: dict[str, list[str]], urls: dict[str, str], env: dict[str, str],
-                 restart: bool, plural: str) -> None:
+                 restart: bool, plural: str, liveness_timeout: float | None = None,
+                 startup_timeout: float = 600.0) -> None:
         self.sup, self.argv, self.urls, self.env, self.plural = sup, argv, urls, env, plural
         self.restart = restart
+        self.liveness_timeout, self.startup_timeout = liveness_timeout, startup_timeout
+        self.last_ok: dict[str, float] = {}
+        """When each server last answered /health with 200 (monotonic seconds; the probe thread writes it)."""
+        self._stop = threading.Event()
+        self._probe: threading.Thread | None = None
         self.last_start: dict[str, float] = {}
         self.restarts: dict[str, list[float]] = {name: [] for name in self.argv}
         """When each server was restarted (monotonic seconds)."""
@@ -43,6 +60,48 @@ class Servers:
     def start(self, name: str) -> None:
         self.sup.start(name, self.argv[name], self.env)
         self.last_start[name] = time.monotonic()
+
+    def watch(self) -> None:
+        """Starts the liveness probe (once the group is ready; a no-op without restarts or a liveness_timeout)."""
+        if self._probe is None and self.restart and self.liveness_timeout is not None:
+            self._probe = threading.Thread(target=self._probe_loop, name=f"probe-{self.plural}", daemon=True)
+            self._probe.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.is_set():
+            for name, url in self.urls.items():
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=PROBE_INTERVAL) as r:
+                        if r.status == 200:
+                            self.last_ok[name] = time.monotonic()
+                except OSError:  # refused, reset, timed out, or a 503: not alive this time
+                    pass
+            self._stop.wait(PROBE_INTERVAL)
+
+    def check_liveness(self, console: Say | None) -> None:
+        """Kills each live server silent for too long (module docstring), so that its death restarts it."""
+        if self._probe is None:
+            return
+        now = time.monotonic()
+        for name in self.ready:
+            child = self.sup.children[name]
+            if child.poll() is not None:
+                continue
+            started, ok = self.last_start.get(name, 0.0), self.last_ok.get(name, 0.0)
+            if ok >= started:
+                silent, limit, what = now - ok, self.liveness_timeout, "stopped answering /health for"
+            else:  # (re)started and not yet healthy since
+                silent, limit, what = now - started, self.startup_timeout, "has not answered /health since its start"
+            if limit is not None and silent > limit:
+                message = f"rl: {name} {what} {silent:.0f}s (limit {limit:.0f}s); killing it so that it is restarted"
+                if console is not None:
+                    console(message, err=True)
+                else:
+                    print(message, file=sys.stderr, flush=True)
+                child.signal_group(signal.SIGKILL)
 
     def on_death(self, name: str, rc: int, console: Say | None) -> None:
         """Called while server `name` is dead: restarts it (backed off) unless it may not be; fails when then none
