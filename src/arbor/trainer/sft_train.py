@@ -81,7 +81,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     start = time.perf_counter()
     for step, batch in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
         beat(f"training step {step + 1}")
-        rows = pack(batch, cfg.seq_len)
+        rows = pack(batch, max(cfg.seq_len, cfg.row_tokens))
         targets = sum(int(mask.sum()) for _, mask, _ in rows)
         total = torch.zeros((), device=device)
         draft_kl = torch.zeros((), device=device)
