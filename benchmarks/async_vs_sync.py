@@ -59,8 +59,16 @@ so that the trainer stays on CPU as here, torch 2.11), the same invocation with 
 
 So the cores were not what held the ratio down there: the async arm's step (0.26 s) stayed above its training
 (0.17 s), its trainer waiting 15-23% of the loop, and its generation per step was slower than the sync arm's
-(0.16-0.25 s against 0.12-0.14 s). Not yet explained; a longer run (more pairs) on such a host is the next
-measurement.
+(0.16-0.25 s against 0.12-0.14 s). A likely cause, found afterwards: the local engine then rebuilt the KV
+cache of every running sequence after each weight update with one forward per request and per sample, some
+400 ms for 64 sequences on one thread (30 decode steps), which only the async arm pays (the sync arm updates
+while the engine is idle). The engine now recomputes in batched forwards (about 170 ms), and both arms run
+with `inference.kv_after_update = "keep"` (no recomputation: what vLLM does with in-flight updates, the fleet
+this benchmark stands in for; the sync arm never updates mid-generation, so the setting is equal and only
+matters to the async arm). On the idle 2-core machine (2026-11-27, 5 pairs, calibrated median_s 0.0369) the
+ratio stays where the cores hold it: sync 12.1 s loop, reward 0.032; greedy 10.8 s, reward 0.027 -> 1.14x,
+gap -0.005 (parity), cpu_ceiling 1.28x (the async arm's training step 0.34 s against the sync arm's 0.27: the
+two share the cores). The 16-core measurement with these changes is the next one to take.
 
     uv run python benchmarks/async_vs_sync.py [--model qwen3-test] [--seq-len 48] [--max-tokens 8] [--steps 20]
         [--repeats 5] [--async-mode greedy] [--median-s S]
@@ -91,6 +99,8 @@ BASE = [
     "--seed", "0", "--orchestrator.batch-size", str(BATCH), "--orchestrator.group-size", str(GROUP),
     "--orchestrator.environment.id", ENV,
     "--trainer.num-threads", "1", "--inference.num-threads", "1", "--inference.max-batch-size", "64",
+    # vLLM's in-flight updates keep the running sequences' KV (module docstring); the sync arm never needs either
+    "--inference.kv-after-update", "keep",
 ]
 
 

@@ -251,6 +251,8 @@ BAD_CONFIGS = [
     (["--model.name", "qwen3-test", "--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2",
       "--trainer.parallel.cp-style", "dsa"], "trainer.parallel.cp_style"),
     (["--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "4"], "trainer.parallel"),
+    (["--inference.backend", "vllm", "--inference.kv-after-update", "recompute"], "kv_after_update"),
+    (["--inference.kv-after-update", "drop"], "inference.kv_after_update"),
     # environment arguments: misspelt, mistyped, out of range, contradictory
     (["--orchestrator.environment.args", "{ min_lenn = 3 }"], "did you mean min_len?"),
     (["--orchestrator.environment.args", "{ max_lne = 3 }"], "did you mean max_len?"),

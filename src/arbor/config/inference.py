@@ -176,6 +176,15 @@ class InferenceConfig(Config):
     """Under `rl` and `fleet`, with `restart_dead_replicas`: a server that stops answering `/health` for this long
     (frozen, deadlocked, its vLLM engine gone while its proxy lives) is killed, then restarted like a dead one; so
     is a restarted one that does not answer within `inference_startup_timeout`. None: only deaths are noticed."""
+    kv_after_update: Literal["recompute", "keep"] | None = None
+    """What a weight update (or a new version of a LoRA adapter) does to the KV cache of the sequences running
+    when it lands. "recompute": rebuilt with the new weights, so every later token is a sample of exactly the
+    new policy given its prefix (one batched prefill of every running sequence per update: on CPU about a
+    generation round's compute at short lengths); "keep": the entries the older weights computed stay, as in
+    vLLM and PipelineRL's in-flight updates: later tokens are tagged with the new version and carry the logprobs
+    they were sampled with (so importance correction stays exact), though their prefix's keys are the older
+    policy's. None: each backend's own, "recompute" on the local engine, "keep" on vLLM (which cannot
+    recompute: "recompute" is refused there)."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()
@@ -194,6 +203,9 @@ class InferenceConfig(Config):
         if self.weights.kind == "nccl" and self.model.fp8 != "none":
             raise ValueError("model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
                              "published as a DeepSeek-format checkpoint)")
+        if self.backend == "vllm" and self.kv_after_update == "recompute":
+            raise ValueError("kv_after_update = 'recompute' needs inference.backend = 'local' (vLLM keeps the KV "
+                             "its running requests computed with the older weights)")
         if self.weights.kind == "nccl" and self.backend != "vllm":
             raise ValueError("weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)")
         workers = self.replicas * self.vllm.tensor_parallel_size * self.vllm.data_parallel_size

@@ -1,8 +1,8 @@
 """The local inference engine: continuous batching over a fixed pool of KV-cache slots, in a background thread.
 
 One thread owns the model and the cache. Each turn of its loop it (1) applies control commands (weight updates,
-pause, resume), (2) admits queued requests into free slots (one prefill per prompt; a request with `n > 1`
-copies the prompt's slot to its other samples), and (3) decodes one token for every running sequence with a
+pause, resume), (2) admits queued requests into free slots (the prompts admitted together prefilled in batched
+forwards, each once: a request with `n > 1` copies the prompt's slot to its other samples), and (3) decodes one token for every running sequence with a
 single `[B, 1]` forward (with `[inference.speculative]`, drafts up to k tokens per sequence with the model's MTP
 module and verifies them in one `[B, k + 1]` forward: arbor.inference.speculative). Requests therefore join and
 leave the running batch between decode steps.
@@ -18,14 +18,17 @@ recording and weight loading) and `requests` (the request and output records).
 
 Policy versions: every generated token is tagged with the version of the weights it was sampled from. A weight
 update is applied between decode steps; the KV cache of every running sequence is then recomputed with the new
-weights, so a token tagged with version v is exactly a sample of policy v given its prefix (its logprob is what
-the trainer computes with version v's weights). Logprobs follow the convention in `arbor.inference.sampling`.
+weights (in batched forwards), so a token tagged with version v is exactly a sample of policy v given its prefix
+(its logprob is what the trainer computes with version v's weights). With `recompute_on_update=False`
+(`inference.kv_after_update = "keep"`) the caches stay as the older weights computed them, as vLLM's do: later
+tokens are still tagged v and carry the logprobs they were sampled with. Logprobs follow the convention in
+`arbor.inference.sampling`.
 
 LoRA adapters (arbor.inference.adapters): `load_adapter(name, path, version)` puts a PEFT directory into one of
 `max_loras` slots between decode steps; a request submitted with `adapter=name` is generated with it, in the
 same decode batch as requests for other adapters or for none. Its tokens carry that adapter's versions. Loading a
 new version of a loaded adapter recomputes the caches of that adapter's running requests only (the others go on
-as they were); unloading it aborts its requests.
+as they were; none with `recompute_on_update=False`); unloading it aborts its requests.
 """
 
 from __future__ import annotations
@@ -80,9 +83,11 @@ class Engine:
         draft_tokens: int = 0,
         max_loras: int = 4,
         max_lora_rank: int = 64,
+        recompute_on_update: bool = True,
     ) -> None:
         """`draft_tokens > 0`: speculative decoding with the model's MTP module drafting that many tokens per
-        sequence and step (arbor.inference.speculative)."""
+        sequence and step (arbor.inference.speculative). `recompute_on_update`: rebuild the running sequences'
+        KV caches after a weight or adapter update (False: keep the older weights' entries, as vLLM does)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -100,7 +105,7 @@ class Engine:
                 if draft_tokens > 0 else None)
         self._scheduler = SlotScheduler(self.runner, sampler, self._inbox, max_batch_size=max_batch_size,
                                         version=version, spec=spec)
-        self._loop = _EngineLoop(self._inbox, self._scheduler)
+        self._loop = _EngineLoop(self._inbox, self._scheduler, recompute_on_update)
         self._thread = threading.Thread(target=self._loop.run, name="arbor-engine", daemon=True)
 
     def start(self) -> "Engine":
@@ -207,9 +212,10 @@ class Engine:
 class _EngineLoop:
     """The engine thread: applies commands, then admits and decodes, until stopped; fails what is left."""
 
-    def __init__(self, inbox: Inbox, scheduler: SlotScheduler) -> None:
+    def __init__(self, inbox: Inbox, scheduler: SlotScheduler, recompute_on_update: bool = True) -> None:
         self.inbox = inbox
         self.scheduler = scheduler
+        self.recompute_on_update = recompute_on_update
         self._last_log, self._last_tokens = time.monotonic(), 0
 
     def run(self) -> None:
@@ -273,7 +279,7 @@ class _EngineLoop:
             fail(cmd.future, ValueError(f"unknown engine command {cmd.kind!r}"))
 
     def _update(self, cmd: Command, path: Path, version: int) -> None:
-        """Loads new weights, tags later tokens with `version` and recomputes the running caches."""
+        """Loads new weights, tags later tokens with `version` and (by default) recomputes the running caches."""
         stats = self.scheduler.stats
         try:
             self.scheduler.runner.load_weights(path)
@@ -284,12 +290,14 @@ class _EngineLoop:
             fail(cmd.future, err)
             return
         stats.policy_version = version
-        self.scheduler.recompute_caches()
+        if self.recompute_on_update:
+            self.scheduler.recompute_caches()
         log.info("loaded weights from %s as policy version %d", path, version)
         resolve(cmd.future, version)
 
     def _load_adapter(self, cmd: Command, name: str, path: str, version: int) -> None:
-        """Loads an adapter version; the running requests of that adapter get their caches recomputed with it."""
+        """Loads an adapter version; the running requests of that adapter get their caches recomputed with it
+        (by default)."""
         try:
             self.scheduler.runner.load_adapter(name, Path(path), version)
         except Exception as e:
@@ -298,7 +306,8 @@ class _EngineLoop:
             err.__cause__ = e
             fail(cmd.future, err)
             return
-        self.scheduler.recompute_caches(adapter=name)
+        if self.recompute_on_update:
+            self.scheduler.recompute_caches(adapter=name)
         log.info("loaded adapter %s from %s as version %d", name, path, version)
         resolve(cmd.future, version)
 
@@ -323,7 +332,8 @@ def build_engine(cfg: Any) -> tuple[Engine, Any]:
                     weights=FilesystemTransport(timeout=w.timeout, max_shard_gb=w.max_shard_gb, verify=w.verify_checksums,
                                                 checksum=w.checksum),
                     nucleus_logprobs=True, draft_tokens=spec.draft_tokens if spec.enabled else 0,
-                    max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+                    max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+                    recompute_on_update=cfg.kv_after_update != "keep")
     lora = cfg.model.lora
     if lora is not None and lora.path is not None:  # the engine thread is not running yet: load it here
         engine.runner.load_adapter(lora.adapter_name(cfg.output_dir), Path(lora.path), 0)

@@ -38,7 +38,10 @@ class SlotScheduler:
         self._free = list(range(max_batch_size - 1, -1, -1))  # pop() hands out low slots first
 
     def admit(self) -> None:
-        """Prefills queued requests, first come first served, while the head of the queue fits."""
+        """Prefills queued requests, first come first served, while the head of the queue fits: together in
+        batched forwards, but for those that prefill alone (prompt logprobs, speculative drafting) and, should
+        the batched forwards fail, request by request, so that an error fails only its request."""
+        admitted = []
         while (req := self.inbox.next_admissible(len(self._free))) is not None:
             try:
                 req.lora_slot = self.runner.adapters.slot_of(req.adapter)  # unloaded since it was queued: fails
@@ -46,16 +49,35 @@ class SlotScheduler:
                     # the slot is taken only once its sample exists, so a sample that cannot be set up leaks none
                     req.seqs.append(Seq(req, i, self._free[-1], self.runner.device))
                     self._free.pop()
+                admitted.append(req)
+            except Exception as e:
+                log.exception("admitting request %s failed", req.request_id)
+                self._fail_request(req, e)
+        together = [r for r in admitted if r.params.prompt_logprobs is None and not self._speculative(r)]
+        logits: dict[int, torch.Tensor] = {}
+        if len(together) > 1:
+            try:
+                logits = dict(zip(map(id, together), self.runner.prefill_many(together)))
+            except Exception:
+                log.warning("batched prefill failed; prefilling request by request", exc_info=True)
+        for req in admitted:
+            self._start(req, logits.get(id(req)))
+
+    def _start(self, req: Request, logits: torch.Tensor | None) -> None:
+        """Puts an admitted request's samples in the running batch with their first tokens, prefilling it alone
+        unless `logits` (its last prompt position's, from a batched prefill) are given."""
+        try:
+            if logits is None:
                 logits = self.runner.prefill(req.seqs)
                 if self._speculative(req):
                     self.spec.admitted(req.seqs, self.runner.last_hidden)
-                self.stats.requests += 1
-                self.stats.prompt_tokens += len(req.prompt)
-                self.running.extend(req.seqs)
-                self._sample(req.seqs, logits.expand(len(req.seqs), -1))
-            except Exception as e:  # this request's fault or not, it fails alone: the loop serves the others
-                log.exception("admitting request %s failed", req.request_id)
-                self._fail_request(req, e)
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(req.prompt)
+            self.running.extend(req.seqs)
+            self._sample(req.seqs, logits.expand(len(req.seqs), -1))
+        except Exception as e:  # this request's fault or not, it fails alone: the loop serves the others
+            log.exception("admitting request %s failed", req.request_id)
+            self._fail_request(req, e)
 
     def decode_step(self) -> None:
         """Samples the next token of every running sequence with one batched forward (or, speculative, appends
@@ -84,18 +106,29 @@ class SlotScheduler:
                 self._fail_request(group[0].req, e)
 
     def recompute_caches(self, adapter: str | None = None) -> None:
-        """Rebuilds the KV cache of running sequences with the current weights (prompt once per request); with
-        `adapter`, only those of that adapter's requests (a new version of it was loaded)."""
-        for seqs in by_request(self.running).values():
-            if adapter is not None and seqs[0].req.adapter != adapter:
-                continue
-            try:
-                if self._speculative(seqs[0].req):
-                    self.spec.recompute(seqs)
-                else:
-                    self.runner.recompute(seqs)
-            except Exception as e:
-                self._fail_request(seqs[0].req, e)
+        """Rebuilds the KV cache of running sequences with the current weights; with `adapter`, only those of
+        that adapter's requests (a new version of it was loaded). Plain sequences are recomputed together in
+        batched forwards; should that fail, request by request, so that an error fails only its request."""
+        groups = [seqs for seqs in by_request(self.running).values()
+                  if adapter is None or seqs[0].req.adapter == adapter]
+        plain = [seqs for seqs in groups if not self._speculative(seqs[0].req)]
+        try:
+            if plain:
+                self.runner.recompute([s for seqs in plain for s in seqs])
+        except Exception:
+            log.warning("batched cache recomputation failed; recomputing request by request", exc_info=True)
+            for seqs in plain:
+                self._recompute_alone(seqs, self.runner.recompute)
+        for seqs in groups:
+            if self._speculative(seqs[0].req):
+                self._recompute_alone(seqs, self.spec.recompute)
+
+    def _recompute_alone(self, seqs: list[Seq], recompute: Callable[[list[Seq]], None]) -> None:
+        """Recomputes one request's sequences; its error fails that request."""
+        try:
+            recompute(seqs)
+        except Exception as e:
+            self._fail_request(seqs[0].req, e)
 
     def drop_abandoned(self) -> None:
         """Frees the slots of requests whose caller cancelled them (or that failed)."""

@@ -208,10 +208,11 @@ def replica_servers(cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, ro
                 for i, url in enumerate(inf.router.backends)}
         urls = dict(zip(argv, inf.router.backends))
     return Servers(sup, argv, urls, token_env(cfg, ADMIN_TOKEN_ENV), inf.restart_dead_replicas, "inference replicas",
-                   inf.liveness_timeout, startup_timeout(cfg))
+                   inf.liveness_timeout, startup_timeout(cfg), prog="rl" if isinstance(cfg, RLConfig) else "fleet")
 
 
 def startup_timeout(cfg: RLConfig | FleetConfig) -> float:
+    """Seconds a server may take to answer /health, at the launch and after a restart."""
     return cfg.inference_startup_timeout if isinstance(cfg, RLConfig) else cfg.startup_timeout
 
 

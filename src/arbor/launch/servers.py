@@ -38,12 +38,12 @@ Say = Callable[..., None]
 class Servers:
     """Servers the launcher keeps alive, by name: their argv and URL, restarts of dead ones (module docstring),
     failure when none is left. `env` adds variables to each one's environment (its admin token); `plural` names
-    them in the message when all are dead."""
+    them in the message when all are dead; `prog` (the launcher: "rl", "fleet") starts each message."""
 
     def __init__(self, sup: Supervisor, argv: dict[str, list[str]], urls: dict[str, str], env: dict[str, str],
                  restart: bool, plural: str, liveness_timeout: float | None = None,
-                 startup_timeout: float = 600.0) -> None:
-        self.sup, self.argv, self.urls, self.env, self.plural = sup, argv, urls, env, plural
+                 startup_timeout: float = 600.0, prog: str = "rl") -> None:
+        self.sup, self.argv, self.urls, self.env, self.plural, self.prog = sup, argv, urls, env, plural, prog
         self.restart = restart
         self.liveness_timeout, self.startup_timeout = liveness_timeout, startup_timeout
         self.last_ok: dict[str, float] = {}
@@ -92,11 +92,13 @@ class Servers:
                 continue
             started, ok = self.last_start.get(name, 0.0), self.last_ok.get(name, 0.0)
             if ok >= started:
-                silent, limit, what = now - ok, self.liveness_timeout, "stopped answering /health for"
+                silent, limit, what = now - ok, self.liveness_timeout, "stopped answering /health for {}s"
             else:  # (re)started and not yet healthy since
-                silent, limit, what = now - started, self.startup_timeout, "has not answered /health since its start"
+                silent, limit = now - started, self.startup_timeout
+                what = "has not answered /health for {}s since its restart"
             if limit is not None and silent > limit:
-                message = f"rl: {name} {what} {silent:.0f}s (limit {limit:.0f}s); killing it so that it is restarted"
+                message = (f"{self.prog}: {name} {what.format(f'{silent:.0f}')} (limit {limit:.0f}s); killing it so "
+                           "that it is restarted")
                 if console is not None:
                     console(message, err=True)
                 else:
@@ -112,7 +114,8 @@ class Servers:
             if time.monotonic() - self.last_start.get(name, 0.0) >= RESTART_BACKOFF:
                 self.restarts[name].append(time.monotonic())
                 if console is not None:
-                    console(f"rl: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True)
+                    console(f"{self.prog}: {name} exited with code {rc}; restarting it (see {child.log_path})",
+                            err=True)
                 self.start(name)
             return
         alive = [n for n in self.argv if self.sup.children[n].poll() is None]
@@ -122,8 +125,8 @@ class Servers:
             logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
             raise ChildFailed(f"{what}{why_not}; see {logs}\n{tail(child.log_path)}")
         if name not in self.reported and console is not None:
-            console(f"rl: {name} exited with code {rc}{why_not}; continuing with {len(alive)} of {len(self.argv)} "
-                    f"(see {child.log_path})", err=True)
+            console(f"{self.prog}: {name} exited with code {rc}{why_not}; continuing with {len(alive)} of "
+                    f"{len(self.argv)} (see {child.log_path})", err=True)
         self.reported.add(name)
 
     def why_not_restart(self, name: str) -> str | None:
