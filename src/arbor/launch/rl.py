@@ -47,7 +47,6 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -64,7 +63,7 @@ from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import run_checks
 from arbor.launch.process import ChildFailed, Supervisor, tail
-from arbor.launch.servers import RESTART_BACKOFF, Servers
+from arbor.launch.servers import RESTART_BACKOFF, Servers, healthy
 from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import read_jsonl, truncate_jsonl
@@ -291,12 +290,8 @@ def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inferen
         check_children(sup, finished=set(), servers=servers)
         if on_wait is not None:
             on_wait()
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if healthy(url):
+            return
         time.sleep(0.3)
     raise ChildFailed(f"{name} did not become healthy within {timeout:.0f}s; see {sup.children[name].log_path}")
 

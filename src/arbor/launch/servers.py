@@ -31,6 +31,16 @@ MAX_RESTARTS, RESTART_WINDOW = 3, 600.0
 PROBE_INTERVAL = 2.0
 """Seconds between two liveness probes of a server (and each probe's own timeout)."""
 
+def healthy(url: str, timeout: float = PROBE_INTERVAL) -> bool:
+    """Whether the server at `url` answers GET /health with 200 within `timeout` seconds (a refused or reset
+    connection, a timeout or a 503 all count as not)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 Say = Callable[..., None]
 """The console's `say(text, err=...)`: where a restart is announced."""
 
@@ -73,12 +83,8 @@ class Servers:
     def _probe_loop(self) -> None:
         while not self._stop.is_set():
             for name, url in self.urls.items():
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=PROBE_INTERVAL) as r:
-                        if r.status == 200:
-                            self.last_ok[name] = time.monotonic()
-                except OSError:  # refused, reset, timed out, or a 503: not alive this time
-                    pass
+                if healthy(url):
+                    self.last_ok[name] = time.monotonic()
             self._stop.wait(PROBE_INTERVAL)
 
     def check_liveness(self, console: Say | None) -> None:
