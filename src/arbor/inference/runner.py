@@ -45,6 +45,36 @@ def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top: int, vocab: in
     return out
 
 
+def row_chunks(lengths: list[int], budget: int, groups: list[int]) -> list[list[int]]:
+    """The rows (by index) of each batched forward: sorted by group and length, each chunk one group's, with its
+    rows x (longest length)^2 within `budget` (a lone row whatever its length)."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (groups[i], lengths[i])):
+        last = chunks[-1] if chunks else None
+        if last is None or groups[i] != groups[last[0]] or (len(last) + 1) * lengths[i] ** 2 > budget:
+            chunks.append([i])
+        else:
+            last.append(i)
+    return chunks
+
+
+def left_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions `[B, T]` of `rows` written at positions 0.. of their slots in one forward,
+    left-padded so that every row's last token is the last column. A row of n tokens holds positions 0 .. n - 1
+    in its last n columns; its padding takes positions n .. T - 1, which its real queries never attend to (the
+    cache mask admits keys at or before a query's position) and whose cache entries each later write overwrites
+    before any read reaches them (decode, verification and drafting write a position before attending to it)."""
+    B, T = len(rows), max(map(len, rows))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.empty(B, T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        n = len(row)
+        ids[b, T - n:] = torch.tensor(row, dtype=torch.long)
+        pos[b, T - n:] = torch.arange(n)
+        pos[b, :T - n] = torch.arange(n, T)
+    return ids.to(device), pos.to(device)
+
+
 class ModelRunner:
     """Runs `model` over `max_batch_size` cache slots of `seq_len` positions; `weights` loads published
     directories (a `FilesystemTransport`: checksums verified, bounded by its timeout); up to `max_loras` LoRA
@@ -133,45 +163,29 @@ class ModelRunner:
         Prompt logprobs keep the values their prefill computed."""
         self._forward_rows(seqs, [s.req.prompt + s.tokens[:-1] for s in seqs])
 
+    @property
+    def rows_budget(self) -> int:
+        """Rows x length^2 of one batched prefill or recomputation: its attention scores never outgrow one
+        full-length prefill's (or 1024 positions'), whatever the number of rows."""
+        return max(self.kv.max_len, 1024) ** 2
+
     def _forward_rows(self, seqs: list[Seq], rows: list[list[int]]) -> list[torch.Tensor]:
         """Writes `rows[i]` at positions 0.. of `seqs[i]`'s slot; returns each row's fp32 logits `[V]` of its last
-        token. Rows of like length go together in forwards whose attention scores never outgrow one full-length
-        prefill's (or 1024 positions'), one adapter per forward when a layer read as a weight is adapted."""
-        order = sorted(range(len(seqs)), key=lambda i: (seqs[i].req.lora_slot if self.adapters.uniform_rows else 0,
-                                                         len(rows[i])))
-        budget = max(self.kv.max_len, 1024) ** 2
-        chunks: list[list[int]] = []
-        for i in order:
-            last = chunks[-1] if chunks else None
-            if (last is None or (len(last) + 1) * len(rows[i]) ** 2 > budget or self.adapters.uniform_rows
-                    and seqs[i].req.lora_slot != seqs[last[0]].req.lora_slot):
-                chunks.append([i])
-            else:
-                last.append(i)
+        token. One adapter per forward when a layer read as a weight is adapted."""
+        groups = [s.req.lora_slot if self.adapters.uniform_rows else 0 for s in seqs]
         logits: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-        for chunk in chunks:
+        for chunk in row_chunks([len(r) for r in rows], self.rows_budget, groups):
             for i, row in zip(chunk, self._forward_chunk([seqs[i] for i in chunk], [rows[i] for i in chunk])):
                 logits[i] = row
         return logits
 
     def _forward_chunk(self, seqs: list[Seq], rows: list[list[int]]) -> torch.Tensor:
-        """One `[B, T]` forward of left-padded rows, so that every row's last token is the last column. A row of
-        n tokens holds positions 0 .. n - 1 in its last n columns; its padding takes positions n .. T - 1, which
-        its real queries never attend to (the cache mask admits keys at or before a query's position) and
-        whose cache entries each later write overwrites before any read reaches them (decode writes a position
-        before attending to it)."""
-        B, T = len(seqs), max(map(len, rows))
-        ids = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.empty(B, T, dtype=torch.long)
-        for b, row in enumerate(rows):
-            n = len(row)
-            ids[b, T - n:] = torch.tensor(row, dtype=torch.long)
-            pos[b, T - n:] = torch.arange(n)
-            pos[b, :T - n] = torch.arange(n, T)
-        dev = self.device
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        """One `[B, T]` forward of `rows` left-padded (`left_padded`); fp32 logits `[B, V]` of each last token."""
+        ids, pos = left_padded(rows, self.device)
+        T = ids.shape[1]
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
         with self.adapters.rows([s.req.lora_slot for s in seqs], T):
-            logits = self.model(ids.to(dev), pos.to(dev), kv_cache=self.kv, cache_slots=slots, logits_to_keep=1)
+            logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=1)
         if self._route_shape is not None:
             routes = self._routes_of_last_forward()
             for b, (s, row) in enumerate(zip(seqs, rows)):

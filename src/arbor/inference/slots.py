@@ -39,8 +39,8 @@ class SlotScheduler:
 
     def admit(self) -> None:
         """Prefills queued requests, first come first served, while the head of the queue fits: together in
-        batched forwards, but for those that prefill alone (prompt logprobs, speculative drafting) and, should
-        the batched forwards fail, request by request, so that an error fails only its request."""
+        batched forwards (speculative ones apart), but for those asking for prompt logprobs and, should the
+        batched forwards fail, request by request, so that an error fails only its request."""
         admitted = []
         while (req := self.inbox.next_admissible(len(self._free))) is not None:
             try:
@@ -53,13 +53,15 @@ class SlotScheduler:
             except Exception as e:
                 log.exception("admitting request %s failed", req.request_id)
                 self._fail_request(req, e)
-        together = [r for r in admitted if r.params.prompt_logprobs is None and not self._speculative(r)]
+        together = [r for r in admitted if r.params.prompt_logprobs is None]
         logits: dict[int, torch.Tensor] = {}
-        if len(together) > 1:
-            try:
-                logits = dict(zip(map(id, together), self.runner.prefill_many(together)))
-            except Exception:
-                log.warning("batched prefill failed; prefilling request by request", exc_info=True)
+        for group, prefill in (([r for r in together if not self._speculative(r)], self.runner.prefill_many),
+                               ([r for r in together if self._speculative(r)], self._spec_prefill)):
+            if len(group) > 1:
+                try:
+                    logits.update(zip(map(id, group), prefill(group)))
+                except Exception:
+                    log.warning("batched prefill failed; prefilling request by request", exc_info=True)
         for req in admitted:
             self._start(req, logits.get(id(req)))
 
@@ -107,21 +109,29 @@ class SlotScheduler:
 
     def recompute_caches(self, adapter: str | None = None) -> None:
         """Rebuilds the KV cache of running sequences with the current weights; with `adapter`, only those of
-        that adapter's requests (a new version of it was loaded). Plain sequences are recomputed together in
-        batched forwards; should that fail, request by request, so that an error fails only its request."""
+        that adapter's requests (a new version of it was loaded). Recomputed together in batched forwards (the
+        speculative ones, whose MTP cache is rebuilt too, apart); should that fail, request by request, so that
+        an error fails only its request."""
         groups = [seqs for seqs in by_request(self.running).values()
                   if adapter is None or seqs[0].req.adapter == adapter]
-        plain = [seqs for seqs in groups if not self._speculative(seqs[0].req)]
-        try:
-            if plain:
-                self.runner.recompute([s for seqs in plain for s in seqs])
-        except Exception:
-            log.warning("batched cache recomputation failed; recomputing request by request", exc_info=True)
-            for seqs in plain:
-                self._recompute_alone(seqs, self.runner.recompute)
-        for seqs in groups:
-            if self._speculative(seqs[0].req):
-                self._recompute_alone(seqs, self.spec.recompute)
+        for part, recompute in (([g for g in groups if not self._speculative(g[0].req)], self.runner.recompute),
+                                ([g for g in groups if self._speculative(g[0].req)], self._spec_recompute)):
+            if not part:
+                continue
+            try:
+                recompute([s for seqs in part for s in seqs])
+            except Exception:
+                log.warning("batched cache recomputation failed; recomputing request by request", exc_info=True)
+                for seqs in part:
+                    self._recompute_alone(seqs, recompute)
+
+    def _spec_prefill(self, requests: list[Request]) -> list[torch.Tensor]:
+        assert self.spec is not None
+        return self.spec.prefill_many(requests, self.runner.rows_budget)
+
+    def _spec_recompute(self, seqs: list[Seq]) -> None:
+        assert self.spec is not None
+        self.spec.recompute(seqs, self.runner.rows_budget)
 
     def _recompute_alone(self, seqs: list[Seq], recompute: Callable[[list[Seq]], None]) -> None:
         """Recomputes one request's sequences; its error fails that request."""

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from arbor.inference.requests import EngineStats, Seq
+from arbor.inference.requests import EngineStats, Request, Seq
+from arbor.inference.runner import left_padded, row_chunks
 from arbor.inference.sampler import Sampler, scaled_logprobs
 from arbor.models.qwen3 import lm_logits
 
@@ -120,17 +121,45 @@ class SpeculativeDecoder:
         for s in seqs:
             s.spec_pending = (P - 1, prompt_hidden[P - 1:])
 
-    def recompute(self, seqs: list[Seq]) -> None:
+    def prefill_many(self, requests: list[Request], budget: int) -> list[torch.Tensor]:
+        """Prefills several requests in batched forwards (one row per request, chunked by `row_chunks` within
+        `budget`), the MTP cache of their prompts too, as `admitted` does for one; returns each request's fp32
+        logits `[1, V]` of its last prompt position."""
+        heads = [r.seqs[0] for r in requests]
+        last = self._write_rows(heads, [r.prompt for r in requests], budget)
+        out = []
+        for req, hidden in zip(requests, last):
+            seqs, P = req.seqs, len(req.prompt)
+            if len(seqs) > 1:  # every layer, the MTP module's included
+                self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], P)
+            for s in seqs:
+                s.spec_pending = (P - 1, hidden)
+            out.append(lm_logits(self.model, hidden[None], 1)[0].float())
+        return out
+
+    def recompute(self, seqs: list[Seq], budget: int) -> None:
         """Rewrites each sequence's cache with the current weights (all positions before its newest token), the
-        MTP module's too but for the last position, which the next step's catch-up writes."""
-        for s in seqs:
-            ids = s.req.prompt + s.tokens[:-1]
-            x = torch.tensor([ids], dtype=torch.long, device=self.device)
-            pos = torch.arange(len(ids), device=self.device)[None]
-            slots = torch.tensor([s.slot], dtype=torch.long, device=self.device)
-            hidden = self.model.hidden_states(x, pos, self.kv, slots)[0]
-            self._write_known(s.slot, hidden, ids[1:])
-            s.spec_pending = (len(ids) - 1, hidden[len(ids) - 1:])
+        MTP module's too but for the last position, which the next step's catch-up writes; in batched forwards
+        (`row_chunks` within `budget`)."""
+        rows = [s.req.prompt + s.tokens[:-1] for s in seqs]
+        for s, row, hidden in zip(seqs, rows, self._write_rows(seqs, rows, budget)):
+            s.spec_pending = (len(row) - 1, hidden)
+
+    def _write_rows(self, seqs: list[Seq], rows: list[list[int]], budget: int) -> list[torch.Tensor]:
+        """Writes `rows[i]` at positions 0.. of `seqs[i]`'s slot (left-padded forwards, `left_padded`): the
+        decoder's cache at every position, the MTP module's at all but the last (its next token is not known);
+        returns each row's decoder hidden state at its last position, `[1, H]`."""
+        last: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        for chunk in row_chunks([len(r) for r in rows], budget, [0] * len(rows)):
+            ids, pos = left_padded([rows[i] for i in chunk], self.device)
+            slots = torch.tensor([seqs[i].slot for i in chunk], dtype=torch.long, device=self.device)
+            hidden = self.model.hidden_states(ids, pos, self.kv, slots)
+            if ids.shape[1] > 1:  # column c's MTP entry reads the hidden state there and the token after it
+                self.model.mtp_hidden(0, hidden[:, :-1], ids[:, 1:], pos[:, :-1], kv_cache=self.kv,
+                                      cache_slots=slots)
+            for b, i in enumerate(chunk):
+                last[i] = hidden[b, -1:]
+        return last
 
     def _write_known(self, slot: int, hidden: torch.Tensor, next_ids: list[int]) -> None:
         """Writes the MTP cache of positions 0 .. n - 1 of `slot` from the decoder's hidden states there
