@@ -30,11 +30,24 @@ def test_two_replicas_survive_a_killed_one_and_take_it_back_and_a_killed_router(
     pids = [int(line.split()[0]) for line in lines.splitlines() if line.endswith(f"--port {victim_port}")]
     assert len(pids) == 1, lines
     router = tomllib.loads((out / "configs" / "orchestrator.toml").read_text())["client"]["base_urls"][0]
-    # Kill it while the router has a request in flight on it, so that request must be retried elsewhere.
+    # Kill it while the router has a request in flight on it, so that request must be retried elsewhere. A
+    # reverse_text completion takes a few milliseconds, less than the time between seeing it in /metrics and a
+    # kill: the replica is frozen once one is seen, and killed (which hangs up on it) only if one is still there.
     busy = f'arbor_router_outstanding{{backend="{backends[1]}"}} '
-    _wait_for(lambda: any(line.startswith(busy) and float(line.split()[-1]) > 0
-                          for line in urllib.request.urlopen(router + "/metrics", timeout=5).read().decode().splitlines()),
-              120, "a request in flight on the second replica")
+
+    def in_flight() -> bool:
+        text = urllib.request.urlopen(router + "/metrics", timeout=5).read().decode()
+        return any(line.startswith(busy) and float(line.split()[-1]) > 0 for line in text.splitlines())
+
+    deadline = time.monotonic() + 120
+    while True:
+        _wait_for(in_flight, 120, "a request in flight on the second replica")
+        os.kill(pids[0], signal.SIGSTOP)
+        time.sleep(0.2)  # well within the router's ejection (3 failed health checks)
+        if in_flight():
+            break
+        os.kill(pids[0], signal.SIGCONT)
+        assert time.monotonic() < deadline, "no request stayed in flight on the frozen replica"
     os.kill(pids[0], signal.SIGKILL)
     seen: dict[str, float] = {}
     while proc.poll() is None and seen.get("readmissions", 0) < 1:  # the launcher restarts it; the router takes it back
