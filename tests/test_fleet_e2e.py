@@ -67,8 +67,6 @@ def test_two_replicas_survive_a_killed_one_and_take_it_back_and_a_killed_router(
     assert rc == 0, stderr + stdout
     assert "inference_1 exited with code -9; restarting it" in stderr
     assert "router exited with code -9; restarting it" in stderr
-    # the restarted router took up the fleet state (last weight update) the first one kept, to replay it
-    assert "took up the fleet state of an earlier router process" in (out / "logs" / "router.log").read_text()
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(steps))
     assert before < steps, "the run ended before the router was killed"

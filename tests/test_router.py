@@ -180,40 +180,6 @@ def test_failed_request_is_retried_dead_backend_ejected_and_readmitted_with_curr
     asyncio.run(go())
 
 
-def test_a_restarted_router_still_brings_a_restarted_backend_to_the_fleet_state(tmp_path) -> None:
-    """With `state_file` (as `rl` sets it) the last weight update and the pause state outlive the router process:
-    a new router process re-admits a backend that restarted meanwhile only after loading them on it."""
-    state = tmp_path / "router_state.json"
-
-    async def go() -> None:
-        backends, router, runner, url = await _fleet(2, state_file=str(state))
-        async with aiohttp.ClientSession() as s:
-            status, _ = await _post(s, url + "/update_weights", {"path": "p3", "version": 3})
-            assert status == 200
-            await _post(s, url + "/pause", {})
-        await runner.cleanup()  # the router dies; one backend restarts meanwhile, at version 0
-        assert json.loads(state.read_text())["last_update"] == {"path": "p3", "version": 3}
-        await backends[1].stop()
-        backends[1].version, backends[1].admin = 0, []  # a fresh process
-        await backends[1].start()
-        cfg = RouterConfig(health_interval=0.05, eject_after=1, state_file=str(state))
-        again = Router([f"http://127.0.0.1:{b.port}" for b in backends], cfg)
-        runner, url = await start_site(again.app(), "127.0.0.1", 0)
-        for _ in range(100):
-            if again.readmissions == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert again.readmissions == 2 and backends[1].version == 3  # each checked before it serves
-        assert [p for p, _ in backends[1].admin] == ["/update_weights", "/pause"]
-        await runner.cleanup()
-        for b in backends:
-            await b.stop()
-
-    asyncio.run(go())
-    state.write_text("{not json")  # a damaged file is ignored, with a warning
-    assert Router(["http://127.0.0.1:9"], RouterConfig(state_file=str(state))).fleet.last_update is None
-
-
 def test_admin_fanout_and_all_backends_down() -> None:
     async def go() -> None:
         backends, router, runner, url = await _fleet(2)

@@ -169,12 +169,6 @@ def heartbeats_dir(output_dir: PathLike) -> Path:
     return Path(output_dir) / "heartbeats"
 
 
-def router_state_path(output_dir: PathLike) -> Path:
-    """What a run's built-in router replays to re-admitted backends (arbor.inference.fleet), kept across its
-    restarts within one launch."""
-    return Path(output_dir) / "router_state.json"
-
-
 def logs_dir(output_dir: PathLike) -> Path:
     return Path(output_dir) / "logs"
 

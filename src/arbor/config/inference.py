@@ -118,11 +118,6 @@ class RouterConfig(Config):
     sets it; `rl` generates one per run when a server binds beyond loopback)."""
     ready_file: str | None = None
     """When set, the router writes its base URL here once it accepts requests."""
-    state_file: str | None = None
-    """A JSON file where the built-in router keeps what it replays to a re-admitted backend (the last weight
-    update, the pause state, the loaded adapters), written on every change and read at start: a router that is
-    restarted then still brings a restarted backend up to the fleet's weights. `rl` sets it in the run's
-    directory (and clears it at each launch); None: kept in memory only."""
     backend_slots: Count | None = Field(None, ge=1)
     """Sequences one backend decodes at once (its batch size): the router keeps at most this many x backends in
     rotation in flight and queues the rest per run, shared between runs by weight (arbor.inference.tenants);

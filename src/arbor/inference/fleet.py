@@ -2,8 +2,7 @@
 
 Every backend's /health is polled; `eject_after` consecutive failures (or one refused connection on the request
 path) eject it; the first success re-admits it, after replaying the last weight update and pause state the fleet
-received (`remember`), so a restarted replica never serves stale weights. With `state_file` that fleet state
-outlives the router process: written on every change, read when a (restarted) router starts.
+received (`remember`), so a restarted replica never serves stale weights.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +55,6 @@ class Fleet:
         self.auth = bearer_headers(cfg.admin_token)
         """The admin header the replays carry: the router's token, else the last accepted call's own header."""
         self._rr = itertools.count()
-        self._load_state()
 
     def pick(self, key: str | None, exclude: set[str]) -> Backend | None:
         live = [b for b in self.backends if b.healthy and b.url not in exclude]
@@ -97,43 +94,6 @@ class Fleet:
             self.adapters[load["lora_name"]] = load
         elif path == "/v1/unload_lora_adapter":
             self.adapters.pop(json.loads(body)["lora_name"], None)
-        else:
-            return
-        self._save_state()
-
-    def _save_state(self) -> None:
-        """Writes the replayed state to `state_file` (atomically; never the admin header, a secret)."""
-        path = self.cfg.state_file
-        if path is None:
-            return
-        state = {"last_update": self.last_update, "paused": self.paused, "adapters": self.adapters}
-        try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(state, f)
-            os.replace(path + ".tmp", path)
-        except OSError as e:  # the fleet serves on; only a later restart of this router would forget
-            log.warning("could not write the router state to %s: %s", path, e)
-
-    def _load_state(self) -> None:
-        """Takes up the state an earlier process of this router wrote to `state_file`, if any."""
-        path = self.cfg.state_file
-        if path is None or not os.path.exists(path):
-            return
-        try:
-            with open(path) as f:
-                state = json.load(f)
-            update, paused, adapters = state["last_update"], state["paused"], state["adapters"]
-            if not (update is None or isinstance(update, dict)) or not isinstance(paused, bool) \
-                    or not isinstance(adapters, dict):
-                raise ValueError("unexpected types")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring the router state in %s: %s", path, e)
-            return
-        self.last_update, self.paused, self.adapters = update, paused, adapters
-        for b in self.backends:  # any may have restarted meanwhile: each serves once its first check caught it up
-            b.healthy = False
-        log.info("took up the fleet state of an earlier router process: last update %s, %s, %d adapters",
-                 update, "paused" if paused else "not paused", len(adapters))
 
     async def health_loop(self, session: aiohttp.ClientSession) -> None:
         while True:

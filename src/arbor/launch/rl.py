@@ -106,7 +106,6 @@ def resolve(cfg: RLConfig) -> RLConfig:
         inf.router.backends = [f"http://{host}:{p}" for p in ports]
         if inf.router.port == 0:
             inf.router.port = free_port()
-        inf.router.state_file = str(run_dir.router_state_path(cfg.output_dir))
         rhost = "127.0.0.1" if inf.router.host in ("0.0.0.0", "::") else inf.router.host
         cfg.orchestrator.client.base_urls = [f"http://{rhost}:{inf.router.port}"]
         # vllm-router has no admin routes: weight updates then go to every backend directly.
@@ -354,8 +353,6 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
                              token_env(cfg, ADMIN_TOKEN_ENV), cfg.inference.restart_dead_replicas, "routers",
                              cfg.inference.liveness_timeout, cfg.inference_startup_timeout)
             servers.append(router)
-            # an earlier launch's fleet state (older versions) must not be replayed to this launch's servers
-            run_dir.router_state_path(cfg.output_dir).unlink(missing_ok=True)
             router.start("router")
             wait_ready(sup, [router], cfg.inference_startup_timeout, on_wait=waits, watch=servers)
         finished = {"sft"}
