@@ -16,7 +16,7 @@ from arbor.config.rl import RLConfig
 from arbor.config.model import ModelConfig
 from arbor.inference.engine import Engine
 from arbor.inference.requests import Request, Seq
-from arbor.inference.sampler import FLOOR_LOGPROB, Sampler, scaled_logprobs
+from arbor.inference.sampler import FLOOR_LOGPROB, Sampler, choose, scaled_logprobs
 from arbor.inference.sampling import SamplingParams
 from arbor.models import build_model, build_tokenizer
 from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask, set_policy_vocab
@@ -126,6 +126,27 @@ def test_sampler_reports_the_nucleus_renormalised_logprob_and_alternatives() -> 
             assert value == (pytest.approx(float(full[0, i]) - log_mass, abs=1e-6) if keep[i] else FLOOR_LOGPROB)
         assert seqs[1].logprobs[-1] == float(full[1, seqs[1].tokens[-1]])
         assert seqs[2].logprobs[-1] == float(full[2, seqs[2].tokens[-1]])
+
+
+def test_batched_draws_follow_each_rows_processed_distribution_and_its_own_seed() -> None:
+    """`choose` draws every sampled row in one pass: a row's frequencies match its distribution (top-p
+    truncated and renormalised, a probability-0 token never drawn), a greedy row takes the argmax, and a
+    sequence's draws depend on its seed only, not on the rows beside it."""
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0],
+                                   [0.1, 0.2, 0.3, 0.4, 0.0],
+                                   [0.1, 0.2, 0.3, 0.4, 0.0]]))
+    params = [SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0)]
+    seqs = [Seq(Request([1], p, seed=11 * i), 0, i, torch.device("cpu")) for i, p in enumerate(params)]
+    draws = [choose(seqs, logp) for _ in range(20000)]
+    want = [[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4, 0.0]]
+    for row, p in enumerate(want):
+        freq = torch.bincount(torch.tensor([d[row] for d in draws]), minlength=5).double() / len(draws)
+        assert freq.tolist() == pytest.approx(p, abs=0.015)
+        assert all(freq[i] == 0 for i in range(5) if p[i] == 0)
+    assert {d[2] for d in draws} == {3}
+    alone = Seq(Request([1], params[1], seed=11), 0, 1, torch.device("cpu"))
+    assert [choose([alone], logp[1:2])[0] for _ in range(200)] == [d[1] for d in draws[:200]]
 
 
 def test_local_engine_and_trainer_agree_on_truncated_logprobs() -> None:

@@ -5,7 +5,7 @@ with one target forward of `[B, k + 1]` tokens (the newest token and the drafts)
 the drafts and appends one more token, so a sequence gains between 1 and k + 1 tokens per step.
 
 Exactness. Acceptance is the standard speculative-sampling rule against the target's *processed*
-distribution `p` (the tokenizer's ids only, temperature, top-p nucleus: exactly what `sampler.draw` samples from)
+distribution `p` (the tokenizer's ids only, temperature, top-p nucleus: exactly what plain decoding samples from: `sampler.processed_probs`)
 and the draft's distribution `q` processed the same way: draft d is kept with probability min(1, p(d) / q(d));
 at the first rejection the token is drawn from the residual `max(p - q, 0)` renormalised; when every draft is
 kept one more token is drawn from `p` after the last. Each emitted token is therefore distributed exactly as
@@ -31,30 +31,8 @@ import torch
 
 from arbor.inference.requests import EngineStats, Request, Seq
 from arbor.inference.runner import left_padded, row_chunks
-from arbor.inference.sampler import Sampler, scaled_logprobs
+from arbor.inference.sampler import Sampler, inverse_cdf, processed_probs, scaled_logprobs
 from arbor.models.qwen3 import lm_logits
-
-
-def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
-    """The distribution `sampler.draw` samples from, as probabilities `[..., vocab]` for rows of scaled logprobs
-    over the tokenizer's ids `[..., vocab]` (`scaled_logprobs`) with their `top_p` (a float, or one per row):
-    the smallest top-p nucleus, renormalised."""
-    weights = logprobs.exp()
-    top_p = torch.as_tensor(top_p, dtype=logprobs.dtype, device=logprobs.device)
-    if bool((top_p < 1.0).any()):
-        sorted_p, order = weights.sort(dim=-1, descending=True)
-        # Keep a token if the mass strictly before it is below top_p (as `draw`), rows with top_p = 1 whole.
-        keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p[..., None]) | (top_p[..., None] >= 1.0)
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-        weights = torch.where(keep, weights, torch.zeros_like(weights))
-    return weights / weights.sum(-1, keepdim=True)
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One draw per row of `probs` `[R, V]` from uniforms `u` `[R]` in [0, 1) (float64): the first id whose
-    cumulative probability exceeds u times the row's total, so an id of probability 0 is never drawn."""
-    c = probs.double().cumsum(-1)
-    return torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor,

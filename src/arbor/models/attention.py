@@ -150,14 +150,16 @@ class KVCache:
         """Store `k, v` `[B, Hkv, T, D]` at `positions` `[B, T]` of `slots` `[B]`; return the keys, values
         `[B, Hkv, L, D]` covering positions `[0, L)` with `L = max(positions) + 1`, and the mask `[B, 1, T, L]`."""
         B, T = positions.shape
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} exceeds the KV cache length {self.max_len}")
+        L = int(positions.max()) + 1
+        if L > self.max_len:
+            raise ValueError(f"position {L - 1} exceeds the KV cache length {self.max_len}")
         rows = slots[:, None].expand(B, T)
         self.k[layer][rows, :, positions] = k.transpose(1, 2)
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        L = int(positions.max()) + 1
-        keys = self.k[layer][slots, :, :L]
-        values = self.v[layer][slots, :, :L]
+        # index_select, not advanced indexing: the same rows at a third of the cost on CPU (a quarter of a small
+        # model's decode step went to this gather)
+        keys = self.k[layer][:, :, :L].index_select(0, slots)
+        values = self.v[layer][:, :, :L].index_select(0, slots)
         return keys, values, cache_mask(positions, L)
 
     def copy_slot(self, src: int, dst: torch.Tensor | list[int], length: int, layers: list[int] | None = None) -> None:

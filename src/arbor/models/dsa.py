@@ -169,7 +169,7 @@ class DSACache:
             raise ValueError(f"position {int(positions.max())} exceeds the KV cache length {self.max_len}")
         self.rows[layer][slots[:, None].expand(B, T), positions] = kv.to(self.rows[layer].dtype)
         L = int(positions.max()) + 1
-        return self.rows[layer][slots, :L], cache_mask(positions, L)[:, 0]
+        return self.rows[layer][:, :L].index_select(0, slots), cache_mask(positions, L)[:, 0]
 
     def copy_slot(self, src: int, dst: torch.Tensor | list[int], length: int) -> None:
         for t in self.rows:
