@@ -22,6 +22,8 @@ class FakeBackend:
 
     def __init__(self, name: str) -> None:
         self.name, self.fail_status, self.delay = name, 0, 0.0
+        self.admin_fail_status = 0  # answered to admin calls instead of applying them
+        self.adapters: dict[str, int] = {}
         self.seen: list[dict[str, Any]] = []
         self.admin: list[tuple[str, dict[str, Any]]] = []
         self.version = 0
@@ -46,16 +48,27 @@ class FakeBackend:
         async def update(request: web.Request) -> web.Response:
             body = await request.json()
             self.admin.append((request.path, body))
+            if self.admin_fail_status:
+                return web.json_response({"error": {"message": "boom"}}, status=self.admin_fail_status)
             if request.path == "/update_weights":
                 if body["path"] == "missing":
                     return web.json_response({"error": {"message": "no such dir", "param": "path"}}, status=400)
+                if body["version"] < self.version:  # versions only go up, as on arbor's servers
+                    return web.json_response({"error": {"message": "older", "param": "version"}}, status=409)
                 self.version = body["version"]
                 return web.json_response({"policy_version": self.version})
+            if request.path == "/v1/load_lora_adapter":
+                name, version = body["lora_name"], body["version"]
+                if version < self.adapters.get(name, -1):
+                    return web.json_response({"error": {"message": "older", "param": "version"}}, status=409)
+                self.adapters[name] = version
+                return web.json_response({"lora_name": name, "version": version})
             return web.json_response({"paused": request.path == "/pause"})
 
         app.add_routes([web.post("/v1/completions", complete), web.post("/v1/chat/completions", complete),
                         web.get("/health", health), web.post("/update_weights", update),
-                        web.post("/pause", update), web.post("/resume", update)])
+                        web.post("/pause", update), web.post("/resume", update),
+                        web.post("/v1/load_lora_adapter", update)])
         return app
 
     async def start(self) -> str:
@@ -176,6 +189,43 @@ def test_failed_request_is_retried_dead_backend_ejected_and_readmitted_with_curr
         await runner.cleanup()
         await backends[0].stop()
         await backends[1].stop()
+
+    asyncio.run(go())
+
+
+def test_backend_ahead_of_the_routers_record_is_readmitted_as_it_is() -> None:
+    """An update (weights, adapter) whose fan-out failed on one backend is not recorded, though the others
+    loaded it. One of those, ejected and back, is past the record: it is re-admitted without a replay of the
+    older record (which it would refuse with a 409 every time, staying out of rotation)."""
+    async def go() -> None:
+        backends, router, runner, url = await _fleet(2, policy="round_robin")
+        async with aiohttp.ClientSession() as s:
+            assert (await _post(s, url + "/update_weights", {"path": "p1", "version": 1}))[0] == 200
+            load = {"lora_name": "a", "lora_path": "/x", "load_inplace": True}
+            assert (await _post(s, url + "/v1/load_lora_adapter", {**load, "version": 1}))[0] == 200
+            backends[1].admin_fail_status = 500
+            assert (await _post(s, url + "/update_weights", {"path": "p2", "version": 2}))[0] == 502
+            assert (await _post(s, url + "/v1/load_lora_adapter", {**load, "version": 2}))[0] == 502
+            assert router.fleet.last_update["version"] == 1 and router.fleet.adapters["a"]["version"] == 1
+            assert backends[0].version == 2 and backends[0].adapters == {"a": 2}
+            await backends[0].stop()  # unreachable for a while, its state kept (a network partition)
+            for _ in range(100):  # the health checks eject it
+                if not router.backends[0].healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert not router.backends[0].healthy
+            sent = len(backends[0].admin)
+            await backends[0].start()
+            for _ in range(100):
+                if router.backends[0].healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.backends[0].healthy and router.readmissions == 1
+            assert backends[0].version == 2 and backends[0].adapters == {"a": 2}
+            assert [p for p, _ in backends[0].admin[sent:]] == ["/v1/load_lora_adapter"], "no weights replay"
+        await runner.cleanup()
+        for b in backends:
+            await b.stop()
 
     asyncio.run(go())
 

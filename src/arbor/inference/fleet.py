@@ -1,8 +1,10 @@
 """The router's view of its backends: which are in rotation, which one serves a request, and their health.
 
 Every backend's /health is polled; `eject_after` consecutive failures (or one refused connection on the request
-path) eject it; the first success re-admits it, after replaying the last weight update and pause state the fleet
-received (`remember`), so a restarted replica never serves stale weights.
+path) eject it; the first success re-admits it, after replaying the last weight update, adapter loads and pause
+state the fleet received (`remember`), so a restarted replica never serves stale weights. A backend already past
+that record (it loaded an update whose fan-out failed on another backend, so none was recorded) is admitted as it
+is: versions only go up, and a replay of the older one would be refused.
 """
 
 from __future__ import annotations
@@ -128,17 +130,24 @@ class Fleet:
         b.fails = 0
 
     async def _catch_up(self, session: aiohttp.ClientSession, b: Backend) -> bool:
-        """Brings a recovering backend to the fleet's state (weights, adapters, pause) before it serves again."""
-        if self.last_update is not None and b.policy_version != self.last_update.get("version"):
+        """Brings a recovering backend to the fleet's state (weights, adapters, pause) before it serves again.
+        A backend already past the fleet's record (it loaded an update whose fan-out failed elsewhere, so the
+        router never recorded it) is admitted as it is: versions only go up, and a replay of the older record
+        would be refused (409) every time, keeping it out of rotation until the next update."""
+        target = self.last_update.get("version") if self.last_update is not None else None
+        if isinstance(target, int) and b.policy_version < target:
             status, data = await post_json(session, b, "/update_weights", json.dumps(self.last_update).encode(),
                                            self.auth)
             if status != 200:
                 log.warning("%s is back but could not load %s: %s", b.url, self.last_update, data)
                 return False
-            b.policy_version = int(self.last_update.get("version", b.policy_version))
+            b.policy_version = target
         for load in list(self.adapters.values()):
             status, data = await post_json(session, b, "/v1/load_lora_adapter", json.dumps(load).encode(), self.auth)
-            if status != 200:
+            if status == 409:  # it holds a newer version of that adapter (the same story as the weights above)
+                log.info("%s is back with a newer version of adapter %s than %s", b.url, load.get("lora_name"),
+                         load.get("version"))
+            elif status != 200:
                 log.warning("%s is back but could not load adapter %s: %s", b.url, load.get("lora_name"), data)
                 return False
         if self.paused:
