@@ -54,7 +54,7 @@ def _assembler(takes, **over) -> tuple[StepAssembler, ScriptedPool]:
 
 
 def _collect(assembler: StepAssembler, step: int, version: int = 0) -> list[list[Rollout]]:
-    return asyncio.run(assembler.collect(step, "client", types.SimpleNamespace(loaded_version=version)))
+    return asyncio.run(assembler.collect(step, "client", types.SimpleNamespace(loaded_version=version, changed=asyncio.Event())))
 
 
 def test_stale_and_empty_groups_are_dropped_counted_and_replaced() -> None:

@@ -82,6 +82,30 @@ def test_wait_returns_when_a_group_finishes() -> None:
     assert asyncio.run(go()) == 1
 
 
+def test_wait_returns_when_a_newer_policy_lets_more_groups_launch() -> None:
+    """Continuous modes: the staleness bound stops launches at version 0 (steps 0 and 1 launched, every group
+    still running); a newer policy ends the wait, so the next admission launches step 2 at once instead of after
+    the next group finishes."""
+    pool = make_pool(scheduler={"mode": "async", "max_in_flight": 20}, max_off_policy_steps=1)
+    fleet = Fleet()
+    fleet.slow = {seed_of(pool.cfg, step, k) for step in range(3) for k in range(4)}
+
+    async def go():
+        pool.use(fleet)
+        newer = asyncio.Event()
+        first = pool.admit(0, 0, 2, 0, 0)
+        waiting = asyncio.create_task(pool.wait(0, 0, 2, 0, newer))
+        await settle()
+        assert not waiting.done(), "nothing finished and no newer policy: still waiting"
+        newer.set()
+        await asyncio.wait_for(waiting, timeout=10)
+        more = pool.admit(0, 0, 2, 1, first)
+        await pool.stop()
+        return first, more
+
+    assert asyncio.run(go()) == (4, 2)
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_end_step_cancels_or_parks_the_surplus_and_the_next_step_resumes_it_first(partial: bool) -> None:
     pool = make_pool(scheduler={"mode": "one_step_off", "oversample": 2.0}, partial={"enabled": partial})

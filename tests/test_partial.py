@@ -211,7 +211,7 @@ def test_oversampling_cancels_or_parks_the_surplus(partial: bool) -> None:
     orch = _orchestrator(scheduler={"mode": "one_step_off", "oversample": 2.0}, partial={"enabled": partial})
     fleet = ScriptedFleet()
     fleet.slow = {_seed(orch, 0, 2), _seed(orch, 0, 3)}  # 4 launched for 2 needed: the last two straggle
-    weights = types.SimpleNamespace(loaded_version=0)
+    weights = types.SimpleNamespace(loaded_version=0, changed=asyncio.Event())
 
     async def go():
         first = await orch.assembler.collect(0, fleet, weights)
@@ -246,7 +246,7 @@ def test_windowed_fifo_head_advances_past_an_aborted_straggler() -> None:
     fleet = ScriptedFleet()
     fleet.slow = {_seed(orch, 0, 0)}
     orch.pool.parking.durations.extend([0.01] * 8)  # the rule is armed: a straggler is a group running over 0.02s
-    weights = types.SimpleNamespace(loaded_version=0)
+    weights = types.SimpleNamespace(loaded_version=0, changed=asyncio.Event())
 
     async def go():
         t0 = time.monotonic()
@@ -278,7 +278,7 @@ def test_straggler_retry_relaunches_its_task_as_a_new_group(max_resumes: int) ->
     fleet = ScriptedFleet()
     fleet.slow = {_seed(orch, 0, 0)}
     orch.pool.parking.durations.extend([0.01] * 8)
-    weights = types.SimpleNamespace(loaded_version=0)
+    weights = types.SimpleNamespace(loaded_version=0, changed=asyncio.Event())
     task_of: dict[int, Any] = {}
     next_spec = orch.source.next_spec
 
@@ -319,7 +319,7 @@ def test_windowed_fifo_admission_keeps_the_window_slack(mode: str, launched: int
     whole bound (6)."""
     orch = _orchestrator(scheduler={"mode": mode, "max_in_flight": 20})
     fleet = ScriptedFleet()
-    weights = types.SimpleNamespace(loaded_version=0)
+    weights = types.SimpleNamespace(loaded_version=0, changed=asyncio.Event())
     assert len(asyncio.run(orch.assembler.collect(0, fleet, weights))) == 2
     assert orch.source.groups_launched == launched
 
@@ -387,7 +387,7 @@ def test_resume_relaunches_tasks_that_were_in_flight(tmp_path: Path) -> None:
     orch = _orchestrator(scheduler={"mode": "windowed_fifo", "max_in_flight": 5})
     fleet = ScriptedFleet()
     fleet.slow = {_seed(orch, 0, k) for k in (2, 4)}  # two groups never finish before the "crash"
-    weights = types.SimpleNamespace(loaded_version=0)
+    weights = types.SimpleNamespace(loaded_version=0, changed=asyncio.Event())
     async def step0() -> list[int]:
         await orch.assembler.collect(0, fleet, weights)
         return orch.source.pending()  # as _step saves it, while the groups still run

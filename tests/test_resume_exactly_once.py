@@ -72,7 +72,7 @@ class Attempt:
 
     def step(self, step: int, crash_after: str | None = None) -> list[int] | None:
         """The task ids of the step's batch (one per group), or None when the crash comes after `crash_after`."""
-        fleet = types.SimpleNamespace(loaded_version=step)
+        fleet = types.SimpleNamespace(loaded_version=step, changed=asyncio.Event())
         groups = asyncio.run(self.assembler.collect(step, "client", fleet))
         if crash_after == "collect":
             return None

@@ -82,6 +82,7 @@ class StepAssembler:
         launched = 0
         self._filtered_here = 0
         while len(kept) < need:
+            newer_policy = weights.changed  # taken before the version is read: no update slips between
             launched += pool.admit(step, len(kept), need, weights.loaded_version, launched)
             taken = pool.take(need - len(kept))
             for group in taken:
@@ -91,7 +92,7 @@ class StepAssembler:
                 break
             if taken:  # some were dropped: launch replacements and look at the queue again before waiting
                 continue
-            await pool.wait(step, len(kept), need, weights.loaded_version)
+            await pool.wait(step, len(kept), need, weights.loaded_version, newer_policy)
         await pool.end_step()
         return kept
 

@@ -123,9 +123,11 @@ class GenerationPool:
             out.append(task.result() if key is None else FailedGroup(key, task.exception()))  # type: ignore[arg-type]
         return out
 
-    async def wait(self, step: int, kept: int, need: int, version: int) -> None:
-        """Nothing ready: moves stragglers (then returns at once), or waits until a group finishes or the next
-        straggler is due."""
+    async def wait(self, step: int, kept: int, need: int, version: int,
+                   newer_policy: asyncio.Event | None = None) -> None:
+        """Nothing ready: moves stragglers (then returns at once), or waits until a group finishes, the next
+        straggler is due or (continuous modes) `newer_policy` is set: the staleness bound then admits more
+        launches, which would otherwise wait for the next group to finish."""
         cfg, q = self.cfg, self.queue
         due = None
         if cfg.partial.enabled and self.policy.continuous:
@@ -142,7 +144,15 @@ class GenerationPool:
                 f"version {version}"
             )
         timeout = None if due is None else max(due - time.monotonic(), 0.0)
-        await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        # One already set (a failed weight watcher leaves it so) would make this wait spin: ignored then.
+        newer = (asyncio.ensure_future(newer_policy.wait())
+                 if newer_policy is not None and not newer_policy.is_set() and self.policy.continuous else None)
+        try:
+            await asyncio.wait(running + ([newer] if newer is not None else []), timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if newer is not None:
+                newer.cancel()
 
     async def end_step(self) -> None:
         """A batch is full: per-step modes cancel or park the groups still generating."""

@@ -46,6 +46,12 @@ class WeightSync:
         self.initial_version = loaded_version
         client.catch_up = self.catch_up
 
+    @property
+    def changed(self) -> asyncio.Event:
+        """An event set when the fleet next serves a newer policy (or the watcher fails): take it before
+        checking `loaded_version`, then wait on it, and no change is missed."""
+        return self._changed
+
     async def run(self) -> None:
         try:
             await self._watch()
