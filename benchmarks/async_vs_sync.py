@@ -68,7 +68,17 @@ this benchmark stands in for; the sync arm never updates mid-generation, so the 
 matters to the async arm). On the idle 2-core machine (2026-11-27, 5 pairs, calibrated median_s 0.0369) the
 ratio stays where the cores hold it: sync 12.1 s loop, reward 0.032; greedy 10.8 s, reward 0.027 -> 1.14x,
 gap -0.005 (parity), cpu_ceiling 1.28x (the async arm's training step 0.34 s against the sync arm's 0.27: the
-two share the cores). The 16-core measurement with these changes is the next one to take.
+two share the cores). The same 16-core invocation with these changes (the H100 host again, 2026-11-27):
+
+    calibrated median_s 0.0165; sync 5.3 s loop, reward 0.024; greedy 3.7 s, reward 0.020 -> 1.43x (pairs 1.49x,
+    1.37x), gap -0.004 (parity); CPU: sync 1.90 of 16 cores busy, greedy 2.60 -> cpu_ceiling 1.71x.
+
+The async arm's generation per step (0.19 s) still exceeded its training (0.15 s; trainer waiting 15%), so the
+fleet's throughput at the staleness bound set it: a group's latency (decode, then its scorings' waits) times the
+rate the trainer consumes groups is what must be in flight, and the bound admits about two steps of groups. Since
+then the local engine decodes about 1.3x faster (sampling in one batched pass, cheaper cache gathers) and the pool
+launches as soon as a newer policy widens the bound; on the 2-core machine (5 pairs, median_s 0.0263) this reads
+1.17x (pairs 1.10-1.39x), gap +0.005, cpu_ceiling 1.24x: the cores again. The next 16-core run measures them.
 
     uv run python benchmarks/async_vs_sync.py [--model qwen3-test] [--seq-len 48] [--max-tokens 8] [--steps 20]
         [--repeats 5] [--async-mode greedy] [--median-s S]
