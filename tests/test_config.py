@@ -18,11 +18,12 @@ from arbor.config.base import Config
 from arbor.config.env_args import ENV_ARGS, CodeArgs
 from arbor.config.eval import EvalConfig
 from arbor.config.loader import ConfigError, load_config, render_help
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import GROUP_RELATIVE, OrchestratorConfig
 from arbor.config.rl import RLConfig
 from arbor.config.trainer import TrainerConfig
 from arbor.environments.base import BUILTINS, load_object
 from arbor.environments.sandbox import MAX_SLOTS
+from arbor.orchestrator.advantages import BUILTINS as ADVANTAGES
 from tomli_w import dumps
 
 
@@ -63,6 +64,13 @@ def test_shared_fields_are_pushed_down_and_conflicts_fail(tmp_path):
         (["--orchestrator.batch-size", "-3"], {}, r"^orchestrator\.batch_size: .*greater than or equal to 1"),
         (["--orchestrator.batchsize", "8"], {}, r"'--orchestrator\.batchsize'.*did you mean --orchestrator\.batch-size\?"),
         ([], {"ARBOR_ORCHESTRATOR__GROUPSIZE": "4"}, r"ARBOR_ORCHESTRATOR__GROUPSIZE.*did you mean orchestrator\.group_size\?"),
+        # a key of another table: pointed at the nearest table that has it
+        (["--orchestrator.sampling.temperature", "1"], {},
+         r"'--orchestrator\.sampling\.temperature'.*did you mean --orchestrator\.temperature\?"),
+        (["--sampling.max-tokens", "8"], {}, r"'--sampling'.*did you mean --orchestrator\.sampling\?"),
+        (["--nothing-like-it", "1"], {}, r"unknown option '--nothing-like-it'$"),
+        (["--orchestrator.group-size", "1", "--orchestrator.batch-size", "4"], {},
+         r"^orchestrator: group_size = 1 with advantage\.name = 'grpo' gives every rollout an advantage of 0"),
         (["--orchestrator.batch-size", "12"], {}, r"multiple of group_size"),
         (["--max-steps", "many"], {}, r"^max_steps: "),
         (["--trainer.optim.lr"], {}, r"needs a value"),
@@ -411,3 +419,8 @@ def test_dry_run_into_an_unwritable_output_dir_is_one_line(tmp_path):
                           "--output-dir", str(tmp_path / "file" / "run")], capture_output=True, text=True)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "output_dir" in lines[0] and "not writable" in lines[0], res.stderr
+
+
+def test_every_builtin_advantage_is_refused_with_groups_of_one() -> None:
+    """The config's list of group-relative advantages (refused with group_size 1) covers every built-in one."""
+    assert set(GROUP_RELATIVE) == set(ADVANTAGES)

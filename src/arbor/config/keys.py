@@ -34,12 +34,33 @@ def resolve(cls: type[BaseModel], keys: list[str], where: str, dashed: bool) -> 
             key = new
         if key not in model.model_fields and key not in model.retired_keys:  # type: ignore[attr-defined]
             hint = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
-            suggestion = f" (did you mean {spell([*path, hint[0]], dashed)}?)" if hint else ""
+            near = [*path, hint[0]] if hint else nearest_home(cls, key, path)
+            suggestion = f" (did you mean {spell(near, dashed)}?)" if near else ""
             raise ConfigError(f"{where}unknown option {spell([*path, key], dashed)!r}{suggestion}")
         path.append(key)
         ann = model.model_fields[key].annotation if key in model.model_fields else None
         model = sub_model(ann)
     return path, ann
+
+
+def nearest_home(cls: type[BaseModel], key: str, path: list[str]) -> list[str] | None:
+    """The path of a field named `key` in another table (`orchestrator.temperature` for a misplaced
+    `orchestrator.sampling.temperature`), the one sharing the longest prefix with `path`; None if there is none."""
+    homes: list[list[str]] = []
+
+    def walk(model: type[BaseModel], prefix: list[str]) -> None:
+        for name, info in model.model_fields.items():
+            if name == key:
+                homes.append([*prefix, name])
+            if (sub := sub_model(info.annotation)) is not None and len(prefix) < 6:
+                walk(sub, [*prefix, name])
+
+    walk(cls, [])
+
+    def shared(home: list[str]) -> int:
+        return next((i for i, (a, b) in enumerate(zip(home, path)) if a != b), min(len(home) - 1, len(path)))
+
+    return max(homes, key=lambda h: (shared(h), -len(h)), default=None)
 
 
 def replacements(cls: type[BaseModel], path: list[str], value: Any) -> list[tuple[list[str], Any]]:

@@ -49,6 +49,10 @@ class ClientConfig(Config):
     under `rl`: at least `inference_startup_timeout` plus the restart back-off."""
 
 
+GROUP_RELATIVE = ("grpo", "drgrpo", "rloo")
+"""The built-in advantages, each a rollout's reward against a baseline from its own group."""
+
+
 class AdvantageConfig(Config):
     name: str = "grpo"
     """Advantage function: "grpo" (reward minus group mean; divided by the group std with std_normalize),
@@ -371,6 +375,10 @@ class OrchestratorConfig(Config):
     def _batch_is_whole_groups(self) -> "OrchestratorConfig":
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
+        if self.group_size == 1 and self.teacher is None and self.advantage.name in GROUP_RELATIVE:
+            raise ValueError(f"group_size = 1 with advantage.name = {self.advantage.name!r} gives every rollout an "
+                             "advantage of 0 (its reward minus its own group's baseline): nothing would be learned; "
+                             "use group_size >= 2, a teacher, or an advantage function that needs no group")
         if self.sampling.max_tokens >= self.seq_len:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below seq_len ({self.seq_len})")
         if self.partial.enabled and self.environment.id == "black_box":
