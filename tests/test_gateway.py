@@ -19,7 +19,7 @@ from arbor.config.orchestrator import GatewayConfig
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway import Gateway
-from arbor.orchestrator.gateway_openai import split_tool_calls
+from arbor.transport.chat import split_tool_calls
 
 TOK = ByteTokenizer()
 AGENT = Path(__file__).resolve().parents[1] / "examples" / "black_box_agent" / "agent.py"

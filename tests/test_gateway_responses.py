@@ -11,7 +11,7 @@ from test_gateway import FakeClient, Served, _openai, _post
 
 from arbor.config.orchestrator import GatewayConfig
 from arbor.orchestrator.client import Completion
-from arbor.orchestrator.gateway_openai import template_message
+from arbor.transport.chat import template_message
 from arbor.orchestrator.gateway_responses import input_messages, output_items
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'

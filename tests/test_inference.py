@@ -6,6 +6,7 @@ The tiny "qwen3-test" model is re-initialised with a larger std so greedy contin
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -25,10 +26,12 @@ import torch
 
 from arbor.config.model import ModelConfig
 from arbor.inference.engine import Engine
+from arbor.inference.requests import Completion, RequestOutput
 from arbor.inference.sampling import InvalidRequest, SamplingParams, WeightUpdateError
 from arbor.inference.server import BackgroundServer, main
 from arbor.models import build_model, build_tokenizer
 from arbor.models.hf import save_checkpoint_dir
+from arbor.transport import chat
 
 CFG = ModelConfig(name="qwen3-test")
 TOK = build_tokenizer(CFG)
@@ -63,8 +66,8 @@ def slow_down(model: torch.nn.Module, seconds: float) -> None:
 
 
 @contextlib.contextmanager
-def running_engine(model: torch.nn.Module, max_batch_size: int = 8) -> Iterator[Engine]:
-    engine = Engine(model, TOK, seq_len=SEQ_LEN, max_batch_size=max_batch_size, seed=0).start()
+def running_engine(model: torch.nn.Module, max_batch_size: int = 8, seq_len: int = SEQ_LEN) -> Iterator[Engine]:
+    engine = Engine(model, TOK, seq_len=seq_len, max_batch_size=max_batch_size, seed=0).start()
     try:
         yield engine
     finally:
@@ -243,8 +246,9 @@ def http(url: str, body: Any = None, raw: bytes | None = None, method: str | Non
 
 
 @contextlib.contextmanager
-def server(model: torch.nn.Module | None = None, max_batch_size: int = 4) -> Iterator[tuple[str, Engine]]:
-    with running_engine(model or make_model(), max_batch_size) as engine, \
+def server(model: torch.nn.Module | None = None, max_batch_size: int = 4,
+           seq_len: int = SEQ_LEN) -> Iterator[tuple[str, Engine]]:
+    with running_engine(model or make_model(), max_batch_size, seq_len) as engine, \
             BackgroundServer(engine, TOK, model_name="qwen3-test") as srv:
         yield srv.url, engine
 
@@ -287,6 +291,41 @@ def test_http_completions_and_chat() -> None:
         assert raw.decode("utf-8", errors="replace") == c["message"]["content"]
         _, lp = reference_logprobs(ref, prompt, c["token_ids"])
         torch.testing.assert_close(torch.tensor([t["logprob"] for t in content]), lp, atol=1e-5, rtol=0)
+
+
+TOOLS = [{"type": "function", "function": {"name": "add"}}]
+
+
+def test_http_chat_renders_tools_and_answers_tool_calls_as_the_gateway_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tools` reach the chat template (an earlier call and its result in the history too), a reply's
+    `<tool_call>` block comes back as OpenAI `tool_calls` (tool_choice "auto") or as text ("none"); a forced call
+    and the completions fields `echo` and `suffix` are refused, naming the field."""
+    messages = [{"role": "user", "content": "add"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    with server(seq_len=512) as (url, engine):  # the byte tokenizer's tool preamble alone is ~100 tokens
+        status, r = http(url + "/v1/chat/completions", body)
+        assert status == 200, r
+        rendered = TOK.apply_chat_template(chat.parse_messages(body), add_generation_prompt=True, tools=TOOLS)
+        assert r["prompt_token_ids"] == rendered != TOK.apply_chat_template(chat.parse_messages(body))
+        call = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+        reply = concurrent.futures.Future()
+        reply.set_result(RequestOutput(rendered, [Completion(0, [1], [-0.5], [], [0], "stop", None, call)]))
+        monkeypatch.setattr(engine, "submit", lambda *args, **kwargs: reply)
+        status, r = http(url + "/v1/chat/completions", body)
+        (c,) = r["choices"]
+        assert status == 200 and c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        assert [t["function"] for t in c["message"]["tool_calls"]] == [{"name": "add", "arguments": '{"a": 2}'}]
+        status, r = http(url + "/v1/chat/completions", {**body, "tool_choice": "none"})
+        assert r["choices"][0]["message"] == {"role": "assistant", "content": call}
+        for bad, param in [({"tool_choice": "required"}, "tool_choice"), ({"tools": "add"}, "tools")]:
+            status, r = http(url + "/v1/chat/completions", {**body, **bad})
+            assert status == 400 and r["error"]["param"] == param, r
+        for bad in ({"echo": True}, {"suffix": "!"}):
+            status, r = http(url + "/v1/completions", {"prompt": [104], "max_tokens": 2, **bad})
+            assert status == 400 and r["error"]["param"] == next(iter(bad)), r
 
 
 def test_http_stop_strings() -> None:

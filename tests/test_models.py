@@ -114,3 +114,27 @@ def test_byte_tokenizer_chat_template_and_roundtrip():
     assert tok.decode(ids, skip_special_tokens=False).startswith("<|im_start|>user\nhéllo<|im_end|>")
     assert max(ids) < tok.vocab_size <= 264
     assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+
+
+def test_byte_tokenizers_hugging_face_export_renders_chats_as_it_does(tmp_path) -> None:
+    """The exported Jinja template (what vLLM renders for a byte-tokenizer model) gives the byte tokenizer's own
+    text: plain turns, tools (with and without a system message), tool calls with mapping arguments, tool results,
+    non-ASCII text, with and without the generation prompt."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (seconds to import: this test only)
+
+    tok = ByteTokenizer()
+    tok.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    tools = [{"type": "function", "function": {"name": "add", "description": "Adds two numbers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "required": ["a"]}}},
+        {"type": "function", "function": {"name": "now"}}]
+    turns = [{"role": "user", "content": "añade 1"},
+             {"role": "assistant", "content": "ok ", "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": "é"}}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "2"},
+             {"role": "assistant", "content": "2"}]
+    system = [{"role": "system", "content": "be brief"}]
+    for messages, with_tools in [(turns[:1], None), (turns, tools), (system + turns, tools), (system + turns, None)]:
+        for gen in (True, False):
+            want = tok.render_chat(messages, add_generation_prompt=gen, tools=with_tools)
+            assert hf.apply_chat_template(messages, add_generation_prompt=gen, tools=with_tools, tokenize=False) == want

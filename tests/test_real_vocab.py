@@ -93,13 +93,14 @@ def _engine_vs_trainer(model, params: SamplingParams, prompt: list[int], **engin
 @pytest.mark.parametrize("temperature,top_p", [(0.8, 1.0), (0.0, 1.0), (1.0, 0.7)])
 def test_engine_reports_the_trainers_logprobs_over_the_real_ids(temperature, top_p):
     """Sampled, greedy and nucleus tokens, their top alternatives and the prompt logprobs: the engine's numbers
-    are the trainer's (1e-5; observed ~1e-7), none of them a padding id."""
+    are the trainer's (3e-5 for the sampled tokens, whose engine side is a cached decode and trainer side a packed
+    forward summing in other orders over 151k logits: 2e-6 to 1.2e-5 over seeds), none of them a padding id."""
     model = make_model(2)
     prompt = TOK.encode("score these tokens")
     params = SamplingParams(max_tokens=24, temperature=temperature, top_p=top_p, n=2, seed=3, top_logprobs=5,
                             prompt_logprobs=4)
     worst, (out, *completions) = _engine_vs_trainer(model, params, prompt, nucleus_logprobs=True)
-    assert worst < 1e-5
+    assert worst < 3e-5
     with torch.no_grad():
         prompt_lp = real_logp(model, prompt)
         for c in completions:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
-from arbor.inference import vllm_adapter, vllm_launch
+from arbor.inference import vllm_adapter, vllm_launch, vllm_model
 from arbor.inference.vllm_adapter import VLLMProxy, render_request, rpc_request
 from arbor.inference.vllm_launch import dry_run_command, render_extra, serve_argv, serve_env
 from arbor.models import PRESETS
@@ -181,6 +182,12 @@ class FakeVLLM:
             if body.get("prompt") == [666]:
                 await resp.write(b'data: {"error": {"message": "engine died", "code": 500}}\n\n')
                 return resp
+            if chat and body.get("tools"):  # a model calling the first tool, its call in the text (no parser)
+                call = '<tool_call>{"name": "%s", "arguments": {}}</tool_call>' % body["tools"][0]["function"]["name"]
+                chunk = {"id": "x", "created": 1, "model": "m", "choices": [
+                    {"index": 0, "token_ids": [5], "delta": {"content": call}, "finish_reason": "stop"}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+                return resp
             for j in range(body["max_tokens"]):
                 if body["max_tokens"] > 4 and j == 3:
                     await self.tick.wait()  # the test updates weights while this request is in flight
@@ -274,6 +281,36 @@ def test_proxy_tags_tokens_with_versions_and_updates_through_collective_rpc(tmp_
     asyncio.run(go())
 
 
+def test_proxy_renders_tools_upstream_and_answers_tool_calls_as_the_local_server() -> None:
+    """vLLM runs without a tool parser: the proxy forwards `tool_choice: "none"` (the template still renders the
+    tools) and parses the reply's `<tool_call>` blocks itself, as the local server does; a forced call is refused
+    before vLLM sees it."""
+    async def go() -> None:
+        fake = FakeVLLM()
+        up_runner, up = await start_site(fake.app(), "127.0.0.1", 0)
+        runner, url = await start_site(VLLMProxy(up, InferenceConfig.model_validate({"backend": "vllm"})).app(),
+                                       "127.0.0.1", 0)
+        body = {"messages": [{"role": "user", "content": "add"}], "max_tokens": 8,
+                "tools": [{"type": "function", "function": {"name": "add"}}]}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                (c,) = (await r.json())["choices"]
+            assert fake.requests[-1]["tool_choice"] == "none" and fake.requests[-1]["tools"] == body["tools"]
+            assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+            assert [t["function"] for t in c["message"]["tool_calls"]] == [{"name": "add", "arguments": "{}"}]
+            async with s.post(url + "/v1/chat/completions", json={**body, "tool_choice": "none"}) as r:
+                (c,) = (await r.json())["choices"]
+            assert "<tool_call>" in c["message"]["content"] and "tool_calls" not in c["message"]
+            sent = len(fake.requests)
+            async with s.post(url + "/v1/chat/completions", json={**body, "tool_choice": "required"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "tool_choice"
+            assert len(fake.requests) == sent
+        await runner.cleanup()
+        await up_runner.cleanup()
+
+    asyncio.run(go())
+
+
 def test_nccl_update_sends_the_workers_group_coordinates(tmp_path) -> None:
     async def go() -> None:
         fake = FakeVLLM()
@@ -339,3 +376,18 @@ def test_proxy_guards_admin_and_vllm_routes_and_loads_only_newer_versions_from_t
         await up_runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_a_kept_preset_directory_gets_the_current_tokenizer_export(tmp_path, monkeypatch) -> None:
+    """vLLM serves a preset from a directory written once and kept across runs (and arbor versions): its
+    tokenizer export (the chat template vLLM renders) is refreshed at each start, the weights left alone."""
+    monkeypatch.setattr(vllm_launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    cfg = InferenceConfig.model_validate({"backend": "vllm", "model": {"name": "qwen3-test"}})
+    out = Path(vllm_model.model_dir(cfg)[0])
+    config = out / "tokenizer_config.json"
+    current = config.read_text()
+    config.write_text(json.dumps({**json.loads(current), "chat_template": "{{ messages }}"}))  # an older export
+    weights = {p: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    assert vllm_model.model_dir(cfg)[0] == str(out)
+    assert config.read_text() == current
+    assert weights and {p: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == weights

@@ -33,6 +33,7 @@ from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.client import Completion, InferenceClient
 from arbor.orchestrator.partial import PartialRollouts
 from arbor.trainer.step import shifted_logprobs
+from arbor.transport.chat import parse_messages
 from arbor.transport.http import start_site
 from arbor.transport.weights import FilesystemTransport
 
@@ -157,6 +158,16 @@ def test_cache_salts_pause_resume_and_chat(server: str) -> None:
     assert len(c["token_ids"]) == len(c["logprobs"]["content"]) == len(c["policy_versions"]) > 0
     assert c["message"]["content"] == tok.decode(c["token_ids"])
     assert chat["prompt_token_ids"] == tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    # tools and an earlier call (its arguments a JSON string, as OpenAI clients send them) render as the local
+    # engine renders them; vLLM runs without a tool parser, so the proxy sends tool_choice "none" and parses
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"type": "integer"}}}}}]
+    turns = [{"role": "user", "content": "add"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    chat = post_json(server, "/v1/chat/completions", {"messages": turns, "tools": tools, "max_tokens": 4,
+                                                       "temperature": 0.0})
+    assert chat["prompt_token_ids"] == tok.apply_chat_template(parse_messages({"messages": turns}), tools=tools)
+    assert chat["choices"][0]["message"]["role"] == "assistant"
 
 
 def children(pid: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The OpenAI/vLLM wire format of the local `inference` server (arbor.inference.server): reading a completion or
-chat request's prompt, messages, sampling fields and client request id (every field checked, a bad one a
-`BadRequest` naming it), and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server
+chat request's prompt, sampling fields, tools and client request id (every field checked, a bad one a
+`BadRequest` naming it; messages, tools and tool calls as the gateway reads and writes them, arbor.transport.chat), and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server
 does (token strings, or `token_id:N` with `return_tokens_as_token_ids`)."""
 
 from __future__ import annotations
@@ -68,26 +68,14 @@ def prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
     raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
 
 
-def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):  # OpenAI content parts: only text is understood here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
-            content = "".join(p["text"] for p in content)
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({**m, "content": content})
-    return out
+def completion_fields(body: dict[str, Any]) -> None:
+    """Refuses the legacy completions fields that change the response and that the local backend does not
+    implement (`echo`, `suffix`), naming the field, rather than answering without them."""
+    if get_field(body, "echo", (bool,), False):
+        raise BadRequest("echo is not supported by the local backend: leave it unset or false, or serve with the vLLM "
+                         "backend", "echo")
+    if get_field(body, "suffix", (str,), None):
+        raise BadRequest("suffix is not supported by the local backend: leave it unset", "suffix")
 
 
 def request_id(request: web.Request, body: dict[str, Any]) -> str | None:

@@ -15,6 +15,10 @@ client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`);
 with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
 so far. An id aborted before its request arrives is remembered, so that request ends at once (empty). The vLLM
 request field `cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache.
+A chat request's `tools` are rendered by the chat template and, with `tool_choice` "auto" (the default), the
+reply's `<tool_call>` blocks come back as OpenAI `tool_calls`, exactly as the gateway answers (arbor.transport.chat);
+a forced call (`tool_choice` "required" or a named function) and the completions fields `echo` and `suffix` are
+refused, naming the field.
 
 Every field is checked at the edge (type, range, finiteness, token ids within the vocabulary, lengths; the body's
 size, nesting and encoding in arbor.transport.http; the sampling fields in arbor.transport.fields): bad input gets
@@ -56,6 +60,7 @@ from arbor.inference.sampling import (
 )
 from arbor.monitor.heartbeat import beat, install
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
+from arbor.transport import chat
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.http import (
     BadRequest,
@@ -139,6 +144,7 @@ class InferenceServer:
     async def completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         prompts = api.prompts(body, self.tokenizer)
+        api.completion_fields(body)
         logprobs = get_field(body, "logprobs", (int,), None)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
@@ -175,13 +181,14 @@ class InferenceServer:
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
-        messages = api.messages(body)
+        messages = chat.parse_messages(body)
+        tools, parse_calls = chat.chat_tools(body)
         want_logprobs = get_field(body, "logprobs", (bool,), False)
         top = get_field(body, "top_logprobs", (int,), 0)
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except Exception as e:  # a template that rejects these messages is the client's problem
             raise BadRequest(f"messages could not be rendered with the chat template: {e}", "messages") from None
         max_tokens = get_field(body, "max_completion_tokens", (int,), None)
@@ -196,9 +203,10 @@ class InferenceServer:
         (out,) = await self._generate([prompt], params, "messages", api.request_id(request, body), adapter)
         choices = []
         for c in out.completions:
+            message, finish = (chat.assistant_message(c.text, c.finish_reason) if parse_calls
+                               else ({"role": "assistant", "content": c.text}, c.finish_reason))
             choice: dict[str, Any] = {
-                "index": c.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                 "logprobs": api.chat_logprobs(self.tokenizer, c, as_ids) if want_logprobs else None,
             }
             if return_ids:

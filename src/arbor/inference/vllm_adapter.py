@@ -18,6 +18,9 @@ thin aiohttp proxy on the configured host/port serves arbor's API:
   arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
   is being applied is tagged with the older version (conservative: it can only overstate staleness).
   Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
+  A chat request's `tools` go upstream with `tool_choice: "none"` (vLLM runs without a tool parser; its template
+  still renders them) and the reply's `<tool_call>` blocks become `tool_calls` here, as on the local server
+  (arbor.transport.chat); a forced call is refused.
   A completion that asks for vLLM's `prompt_logprobs` (a distillation teacher's scoring request) is forwarded
   *non-streamed* instead, since vLLM's stream does not carry them, and vLLM's reply is passed through with
   its `prompt_logprobs` (each position's map: the actual token plus the k most likely, k up to vLLM's
@@ -77,6 +80,7 @@ from arbor.inference.vllm_model import model_dir, served_head_dim
 from arbor.orphans import die_with_parent
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.chat import assistant_message, chat_tools
 from arbor.transport.http import (HTTPError, error_middleware, get_field, read_json_object, relayed_error, start_site,
                                   write_ready_file)
 
@@ -122,8 +126,11 @@ def rpc_request(method: str, args: list[Any], timeout: float) -> dict[str, Any]:
 class Reassembler:
     """Builds a non-streaming response from vLLM stream chunks, tagging each new token with a version."""
 
-    def __init__(self, chat: bool, want_logprobs: bool, adapter: str | None = None) -> None:
+    def __init__(self, chat: bool, want_logprobs: bool, adapter: str | None = None,
+                 parse_tool_calls: bool = False) -> None:
         self.chat, self.want_logprobs, self.adapter = chat, want_logprobs, adapter
+        self.parse_tool_calls = parse_tool_calls
+        """A chat reply's `<tool_call>` blocks become `tool_calls` (arbor.transport.chat), as the local server's."""
         self.choices: dict[int, dict[str, Any]] = {}
         self.head: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
@@ -177,7 +184,10 @@ class Reassembler:
             choice: dict[str, Any] = {"index": i, "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"],
                                       "token_ids": a["token_ids"], "policy_versions": a["policy_versions"]}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": a["text"]}
+                if self.parse_tool_calls:
+                    choice["message"], choice["finish_reason"] = assistant_message(a["text"], a["finish_reason"])
+                else:
+                    choice["message"] = {"role": "assistant", "content": a["text"]}
                 choice["logprobs"] = {"content": a["lp_content"]} if self.want_logprobs else None
             else:
                 choice["text"] = a["text"]
@@ -257,7 +267,12 @@ class VLLMProxy:
         forwarded = render_request(body, chat, f"policy-{self._version(adapter)}", self.cfg.router_replay)
         # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
         forwarded["model"] = adapter or self.cfg.model.name
-        acc = Reassembler(chat, want, adapter)
+        tools, parse_calls = chat_tools(body) if chat else (None, False)
+        if tools is not None:
+            # vLLM runs with no tool parser: "none" still renders the tools (its default) and leaves the calls in
+            # the text, which the proxy parses as the local server does ("auto" would be refused upstream).
+            forwarded["tool_choice"] = "none"
+        acc = Reassembler(chat, want, adapter, parse_calls)
         rid = body.get("request_id") if isinstance(body.get("request_id"), str) else request.headers.get("X-Request-Id")
         n = body.get("n") if isinstance(body.get("n"), int) else 1
         if rid is not None and rid in self._aborted_ids:

@@ -28,10 +28,13 @@ def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
 def _materialize(cfg: InferenceConfig, fp8: bool) -> str:
     """Writes the model `build_model` makes (a preset, or a checkpoint re-saved) as a HF directory, once."""
     out = materialized_path(cfg, fp8)
+    tokenizer = build_tokenizer(cfg.model)
     # A directory written before tokenizers were exported lacks tokenizer_config.json: rewrite it.
     if not (out / "config.json").exists() or not (out / "tokenizer_config.json").exists():
         model = build_model(cfg.model)
-        save_checkpoint_dir(model.state_dict(), model.args, out, build_tokenizer(cfg.model), fp8=fp8)
+        save_checkpoint_dir(model.state_dict(), model.args, out, tokenizer, fp8=fp8)
+    else:  # kept from an earlier run, perhaps of an older arbor: its tokenizer export (chat template) refreshed
+        tokenizer.save(out)
     return str(out)
 
 

@@ -26,6 +26,7 @@ arbor itself reloads the directory as a `ByteTokenizer` (the `arbor_tokenizer.js
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -50,13 +51,43 @@ class Tokenizer(Protocol):
     def encode_rendered(self, text: str) -> list[int]: ...
 
 
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TOOL_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+
+CHATML_TEMPLATE = (  # one line, no incidental whitespace: every newline below is one the byte template writes
+    # the tools block: one `_tool_line` per tool, then TOOL_INSTRUCTION
+    "{% set ns = namespace(block='', args=[], content='') %}"
+    "{% if tools %}{% set ns.block = '# Tools\\n' %}{% for t in tools %}"
+    "{% set fn = t['function'] if t['function'] is defined else t %}"
+    "{% set params = fn['parameters'] if fn['parameters'] else {} %}"
+    "{% set required = params['required'] if params['required'] else [] %}"
+    "{% set props = params['properties'] if params['properties'] else {} %}"
+    "{% set ns.args = [] %}{% for name in props %}"
+    "{% set ns.args = ns.args + [name ~ ('' if name in required else '?') ~ ': ' ~ (props[name]['type'] "
+    "if props[name]['type'] is defined else 'any')] %}{% endfor %}"
+    "{% set ns.block = ns.block ~ fn['name'] ~ '(' ~ ns.args | join(', ') ~ ')' ~ (' - ' ~ fn['description'] "
+    "if fn['description'] else '') ~ '\\n' %}{% endfor %}"
+    "{% set ns.block = ns.block ~ '" + TOOL_INSTRUCTION + "' %}"
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n{{ ns.block }}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    # tool results as a user turn, structured tool calls (mapping arguments) written out after the content; the
+    # text builds up in the namespace since a `set` inside a loop does not outlive it
+    "{% for m in messages %}"
+    "{% set ns.content = m['content'] if m['content'] else '' %}"
+    "{% if m['role'] == 'tool' %}{% set ns.content = '<tool_response>\\n' ~ ns.content ~ '\\n</tool_response>' %}"
+    "{% endif %}"
+    "{% for call in (m['tool_calls'] if m['tool_calls'] else []) %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% set args = f['arguments'] if f['arguments'] is defined else {} %}"
+    "{% set ns.content = ns.content ~ '<tool_call>' ~ {'name': f['name'], 'arguments': args} | tojson ~ '</tool_call>' %}"
+    "{% endfor %}"
+    "{% if loop.first and ns.block and m['role'] == 'system' %}{% set ns.content = ns.content ~ '\\n\\n' ~ ns.block %}"
+    "{% endif %}"
+    "<|im_start|>{{ 'user' if m['role'] == 'tool' else m['role'] }}\n{{ ns.content }}<|im_end|>\n"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-"""The byte tokenizer's ChatML as a Jinja template (without the tools block) for its Hugging Face export."""
-
-TOOL_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+"""The byte tokenizer's template (`ByteTokenizer.render_chat`: ChatML, tools in the system message, tool calls and
+results as text) as Jinja, for its Hugging Face export: what vLLM renders for a byte-tokenizer model."""
 
 
 def _tool_line(tool: dict) -> str:
@@ -83,7 +114,8 @@ def _byte_messages(messages: list[dict], tools: list[dict] | None) -> list[tuple
             fn = call.get("function", call)
             args = fn.get("arguments", {})
             args = json.loads(args) if isinstance(args, str) else args
-            content += "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
+            call_json = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)  # as Jinja's tojson
+            content += f"<tool_call>{call_json}</tool_call>"
         out.append((role, content))
     if tools:
         block = "# Tools\n" + "".join(_tool_line(t) + "\n" for t in tools) + TOOL_INSTRUCTION
@@ -188,10 +220,16 @@ class ByteTokenizer:
     def save(self, path: str | Path) -> None:
         """Writes a marker so that a saved model directory reloads with this tokenizer, and its Hugging Face
         export (for vLLM and other Hugging Face consumers of the directory)."""
-        (Path(path) / "arbor_tokenizer.json").write_text(json.dumps({"type": "byte"}))
-        files = byte_tokenizer_files(self.SPECIALS, eos=self.SPECIALS[2], pad=self.SPECIALS[0])
+        files = {"arbor_tokenizer.json": {"type": "byte"},
+                 **byte_tokenizer_files(self.SPECIALS, eos=self.SPECIALS[2], pad=self.SPECIALS[0])}
         for name, content in files.items():
-            (Path(path) / name).write_text(json.dumps(content, ensure_ascii=False))
+            # Only what changed, each file replaced whole: a directory a running server reads is refreshed
+            # safely (a cached vLLM copy of a preset gets a newer export's template).
+            target, text = Path(path) / name, json.dumps(content, ensure_ascii=False)
+            if not target.exists() or target.read_text() != text:
+                tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
+                tmp.write_text(text)
+                os.replace(tmp, target)
 
 
 class HFTokenizer:

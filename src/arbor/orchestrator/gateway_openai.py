@@ -2,86 +2,24 @@
 completions turned back into OpenAI JSON (plain and as stream chunks).
 
 Pure translation, no I/O: the gateway's routes (arbor.orchestrator.gateway_routes) call it. Malformed input is a
-400 `HTTPError` naming the field. A reply's message is normalised the same way as a request's messages
-(`template_message`), so that a reply an agent echoes back renders as the recorded one (token-exact extension in
-arbor.orchestrator.trajectory). Tool calls travel as `<tool_call>{json}</tool_call>` blocks in the text (the
-Hermes/Qwen convention, arbor.environments.tools) and as OpenAI `tool_calls` on the wire.
+400 `HTTPError` naming the field. Messages, tools and tool calls are read and written by arbor.transport.chat, which
+the inference server's chat route shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import uuid
 from typing import Any
 
-from arbor.environments.tools import parse_tool_calls
 from arbor.orchestrator.client import Completion
+from arbor.transport.chat import assistant_message
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
-from arbor.transport.http import BadRequest, HTTPError, get_field, get_int, parse_json
+from arbor.transport.http import HTTPError, get_field, get_int
 
 MAX_N = 16
-TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 # ---- requests ----
-
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    return [template_message(m, i) for i, m in enumerate(messages)]
-
-
-def template_message(m: Any, i: int) -> dict[str, Any]:
-    """A chat message in the form the template renders: the same for a request's messages and for the reply the
-    gateway gave, so that a reply echoed back renders as the recorded one (arbor.orchestrator.trajectory)."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise HTTPError(400, f"messages[{i}].content parts must be text parts", "messages")
-        content = "".join(p["text"] for p in content)
-    elif content is not None and not isinstance(content, str):
-        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-    calls = m.get("tool_calls")
-    if calls is not None and not (isinstance(calls, list) and all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict)
-            and isinstance(c["function"].get("name"), str) for c in calls)):
-        raise HTTPError(400, f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}",
-                        "messages")
-    clean = {"role": m["role"], "content": content or ""}
-    if calls:
-        clean["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-            "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
-            for c in calls]
-    for key in ("name", "tool_call_id"):
-        if isinstance(m.get(key), str):
-            clean[key] = m[key]
-    return clean
-
-
-def _arguments(args: Any) -> Any:
-    # Templates want the arguments as a mapping; clients send the JSON string OpenAI returned.
-    if isinstance(args, str):
-        try:
-            return parse_json(args)
-        except BadRequest:  # not JSON (or nested too deep): the template gets the string as the agent sent it
-            return args
-    return args if args is not None else {}
-
-
-def parse_tools(body: dict[str, Any]) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise HTTPError(400, "tools must be a list of objects", "tools")
-    return tools or None
-
 
 def parse_token_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
     """The legacy completions `prompt`: one string (encoded here) or one list of token ids in the vocabulary."""
@@ -164,26 +102,11 @@ def trim_at_stop(c: Completion, tokenizer: Any) -> tuple[Completion, str | None]
 
 # ---- responses ----
 
-def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.environments.tools) and the text
-    outside them; with any malformed block the whole text stays content, so the agent sees what was sampled."""
-    calls, errors = parse_tool_calls(text)
-    if not calls or errors:
-        return text, []
-    out = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
-    return TOOL_CALL.sub("", text).strip(), out
-
-
 def chat_choices(completions: list[Completion]) -> list[dict[str, Any]]:
     """The `choices` of a chat.completion: one assistant message per completion, tool calls split out."""
     choices = []
     for i, c in enumerate(completions):
-        content, calls = split_tool_calls(c.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-        if calls:
-            message["tool_calls"] = calls
-        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        message, finish = assistant_message(c.text, c.finish_reason)
         choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
     return choices
 

@@ -6,7 +6,7 @@ chat completions. The gateway serves both from one path: a request's `instructio
 chat messages the template renders (`instructions` a system message first; `message` items by role, `developer`
 as `system`; `function_call` items the assistant's `tool_calls`; `function_call_output` items `tool` messages),
 flat function tools become chat tools, and the reply is split exactly as a chat reply is
-(arbor.orchestrator.gateway_openai.split_tool_calls) into a `message` item and `function_call` items. An agent
+(arbor.transport.chat.split_tool_calls) into a `message` item and `function_call` items. An agent
 that sends those items back gets the same assistant message the session recorded, so its history extends the
 recorded turn token-exactly, as with chat.
 
@@ -29,7 +29,8 @@ import uuid
 from typing import Any
 
 from arbor.orchestrator.client import Completion
-from arbor.orchestrator.gateway_openai import chat_choices, template_message
+from arbor.orchestrator.gateway_openai import chat_choices
+from arbor.transport.chat import template_message
 from arbor.transport.http import HTTPError, get_field
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}

@@ -27,10 +27,7 @@ from arbor.orchestrator.gateway_openai import (
     chat_chunks,
     chat_choices,
     completion_choices,
-    parse_messages,
     parse_token_prompt,
-    parse_tools,
-    template_message,
     token_usage,
     trim_at_stop,
 )
@@ -45,6 +42,7 @@ from arbor.orchestrator.gateway_responses import (
 from arbor.orchestrator.gateway_responses import parse_tools as response_tools
 from arbor.orchestrator.gateway_sessions import Session, SessionStore
 from arbor.orchestrator.trajectory import Prompt
+from arbor.transport.chat import parse_messages, parse_tools, template_message
 from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
 
 if TYPE_CHECKING:
