@@ -348,7 +348,7 @@ def test_orchestrator_drops_groups_whose_in_flight_tokens_are_too_old() -> None:
             v = next(versions)
             return [Completion([65, 66, 67], [-0.1] * 3, v, "abc", "length") for _ in range(n)]
 
-    fleet = types.SimpleNamespace(loaded_version=5)  # the weight sync: the fleet serves version 5
+    fleet = types.SimpleNamespace(loaded_version=5, changed=asyncio.Event())  # the weight sync: version 5 served
     groups = asyncio.run(orch.assembler.collect(5, Client(), fleet))
     assert [g[0].policy_versions for g in groups] == [[3, 4, 5], [3, 3, 3]]
     assert orch.counts.dropped_stale == 2

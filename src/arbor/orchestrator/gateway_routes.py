@@ -42,7 +42,7 @@ from arbor.orchestrator.gateway_responses import (
 from arbor.orchestrator.gateway_responses import parse_tools as response_tools
 from arbor.orchestrator.gateway_sessions import Session, SessionStore
 from arbor.orchestrator.trajectory import Prompt
-from arbor.transport.chat import parse_messages, parse_tools, template_message
+from arbor.transport.chat import chat_tools, parse_messages, template_message
 from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
 
 if TYPE_CHECKING:
@@ -140,7 +140,9 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
         body = await read_json_object(request)
-        messages, tools = parse_messages(body), parse_tools(body)
+        # A forced call is refused as on the servers; the reply's calls are parsed whatever tool_choice says
+        # (an agent's loop reads tool_calls, and an echoed reply renders alike either way)
+        messages, (tools, _) = parse_messages(body), chat_tools(body)
         stream = get_field(body, "stream", (bool,), False)
         include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         prompt = _render(s, messages, tools, "messages")
