@@ -1,7 +1,8 @@
 """The OpenAI/vLLM wire format of the local `inference` server (arbor.inference.server): reading a completion or
-chat request's prompt, sampling fields, tools and client request id (every field checked, a bad one a
-`BadRequest` naming it; messages, tools and tool calls as the gateway reads and writes them, arbor.transport.chat), and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server
-does (token strings, or `token_id:N` with `return_tokens_as_token_ids`)."""
+chat request's prompt, sampling fields and client request id (every field checked, a bad one a `BadRequest`
+naming it; messages, tools and tool calls are read and written as the gateway does, by arbor.transport.chat),
+and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server does (token strings, or
+`token_id:N` with `return_tokens_as_token_ids`)."""
 
 from __future__ import annotations
 
