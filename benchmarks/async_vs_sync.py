@@ -78,7 +78,16 @@ fleet's throughput at the staleness bound set it: a group's latency (decode, the
 rate the trainer consumes groups is what must be in flight, and the bound admits about two steps of groups. Since
 then the local engine decodes about 1.3x faster (sampling in one batched pass, cheaper cache gathers) and the pool
 launches as soon as a newer policy widens the bound; on the 2-core machine (5 pairs, median_s 0.0263) this reads
-1.17x (pairs 1.10-1.39x), gap +0.005, cpu_ceiling 1.24x: the cores again. The next 16-core run measures them.
+1.17x (pairs 1.10-1.39x), gap +0.005, cpu_ceiling 1.24x: the cores again. On the 16-core H100 host
+(2026-11-28, the same invocation with `--steps 20 --repeats 3 --calibration-checks 2`, two runs):
+
+    calibrated median_s 0.0339; sync 8.6 s loop, reward 0.020; greedy 5.1 s, reward 0.021 -> 1.67x (pairs 1.82x,
+    1.67x, 1.66x), gap +0.001 (parity); CPU: sync 2.12 of 16 cores busy, greedy 3.33 -> cpu_ceiling 1.77x.
+    second run: sync 7.9 s, reward 0.023; greedy 4.4 s, reward 0.025 -> 1.80x (pairs 1.82x, 1.70x, 1.80x),
+    gap +0.002 (parity), cpu_ceiling 2.09x.
+
+The target (1.6x with parity) holds where the cores are there to overlap on; with two it reads as ~1.2x and
+`cpu_ceiling` says why.
 
     uv run python benchmarks/async_vs_sync.py [--model qwen3-test] [--seq-len 48] [--max-tokens 8] [--steps 20]
         [--repeats 5] [--async-mode greedy] [--median-s S]
