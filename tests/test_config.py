@@ -65,8 +65,7 @@ def test_shared_fields_are_pushed_down_and_conflicts_fail(tmp_path):
         (["--orchestrator.batchsize", "8"], {}, r"'--orchestrator\.batchsize'.*did you mean --orchestrator\.batch-size\?"),
         ([], {"ARBOR_ORCHESTRATOR__GROUPSIZE": "4"}, r"ARBOR_ORCHESTRATOR__GROUPSIZE.*did you mean orchestrator\.group_size\?"),
         # a key of another table: pointed at the nearest table that has it
-        (["--orchestrator.sampling.temperature", "1"], {},
-         r"'--orchestrator\.sampling\.temperature'.*did you mean --orchestrator\.temperature\?"),
+        (["--orchestrator.top-p", "1"], {}, r"'--orchestrator\.top-p'.*did you mean --orchestrator\.sampling\.top-p\?"),
         (["--sampling.max-tokens", "8"], {}, r"'--sampling'.*did you mean --orchestrator\.sampling\?"),
         (["--nothing-like-it", "1"], {}, r"unknown option '--nothing-like-it'$"),
         (["--orchestrator.group-size", "1", "--orchestrator.batch-size", "4"], {},
@@ -136,6 +135,15 @@ def test_renamed_and_retired_keys_keep_working(tmp_path):
         toml = _write(tmp_path / "mode.toml", '[orchestrator.scheduler]\nmode = "one_step_off"\n')
         flagged = load_config(RLConfig, ["@", toml, "--orchestrator.async-lag", "0"], env={}).orchestrator.scheduler
         assert flagged.mode == "sync"  # and a flag's async_lag beats a file's mode: each keeps its source's rank
+    with pytest.warns(DeprecationWarning, match=r"orchestrator\.temperature is deprecated; use orchestrator\.sampling"):
+        hot = _write(tmp_path / "hot.toml", "[orchestrator]\ntemperature = 0.5\n")
+        assert load_config(RLConfig, ["@", hot], env={}).orchestrator.sampling.temperature == 0.5
+        beaten = load_config(RLConfig, ["@", hot, "--orchestrator.sampling.temperature", "0.7"], env={})
+        assert beaten.orchestrator.sampling.temperature == 0.7  # a flag's new key beats a file's retired one
+        assert OrchestratorConfig(temperature=0.25).sampling.temperature == 0.25  # built in Python, as before
+        both = OrchestratorConfig(temperature=0.25, sampling={"temperature": 0.5, "max_tokens": 8})
+        assert (both.sampling.temperature, both.sampling.max_tokens) == (0.5, 8)  # the new key wins
+    assert "temperature" not in cfg.to_toml_dict()["orchestrator"]
     with pytest.raises(ConfigError, match=r"orchestrator\.scheduler: lag applies to the continuous modes"):
         load_config(RLConfig, ["--orchestrator.scheduler.lag", "2"], env={})
     text = render_help(TrainerConfig, "trainer")
@@ -213,20 +221,20 @@ def test_rl_bad_config_exits_before_any_process(tmp_path, flag, field):
 BAD_CONFIGS = [
     # (flags, a text the one-line error must contain: the key it names)
     *[([f"--{key}", value], key.replace("-", "_")) for key in (
-        "trainer.optim.lr", "orchestrator.temperature", "stall-timeout", "trainer.optim.eps", "sft.lr",
+        "trainer.optim.lr", "orchestrator.sampling.temperature", "stall-timeout", "trainer.optim.eps", "sft.lr",
         "orchestrator.client.timeout", "weights.timeout", "trainer.rollout-timeout", "cost.gpu-hour-usd",
         "orchestrator.environment.timeout", "inference.router.health-interval", "trainer.loss.kl-coef",
     ) for value in ("inf", "nan", "-inf")],
     *[([f"--{key}", "true"], key.replace("-", "_")) for key in (
         "max-steps", "seq-len", "seed", "orchestrator.batch-size", "orchestrator.group-size", "trainer.parallel.nproc",
         "trainer.parallel.cp", "trainer.ckpt.interval", "inference.max-batch-size", "orchestrator.sampling.max-tokens",
-        "trainer.optim.lr", "orchestrator.temperature", "inference.port", "orchestrator.max-off-policy-steps",
+        "trainer.optim.lr", "orchestrator.sampling.temperature", "inference.port", "orchestrator.max-off-policy-steps",
     )],
     *[([f"--{key}", str(value)], key.replace("-", "_")) for key, value in (
         ("seq-len", 2**62), ("orchestrator.batch-size", 2**40), ("seed", 2**70), ("seed", -1), ("seed", 2**32),
         ("model.init-seed", 2**64), ("max-steps", 2**40), ("trainer.parallel.nproc", 10**6),
         ("orchestrator.sampling.max-tokens", 2**30), ("inference.max-batch-size", 2**30), ("inference.port", 70000),
-        ("inference.port", -1), ("trainer.optim.lr", 1e308), ("orchestrator.temperature", 1e308),
+        ("inference.port", -1), ("trainer.optim.lr", 1e308), ("orchestrator.sampling.temperature", 1e308),
         ("stall-timeout", 1e300), ("orchestrator.group-size", 0), ("trainer.ckpt.keep", 0),
         ("orchestrator.batching.micro-batch-tokens", 2**40), ("trainer.keep-broadcasts", -2),
         ("inference.replicas", 2**20), ("trainer.parallel.dp-shard", -2),
@@ -318,7 +326,7 @@ def test_every_example_config_loads(path):
 
 
 GOOD_VARIATIONS = [
-    ["--seed", str(2**32 - 1)], ["--seed", "0"], ["--trainer.optim.lr", "1"], ["--orchestrator.temperature", "0"],
+    ["--seed", str(2**32 - 1)], ["--seed", "0"], ["--trainer.optim.lr", "1"], ["--orchestrator.sampling.temperature", "0"],
     ["--trainer.optim.betas", "[0, 0.5]"], ["--seq-len", str(2**20), "--orchestrator.sampling.max-tokens", "8"],
     ["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2"],
     ["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2", "--trainer.parallel.dp-shard", "2"],

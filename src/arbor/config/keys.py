@@ -44,8 +44,8 @@ def resolve(cls: type[BaseModel], keys: list[str], where: str, dashed: bool) -> 
 
 
 def nearest_home(cls: type[BaseModel], key: str, path: list[str]) -> list[str] | None:
-    """The path of a field named `key` in another table (`orchestrator.temperature` for a misplaced
-    `orchestrator.sampling.temperature`), the one sharing the longest prefix with `path`; None if there is none."""
+    """The path of a field named `key` in another table (`orchestrator.sampling.top_p` for a misplaced
+    `orchestrator.top_p`), the one sharing the longest prefix with `path`; None if there is none."""
     homes: list[list[str]] = []
 
     def walk(model: type[BaseModel], prefix: list[str]) -> None:

@@ -17,6 +17,8 @@ from arbor.config.monitor import WandbConfig
 
 
 class SamplingConfig(Config):
+    temperature: Temperature = 1.0
+    """Sampling temperature (0: greedy); the trainer scales its logits by the same value."""
     max_tokens: Tokens = Field(64, ge=1)
     """Most tokens generated per completion."""
     top_p: Float = Field(1.0, gt=0, le=1)
@@ -296,8 +298,6 @@ class OrchestratorConfig(Config):
     """Longest sample (prompt + completion); longer prompts are skipped and counted."""
     seed: Seed = 0
     """Seed of task sampling and of per-request sampling seeds."""
-    temperature: Temperature = 1.0
-    """Sampling temperature; the trainer scales its logits by the same value."""
     batch_size: Count = Field(64, ge=1)
     """Rollouts per training step (a multiple of group_size): each step trains batch_size / group_size groups of
     group_size rollouts, a rollout being one episode. For black_box an episode is one agent run, which yields one
@@ -344,11 +344,15 @@ class OrchestratorConfig(Config):
     log_level: Literal["debug", "info", "warning"] = "info"
     """Log verbosity."""
 
-    retired_keys = frozenset({"async_lag"})
+    retired_keys = frozenset({"async_lag", "temperature"})
 
     @classmethod
     def retire(cls, key: str, value: Any) -> dict[str, Any]:
-        """`async_lag` as the scheduler mode it meant: 0 = sync, 1 = one_step_off, k > 1 = async with lag k."""
+        """`async_lag` as the scheduler mode it meant: 0 = sync, 1 = one_step_off, k > 1 = async with lag k;
+        `temperature` as `sampling.temperature`, beside the other sampling settings."""
+        if key == "temperature":
+            warn_deprecated("orchestrator.temperature is deprecated; use orchestrator.sampling.temperature")
+            return {"sampling": {"temperature": value}}
         if key != "async_lag":
             return super().retire(key, value)
         mode = {0: "sync", 1: "one_step_off"}.get(value, "async") if isinstance(value, int) else "async"
@@ -358,17 +362,19 @@ class OrchestratorConfig(Config):
 
     @model_validator(mode="before")
     @classmethod
-    def _async_lag(cls, data: Any) -> Any:
-        """Configs built in Python (the loader translates the key itself): an explicit `scheduler.mode` wins."""
-        if not isinstance(data, dict) or "async_lag" not in data:
+    def _retired(cls, data: Any) -> Any:
+        """Configs built in Python (the loader translates the keys itself): the new key, when also set, wins."""
+        if not isinstance(data, dict) or not cls.retired_keys & data.keys():
             return data
         data = dict(data)
-        replacement = cls.retire("async_lag", data.pop("async_lag"))["scheduler"]
-        scheduler = data.get("scheduler") or {}
-        if isinstance(scheduler, Config):
-            scheduler = scheduler.model_dump(exclude_unset=True)
-        if isinstance(scheduler, dict) and "mode" not in scheduler:
-            data["scheduler"] = {**scheduler, **replacement}
+        for key in sorted(cls.retired_keys & data.keys()):
+            ((table, replacement),) = cls.retire(key, data.pop(key)).items()
+            current = data.get(table) or {}
+            if isinstance(current, Config):
+                current = current.model_dump(exclude_unset=True)
+            if not isinstance(current, dict) or (key == "async_lag" and "mode" in current):
+                continue  # left for validation to name; an explicit mode also decides the lag that came with it
+            data[table] = {**replacement, **current}
         return data
 
     @model_validator(mode="after")

@@ -85,7 +85,7 @@ class GenerationPool:
         cfg = self.cfg
         if not (cfg.gateway.enabled or getattr(self.env, "needs_gateway", False)):
             return
-        self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.temperature,
+        self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.sampling.temperature,
                                top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens, seq_len=cfg.seq_len)
         url = await self.gateway.start()
         write_text_atomic(gateway_url_path(cfg.output_dir), url + "\n")  # agents poll for it: never half-written
@@ -172,8 +172,9 @@ class GenerationPool:
             coro = self.env.run_group(self.gateway, spec, cfg.group_size, cfg.environment.reward_weights,
                                       cfg.environment.timeout)
         else:
-            coro = generate_group(handle, self.env, spec, cfg.group_size, cfg.sampling.max_tokens, cfg.temperature,
-                                  cfg.sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
+            sampling = cfg.sampling
+            coro = generate_group(handle, self.env, spec, cfg.group_size, sampling.max_tokens, sampling.temperature,
+                                  sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
                                   generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
                                   seq_len=cfg.seq_len, stats=self.env_stats)
         now = time.monotonic()
