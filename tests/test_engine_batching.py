@@ -1,7 +1,7 @@
 """The local engine's batched forwards: requests admitted together are prefilled in one left-padded forward, and
 a weight update recomputes every running sequence's cache in batched forwards (`inference.kv_after_update =
 "recompute"`) or keeps what the older weights computed (`"keep"`, vLLM's behaviour). Checked on the dense, MoE
-and DSA test models against references that run one sequence at a time: full forwards of the new weights
+(logprobs and router-replay routes) and DSA test models against references that run one sequence at a time: full forwards of the new weights
 (recompute), and the older weights' cache of the prefix continued by the new weights (keep)."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _routes(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     return model.last_routed_experts[0].numpy()
 
 
-@pytest.mark.parametrize("name", ["qwen3-test", "dsa-test"])
+@pytest.mark.parametrize("name", ["qwen3-test", "qwen3-moe-test", "dsa-test"])
 def test_update_keeps_the_older_cache_when_asked(tmp_path: Path, name: str) -> None:
     old, new, V, samples = generate_across_update(name, tmp_path, recompute=False)
     for p, c, k in samples:
@@ -112,10 +112,16 @@ def test_update_keeps_the_older_cache_when_asked(tmp_path: Path, name: str) -> N
         after = c.token_ids[k - 1:-1]
         with torch.no_grad():
             old(torch.tensor([before]), torch.arange(len(before))[None], kv_cache=kv, cache_slots=slot)
+            old_routes = getattr(old, "last_routed_experts", None)  # MoE only
             logits = new(torch.tensor([after]), torch.arange(len(before), len(before) + len(after))[None],
                          kv_cache=kv, cache_slots=slot, logits_to_keep=0)[0].float()
         want = torch.log_softmax(logits[:, :V], -1)[torch.arange(len(after)), c.token_ids[k:]]
         torch.testing.assert_close(torch.tensor(c.logprobs[k:]), want, atol=2e-5, rtol=0)
+        assert (c.routed_experts is not None) == ("moe" in name)
+        if c.routed_experts is not None:  # MoE: the kept prefix keeps the older routes, the rest the new ones
+            kept, fed = len(before), len(before) + len(after)
+            assert np.array_equal(old_routes[0].numpy(), c.routed_experts[:kept])
+            assert np.array_equal(new.last_routed_experts[0].numpy(), c.routed_experts[kept:fed])
         with torch.no_grad():
             full = torch.log_softmax(new(torch.tensor([p + c.token_ids]))[0].float()[:, :V], -1)
         fresh = full[torch.arange(len(p) + k - 1, len(p) + len(c.token_ids) - 1), c.token_ids[k:]]

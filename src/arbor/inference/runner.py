@@ -110,9 +110,9 @@ class ModelRunner:
                 every = self.forward(prompt, 0, seqs[0].slot, keep=0)
                 req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs, self.vocab)
                 logits = every[-1:]
-        self._record_routes(seqs, 0, len(prompt))
-        if len(seqs) > 1:
-            self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], len(prompt))
+        if self._route_shape is not None:
+            self._routes_of(seqs[0])[:len(prompt)] = self._routes_of_last_forward()[0]
+        self._share_prompt(seqs, len(prompt))
         return logits
 
     def decode(self, seqs: list[Seq]) -> torch.Tensor:
@@ -144,16 +144,18 @@ class ModelRunner:
         request; returns each one's fp32 logits `[1, V]`."""
         heads = [req.seqs[0] for req in requests]
         logits = dict(zip(map(id, heads), self._forward_rows(heads, [req.prompt for req in requests])))
-        out = []
         for req in requests:
-            seqs = req.seqs
-            if len(seqs) > 1:
-                self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], len(req.prompt))
-                if seqs[0].routes is not None:
-                    for s in seqs[1:]:
-                        self._routes_of(s)[:len(req.prompt)] = seqs[0].routes[:len(req.prompt)]
-            out.append(logits[id(seqs[0])][None])
-        return out
+            self._share_prompt(req.seqs, len(req.prompt))
+        return [logits[id(req.seqs[0])][None] for req in requests]
+
+    def _share_prompt(self, seqs: list[Seq], length: int) -> None:
+        """Copies the first sample's prompt cache (and MoE routes) to the request's other samples."""
+        if len(seqs) < 2:
+            return
+        self.kv.copy_slot(seqs[0].slot, [s.slot for s in seqs[1:]], length)
+        if seqs[0].routes is not None:
+            for s in seqs[1:]:
+                self._routes_of(s)[:length] = seqs[0].routes[:length]
 
     def recompute(self, seqs: list[Seq]) -> None:
         """Rebuilds the caches of running sequences (of any requests) with the current weights: every position
@@ -218,15 +220,6 @@ class ModelRunner:
             self.last_hidden = hidden[0]
             return lm_logits(self.model, hidden, keep)[0].float()
         return self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=keep)[0].float()
-
-    def _record_routes(self, seqs: list[Seq], start: int, length: int) -> None:
-        """Copies the last one-row forward's routing (positions start..start+length) into every sequence in
-        `seqs` (a prefill shared by a request's samples, or one sequence's recomputed tokens)."""
-        if self._route_shape is None:
-            return
-        routes = self._routes_of_last_forward()[0]
-        for s in seqs:
-            self._routes_of(s)[start:start + length] = routes
 
     def _routes_of(self, s: Seq) -> np.ndarray:
         """The sequence's route buffer, allocated on first use (MoE models only)."""
