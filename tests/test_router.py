@@ -57,9 +57,12 @@ class FakeBackend:
                     return web.json_response({"error": {"message": "older", "param": "version"}}, status=409)
                 self.version = body["version"]
                 return web.json_response({"policy_version": self.version})
-            if request.path == "/v1/load_lora_adapter":
-                name, version = body["lora_name"], body["version"]
-                if version < self.adapters.get(name, -1):
+            if request.path == "/v1/load_lora_adapter":  # as arbor's servers (arbor.transport.adapter_admin)
+                name, current = body["lora_name"], self.adapters.get(body["lora_name"])
+                if current is not None and not body.get("load_inplace"):
+                    return web.json_response({"error": {"message": "loaded", "param": "lora_name"}}, status=400)
+                version = body.get("version", 0 if current is None else current + 1)
+                if current is not None and version < current:
                     return web.json_response({"error": {"message": "older", "param": "version"}}, status=409)
                 self.adapters[name] = version
                 return web.json_response({"lora_name": name, "version": version})
@@ -189,6 +192,43 @@ def test_failed_request_is_retried_dead_backend_ejected_and_readmitted_with_curr
         await runner.cleanup()
         await backends[0].stop()
         await backends[1].stop()
+
+    asyncio.run(go())
+
+
+def test_a_versionless_adapter_load_is_replayed_at_the_version_the_backends_took() -> None:
+    """A load sent without a version (each backend takes the next one) or `load_inplace` is recorded at the version
+    the backends answered, in place. A backend that was only unreachable, its adapter kept, is re-admitted with
+    that version unchanged (sent as it came, the replay was refused as a second load and kept it out for good); a
+    restarted one, its adapters lost, gets the adapter back at the fleet's version."""
+    async def go() -> None:
+        backends, router, runner, url = await _fleet(2, policy="round_robin")
+        async with aiohttp.ClientSession() as s:
+            load = {"lora_name": "a", "lora_path": "/x"}
+            status, data = await _post(s, url + "/v1/load_lora_adapter", load)
+            assert status == 200 and [b.adapters for b in backends] == [{"a": 0}, {"a": 0}]
+            assert router.fleet.adapters["a"] == {**load, "version": 0, "load_inplace": True}
+            for restarted in (False, True):
+                b = backends[restarted]
+                await b.stop()
+                if restarted:
+                    b.adapters = {}
+                for _ in range(100):
+                    if not router.backends[restarted].healthy:
+                        break
+                    await asyncio.sleep(0.05)
+                assert not router.backends[restarted].healthy
+                await b.start()
+                for _ in range(100):
+                    if router.backends[restarted].healthy:
+                        break
+                    await asyncio.sleep(0.05)
+                assert router.backends[restarted].healthy, f"re-admitted (restarted: {restarted})"
+                assert b.adapters == {"a": 0}, "the fleet's version, neither bumped nor lost"
+            assert router.readmissions == 2
+        await runner.cleanup()
+        for b in backends:
+            await b.stop()
 
     asyncio.run(go())
 

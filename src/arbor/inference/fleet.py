@@ -83,9 +83,12 @@ class Fleet:
             self.ejections += 1
             log.warning("ejected %s (%s)", b.url, "connection refused" if refused else f"{b.fails} failures")
 
-    def remember(self, path: str, body: bytes, auth: dict[str, str]) -> None:
+    def remember(self, path: str, body: bytes, auth: dict[str, str], answers: list[Any] = ()) -> None:
         """Records an admin call every backend accepted (and the admin header it went with), to replay it on
-        re-admission."""
+        re-admission. An adapter load is recorded at the version the backends answered, in place: replayed as
+        sent, a load without a version would bump the version of a backend that still holds the adapter (its
+        tokens then tagged apart from the others'), and one without `load_inplace` would be refused there (400,
+        already loaded), keeping a backend that was only unreachable for a while out of rotation for good."""
         self.auth = auth
         if path == "/update_weights":
             self.last_update = json.loads(body)
@@ -93,6 +96,9 @@ class Fleet:
             self.paused = path == "/pause"
         elif path == "/v1/load_lora_adapter":
             load = json.loads(body)
+            versions = [a["version"] for a in answers if isinstance(a, dict) and type(a.get("version")) is int]
+            if versions:  # they differ only after earlier versionless loads: the newest, since versions only go up
+                load = {**load, "version": max(versions), "load_inplace": True}
             self.adapters[load["lora_name"]] = load
         elif path == "/v1/unload_lora_adapter":
             self.adapters.pop(json.loads(body)["lora_name"], None)

@@ -365,7 +365,7 @@ class Router(RunRoutes):
         else:
             status = 502 if ok or any(s for _, s, _ in live) else 503
         if status == 200:
-            self.fleet.remember(path, body, auth)
+            self.fleet.remember(path, body, auth, [d for _, s, d in live if s == 200])
         message = None if status == 200 else f"{path} failed on some backends: " + json.dumps(report)[:2000]
         versions = [d.get("policy_version") for _, s, d in live if s == 200 and isinstance(d, dict)]
         out: dict[str, Any] = {"results": report}
