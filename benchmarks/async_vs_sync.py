@@ -365,10 +365,15 @@ def main() -> None:
         print(f"CPU: sync {sync['cpu_s'] / sync['loop_s']:.2f} cores busy, {a.async_mode} "
               f"{asyn['cpu_s'] / asyn['loop_s']:.2f} of {CORES}; the async arm's own CPU work on {CORES} cores "
               f"allows at most {ceiling:.2f}x", flush=True)
+        if ceiling < TARGET:
+            print(f"the {TARGET}x target is out of reach on these {CORES} cores whatever the schedule (ceiling "
+                  f"{ceiling:.2f}x); on 16 cores this benchmark measured 1.67x and 1.80x (see the docstring)",
+                  flush=True)
     print(json.dumps({
-        "benchmark": "async_vs_sync", "value": round(ratio, 3), "target": 1.6,
-        "ok": ratio >= 1.6 and abs(gap) <= 0.02, "reward_gap": round(gap, 4), "reward_parity": abs(gap) <= 0.02,
+        "benchmark": "async_vs_sync", "value": round(ratio, 3), "target": TARGET,
+        "ok": ratio >= TARGET and abs(gap) <= 0.02, "reward_gap": round(gap, 4), "reward_parity": abs(gap) <= 0.02,
         "cpu_ceiling": None if ceiling is None else round(ceiling, 3), "cores": CORES,
+        "target_reachable_here": None if ceiling is None else ceiling >= TARGET,
         "wall_ratio_including_startup": round(sync["wall_s"] / asyn["wall_s"], 3), "async_mode": a.async_mode,
         "sync_wall_s": round(sync["loop_s"], 2), "async_wall_s": round(asyn["loop_s"], 2),
         "sync_reward": round(sync["reward"], 4), "async_reward": round(asyn["reward"], 4),
@@ -377,6 +382,8 @@ def main() -> None:
     }))
 
 
+TARGET = 1.6
+"""The ratio to reach, with reward parity (issue: async within 0.02 of sync)."""
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
