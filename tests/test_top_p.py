@@ -16,7 +16,8 @@ from arbor.config.rl import RLConfig
 from arbor.config.model import ModelConfig
 from arbor.inference.engine import Engine
 from arbor.inference.requests import Request, Seq
-from arbor.inference.sampler import FLOOR_LOGPROB, Sampler, choose, scaled_logprobs
+from arbor.inference.sampler import (CDF_BLOCK, FLOOR_LOGPROB, NUCLEUS_CANDIDATES, Sampler, choose, inverse_cdf,
+                                    nucleus_keep, scaled_logprobs)
 from arbor.inference.sampling import SamplingParams
 from arbor.models import build_model, build_tokenizer
 from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask, set_policy_vocab
@@ -147,6 +148,57 @@ def test_batched_draws_follow_each_rows_processed_distribution_and_its_own_seed(
     assert {d[2] for d in draws} == {3}
     alone = Seq(Request([1], params[1], seed=11), 0, 1, torch.device("cpu"))
     assert [choose([alone], logp[1:2])[0] for _ in range(200)] == [d[1] for d in draws[:200]]
+
+
+def test_two_level_draws_over_a_large_vocabulary_are_the_one_level_draws() -> None:
+    """Over more than two blocks of ids `inverse_cdf` picks a block by the blocks' sums, then the id inside it:
+    the same id a float64 cumulative sum over the whole row picks for the same uniform (but for rounding at a
+    boundary), never an id of weight 0 (whole blocks of them included, and a last block shorter than the rest)."""
+    gen = torch.Generator().manual_seed(7)
+    V = 5 * CDF_BLOCK + 333
+    weights = torch.rand(6, V, generator=gen) ** 8  # unnormalised, a few ids holding most of the mass
+    weights[:, CDF_BLOCK:2 * CDF_BLOCK] = 0.0  # a block of weight 0
+    weights[weights < 1e-3] = 0.0  # and zeros everywhere else
+    weights[5] = 0.0
+    weights[5, V - 1] = 1.0  # all the mass on the last id, in the short last block
+    zero = weights == 0
+    differ = 0
+    for _ in range(400):
+        u = torch.rand(6, generator=gen, dtype=F64)
+        two = inverse_cdf(weights, u)
+        c = weights.double().cumsum(-1)
+        one = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
+        assert not zero.gather(1, two[:, None]).any()
+        differ += int((two != one).sum())
+    assert differ <= 2
+    assert inverse_cdf(weights, torch.full((6,), 0.999999, dtype=F64))[5] == V - 1
+
+
+def test_nucleus_over_a_large_vocabulary_is_the_full_sorts() -> None:
+    """`nucleus_keep` decides a row from its most likely ids when its nucleus lies among them, and sorts the row
+    whole otherwise: the same mask as a stable sort of every id, for peaked rows, flat ones, rows with ties at
+    the candidates' edge, top_p = 1 rows, and rows batched in more than two dimensions."""
+    gen = torch.Generator().manual_seed(5)
+    V = 6 * NUCLEUS_CANDIDATES
+    logits = torch.randn(7, V, generator=gen) * torch.tensor([12.0, 12.0, 8.0, 0.5, 0.1, 12.0, 12.0])[:, None]
+    probs = torch.softmax(logits, -1)
+    order = probs[2].argsort(descending=True)
+    probs[2, order[NUCLEUS_CANDIDATES - 5:NUCLEUS_CANDIDATES + 50]] = float(probs[2, order[NUCLEUS_CANDIDATES]])  # ties
+    probs[6] = 0.0
+    probs[6, :3] = torch.tensor([0.5, 0.25, 0.25])  # every other id tied at 0
+    top_p = torch.tensor([0.9, 1.0, 0.999, 0.9, 0.5, 0.3, 0.6])
+
+    def full_sort(p: torch.Tensor, q: float) -> torch.Tensor:
+        if q >= 1:
+            return torch.ones_like(p, dtype=torch.bool)
+        sorted_p, idx = p.sort(descending=True, stable=True)
+        return torch.zeros_like(p, dtype=torch.bool).scatter_(0, idx, (sorted_p.cumsum(0) - sorted_p) < q)
+
+    want = torch.stack([full_sort(probs[r], float(top_p[r])) for r in range(7)])
+    assert torch.equal(nucleus_keep(probs, top_p), want)
+    assert torch.equal(nucleus_keep(probs.reshape(7, 1, V).expand(7, 2, V), top_p[:, None]),
+                       want[:, None].expand(7, 2, V))
+    assert int(want[0].sum()) < NUCLEUS_CANDIDATES < int(want[3].sum())  # both paths taken
 
 
 def test_local_engine_and_trainer_agree_on_truncated_logprobs() -> None:

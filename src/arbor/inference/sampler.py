@@ -29,57 +29,133 @@ from arbor.inference.requests import Seq
 def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
     """`log_softmax(logits[:, :vocab] / T)` per row in fp32 `[B, vocab]` (`vocab`: the tokenizer's id count, None
     for every column); rows with T = 0 use T = 1 (greedy reports the untempered distribution)."""
-    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    return torch.log_softmax(logits[:, :vocab].float() / t[:, None], dim=-1)
+    x = logits[:, :vocab].float()
+    if bool((temperatures != 1).any()):  # most runs sample at 1: no [B, vocab] division then
+        t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+        x = x / t[:, None]
+    return torch.log_softmax(x, dim=-1)
 
 
 FLOOR_LOGPROB = -9999.0
 """What a listed alternative outside the nucleus reports (its logprob is -inf; vLLM's OpenAI server says -9999)."""
 
 
-def nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Ids of a row's top-p nucleus, most likely first: a token is kept if the mass strictly before it is below
-    top_p (the most likely token always is). The trainer's `nucleus_mask` applies the same rule."""
-    sorted_p, order = logprobs.exp().sort(descending=True, stable=True)
-    return order[(sorted_p.cumsum(0) - sorted_p) < top_p]
+NUCLEUS_CANDIDATES = 1024
+"""Most likely ids per row that `nucleus_keep` looks among first, over vocabularies of more than 4 times that."""
 
 
-def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+def nucleus_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which ids `[..., vocab]` are in each row's top-p nucleus, for rows of probabilities with their `top_p`
+    (one per row): in the order of a stable descending sort, a token is kept if the mass strictly before it is
+    below top_p, so the most likely one always is (the trainer's `nucleus_mask` applies the same rule); rows with
+    top_p >= 1 keep every id. Over a large vocabulary the rows whose nucleus lies among their NUCLEUS_CANDIDATES
+    most likely ids (a trained model's usually does) are decided from those alone, with the same float sums as
+    a full sort (which took most of a 151k-vocabulary sampling step); the others are sorted whole."""
+    shape, V = probs.shape, probs.shape[-1]
+    flat, top_p = probs.reshape(-1, V), top_p.expand(shape[:-1]).reshape(-1)
+    keep = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
+    rows = (top_p < 1.0).nonzero()[:, 0]
+    if V > 4 * NUCLEUS_CANDIDATES and len(rows):
+        decided, kept = _nucleus_among_candidates(flat[rows], top_p[rows])
+        keep[rows[decided]] = kept[decided]
+        rows = rows[~decided]
+    if len(rows):
+        sorted_p, order = flat[rows].sort(dim=-1, descending=True, stable=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p[rows, None]
+        keep[rows] = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return keep.reshape(shape)
+
+
+def _nucleus_among_candidates(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nucleus_keep` of rows `[R, V]` from their NUCLEUS_CANDIDATES most likely ids: which rows that decides
+    `[R]`, and their masks `[R, V]`. The candidates in a full stable sort's order (by value, ties by id) are that
+    sort's first ids, except that ids tied with the least candidate may interleave with ids left out; a row is
+    decided when the mass before the first of those ties already reaches top_p, as nothing from there on is kept."""
+    idx = probs.topk(NUCLEUS_CANDIDATES, dim=-1).indices.sort(dim=-1).values
+    sorted_p, order = probs.gather(1, idx).sort(dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    first_tie = (sorted_p == sorted_p[:, -1:]).int().argmax(-1)
+    decided = before.gather(1, first_tie[:, None])[:, 0] >= top_p
+    kept = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device)
+    kept.scatter_(1, idx.gather(1, order), before < top_p[:, None])
+    return decided, kept
+
+
+def processed_probs(logprobs: torch.Tensor, top_p: torch.Tensor | float,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution a sampled token is drawn from, as probabilities `[..., vocab]` for rows of scaled logprobs
     over the tokenizer's ids `[..., vocab]` (`scaled_logprobs`) with their `top_p` (a float, or one per row):
-    the smallest top-p nucleus (`nucleus`'s rule), renormalised."""
-    weights = logprobs.exp()
-    top_p = torch.as_tensor(top_p, dtype=logprobs.dtype, device=logprobs.device)
-    if bool((top_p < 1.0).any()):
-        sorted_p, order = weights.sort(dim=-1, descending=True, stable=True)
-        # Keep a token if the mass strictly before it is below top_p (as `nucleus`), rows with top_p = 1 whole.
-        keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p[..., None]) | (top_p[..., None] >= 1.0)
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-        weights = torch.where(keep, weights, torch.zeros_like(weights))
+    the smallest top-p nucleus (`nucleus_keep`, or `keep` when the caller has it already), renormalised."""
+    weights = nucleus_weights(logprobs, top_p, keep)
     return weights / weights.sum(-1, keepdim=True)
 
 
+def nucleus_weights(logprobs: torch.Tensor, top_p: torch.Tensor | float,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`processed_probs` before the renormalisation (what a draw by `inverse_cdf` needs)."""
+    weights = logprobs.exp()
+    if keep is None:
+        top_p = torch.as_tensor(top_p, dtype=logprobs.dtype, device=logprobs.device)
+        if bool((top_p < 1.0).any()):
+            keep = nucleus_keep(weights, top_p)
+    return weights if keep is None else torch.where(keep, weights, torch.zeros_like(weights))
+
+
+CDF_BLOCK = 1024
+"""Ids per block of `inverse_cdf`'s two-level search."""
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One draw per row of `probs` `[R, V]` from uniforms `u` `[R]` in [0, 1) (float64): the first id whose
-    cumulative probability exceeds u times the row's total, so an id of probability 0 is never drawn."""
-    c = probs.double().cumsum(-1)
-    return torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+    """One draw per row of `probs` `[R, V]` (unnormalised weights will do) from uniforms `u` `[R]` in [0, 1)
+    (float64): the first id whose cumulative weight exceeds u times the row's total, so an id of weight 0 is never
+    drawn. Over a large vocabulary in two levels: a block of CDF_BLOCK ids by the blocks' sums, then the id within
+    it, so that only one block per row gets a float64 cumulative sum (the whole row's took a fifth of a
+    151k-vocabulary sampling step)."""
+    R, V = probs.shape
+    if V <= 2 * CDF_BLOCK:
+        return _first_above(probs.double().cumsum(-1), u)
+    n = V // CDF_BLOCK
+    sums = probs[:, :n * CDF_BLOCK].reshape(R, n, CDF_BLOCK).sum(-1)
+    if V > n * CDF_BLOCK:
+        sums = torch.cat([sums, probs[:, n * CDF_BLOCK:].sum(-1, keepdim=True)], 1)
+    c = sums.double().cumsum(-1)
+    block = _first_above(c, u)  # a block of weight 0 never (its cumulative weight equals the one before)
+    rows = torch.arange(R, device=probs.device)
+    before = torch.where(block > 0, c[rows, (block - 1).clamp_min(0)], torch.zeros_like(u))
+    # where u falls within the block, as a fraction of its weight (below 1, so the draw stays inside it)
+    frac = ((u * c[:, -1] - before) / (c[rows, block] - before)).clamp(0.0, 1.0 - 1e-12)
+    ids = block[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+    inside = probs.gather(1, ids.clamp_max(V - 1)).double().masked_fill(ids >= V, 0.0).cumsum(-1)
+    return block * CDF_BLOCK + _first_above(inside, frac)
 
 
-def choose(seqs: Sequence[Seq], logprobs: torch.Tensor) -> list[int]:
+def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of cumulative weights `[R, K]`, the first index whose value exceeds u times the row's last."""
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+
+
+def choose(seqs: Sequence[Seq], logprobs: torch.Tensor, keep: torch.Tensor | None = None) -> list[int]:
     """One token per row of scaled logprobs `[B, vocab]`: the argmax for greedy sequences (no generator), else
-    one draw from the row's processed distribution (`processed_probs`). The draws of all rows take one batched
-    inverse-CDF pass, each row's uniform from its own sequence's generator, so a request's tokens depend on its
-    seed, never on the batch it shares (one multinomial call per row cost a fifth of a small model's step)."""
-    toks = logprobs.argmax(-1).tolist()
+    one draw from the row's processed distribution (`processed_probs`; `keep`: the rows' nucleus masks when the
+    caller has them). The draws of all rows take one batched inverse-CDF pass, each row's uniform from its own
+    sequence's generator, so a request's tokens depend on its seed, never on the batch it shares (one
+    multinomial call per row cost a fifth of a small model's step)."""
     sampled = [b for b, s in enumerate(seqs) if s.generator is not None]
+    greedy = [b for b, s in enumerate(seqs) if s.generator is None]
+    toks = [0] * len(seqs)
+    if greedy:
+        rows = logprobs if len(greedy) == len(seqs) else logprobs[greedy]
+        for b, tok in zip(greedy, rows.argmax(-1).tolist()):
+            toks[b] = tok
     if sampled:
         u = torch.cat([torch.rand(1, generator=seqs[b].generator, dtype=torch.float64, device=logprobs.device)
                        for b in sampled])
         top_p = torch.tensor([seqs[b].req.params.top_p for b in sampled], dtype=logprobs.dtype,
                              device=logprobs.device)
-        rows = logprobs if len(sampled) == len(seqs) else logprobs[sampled]
-        for b, tok in zip(sampled, inverse_cdf(processed_probs(rows, top_p), u).tolist()):
+        every = len(sampled) == len(seqs)
+        rows = logprobs if every else logprobs[sampled]
+        kept = keep if keep is None or every else keep[sampled]
+        for b, tok in zip(sampled, inverse_cdf(nucleus_weights(rows, top_p, kept), u).tolist()):
             toks[b] = tok
     return toks
 
@@ -97,59 +173,71 @@ class Sampler:
     def sample(self, seqs: list[Seq], logits: torch.Tensor, version: int | Sequence[int]) -> None:
         """Chooses one token per sequence from `logits` `[B, V]` (the head's rows; only the tokenizer's ids are
         read) and records it as sampled from `version` (one for all, or one per sequence: each sequence's adapter
-        has its own versions)."""
+        has its own versions). The nucleus masks are built once, for the draw and the reported logprobs both."""
         versions = [version] * len(seqs) if isinstance(version, int) else list(version)
-        temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=logits.device)
+        dev = logits.device
+        temps = torch.tensor([s.req.params.temperature for s in seqs], dtype=torch.float32, device=dev)
         logp = scaled_logprobs(logits, temps, self.vocab_size)
-        toks = choose(seqs, logp)
-        k = max(s.req.params.top_logprobs for s in seqs)
-        top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
-        top_vals = top_vals.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
-        for b, s in enumerate(seqs):
-            n = s.req.params.top_logprobs
-            self._append(s, toks[b], logp[b], versions[b], self._kept(s, logp[b]), top_ids[b][:n] if n else [],
-                         top_vals[b][:n] if n else [])
+        keep = None
+        if any(s.req.params.top_p < 1 and s.generator is not None for s in seqs):
+            top_p = torch.tensor([s.req.params.top_p if s.generator is not None else 1.0 for s in seqs],
+                                 dtype=logp.dtype, device=dev)
+            keep = nucleus_keep(logp.exp(), top_p)
+        toks = choose(seqs, logp, keep)
+        for s, tok, lp, top, v in zip(seqs, toks, *self._reported(seqs, logp, toks, keep), versions):
+            self._append(s, tok, lp, top, v)
 
     def record(self, s: Seq, tok: int, logprobs: torch.Tensor, version: int) -> None:
         """Appends `tok`, chosen elsewhere (speculative decoding), with its logprob and top alternatives from the
         target's scaled logprobs over the tokenizer's ids `[vocab]` (`scaled_logprobs`) at its position."""
-        k = s.req.params.top_logprobs
-        if not k:  # the common case, without building empty tensors per token
-            self._append(s, tok, logprobs, version, self._kept(s, logprobs), [], [])
-            return
-        vals, ids = logprobs.topk(k)
-        self._append(s, tok, logprobs, version, self._kept(s, logprobs), ids.tolist(), vals.tolist())
+        keep = None
+        if self._truncates(s):
+            keep = nucleus_keep(logprobs.exp()[None], torch.tensor([s.req.params.top_p], dtype=logprobs.dtype,
+                                                                    device=logprobs.device))
+        (lp,), (top,) = self._reported([s], logprobs[None], [tok], keep)
+        self._append(s, tok, lp, top, version)
 
-    def _kept(self, s: Seq, logp: torch.Tensor) -> torch.Tensor | None:
-        """The row's nucleus when its logprobs are reported truncated, else None."""
+    def _truncates(self, s: Seq) -> bool:
+        """Whether the sequence's logprobs are reported under its top-p nucleus (the module docstring)."""
         p = s.req.params
-        return nucleus(logp, p.top_p) if self.nucleus_logprobs and p.top_p < 1 and p.temperature > 0 else None
+        return self.nucleus_logprobs and p.top_p < 1 and p.temperature > 0
 
-    def _append(self, s: Seq, tok: int, logp: torch.Tensor, version: int, kept: torch.Tensor | None,
-                top_ids: list[int], top_vals: list[float]) -> None:
-        """Records `tok` with its logprob under `logp` `[vocab]` (renormalised over the nucleus `kept` when reported
-        truncated) and its listed alternatives, then checks the stop conditions."""
+    def _reported(self, seqs: Sequence[Seq], logp: torch.Tensor, toks: list[int], keep: torch.Tensor | None
+                  ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Each row's logprob of its token and its `top_logprobs` alternatives (the full distribution's most
+        likely ids), in one batched pass: under the full distribution, or, for the rows reported truncated,
+        renormalised over the nucleus `keep` (the token chosen always lies in it; an alternative outside it
+        reports FLOOR_LOGPROB)."""
+        dev = logp.device
+        chosen = logp.gather(1, torch.tensor(toks, dtype=torch.long, device=dev)[:, None])[:, 0].double()
+        k = max(s.req.params.top_logprobs for s in seqs)
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        top_vals = top_vals.double() if k else None
+        truncated = [b for b, s in enumerate(seqs) if self._truncates(s)] if keep is not None else []
+        if truncated:
+            rows = torch.tensor(truncated, dtype=torch.long, device=dev)
+            kept = keep[rows]
+            log_mass = logp[rows].masked_fill(~kept, float("-inf")).logsumexp(-1).double()
+            chosen[rows] -= log_mass
+            if k:
+                inside = kept.gather(1, top_ids[rows])
+                top_vals[rows] = torch.where(inside, top_vals[rows] - log_mass[:, None],
+                                             torch.full_like(top_vals[rows], FLOOR_LOGPROB))
+        if not k:
+            return chosen.tolist(), [[] for _ in seqs]
+        ids, vals = top_ids.tolist(), top_vals.tolist()
+        tops = [list(zip(ids[b][:s.req.params.top_logprobs], vals[b][:s.req.params.top_logprobs]))
+                for b, s in enumerate(seqs)]
+        return chosen.tolist(), tops
+
+    def _append(self, s: Seq, tok: int, logprob: float, top: list[tuple[int, float]], version: int) -> None:
+        """Records `tok` with its reported logprob and alternatives, then checks the stop conditions."""
         s.tokens.append(tok)
         s.versions.append(version)
-        if kept is None:
-            s.logprobs.append(float(logp[tok]))
-            if top_ids:
-                s.top.append(list(zip(top_ids, top_vals)))
-        else:
-            self._record_truncated(s, logp, kept, tok, top_ids)
+        s.logprobs.append(logprob)
+        if s.req.params.top_logprobs:
+            s.top.append(top)
         self._check_finished(s)
-
-    @staticmethod
-    def _record_truncated(s: Seq, logp: torch.Tensor, kept: torch.Tensor, tok: int, top_ids: list[int]) -> None:
-        """The token's logprob (and its alternatives') under the nucleus, renormalised: the choice is always in
-        the nucleus."""
-        log_mass = float(logp[kept].logsumexp(0))
-        s.logprobs.append(float(logp[tok]) - log_mass)
-        if top_ids:
-            inside = set(kept.tolist())
-            n = s.req.params.top_logprobs
-            s.top.append([(i, float(logp[i]) - log_mass if i in inside else FLOOR_LOGPROB) for i in top_ids[:n]])
 
     def abort(self, s: Seq) -> None:
         """Ends an unfinished sequence with what it has generated so far."""
