@@ -190,6 +190,9 @@ class Sampler:
     def record(self, s: Seq, tok: int, logprobs: torch.Tensor, version: int) -> None:
         """Appends `tok`, chosen elsewhere (speculative decoding), with its logprob and top alternatives from the
         target's scaled logprobs over the tokenizer's ids `[vocab]` (`scaled_logprobs`) at its position."""
+        if not s.req.params.top_logprobs and not self._truncates(s):  # the common case, without building tensors
+            self._append(s, tok, float(logprobs[tok]), [], version)
+            return
         keep = None
         if self._truncates(s):
             keep = nucleus_keep(logprobs.exp()[None], torch.tensor([s.req.params.top_p], dtype=logprobs.dtype,
