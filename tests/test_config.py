@@ -326,7 +326,8 @@ def test_every_example_config_loads(path):
 
 
 GOOD_VARIATIONS = [
-    ["--seed", str(2**32 - 1)], ["--seed", "0"], ["--trainer.optim.lr", "1"], ["--orchestrator.sampling.temperature", "0"],
+    ["--seed", str(2**32 - 1)], ["--seed", "0"], ["--trainer.optim.lr", "1"],
+    ["--orchestrator.sampling.temperature", "0"],
     ["--trainer.optim.betas", "[0, 0.5]"], ["--seq-len", str(2**20), "--orchestrator.sampling.max-tokens", "8"],
     ["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2"],
     ["--trainer.parallel.nproc", "4", "--trainer.parallel.dp-replicate", "2", "--trainer.parallel.dp-shard", "2"],

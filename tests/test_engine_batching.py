@@ -1,8 +1,9 @@
 """The local engine's batched forwards: requests admitted together are prefilled in one left-padded forward, and
 a weight update recomputes every running sequence's cache in batched forwards (`inference.kv_after_update =
 "recompute"`) or keeps what the older weights computed (`"keep"`, vLLM's behaviour). Checked on the dense, MoE
-(logprobs and router-replay routes) and DSA test models against references that run one sequence at a time: full forwards of the new weights
-(recompute), and the older weights' cache of the prefix continued by the new weights (keep)."""
+(logprobs and router-replay routes) and DSA test models against references that run one sequence at a time:
+full forwards of the new weights (recompute), and the older weights' cache of the prefix continued by the new
+weights (keep)."""
 
 from __future__ import annotations
 

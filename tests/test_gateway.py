@@ -399,7 +399,8 @@ async def _fuzz_real_backend(gw: Gateway) -> None:
                 assert r.status < 500, (body, r.status, await r.text())
         async with http.post(gw.base_url("fuzz") + "/completions", json={"prompt": [10**6]}) as r:
             assert r.status == 400
-        forced = {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
+        forced = {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": "required"}
         async with http.post(url, json=forced) as r:  # refused as arbor's servers refuse it, not served as "auto"
             assert r.status == 400 and (await r.json())["error"]["param"] == "tool_choice"
 

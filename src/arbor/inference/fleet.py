@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +84,7 @@ class Fleet:
             self.ejections += 1
             log.warning("ejected %s (%s)", b.url, "connection refused" if refused else f"{b.fails} failures")
 
-    def remember(self, path: str, body: bytes, auth: dict[str, str], answers: list[Any] = ()) -> None:
+    def remember(self, path: str, body: bytes, auth: dict[str, str], answers: Sequence[Any] = ()) -> None:
         """Records an admin call every backend accepted (and the admin header it went with), to replay it on
         re-admission. An adapter load is recorded at the version the backends answered, in place: replayed as
         sent, a load without a version would bump the version of a backend that still holds the adapter (its

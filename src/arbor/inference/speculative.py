@@ -7,8 +7,8 @@ the drafts and appends one more token, so a sequence gains between 1 and k + 1 t
 Exactness. Acceptance is the standard speculative-sampling rule against the target's *processed*
 distribution `p` (the tokenizer's ids only, temperature, top-p nucleus: `sampler.processed_probs`, exactly what
 plain decoding samples from) and the draft's distribution `q` processed the same way: draft d is kept with
-probability min(1, p(d) / q(d)); at the first rejection the token is drawn from the residual `max(p - q, 0)` renormalised; when every draft is
-kept one more token is drawn from `p` after the last. Each emitted token is therefore distributed exactly as
+probability min(1, p(d) / q(d)); at the first rejection the token is drawn from the residual `max(p - q, 0)`
+renormalised; when every draft is kept one more token is drawn from `p` after the last. Each emitted token is therefore distributed exactly as
 under plain decoding. Greedy requests (temperature 0) keep a draft iff it equals the target's argmax, so they
 produce exactly plain decoding's tokens. The logprob recorded for each token is the target's (the convention
 of arbor.inference.sampling: over the tokenizer's ids, as plain decoding reports it), from the verifying
