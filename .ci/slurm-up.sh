@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Brings up a one-node SLURM cluster on this machine for the SLURM submission test (tests/test_slurm.py):
+# Brings up a one-node SLURM cluster on this machine for the SLURM submission test (tests/launch/test_slurm.py):
 # installs Debian's slurm-wlm and munge when missing, writes a slurm.conf for this host (its real CPU count and
 # memory, no cgroups), creates a munge key and starts munged, slurmctld and slurmd by hand (no systemd), then
 # waits until `sinfo` shows the node idle. Idempotent: a cluster that is already up is left alone.

@@ -103,8 +103,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import threading
+import time
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -115,28 +115,52 @@ from arbor.run_dir import trainer_metrics_path
 BATCH, GROUP = 16, 4
 ENV = "arbor.environments.skewed_latency:SkewedLatencyEnv"
 BASE = [
-    "--seed", "0", "--orchestrator.batch-size", str(BATCH), "--orchestrator.group-size", str(GROUP),
-    "--orchestrator.environment.id", ENV,
-    "--trainer.num-threads", "1", "--inference.num-threads", "1", "--inference.max-batch-size", "64",
+    "--seed",
+    "0",
+    "--orchestrator.batch-size",
+    str(BATCH),
+    "--orchestrator.group-size",
+    str(GROUP),
+    "--orchestrator.environment.id",
+    ENV,
+    "--trainer.num-threads",
+    "1",
+    "--inference.num-threads",
+    "1",
+    "--inference.max-batch-size",
+    "64",
     # vLLM's in-flight updates keep the running sequences' KV (module docstring); the sync arm never needs either
-    "--inference.kv-after-update", "keep",
+    "--inference.kv-after-update",
+    "keep",
 ]
 
 
 def model_args(a: argparse.Namespace) -> list[str]:
     """The model and lengths, the same for both arms and the calibration."""
-    return ["--model.name", a.model, "--seq-len", str(a.seq_len), "--orchestrator.sampling.max-tokens", str(a.max_tokens)]
+    return [
+        "--model.name",
+        a.model,
+        "--seq-len",
+        str(a.seq_len),
+        "--orchestrator.sampling.max-tokens",
+        str(a.max_tokens),
+    ]
 
 
 def shared_args(a: argparse.Namespace) -> list[str]:
     """What both arms get: the same staleness bound, groups in flight, oversampling and partial rollouts."""
     groups = BATCH // GROUP
     in_flight = max(groups, round(a.oversample * groups))
-    return [*model_args(a),
-        "--orchestrator.environment.args", a.env_args,
-        "--orchestrator.max-off-policy-steps", str(a.max_off_policy),
-        "--orchestrator.scheduler.max-in-flight", str(in_flight),
-        "--orchestrator.partial.enabled", "true",
+    return [
+        *model_args(a),
+        "--orchestrator.environment.args",
+        a.env_args,
+        "--orchestrator.max-off-policy-steps",
+        str(a.max_off_policy),
+        "--orchestrator.scheduler.max-in-flight",
+        str(in_flight),
+        "--orchestrator.partial.enabled",
+        "true",
     ]
 
 
@@ -220,8 +244,19 @@ class CpuMeter:
 
 
 def run(out: Path, steps: int, mode: str, args: list[str], tail: int) -> dict:
-    argv = [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), "--max-steps", str(steps), *BASE,
-            "--orchestrator.scheduler.mode", mode, *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "arbor.launch.rl",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        *BASE,
+        "--orchestrator.scheduler.mode",
+        mode,
+        *args,
+    ]
     shutil.rmtree(out, ignore_errors=True)  # a kept directory from an earlier invocation
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -235,16 +270,22 @@ def run(out: Path, steps: int, mode: str, args: list[str], tail: int) -> dict:
     later = rows[1:] or rows
     # The CPU of the same loop: from the trainer's first row (step 0 done) to its last.
     cpu = meter.loop_cpu(1, len(rows))
-    return {"wall_s": wall, "loop_s": sum(r["time/step"] for r in rows[1:]), "steps": len(rows),
-            "cpu_s": round(sum(cpu.values()), 3), "cpu_trainer_s": cpu.get("trainer", 0.0),
-            "cpu_inference_s": cpu.get("inference", 0.0), "cpu_orchestrator_s": cpu.get("orchestrator", 0.0),
-            "samples": len(rows) * BATCH,
-            "reward": statistics.fmean(r["reward/mean"] for r in rows[-tail:]),
-            "staleness_max": max(r["staleness/max"] for r in rows),
-            "train_s": statistics.median(r["time/compute"] + r["time/publish"] for r in later),
-            "generate_s": statistics.median(r["time/generate"] for r in later),
-            "trainer_wait_frac": statistics.fmean(r["time/wait_ratio"] for r in later),
-            "weights_wait_s": statistics.median(r["time/wait_weights"] for r in later)}
+    return {
+        "wall_s": wall,
+        "loop_s": sum(r["time/step"] for r in rows[1:]),
+        "steps": len(rows),
+        "cpu_s": round(sum(cpu.values()), 3),
+        "cpu_trainer_s": cpu.get("trainer", 0.0),
+        "cpu_inference_s": cpu.get("inference", 0.0),
+        "cpu_orchestrator_s": cpu.get("orchestrator", 0.0),
+        "samples": len(rows) * BATCH,
+        "reward": statistics.fmean(r["reward/mean"] for r in rows[-tail:]),
+        "staleness_max": max(r["staleness/max"] for r in rows),
+        "train_s": statistics.median(r["time/compute"] + r["time/publish"] for r in later),
+        "generate_s": statistics.median(r["time/generate"] for r in later),
+        "trainer_wait_frac": statistics.fmean(r["time/wait_ratio"] for r in later),
+        "weights_wait_s": statistics.median(r["time/wait_weights"] for r in later),
+    }
 
 
 def env_table(text: str, **changes: float) -> str:
@@ -264,13 +305,19 @@ def calibrate(root: Path, a: argparse.Namespace) -> float:
         args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=m)})
         res = run(root / f"calibration_{m:g}", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1)
         measured.append(res)
-        print(f"calibration (sync, {a.calibration_steps} steps, median_s {m:g}): training {res['train_s']:.3f}s, "
-              f"generation {res['generate_s']:.3f}s per step", flush=True)
+        print(
+            f"calibration (sync, {a.calibration_steps} steps, median_s {m:g}): training {res['train_s']:.3f}s, "
+            f"generation {res['generate_s']:.3f}s per step",
+            flush=True,
+        )
     train = statistics.fmean(r["train_s"] for r in measured)
     fixed, slope = measured[0]["generate_s"], (measured[1]["generate_s"] - measured[0]["generate_s"]) / median
     chosen = max(0.0, (train - fixed) / slope) if slope > 0 else median
-    print(f"calibration: generation = {fixed:.3f}s + {slope:.2f} x median_s, training {train:.3f}s per step -> "
-          f"median_s {chosen:.4f}", flush=True)
+    print(
+        f"calibration: generation = {fixed:.3f}s + {slope:.2f} x median_s, training {train:.3f}s per step -> "
+        f"median_s {chosen:.4f}",
+        flush=True,
+    )
     if chosen <= 0:
         return chosen
     # Generation is not linear in median_s (stragglers, partial rollouts): check runs at the chosen value, each
@@ -279,11 +326,14 @@ def calibrate(root: Path, a: argparse.Namespace) -> float:
     points = [(0.0, fixed), (median, measured[1]["generate_s"])]
     for i in range(a.calibration_checks):
         args = argparse.Namespace(**{**vars(a), "env_args": env_table(a.env_args, median_s=chosen)})
-        res = run(root / f"calibration_check{i}", a.calibration_steps, "sync",
-                  shared_args(args) + arm_args("sync", a), 1)
+        res = run(
+            root / f"calibration_check{i}", a.calibration_steps, "sync", shared_args(args) + arm_args("sync", a), 1
+        )
         gen, train = res["generate_s"], res["train_s"]
-        print(f"calibration check at median_s {chosen:.4f}: training {train:.3f}s, generation {gen:.3f}s per step",
-              flush=True)
+        print(
+            f"calibration check at median_s {chosen:.4f}: training {train:.3f}s, generation {gen:.3f}s per step",
+            flush=True,
+        )
         if abs(gen / train - 1) <= a.balance:
             break
         points.append((chosen, gen))
@@ -319,20 +369,35 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per sample (sampling.max_tokens)")
     p.add_argument("--steps", type=int, default=20, help="enough for a few stragglers per arm: 8 steps is noisy")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="pairs of runs (sync and async, order alternating); the median paired ratio is reported")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="pairs of runs (sync and async, order alternating); the median paired ratio is reported",
+    )
     p.add_argument("--tail", type=int, default=5, help="steps at the end whose mean reward is each arm's reward")
     p.add_argument("--async-mode", default="greedy", choices=["async", "greedy", "windowed_fifo", "one_step_off"])
     p.add_argument("--max-off-policy", type=int, default=2, help="staleness bound, the same for both arms")
     p.add_argument("--oversample", type=float, default=2.0, help="groups in flight / groups per step, both arms")
-    p.add_argument("--env-args", default="{ min_len = 2, max_len = 6, num_tasks = 200, median_s = 0.15, "
-                                         "sigma = 0.8, straggler_p = 0.03, straggler_x = 20.0, compute_p = 0.2 }")
-    p.add_argument("--median-s", type=float, default=None,
-                   help="the environment's latency scale for both arms; default: calibrated (module docstring)")
+    p.add_argument(
+        "--env-args",
+        default="{ min_len = 2, max_len = 6, num_tasks = 200, median_s = 0.15, "
+        "sigma = 0.8, straggler_p = 0.03, straggler_x = 20.0, compute_p = 0.2 }",
+    )
+    p.add_argument(
+        "--median-s",
+        type=float,
+        default=None,
+        help="the environment's latency scale for both arms; default: calibrated (module docstring)",
+    )
     p.add_argument("--calibration-steps", type=int, default=6, help="steps of the sync calibration run")
     p.add_argument("--calibration-checks", type=int, default=3, help="most check runs refining the latency scale")
-    p.add_argument("--balance", type=float, default=0.1,
-                   help="calibration stops once generation is within this fraction of training")
+    p.add_argument(
+        "--balance",
+        type=float,
+        default=0.1,
+        help="calibration stops once generation is within this fraction of training",
+    )
     p.add_argument("--keep", default=None, help="write the runs here (kept) instead of a temporary directory")
     a = p.parse_args()
     arms: dict[str, list[dict]] = {"sync": [], "async": []}
@@ -346,40 +411,65 @@ def main() -> None:
             pair = (("sync", "sync"), ("async", a.async_mode))
             for arm, mode in pair if i % 2 == 0 else pair[::-1]:
                 res = run(root / f"{arm}{i}", a.steps, mode, shared + arm_args(mode, a), a.tail)
-                print(f"{arm} #{i}: {res['loop_s']:.1f}s loop, {res['wall_s']:.1f}s wall, reward {res['reward']:.3f}; "
-                      f"per step training {res['train_s']:.3f}s, generation {res['generate_s']:.3f}s, trainer "
-                      f"waiting {res['trainer_wait_frac']:.0%}, orchestrator waiting for weights "
-                      f"{res['weights_wait_s']:.3f}s",
-                      flush=True)
+                print(
+                    f"{arm} #{i}: {res['loop_s']:.1f}s loop, {res['wall_s']:.1f}s wall, reward {res['reward']:.3f}; "
+                    f"per step training {res['train_s']:.3f}s, generation {res['generate_s']:.3f}s, trainer "
+                    f"waiting {res['trainer_wait_frac']:.0%}, orchestrator waiting for weights "
+                    f"{res['weights_wait_s']:.3f}s",
+                    flush=True,
+                )
                 arms[arm].append(res)
     sync, asyn = median_of(arms["sync"]), median_of(arms["async"])
     # The median of the paired ratios: single 6-9 s loops on this shared VM vary by +-20% between repeats.
     ratio = statistics.median(s["loop_s"] / x["loop_s"] for s, x in zip(arms["sync"], arms["async"]))
     ceiling = cpu_ceiling(arms["sync"], arms["async"])
     gap = asyn["reward"] - sync["reward"]
-    print(f"sync: {sync['loop_s']:.1f}s loop ({sync['wall_s']:.1f}s wall), reward {sync['reward']:.3f} | "
-          f"{a.async_mode}: {asyn['loop_s']:.1f}s loop ({asyn['wall_s']:.1f}s wall), reward {asyn['reward']:.3f} | "
-          f"median paired ratio {ratio:.2f}x, reward gap {gap:+.3f} over {sync['samples']:.0f} trained samples each",
-          flush=True)
+    print(
+        f"sync: {sync['loop_s']:.1f}s loop ({sync['wall_s']:.1f}s wall), reward {sync['reward']:.3f} | "
+        f"{a.async_mode}: {asyn['loop_s']:.1f}s loop ({asyn['wall_s']:.1f}s wall), reward {asyn['reward']:.3f} | "
+        f"median paired ratio {ratio:.2f}x, reward gap {gap:+.3f} over {sync['samples']:.0f} trained samples each",
+        flush=True,
+    )
     if ceiling is not None:
-        print(f"CPU: sync {sync['cpu_s'] / sync['loop_s']:.2f} cores busy, {a.async_mode} "
-              f"{asyn['cpu_s'] / asyn['loop_s']:.2f} of {CORES}; the async arm's own CPU work on {CORES} cores "
-              f"allows at most {ceiling:.2f}x", flush=True)
+        print(
+            f"CPU: sync {sync['cpu_s'] / sync['loop_s']:.2f} cores busy, {a.async_mode} "
+            f"{asyn['cpu_s'] / asyn['loop_s']:.2f} of {CORES}; the async arm's own CPU work on {CORES} cores "
+            f"allows at most {ceiling:.2f}x",
+            flush=True,
+        )
         if ceiling < TARGET:
-            print(f"the {TARGET}x target is out of reach on these {CORES} cores whatever the schedule (ceiling "
-                  f"{ceiling:.2f}x); on 16 cores this benchmark measured 1.67x and 1.80x (see the docstring)",
-                  flush=True)
-    print(json.dumps({
-        "benchmark": "async_vs_sync", "value": round(ratio, 3), "target": TARGET,
-        "ok": ratio >= TARGET and abs(gap) <= 0.02, "reward_gap": round(gap, 4), "reward_parity": abs(gap) <= 0.02,
-        "cpu_ceiling": None if ceiling is None else round(ceiling, 3), "cores": CORES,
-        "target_reachable_here": None if ceiling is None else ceiling >= TARGET,
-        "wall_ratio_including_startup": round(sync["wall_s"] / asyn["wall_s"], 3), "async_mode": a.async_mode,
-        "sync_wall_s": round(sync["loop_s"], 2), "async_wall_s": round(asyn["loop_s"], 2),
-        "sync_reward": round(sync["reward"], 4), "async_reward": round(asyn["reward"], 4),
-        "paired_ratios": [round(s["loop_s"] / x["loop_s"], 3) for s, x in zip(arms["sync"], arms["async"])],
-        "sync": sync, "async": asyn, "steps": a.steps, "repeats": a.repeats, "env_args": a.env_args,
-    }))
+            print(
+                f"the {TARGET}x target is out of reach on these {CORES} cores whatever the schedule (ceiling "
+                f"{ceiling:.2f}x); on 16 cores this benchmark measured 1.67x and 1.80x (see the docstring)",
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {
+                "benchmark": "async_vs_sync",
+                "value": round(ratio, 3),
+                "target": TARGET,
+                "ok": ratio >= TARGET and abs(gap) <= 0.02,
+                "reward_gap": round(gap, 4),
+                "reward_parity": abs(gap) <= 0.02,
+                "cpu_ceiling": None if ceiling is None else round(ceiling, 3),
+                "cores": CORES,
+                "target_reachable_here": None if ceiling is None else ceiling >= TARGET,
+                "wall_ratio_including_startup": round(sync["wall_s"] / asyn["wall_s"], 3),
+                "async_mode": a.async_mode,
+                "sync_wall_s": round(sync["loop_s"], 2),
+                "async_wall_s": round(asyn["loop_s"], 2),
+                "sync_reward": round(sync["reward"], 4),
+                "async_reward": round(asyn["reward"], 4),
+                "paired_ratios": [round(s["loop_s"] / x["loop_s"], 3) for s, x in zip(arms["sync"], arms["async"])],
+                "sync": sync,
+                "async": asyn,
+                "steps": a.steps,
+                "repeats": a.repeats,
+                "env_args": a.env_args,
+            }
+        )
+    )
 
 
 TARGET = 1.6
@@ -391,8 +481,7 @@ def cpu_ceiling(sync: list[dict], asyn: list[dict]) -> float | None:
     """The largest ratio any schedule could reach on this machine given the async arm's measured work: its
     processes' CPU seconds over the loop, spread over every core, and never below its trainer's own (one
     process, the critical path). The median over the pairs; None without /proc figures."""
-    bounds = [s["loop_s"] / max(x["cpu_s"] / CORES, x["cpu_trainer_s"])
-              for s, x in zip(sync, asyn) if x["cpu_s"] > 0]
+    bounds = [s["loop_s"] / max(x["cpu_s"] / CORES, x["cpu_trainer_s"]) for s, x in zip(sync, asyn) if x["cpu_s"] > 0]
     return statistics.median(bounds) if bounds else None
 
 

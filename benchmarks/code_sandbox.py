@@ -18,8 +18,10 @@ import time
 from arbor.environments.code import CodeEnv
 from arbor.environments.sandbox import detect_isolation
 
-HOSTILE = ["while True:\n    pass\n", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
-           "        pass\n"]
+HOSTILE = [
+    "while True:\n    pass\n",
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+]
 
 
 async def timed(coro):
@@ -37,15 +39,21 @@ async def main(args: argparse.Namespace) -> dict:
     bad = [timed(env.score(tasks[i], f"```python\n{h}```")) for i, h in enumerate(HOSTILE)]
     results = await asyncio.gather(*good, *bad)
     wall = time.monotonic() - start
-    good_results, bad_results = results[:len(tasks)], results[len(tasks):]
+    good_results, bad_results = results[: len(tasks)], results[len(tasks) :]
     assert all(r["pass"] == 1.0 for r, _ in good_results), "a reference solution failed"
     assert all(r["pass"] == 0.0 for r, _ in bad_results), "a hostile completion passed"
     value = len(tasks) / wall
-    return {"benchmark": "code_sandbox", "value": round(value, 2), "target": 10.0, "ok": value >= 10.0,
-            "unit": "correct completions scored per second",
-            "median_latency_s": round(statistics.median(s for _, s in good_results), 3),
-            "hostile_wall_s": [round(s, 2) for _, s in bad_results], "concurrency": args.concurrency,
-            "isolation": detect_isolation().mode}
+    return {
+        "benchmark": "code_sandbox",
+        "value": round(value, 2),
+        "target": 10.0,
+        "ok": value >= 10.0,
+        "unit": "correct completions scored per second",
+        "median_latency_s": round(statistics.median(s for _, s in good_results), 3),
+        "hostile_wall_s": [round(s, 2) for _, s in bad_results],
+        "concurrency": args.concurrency,
+        "isolation": detect_isolation().mode,
+    }
 
 
 if __name__ == "__main__":

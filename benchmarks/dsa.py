@@ -38,10 +38,14 @@ def make_inputs(T: int, a: argparse.Namespace, gen: torch.Generator) -> dict[str
 
     H = a.heads
     return {
-        "q_nope": r(1, T, H, a.nope), "q_pe": r(1, T, H, a.rope), "c_kv": r(1, T, a.kv_lora_rank),
-        "k_pe": r(1, T, a.rope), "kv_b": r(H * (a.nope + a.v), a.kv_lora_rank, std=0.05),
+        "q_nope": r(1, T, H, a.nope),
+        "q_pe": r(1, T, H, a.rope),
+        "c_kv": r(1, T, a.kv_lora_rank),
+        "k_pe": r(1, T, a.rope),
+        "kv_b": r(H * (a.nope + a.v), a.kv_lora_rank, std=0.05),
         "iq": torch.randn(1, T, a.index_heads, a.index_dim, generator=gen),
-        "iw": torch.randn(1, T, a.index_heads, generator=gen), "ik": torch.randn(1, T, a.index_dim, generator=gen),
+        "iw": torch.randn(1, T, a.index_heads, generator=gen),
+        "ik": torch.randn(1, T, a.index_dim, generator=gen),
     }
 
 
@@ -105,20 +109,34 @@ def main() -> None:
     for k, g in growth.items():
         print(f"  {k:18s} {g:6.2f}")
     value = growth["dsa fwd+bwd"]
-    print(json.dumps({
-        "benchmark": "dsa",
-        "value": round(value, 3),
-        "target": 8.0,
-        "ok": value <= 8.0,
-        "metric": "DSA (indexer + top-k + sparse MLA) forward+backward time growth t(4k)/t(1k); 4 = linear, 16 = quadratic",
-        "growth": {k: round(g, 3) for k, g in growth.items()},
-        "dense_growth_over_dsa_growth_fwd_bwd": round(growth["dense fwd+bwd"] / value, 3),
-        "dense_over_dsa_at_4k_fwd_bwd": round(times["dense fwd+bwd"][LENGTHS[-1]] / times["dsa fwd+bwd"][LENGTHS[-1]], 3),
-        "ms": {k: {str(T): round(t * 1e3, 2) for T, t in v.items()} for k, v in times.items()},
-        "topk": a.topk, "heads": a.heads, "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.nope,
-        "qk_rope_head_dim": a.rope, "v_head_dim": a.v, "index_n_heads": a.index_heads, "index_head_dim": a.index_dim,
-        "threads": torch.get_num_threads(), "clock": "process CPU time",
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "dsa",
+                "value": round(value, 3),
+                "target": 8.0,
+                "ok": value <= 8.0,
+                "metric": "DSA (indexer + top-k + sparse MLA) forward+backward time growth t(4k)/t(1k); 4 = "
+                "linear, 16 = quadratic",
+                "growth": {k: round(g, 3) for k, g in growth.items()},
+                "dense_growth_over_dsa_growth_fwd_bwd": round(growth["dense fwd+bwd"] / value, 3),
+                "dense_over_dsa_at_4k_fwd_bwd": round(
+                    times["dense fwd+bwd"][LENGTHS[-1]] / times["dsa fwd+bwd"][LENGTHS[-1]], 3
+                ),
+                "ms": {k: {str(T): round(t * 1e3, 2) for T, t in v.items()} for k, v in times.items()},
+                "topk": a.topk,
+                "heads": a.heads,
+                "kv_lora_rank": a.kv_lora_rank,
+                "qk_nope_head_dim": a.nope,
+                "qk_rope_head_dim": a.rope,
+                "v_head_dim": a.v,
+                "index_n_heads": a.index_heads,
+                "index_head_dim": a.index_dim,
+                "threads": torch.get_num_threads(),
+                "clock": "process CPU time",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

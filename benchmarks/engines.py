@@ -41,8 +41,23 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _start(backend: str, model: str, seq_len: int, threads: int, ready: Path) -> tuple[subprocess.Popen, str, float]:
-    argv = [sys.executable, "-m", "arbor.inference.server", "--backend", backend, "--model.name", model, "--port", "0",
-            "--seq-len", str(seq_len), "--ready-file", str(ready), "--num-threads", str(threads)]
+    argv = [
+        sys.executable,
+        "-m",
+        "arbor.inference.server",
+        "--backend",
+        backend,
+        "--model.name",
+        model,
+        "--port",
+        "0",
+        "--seq-len",
+        str(seq_len),
+        "--ready-file",
+        str(ready),
+        "--num-threads",
+        str(threads),
+    ]
     if backend == "vllm":
         argv += ["--vllm.max-num-seqs", "64"]
     t0 = time.monotonic()
@@ -65,6 +80,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 async def _complete(url: str, bodies: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
+
         async def one(body: dict[str, Any]) -> dict[str, Any]:
             async with s.post(url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
@@ -80,17 +96,26 @@ def _mismatch(model: torch.nn.Module, prompt: list[int], choice: dict[str, Any])
     ids = torch.tensor(prompt + choice["token_ids"])
     with torch.no_grad():
         # the trainer's policy spans the tokenizer's ids, as both engines sample and report
-        ref, _ = shifted_logprobs(model(ids[None])[0, :, :ByteTokenizer().vocab_size], ids, temperature=1.0,
-                                  with_entropy=False)
-    d = ref[len(prompt):].double() - torch.tensor(choice["logprobs"]["token_logprobs"]).double()
+        ref, _ = shifted_logprobs(
+            model(ids[None])[0, :, : ByteTokenizer().vocab_size], ids, temperature=1.0, with_entropy=False
+        )
+    d = ref[len(prompt) :].double() - torch.tensor(choice["logprobs"]["token_logprobs"]).double()
     return torch.expm1(d) - d
 
 
 def measure(backend: str, args: argparse.Namespace, model: torch.nn.Module, work: Path) -> dict[str, Any]:
     prompts = _prompts(args.requests)
-    sampled = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": 0, "seed": i,
-                "return_token_ids": True}
-               for i, p in enumerate(prompts)]
+    sampled = [
+        {
+            "prompt": p,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "seed": i,
+            "return_token_ids": True,
+        }
+        for i, p in enumerate(prompts)
+    ]
     greedy = [{**b, "temperature": 0.0, "seed": 0} for b in sampled]
     proc, url, startup = _start(backend, args.model, args.seq_len, args.threads, work / f"{backend}.ready")
     try:
@@ -101,8 +126,13 @@ def measure(backend: str, args: argparse.Namespace, model: torch.nn.Module, work
     choices = [o["choices"][0] for o in outs]
     tokens = sum(len(c["token_ids"]) for c in choices)
     kl = torch.cat([_mismatch(model, p, c) for p, c in zip(prompts, choices)])
-    return {"startup_s": round(startup, 1), "tokens_per_s": round(tokens / wall, 1), "tokens": tokens,
-            "mismatch_kl": float(kl.mean()), "greedy": [o["choices"][0] for o in greedy_outs]}
+    return {
+        "startup_s": round(startup, 1),
+        "tokens_per_s": round(tokens / wall, 1),
+        "tokens": tokens,
+        "mismatch_kl": float(kl.mean()),
+        "greedy": [o["choices"][0] for o in greedy_outs],
+    }
 
 
 def main() -> None:
@@ -118,18 +148,32 @@ def main() -> None:
         results = {backend: measure(backend, args, model, Path(tmp)) for backend in ("local", "vllm")}
     same = agree_max = 0.0
     for a, b in zip(results["local"]["greedy"], results["vllm"]["greedy"]):
-        n = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y),
-                 min(len(a["token_ids"]), len(b["token_ids"])))
+        n = next(
+            (i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y),
+            min(len(a["token_ids"]), len(b["token_ids"])),
+        )
         same += a["token_ids"] == b["token_ids"]
         diffs = [abs(x - y) for x, y in zip(a["logprobs"]["token_logprobs"][:n], b["logprobs"]["token_logprobs"][:n])]
         agree_max = max([agree_max, *diffs])
     for backend, r in results.items():
-        print(f"{backend:>5}: start-up {r['startup_s']:6.1f} s   generation {r['tokens_per_s']:8.1f} tokens/s "
-              f"({r['tokens']} tokens, {args.requests} requests)   mismatch KL vs trainer {r['mismatch_kl']:.2e}")
-    print(f"greedy completions identical: {int(same)}/{args.requests}; largest logprob difference on the shared "
-          f"greedy prefix: {agree_max:.2e}")
-    print(json.dumps({"model": args.model, **{b: {k: v for k, v in r.items() if k != "greedy"} for b, r in results.items()},
-                      "greedy_identical": int(same), "greedy_max_logprob_diff": agree_max}))
+        print(
+            f"{backend:>5}: start-up {r['startup_s']:6.1f} s   generation {r['tokens_per_s']:8.1f} tokens/s "
+            f"({r['tokens']} tokens, {args.requests} requests)   mismatch KL vs trainer {r['mismatch_kl']:.2e}"
+        )
+    print(
+        f"greedy completions identical: {int(same)}/{args.requests}; largest logprob difference on the shared "
+        f"greedy prefix: {agree_max:.2e}"
+    )
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                **{b: {k: v for k, v in r.items() if k != "greedy"} for b, r in results.items()},
+                "greedy_identical": int(same),
+                "greedy_max_logprob_diff": agree_max,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -77,18 +77,32 @@ def main() -> None:
     a = p.parse_args()
     fp32, fp8 = cpu_overhead(a.tokens, a.hidden, a.inter)
     ratio = fp8 / fp32
-    print(f"CPU linear {a.tokens}x{a.hidden}->{a.inter} fwd+bwd: fp32 {fp32 * 1e3:.1f} ms, "
-          f"FP8 reference {fp8 * 1e3:.1f} ms ({ratio:.2f}x)")
-    result = {"benchmark": "fp8", "value": round(ratio, 3), "target": CPU_TARGET, "ok": ratio < CPU_TARGET,
-              "unit": "cpu reference slowdown (x)", "cpu_fp32_ms": round(fp32 * 1e3, 2),
-              "cpu_fp8_ms": round(fp8 * 1e3, 2)}
+    print(
+        f"CPU linear {a.tokens}x{a.hidden}->{a.inter} fwd+bwd: fp32 {fp32 * 1e3:.1f} ms, "
+        f"FP8 reference {fp8 * 1e3:.1f} ms ({ratio:.2f}x)"
+    )
+    result = {
+        "benchmark": "fp8",
+        "value": round(ratio, 3),
+        "target": CPU_TARGET,
+        "ok": ratio < CPU_TARGET,
+        "unit": "cpu reference slowdown (x)",
+        "cpu_fp32_ms": round(fp32 * 1e3, 2),
+        "cpu_fp8_ms": round(fp8 * 1e3, 2),
+    }
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         backend, bf16, fp8g = gpu_speedup()
         speedup = bf16 / fp8g
         print(f"GPU GEMM 4096x7168x4096: bf16 {bf16 * 1e3:.3f} ms, FP8 {backend} {fp8g * 1e3:.3f} ms ({speedup:.2f}x)")
-        result.update(value=round(speedup, 3), target=GPU_TARGET, ok=speedup >= GPU_TARGET,
-                      unit=f"gpu speedup of {backend} over bf16 (x)", gpu_backend=backend,
-                      gpu_bf16_ms=round(bf16 * 1e3, 3), gpu_fp8_ms=round(fp8g * 1e3, 3))
+        result.update(
+            value=round(speedup, 3),
+            target=GPU_TARGET,
+            ok=speedup >= GPU_TARGET,
+            unit=f"gpu speedup of {backend} over bf16 (x)",
+            gpu_backend=backend,
+            gpu_bf16_ms=round(bf16 * 1e3, 3),
+            gpu_fp8_ms=round(fp8g * 1e3, 3),
+        )
     print(json.dumps(result))
 
 

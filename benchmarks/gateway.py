@@ -22,7 +22,7 @@ import aiohttp
 from arbor.config.orchestrator import GatewayConfig
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.client import Completion
-from arbor.orchestrator.gateway import Gateway
+from arbor.orchestrator.gateway.service import Gateway
 
 TOK = ByteTokenizer()
 
@@ -35,10 +35,12 @@ class InstantBackend:
 
 async def run(sessions: int, turns: int) -> dict:
     latencies: list[float] = []
-    async with Gateway(InstantBackend(), TOK, GatewayConfig(), temperature=1.0, top_p=1.0, max_tokens=16,
-                       seq_len=8192) as gw:
+    async with Gateway(
+        InstantBackend(), TOK, GatewayConfig(), temperature=1.0, top_p=1.0, max_tokens=16, seq_len=8192
+    ) as gw:
         ids = [gw.open().id for _ in range(sessions)]
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
             async def agent(sid: str) -> None:
                 msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "start"}]
                 for t in range(turns):
@@ -64,13 +66,27 @@ def main() -> None:
     lat = sorted(out["latencies"])
     median, p95 = statistics.median(lat) * 1e3, lat[int(0.95 * (len(lat) - 1))] * 1e3
     calls = a.sessions * a.turns
-    print(f"{calls} calls in {out['wall']:.2f}s: {calls / out['wall']:.0f} calls/s, median {median:.1f} ms, p95 {p95:.1f} ms")
-    print(json.dumps({
-        "benchmark": "gateway", "value": round(calls / out["wall"], 1), "target": 200.0,
-        "ok": calls / out["wall"] >= 200.0 and out["recorded"] == calls, "unit": "calls/s",
-        "median_ms": round(median, 2), "p95_ms": round(p95, 2), "recorded": out["recorded"],
-        "calls": calls, "sessions": a.sessions, "turns": a.turns,
-    }))
+    print(
+        f"{calls} calls in {out['wall']:.2f}s: {calls / out['wall']:.0f} calls/s, median {median:.1f} ms, p95 "
+        f"{p95:.1f} ms"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "gateway",
+                "value": round(calls / out["wall"], 1),
+                "target": 200.0,
+                "ok": calls / out["wall"] >= 200.0 and out["recorded"] == calls,
+                "unit": "calls/s",
+                "median_ms": round(median, 2),
+                "p95_ms": round(p95, 2),
+                "recorded": out["recorded"],
+                "calls": calls,
+                "sessions": a.sessions,
+                "turns": a.turns,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def inputs(a: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, .
     token ids and per-token loss weights (the loss's gradient with respect to each logprob)."""
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(a.tokens, a.hidden, generator=gen)
-    weight = torch.randn(a.vocab, a.hidden, generator=gen).mul_(2.0 / a.hidden ** 0.5)
+    weight = torch.randn(a.vocab, a.hidden, generator=gen).mul_(2.0 / a.hidden**0.5)
     ids = torch.randint(0, a.vocab, (a.tokens,), generator=gen)
     upstream = torch.randn(a.tokens, generator=gen)
     return tuple(t.to(device) for t in (hidden, weight, ids, upstream))
@@ -116,9 +116,28 @@ def run_arm(a: argparse.Namespace) -> dict:
 
 
 def run_child(arm: str, a: argparse.Namespace, out: Path) -> dict:
-    argv = [sys.executable, __file__, "--arm", arm, "--out", str(out), "--tokens", str(a.tokens), "--vocab",
-            str(a.vocab), "--hidden", str(a.hidden), "--chunk", str(a.chunk), "--temperature", str(a.temperature),
-            "--device", a.device, "--threads", str(a.threads)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--arm",
+        arm,
+        "--out",
+        str(out),
+        "--tokens",
+        str(a.tokens),
+        "--vocab",
+        str(a.vocab),
+        "--hidden",
+        str(a.hidden),
+        "--chunk",
+        str(a.chunk),
+        "--temperature",
+        str(a.temperature),
+        "--device",
+        a.device,
+        "--threads",
+        str(a.threads),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the {arm} arm failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -131,8 +150,10 @@ def max_differences(out: Path) -> dict[str, float]:
     fp32 gives a few ulps of the largest term, ~1e-6 absolute at T = 2048)."""
     full = torch.load(out / "full.pt")
     chunked = torch.load(out / "chunked.pt")
-    return {k: float((full[k].double() - chunked[k].double()).abs().max() / max(1.0, float(full[k].abs().max())))
-            for k in OUTPUTS}
+    return {
+        k: float((full[k].double() - chunked[k].double()).abs().max() / max(1.0, float(full[k].abs().max())))
+        for k in OUTPUTS
+    }
 
 
 def main() -> None:
@@ -144,8 +165,12 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads; 0 = torch's default")
-    p.add_argument("--arms", default="full,chunked", choices=("full,chunked", "full", "chunked"),
-                   help="one arm alone prints its own figures only (the full arm at T = 8192 needs ~25 GB)")
+    p.add_argument(
+        "--arms",
+        default="full,chunked",
+        choices=("full,chunked", "full", "chunked"),
+        help="one arm alone prints its own figures only (the full arm at T = 8192 needs ~25 GB)",
+    )
     p.add_argument("--arm", choices=("full", "chunked"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -167,23 +192,33 @@ def main() -> None:
     diff = max(diffs.values())
     print(f"peak memory chunked/full: {memory:.4f} (target <= {TARGET_MEMORY})")
     print(f"time chunked/full: {seconds:.4f} (target <= {TARGET_TIME})")
-    print("max |chunked - full| / max(1, max |full|): " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
-          + f" (target <= {TARGET_DIFF:g})")
-    print(json.dumps({
-        "benchmark": "logprobs_memory",
-        "value": round(memory, 4),
-        "target": TARGET_MEMORY,
-        "ok": memory <= TARGET_MEMORY and seconds <= TARGET_TIME and diff <= TARGET_DIFF,
-        "time_ratio": round(seconds, 4),
-        "time_target": TARGET_TIME,
-        "max_abs_difference": diff,
-        "full_peak_bytes": arms["full"]["peak_bytes"],
-        "chunked_peak_bytes": arms["chunked"]["peak_bytes"],
-        "full_seconds": round(arms["full"]["seconds"], 3),
-        "chunked_seconds": round(arms["chunked"]["seconds"], 3),
-        "tokens": a.tokens, "vocab": a.vocab, "hidden": a.hidden, "device": a.device,
-        "threads": torch.get_num_threads(),
-    }))
+    print(
+        "max |chunked - full| / max(1, max |full|): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+        + f" (target <= {TARGET_DIFF:g})"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "logprobs_memory",
+                "value": round(memory, 4),
+                "target": TARGET_MEMORY,
+                "ok": memory <= TARGET_MEMORY and seconds <= TARGET_TIME and diff <= TARGET_DIFF,
+                "time_ratio": round(seconds, 4),
+                "time_target": TARGET_TIME,
+                "max_abs_difference": diff,
+                "full_peak_bytes": arms["full"]["peak_bytes"],
+                "chunked_peak_bytes": arms["chunked"]["peak_bytes"],
+                "full_seconds": round(arms["full"]["seconds"], 3),
+                "chunked_seconds": round(arms["chunked"]["seconds"], 3),
+                "tokens": a.tokens,
+                "vocab": a.vocab,
+                "hidden": a.hidden,
+                "device": a.device,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 One process (a world of one rank, gloo), a Qwen3-shaped model of ~135M parameters (fp32 master weights, as the
 trainer holds them; bf16 on the wire and in the inference copy), both paths through the code the run uses:
 
-- full: `arbor.trainer.publish.stream_publish` (the streamed bucketed publish) to the filesystem transport, then
+- full: `arbor.weights.publish.stream_publish` (the streamed bucketed publish) to the filesystem transport, then
   the local engine's `ModelRunner.load_weights` (checksums verified, every tensor checked, copied in);
 - adapter: the same model with a rank-`--rank` adapter on every attention and MLP projection
   (`arbor.models.lora.apply_lora`), `stream_publish_adapter` (a PEFT directory), then `ModelRunner.load_adapter`
@@ -30,21 +30,29 @@ import torch
 import torch.distributed as dist
 
 from arbor.config.model import LoRAConfig
-from arbor.inference.runner import ModelRunner
+from arbor.inference.engine.runner import ModelRunner
 from arbor.models.lora import apply_lora, lora_parameters
 from arbor.models.presets import PRESETS
 from arbor.models.qwen3 import Qwen3ForCausalLM
 from arbor.run_dir import broadcast_dir
-from arbor.trainer.publish import DeltaTracker, stream_publish, stream_publish_adapter
-from arbor.transport.weights import FilesystemTransport
+from arbor.weights.publish import DeltaTracker, stream_publish, stream_publish_adapter
+from arbor.weights.transport import FilesystemTransport
 
 TARGET = 0.1
 
 
 def build(layers: int) -> Qwen3ForCausalLM:
     """~12.6M parameters per layer plus a 32.8M tied embedding; fp32 parameters."""
-    args = dataclasses.replace(PRESETS["qwen3-small"], vocab_size=32_000, hidden_size=1024, intermediate_size=2816,
-                               num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16, head_dim=64)
+    args = dataclasses.replace(
+        PRESETS["qwen3-small"],
+        vocab_size=32_000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+    )
     model = Qwen3ForCausalLM(args)
     model.init_weights(0)
     return model
@@ -67,15 +75,24 @@ def main() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     trainer = build(a.layers)
     params = sum(p.numel() for p in trainer.parameters())
-    lora_cfg = LoRAConfig(rank=a.rank, alpha=2.0 * a.rank,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora_cfg = LoRAConfig(
+        rank=a.rank,
+        alpha=2.0 * a.rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     adapted = copy.deepcopy(trainer)
     apply_lora(adapted, lora_cfg, 0)
     with torch.no_grad():
         for _, p in lora_parameters(adapted):
             p.normal_(0, 0.01)
-    runner = ModelRunner(copy.deepcopy(trainer).to(torch.bfloat16).eval(), seq_len=64, max_batch_size=1,
-                         weights=FilesystemTransport(keep=1), max_loras=1, max_lora_rank=max(a.rank, 1))
+    runner = ModelRunner(
+        copy.deepcopy(trainer).to(torch.bfloat16).eval(),
+        seq_len=64,
+        max_batch_size=1,
+        weights=FilesystemTransport(keep=1),
+        max_loras=1,
+        max_lora_rank=max(a.rank, 1),
+    )
     root = Path(tempfile.mkdtemp(prefix="arbor-bench-lora-", dir="/tmp"))
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     full_s, adapter_s, adapter_bytes, full_bytes = [], [], 0.0, 0.0
@@ -86,13 +103,15 @@ def main() -> None:
                 t = {}
 
                 def full() -> None:
-                    t["fig"] = stream_publish(trainer, runner.weights, root, v_full, bf16, False, None,
-                                              DeltaTracker(False), cpu)
+                    t["fig"] = stream_publish(
+                        trainer, runner.weights, root, v_full, bf16, False, None, DeltaTracker(False), cpu
+                    )
                     runner.load_weights(broadcast_dir(root, v_full))
 
                 def adapter() -> None:
-                    t["afig"] = stream_publish_adapter(adapted, runner.weights, root, v_adapter, bf16, lora_cfg,
-                                                       "bench")
+                    t["afig"] = stream_publish_adapter(
+                        adapted, runner.weights, root, v_adapter, bf16, lora_cfg, "bench"
+                    )
                     runner.load_adapter("run", broadcast_dir(root, v_adapter), v_adapter)
 
                 full_s.append(timed(full))
@@ -102,15 +121,27 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         dist.destroy_process_group()
     ratio = min(adapter_s) / min(full_s)
-    print(f"{params / 1e6:.0f}M-parameter model: full publish+load {min(full_s):.3f}s ({full_bytes / 2**20:.0f} MiB), "
-          f"rank-{a.rank} adapter publish+load {min(adapter_s):.3f}s ({adapter_bytes / 2**20:.1f} MiB)")
-    print(json.dumps({
-        "benchmark": "lora_update", "value": round(ratio, 4), "target": TARGET,
-        "unit": "adapter publish+load seconds / full-weight publish+load seconds", "ok": ratio <= TARGET,
-        "rank": a.rank, "params_m": round(params / 1e6, 1), "full_seconds": round(min(full_s), 4),
-        "adapter_seconds": round(min(adapter_s), 4), "full_mib": round(full_bytes / 2**20, 1),
-        "adapter_mib": round(adapter_bytes / 2**20, 2),
-    }))
+    print(
+        f"{params / 1e6:.0f}M-parameter model: full publish+load {min(full_s):.3f}s ({full_bytes / 2**20:.0f} MiB), "
+        f"rank-{a.rank} adapter publish+load {min(adapter_s):.3f}s ({adapter_bytes / 2**20:.1f} MiB)"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "lora_update",
+                "value": round(ratio, 4),
+                "target": TARGET,
+                "unit": "adapter publish+load seconds / full-weight publish+load seconds",
+                "ok": ratio <= TARGET,
+                "rank": a.rank,
+                "params_m": round(params / 1e6, 1),
+                "full_seconds": round(min(full_s), 4),
+                "adapter_seconds": round(min(adapter_s), 4),
+                "full_mib": round(full_bytes / 2**20, 1),
+                "adapter_mib": round(adapter_bytes / 2**20, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

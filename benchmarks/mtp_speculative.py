@@ -31,7 +31,7 @@ paired ratio 1.55x at acceptance 0.926 (a second invocation reading the same run
 whose frozen arm did not collapse: frozen x0.92, 1.46x). The frozen arm's last steps in the first include two
 where the policy briefly collapsed (below).
 
-Then the MTP cache of the prompt moved into the prefill (arbor.inference.speculative: before, the first decode
+Then the MTP cache of the prompt moved into the prefill (arbor.inference.engine.speculative: before, the first decode
 step after a request joined caught the module up over its whole prompt, padding every row of the batch to that
 length, and with the trained policy's short completions, 8-12 tokens, and 64 requests through 8 slots nearly
 every step had a newcomer): the speculative step went from 15.8 to 12.3 ms at batch 8, and the third
@@ -73,10 +73,10 @@ from pathlib import Path
 import torch
 
 from arbor.config.model import ModelConfig
-from arbor.environments.base import env_prompt_ids
+from arbor.environments.protocol import env_prompt_ids
 from arbor.environments.reverse_text import ReverseTextEnv
-from arbor.inference.engine import Engine
-from arbor.inference.sampling import SamplingParams
+from arbor.inference.engine.core import Engine
+from arbor.inference.engine.params import SamplingParams
 from arbor.models import build_model, build_tokenizer
 from arbor.models.hf import load_weights
 from arbor.monitor.metrics import read_jsonl
@@ -87,26 +87,63 @@ SETTINGS = "bench_settings.json"
 ENV_ARGS = '{ min_len = 3, max_len = 8, alphabet = "abcdefgh" }'
 MAX_TOKENS = 24
 RUN = [
-    "--seq-len", "64", "--orchestrator.scheduler.mode", "sync",
-    "--orchestrator.batch-size", "64", "--orchestrator.group-size", "8",
-    "--orchestrator.sampling.max-tokens", str(MAX_TOKENS),
-    "--orchestrator.environment.id", "reverse_text",
-    "--orchestrator.environment.args", ENV_ARGS,
+    "--seq-len",
+    "64",
+    "--orchestrator.scheduler.mode",
+    "sync",
+    "--orchestrator.batch-size",
+    "64",
+    "--orchestrator.group-size",
+    "8",
+    "--orchestrator.sampling.max-tokens",
+    str(MAX_TOKENS),
+    "--orchestrator.environment.id",
+    "reverse_text",
+    "--orchestrator.environment.args",
+    ENV_ARGS,
     # After the SFT warm-up, lr 3e-3 moves the weights of the 12-layer preset by ~5% a step: the policy
     # collapsed to uniform output for a step or two now and then (entropy 5.5 nats, reward 0), with or without
     # speculation. A warm-up, as Adam's first steps move every weight by about lr.
-    "--trainer.optim.lr", "1e-3", "--trainer.lr-schedule.warmup-steps", "3",
-    "--trainer.num-threads", "1", "--inference.num-threads", "1",
-    "--inference.max-batch-size", "64", "--inference.speculative.enabled", "true",
+    "--trainer.optim.lr",
+    "1e-3",
+    "--trainer.lr-schedule.warmup-steps",
+    "3",
+    "--trainer.num-threads",
+    "1",
+    "--inference.num-threads",
+    "1",
+    "--inference.max-batch-size",
+    "64",
+    "--inference.speculative.enabled",
+    "true",
 ]
 
 
 def rl_argv(out: Path, model: str, steps: int, draft_tokens: int, online: bool, sft_steps: int) -> list[str]:
-    return [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(out), "--model.name", model,
-            "--max-steps", str(steps), "--inference.speculative.draft-tokens", str(draft_tokens),
-            "--trainer.draft.enabled", "true" if online else "false", *RUN,
-            "--sft.steps", str(sft_steps), "--sft.batch-size", "64", "--sft.lr", "3e-3",
-            "--sft.num-threads", "1"]  # the arms run side by side: two processes of 2 threads thrash on 2 cores
+    return [
+        sys.executable,
+        "-m",
+        "arbor.launch.rl",
+        "--output-dir",
+        str(out),
+        "--model.name",
+        model,
+        "--max-steps",
+        str(steps),
+        "--inference.speculative.draft-tokens",
+        str(draft_tokens),
+        "--trainer.draft.enabled",
+        "true" if online else "false",
+        *RUN,
+        "--sft.steps",
+        str(sft_steps),
+        "--sft.batch-size",
+        "64",
+        "--sft.lr",
+        "3e-3",
+        "--sft.num-threads",
+        "1",
+    ]  # the arms run side by side: two processes of 2 threads thrash on 2 cores
 
 
 def acceptance(out: Path, steps: int, settings: dict) -> list[float] | None:
@@ -136,13 +173,22 @@ def rl_runs(root: Path, model: str, steps: int, draft_tokens: int, sft_steps: in
     return {arm: acceptance(root / arm, steps, settings) for arm in ("online", "frozen")}  # type: ignore[misc]
 
 
-def decode_speed(model: torch.nn.Module, tokenizer, prompts: list[list[int]], draft_tokens: int, batch: int,
-                 max_tokens: int, seed: int) -> tuple[float, float]:
+def decode_speed(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    draft_tokens: int,
+    batch: int,
+    max_tokens: int,
+    seed: int,
+) -> tuple[float, float]:
     """(decode tokens/s, acceptance rate) of one engine serving `prompts`, `batch` at a time, sampled as in the
     RL run (temperature 1)."""
     with Engine(model, tokenizer, seq_len=128, max_batch_size=batch, draft_tokens=draft_tokens) as engine:
-        futures = [engine.submit(p, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i))
-                   for i, p in enumerate(prompts)]
+        futures = [
+            engine.submit(p, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i))
+            for i, p in enumerate(prompts)
+        ]
         for f in futures:
             f.result(600)
         s = engine.stats()
@@ -162,8 +208,12 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-deep-mtp")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--window", type=int, default=5, help="steps averaged at the start and at the end")
-    ap.add_argument("--sft-steps", type=int, default=20,
-                    help="SFT warm-up of both arms (it fits the drafts too); 0 starts RL from the random preset")
+    ap.add_argument(
+        "--sft-steps",
+        type=int,
+        default=20,
+        help="SFT warm-up of both arms (it fits the drafts too); 0 starts RL from the random preset",
+    )
     ap.add_argument("--draft-tokens", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="concurrent requests in the speed measurement")
     ap.add_argument("--requests", type=int, default=64, help="requests per speed measurement, --batch at a time")
@@ -194,21 +244,34 @@ def main() -> None:
                 acceptance.append(acc)
     plain, spec = statistics.median(speeds[0]), statistics.median(speeds[args.draft_tokens])
     speedup = statistics.median(s / p for s, p in zip(speeds[args.draft_tokens], speeds[0]))
-    print(f"decode tokens/s without / with speculation ({args.draft_tokens} drafts, batch {args.batch}): medians "
-          f"{plain:.0f} / {spec:.0f}, median of the {args.repeats} paired ratios {speedup:.2f}x at acceptance "
-          f"{statistics.mean(acceptance):.3f} (target >= 1.5x)")
+    print(
+        f"decode tokens/s without / with speculation ({args.draft_tokens} drafts, batch {args.batch}): medians "
+        f"{plain:.0f} / {spec:.0f}, median of the {args.repeats} paired ratios {speedup:.2f}x at acceptance "
+        f"{statistics.mean(acceptance):.3f} (target >= 1.5x)"
+    )
     heads_ok = ratio["online"] >= 0.9 and ratio["frozen"] < 1.0
-    print(json.dumps({
-        "benchmark": "mtp_speculative", "value": round(speedup, 3), "target": 1.5,
-        "ok": bool(speedup >= 1.5 and heads_ok), "heads_ok": heads_ok,
-        "online_ratio": round(ratio["online"], 3), "frozen_ratio": round(ratio["frozen"], 3),
-        "online_acceptance": [round(x, 3) for x in ends["online"]],
-        "frozen_acceptance": [round(x, 3) for x in ends["frozen"]],
-        "acceptance_at_speed": round(statistics.mean(acceptance), 3),
-        "decode_tokens_per_s": {"plain": round(plain, 1), "speculative": round(spec, 1)},
-        "model": args.model, "steps": args.steps, "sft_steps": args.sft_steps, "draft_tokens": args.draft_tokens,
-        "batch": args.batch,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "mtp_speculative",
+                "value": round(speedup, 3),
+                "target": 1.5,
+                "ok": bool(speedup >= 1.5 and heads_ok),
+                "heads_ok": heads_ok,
+                "online_ratio": round(ratio["online"], 3),
+                "frozen_ratio": round(ratio["frozen"], 3),
+                "online_acceptance": [round(x, 3) for x in ends["online"]],
+                "frozen_acceptance": [round(x, 3) for x in ends["frozen"]],
+                "acceptance_at_speed": round(statistics.mean(acceptance), 3),
+                "decode_tokens_per_s": {"plain": round(plain, 1), "speculative": round(spec, 1)},
+                "model": args.model,
+                "steps": args.steps,
+                "sft_steps": args.sft_steps,
+                "draft_tokens": args.draft_tokens,
+                "batch": args.batch,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

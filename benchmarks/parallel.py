@@ -42,11 +42,13 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(a.threads)
     from arbor.config.model import ModelConfig
-    from arbor.config.trainer import LossConfig, ParallelConfig, TrainerConfig
+    from arbor.config.parallel import ParallelConfig
+    from arbor.config.trainer import LossConfig, TrainerConfig
     from arbor.models import build_model
     from arbor.trainer.loss import ppo_clip
     from arbor.trainer.optim import build_optimizer
@@ -55,7 +57,9 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
 
     use_cuda = torch.cuda.device_count() >= world
     device, _ = init_distributed("auto" if use_cuda else "gloo")
-    cfg = TrainerConfig(model=ModelConfig(name=a.model), parallel=ParallelConfig(nproc=world, ep=a.ep if world > 1 else 1))
+    cfg = TrainerConfig(
+        model=ModelConfig(name=a.model), parallel=ParallelConfig(nproc=world, ep=a.ep if world > 1 else 1)
+    )
     model = build_model(cfg.model, device="cpu")
     full_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()) * 3
     dims = ParallelDims.from_config(cfg.parallel)
@@ -66,13 +70,22 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
     batch = synthetic_batch(cfg.model, a.micro_batches, a.row_tokens)
     tokens = sum(int(mb.seq_lens.sum()) for mb in batch.micro_batches)
     k = a.micro_batches // world
-    batch.micro_batches = batch.micro_batches[rank * k:(rank + 1) * k]  # same global batch at every world size
+    batch.micro_batches = batch.micro_batches[rank * k : (rank + 1) * k]  # same global batch at every world size
     times = []
     for i in range(a.warmup + a.repeats):
         dist.barrier()
         t = time.perf_counter()
-        train_step(model, optimizer, batch, ppo_clip, LossConfig(), 1.0, device, dims.dp_size,
-                   forward_context(dims, cfg, device.type))
+        train_step(
+            model,
+            optimizer,
+            batch,
+            ppo_clip,
+            LossConfig(),
+            1.0,
+            device,
+            dims.dp_size,
+            forward_context(dims, cfg, device.type),
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
@@ -85,10 +98,17 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
     held_t = torch.tensor([held], dtype=torch.float64)
     dist.all_reduce(held_t, op=dist.ReduceOp.MAX)  # the most any rank holds
     if rank == 0:
-        Path(out).write_text(json.dumps({
-            "tokens_per_s": tokens / statistics.median(times), "max_rank_bytes": held_t.item(),
-            "full_bytes": full_bytes, "tokens": tokens, "device": str(device),
-        }))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "tokens_per_s": tokens / statistics.median(times),
+                    "max_rank_bytes": held_t.item(),
+                    "full_bytes": full_bytes,
+                    "tokens": tokens,
+                    "device": str(device),
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -112,24 +132,31 @@ def main() -> None:
     a = p.parse_args()
     one, two = run(1, a), run(2, a)
     for world, r in ((1, one), (2, two)):
-        print(f"{world} rank(s): {r['tokens_per_s']:.0f} tok/s, largest rank holds "
-              f"{r['max_rank_bytes'] / 2**20:.1f} MiB of parameters + optimizer state", flush=True)
+        print(
+            f"{world} rank(s): {r['tokens_per_s']:.0f} tok/s, largest rank holds "
+            f"{r['max_rank_bytes'] / 2**20:.1f} MiB of parameters + optimizer state",
+            flush=True,
+        )
     fraction = two["max_rank_bytes"] / two["full_bytes"]
-    print(json.dumps({
-        "benchmark": "parallel",
-        "value": round(fraction, 4),
-        "target": 0.55,
-        "ok": fraction <= 0.55,
-        "metric": "per-rank parameter+optimizer bytes at 2 ranks / unsharded",
-        "tokens_per_s_1_rank": round(one["tokens_per_s"], 1),
-        "tokens_per_s_2_ranks": round(two["tokens_per_s"], 1),
-        "speedup_2_ranks": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
-        "one_rank_fraction": round(one["max_rank_bytes"] / one["full_bytes"], 4),
-        "model": a.model,
-        "ep": a.ep,
-        "device": two["device"],
-        "tokens_per_step": two["tokens"],
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "parallel",
+                "value": round(fraction, 4),
+                "target": 0.55,
+                "ok": fraction <= 0.55,
+                "metric": "per-rank parameter+optimizer bytes at 2 ranks / unsharded",
+                "tokens_per_s_1_rank": round(one["tokens_per_s"], 1),
+                "tokens_per_s_2_ranks": round(two["tokens_per_s"], 1),
+                "speedup_2_ranks": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+                "one_rank_fraction": round(one["max_rank_bytes"] / one["full_bytes"], 4),
+                "model": a.model,
+                "ep": a.ep,
+                "device": two["device"],
+                "tokens_per_step": two["tokens"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,17 @@ from arbor.trainer.step import train_step
 
 
 def agent_rollouts(
-    vocab: int, rollouts: int = 8, turns: int = 8, system: int = 128, history: int = 384, assistant: int = 12,
-    tool: int = 20, truncate_every: int = 3, truncate_at: int = 4, keep_turns: int = 2, seed: int = 0,
+    vocab: int,
+    rollouts: int = 8,
+    turns: int = 8,
+    system: int = 128,
+    history: int = 384,
+    assistant: int = 12,
+    tool: int = 20,
+    truncate_every: int = 3,
+    truncate_at: int = 4,
+    keep_turns: int = 2,
+    seed: int = 0,
 ) -> list[Rollout]:
     """Samples of one task's group. A rollout whose index is a multiple of `truncate_every` truncates its context
     after turn `truncate_at` (system prompt + its last `keep_turns` turns), so it yields two samples."""
@@ -58,14 +67,23 @@ def agent_rollouts(
         segments, start, prompt = [], 0, sys_ids + hist_ids
         for cut in cuts + [turns]:
             segments.append((prompt, [t for turn in turn_ids[start:cut] for t in turn]))
-            prompt = sys_ids + [t for turn in turn_ids[max(0, cut - keep_turns):cut] for t in turn]
+            prompt = sys_ids + [t for turn in turn_ids[max(0, cut - keep_turns) : cut] for t in turn]
             start = cut
         for prompt_ids, completion in segments:
             n = len(completion)
-            out.append(Rollout(
-                0, prompt_ids, completion, (-1.0 - g.random(n)).tolist(), [0] * n, "", "stop",
-                advantage=float(g.normal()), group_id=0,
-            ))
+            out.append(
+                Rollout(
+                    0,
+                    prompt_ids,
+                    completion,
+                    (-1.0 - g.random(n)).tolist(),
+                    [0] * n,
+                    "",
+                    "stop",
+                    advantage=float(g.normal()),
+                    group_id=0,
+                )
+            )
     return out
 
 
@@ -83,8 +101,7 @@ def main() -> None:
     tokens = sum(r.num_tokens for r in rollouts)
     ideal = tokens / trie_size([sample_arrays(r) for r in rollouts])
     batches = {
-        merge: build_step_batches(rollouts, 0, 1, args.row_tokens, 1.0, 0, "token", merge)[0]
-        for merge in (False, True)
+        merge: build_step_batches(rollouts, 0, 1, args.row_tokens, 1.0, 0, "token", merge)[0] for merge in (False, True)
     }
     rows = {m: [mb.num_tokens for mb in b.micro_batches] for m, b in batches.items()}
     achieved = tokens / sum(rows[True])
@@ -110,13 +127,27 @@ def main() -> None:
     print(f"step time unmerged / merged           {unmerged:.3f} s / {merged:.3f} s (median of {args.repeats})")
     print(f"measured speedup                      {speedup:.2f}x")
     print(f"fraction of the ideal achieved        {fraction:.2f} (target >= 0.7)")
-    print(json.dumps({
-        "benchmark": "prefix_merge", "value": round(fraction, 3), "target": 0.7, "ok": fraction >= 0.7,
-        "ideal_ratio": round(ideal, 3), "row_ratio": round(achieved, 3), "speedup": round(speedup, 3),
-        "step_s_unmerged": round(unmerged, 4), "step_s_merged": round(merged, 4), "tokens": tokens,
-        "trie_tokens": sum(rows[True]), "samples": len(rollouts), "model": args.model,
-        "row_tokens": args.row_tokens, "threads": args.threads,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "prefix_merge",
+                "value": round(fraction, 3),
+                "target": 0.7,
+                "ok": fraction >= 0.7,
+                "ideal_ratio": round(ideal, 3),
+                "row_ratio": round(achieved, 3),
+                "speedup": round(speedup, 3),
+                "step_s_unmerged": round(unmerged, 4),
+                "step_s_merged": round(merged, 4),
+                "tokens": tokens,
+                "trie_tokens": sum(rows[True]),
+                "samples": len(rollouts),
+                "model": args.model,
+                "row_tokens": args.row_tokens,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

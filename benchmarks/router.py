@@ -30,8 +30,9 @@ def _free_port() -> int:
 def _backend(port: int) -> None:
     from aiohttp import web
 
-    body = json.dumps({"choices": [{"index": 0, "text": "x" * 200, "token_ids": list(range(100)),
-                                    "policy_versions": [0] * 100}]})
+    body = json.dumps(
+        {"choices": [{"index": 0, "text": "x" * 200, "token_ids": list(range(100)), "policy_versions": [0] * 100}]}
+    )
 
     async def complete(request: web.Request) -> web.Response:
         await request.read()
@@ -47,7 +48,7 @@ def _backend(port: int) -> None:
 
 def _router(port: int, backend: str) -> None:
     from arbor.config.inference import RouterConfig
-    from arbor.inference.router import serve
+    from arbor.inference.router.app import serve
 
     asyncio.run(serve(RouterConfig(backends=[backend], port=port, policy="least_outstanding")))
 
@@ -96,8 +97,10 @@ def main() -> None:
     bport, rport = _free_port(), _free_port()
     backend, router = f"http://127.0.0.1:{bport}", f"http://127.0.0.1:{rport}"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_backend, args=(bport,), daemon=True),
-             ctx.Process(target=_router, args=(rport, backend), daemon=True)]
+    procs = [
+        ctx.Process(target=_backend, args=(bport,), daemon=True),
+        ctx.Process(target=_router, args=(rport, backend), daemon=True),
+    ]
     for p in procs:
         p.start()
     try:
@@ -115,13 +118,25 @@ def main() -> None:
     d50, d99 = _pct(direct, 0.5) * 1e3, _pct(direct, 0.99) * 1e3
     r50, r99 = _pct(routed, 0.5) * 1e3, _pct(routed, 0.99) * 1e3
     added50, added99 = r50 - d50, r99 - d99
-    print(f"direct p50 {d50:.3f} ms p99 {d99:.3f} ms | via router p50 {r50:.3f} ms p99 {r99:.3f} ms "
-          f"| mean direct {statistics.mean(direct) * 1e3:.3f} ms routed {statistics.mean(routed) * 1e3:.3f} ms")
-    print(json.dumps({
-        "benchmark": "router", "value": round(added50, 3), "target": TARGET_MS, "ok": added50 < TARGET_MS,
-        "unit": "ms added at p50", "added_p99_ms": round(added99, 3), "direct_p50_ms": round(d50, 3),
-        "routed_p50_ms": round(r50, 3), "requests": len(routed),
-    }))
+    print(
+        f"direct p50 {d50:.3f} ms p99 {d99:.3f} ms | via router p50 {r50:.3f} ms p99 {r99:.3f} ms "
+        f"| mean direct {statistics.mean(direct) * 1e3:.3f} ms routed {statistics.mean(routed) * 1e3:.3f} ms"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "router",
+                "value": round(added50, 3),
+                "target": TARGET_MS,
+                "ok": added50 < TARGET_MS,
+                "unit": "ms added at p50",
+                "added_p99_ms": round(added99, 3),
+                "direct_p50_ms": round(d50, 3),
+                "routed_p50_ms": round(r50, 3),
+                "requests": len(routed),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

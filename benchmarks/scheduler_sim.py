@@ -170,7 +170,8 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
         # plus windowed FIFO's slack; the orchestrator's loop uses the same). Retried tasks go first.
         v = version_at(now)
         while q.in_flight < a.concurrency and (
-                len(train_done) + (len(batch) + q.outstanding) // a.batch - v <= a.max_off_policy - slack):
+            len(train_done) + (len(batch) + q.outstanding) // a.batch - v <= a.max_off_policy - slack
+        ):
             d, resumes = retries.pop(0) if retries else (rng.choices(range(3), weights=mix)[0], 0)
             lat = task_latency(rng, d, a)
             pos = q.launch()
@@ -194,8 +195,11 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
         next_finish = events[0][0] if events else float("inf")
         if partial and q.window is not None and t >= gate():  # when a rollout in the window turns straggler
             limit, limit_t = q.head + q.window, threshold()
-            due = [r[1] + limit_t for p, r in running.items()
-                   if p < limit and (r[5] < a.max_resumes or retry) and r[1] + limit_t > t]
+            due = [
+                r[1] + limit_t
+                for p, r in running.items()
+                if p < limit and (r[5] < a.max_resumes or retry) and r[1] + limit_t > t
+            ]
             next_finish = min([next_finish, *due])
         later = [x for x in train_done if x > t]  # a finished trainer step may admit new launches
         if t < gate() <= next_finish:
@@ -226,8 +230,11 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
             elif not taken and not (partial and q.window is not None and requeue_stragglers(t)):
                 break  # nothing to take and no straggler to move: wait for the next event
         fill(t)
-    return {**_summary(mode, train_done, stale, shifts, trained, mix), "dropped_frac": dropped / (dropped + len(stale)),
-            "stragglers_moved": moves}
+    return {
+        **_summary(mode, train_done, stale, shifts, trained, mix),
+        "dropped_frac": dropped / (dropped + len(stale)),
+        "stragglers_moved": moves,
+    }
 
 
 def _summary(mode, train_done, stale, shifts, trained, mix) -> dict:
@@ -254,11 +261,19 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.6)
     p.add_argument("--straggler-p", type=float, default=0.01, help="chance of a 50x straggler")
     p.add_argument("--max-off-policy", type=int, default=8, help="drop rollouts staler than this many steps")
-    p.add_argument("--straggler-factor", type=float, default=4.0,
-                   help="partial rollouts: a window member running longer than this x the recent median is aborted")
+    p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=4.0,
+        help="partial rollouts: a window member running longer than this x the recent median is aborted",
+    )
     p.add_argument("--max-resumes", type=int, default=3, help="moves (resume) or retries (retry) per task at most")
-    p.add_argument("--straggler-action", choices=("resume", "retry"), default="retry",
-                   help="a straggler continues at the tail with its tokens, or its task is sampled afresh there")
+    p.add_argument(
+        "--straggler-action",
+        choices=("resume", "retry"),
+        default="retry",
+        help="a straggler continues at the tail with its tokens, or its task is sampled afresh there",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     results = {m: simulate(m, a) for m in ("sync", "async", "greedy", "windowed_fifo")}
@@ -267,24 +282,34 @@ def main() -> None:
     print(f"{'mode':<20}{'throughput/sync':>16}{'stale max':>11}{'stale mean':>12}{'mix shift (TV)':>16}{'dropped':>9}")
     for m, r in results.items():
         r["throughput_vs_sync"] = r["steps_per_time"] / base
-        print(f"{m:<20}{r['throughput_vs_sync']:>16.2f}{r['staleness_max']:>11d}{r['staleness_mean']:>12.2f}"
-              f"{r['mix_shift_tv']:>16.3f}{r['dropped_frac']:>9.3f}")
+        print(
+            f"{m:<20}{r['throughput_vs_sync']:>16.2f}{r['staleness_max']:>11d}{r['staleness_mean']:>12.2f}"
+            f"{r['mix_shift_tv']:>16.3f}{r['dropped_frac']:>9.3f}"
+        )
     g, w = results["greedy"], results["windowed_fifo"]
     throughput_ratio = w["steps_per_time"] / g["steps_per_time"]
     shift_ratio = w["mix_shift_tv"] / max(g["mix_shift_tv"], 1e-12)
     ok = throughput_ratio >= 0.8 and shift_ratio <= 1 / 3
-    print(json.dumps({
-        "benchmark": "scheduler_sim",
-        "value": round(throughput_ratio, 4),
-        "target": 0.8,
-        "ok": ok,
-        "windowed_vs_greedy_throughput": round(throughput_ratio, 4),
-        "windowed_vs_greedy_mix_shift": round(shift_ratio, 4),
-        "mix_shift_target": round(1 / 3, 4),
-        **{f"{m}_{k}": round(v, 4) if isinstance(v, float) else v
-           for m, r in results.items() for k, v in r.items() if k != "mode"},
-        "params": {k: v for k, v in vars(a).items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "scheduler_sim",
+                "value": round(throughput_ratio, 4),
+                "target": 0.8,
+                "ok": ok,
+                "windowed_vs_greedy_throughput": round(throughput_ratio, 4),
+                "windowed_vs_greedy_mix_shift": round(shift_ratio, 4),
+                "mix_shift_target": round(1 / 3, 4),
+                **{
+                    f"{m}_{k}": round(v, 4) if isinstance(v, float) else v
+                    for m, r in results.items()
+                    for k, v in r.items()
+                    if k != "mode"
+                },
+                "params": {k: v for k, v in vars(a).items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,10 +53,18 @@ TARGET = 1.3
 BATCH, GROUP = 32, 4
 MODEL = ["--model.name", "qwen3-test", "--seq-len", "128", "--seed", "0"]
 RUNS = {
-    "slow": ["--orchestrator.environment.id", "arbor.environments.skewed_latency:SkewedLatencyEnv",
-             "--orchestrator.environment.args", "{ median_s = 1.0, sigma = 0.6, straggler_p = 0.0, max_len = 5 }"],
-    "fast": ["--orchestrator.environment.id", "reverse_text",
-             "--orchestrator.environment.args", "{ min_len = 2, max_len = 5 }"],
+    "slow": [
+        "--orchestrator.environment.id",
+        "arbor.environments.skewed_latency:SkewedLatencyEnv",
+        "--orchestrator.environment.args",
+        "{ median_s = 1.0, sigma = 0.6, straggler_p = 0.0, max_len = 5 }",
+    ],
+    "fast": [
+        "--orchestrator.environment.id",
+        "reverse_text",
+        "--orchestrator.environment.args",
+        "{ min_len = 2, max_len = 5 }",
+    ],
 }
 
 
@@ -65,12 +73,30 @@ def _env() -> dict[str, str]:
 
 
 def start_fleet(out: Path, replicas: int, slots: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "arbor.launch.fleet", *MODEL, "--output-dir", str(out),
-                             "--inference.replicas", str(replicas), "--inference.max-batch-size", str(slots),
-                             "--inference.num-threads", "1", "--inference.weight-roots", f'["{out.parent}"]',
-                             "--metrics-interval", "1.0"],
-                            stdout=subprocess.DEVNULL, stderr=open(out.parent / f"{out.name}.log", "w"),
-                            env=_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "arbor.launch.fleet",
+            *MODEL,
+            "--output-dir",
+            str(out),
+            "--inference.replicas",
+            str(replicas),
+            "--inference.max-batch-size",
+            str(slots),
+            "--inference.num-threads",
+            "1",
+            "--inference.weight-roots",
+            f'["{out.parent}"]',
+            "--metrics-interval",
+            "1.0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(out.parent / f"{out.name}.log", "w"),
+        env=_env(),
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     while not fleet_url_path(out).exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -80,17 +106,39 @@ def start_fleet(out: Path, replicas: int, slots: int) -> tuple[subprocess.Popen,
 
 
 def run_argv(name: str, url: str, out: Path, steps: int, max_tokens: int) -> list[str]:
-    return [sys.executable, "-m", "arbor.launch.rl", "--fleet", url, "--output-dir", str(out / name),
-            "--max-steps", str(steps), *MODEL, *RUNS[name], "--model.lora.rank", "8",
-            "--orchestrator.batch-size", str(BATCH), "--orchestrator.group-size", str(GROUP),
-            "--orchestrator.sampling.max-tokens", str(max_tokens), "--trainer.num-threads", "1"]
+    return [
+        sys.executable,
+        "-m",
+        "arbor.launch.rl",
+        "--fleet",
+        url,
+        "--output-dir",
+        str(out / name),
+        "--max-steps",
+        str(steps),
+        *MODEL,
+        *RUNS[name],
+        "--model.lora.rank",
+        "8",
+        "--orchestrator.batch-size",
+        str(BATCH),
+        "--orchestrator.group-size",
+        str(GROUP),
+        "--orchestrator.sampling.max-tokens",
+        str(max_tokens),
+        "--trainer.num-threads",
+        "1",
+    ]
 
 
 def run_figures(out: Path, tail: int) -> dict[str, float]:
     rows = read_jsonl(metrics_path(out))
     loop = rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]
-    return {"samples_per_s": BATCH * (len(rows) - 1) / loop, "loop_s": loop,
-            "reward": statistics.mean(r["reward/mean"] for r in rows[-tail:])}
+    return {
+        "samples_per_s": BATCH * (len(rows) - 1) / loop,
+        "loop_s": loop,
+        "reward": statistics.mean(r["reward/mean"] for r in rows[-tail:]),
+    }
 
 
 def fleet_utilisation(out: Path) -> float | None:
@@ -98,14 +146,25 @@ def fleet_utilisation(out: Path) -> float | None:
     return rows[-1]["fleet"].get("utilisation") if rows else None
 
 
-def arm(shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, tail: int, root: Path) -> dict[str, object]:
+def arm(
+    shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, tail: int, root: Path
+) -> dict[str, object]:
     """One arm: its fleets up, both runs to their end, the fleets down."""
-    fleets = {"all": start_fleet(root / "fleet", replicas, slots)} if shared else {
-        name: start_fleet(root / f"fleet_{name}", replicas // 2, slots) for name in RUNS}
+    fleets = (
+        {"all": start_fleet(root / "fleet", replicas, slots)}
+        if shared
+        else {name: start_fleet(root / f"fleet_{name}", replicas // 2, slots) for name in RUNS}
+    )
     try:
-        runs = {name: subprocess.Popen(run_argv(name, fleets["all" if shared else name][1], root, steps, max_tokens),
-                                       stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "w"), env=_env())
-                for name in RUNS}
+        runs = {
+            name: subprocess.Popen(
+                run_argv(name, fleets["all" if shared else name][1], root, steps, max_tokens),
+                stdout=subprocess.DEVNULL,
+                stderr=open(root / f"{name}.log", "w"),
+                env=_env(),
+            )
+            for name in RUNS
+        }
         for name, proc in runs.items():
             if proc.wait() != 0:  # the directory goes with the arm: its log's end is the message
                 raise SystemExit(f"run {name} failed:\n{(root / f'{name}.log').read_text()[-3000:]}")
@@ -115,18 +174,30 @@ def arm(shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, ta
             proc.wait(120)
     figures = {name: run_figures(root / name, tail) for name in RUNS}
     util = [fleet_utilisation(root / ("fleet" if shared else f"fleet_{n}")) for n in (["all"] if shared else RUNS)]
-    return {"total": sum(f["samples_per_s"] for f in figures.values()), "runs": figures,
-            "utilisation": [u for u in util if u is not None]}
+    return {
+        "total": sum(f["samples_per_s"] for f in figures.values()),
+        "runs": figures,
+        "utilisation": [u for u in util if u is not None],
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=2, help="servers of the shared fleet (each separate one: half)")
-    p.add_argument("--max-tokens", type=int, default=64,
-                   help="completion length (the untrained preset rarely stops early): generation dominates a step")
-    p.add_argument("--slots", type=int, default=4,
-                   help="sequences one server decodes at once (at least the group size, 4): few, so that a server's capacity is its slots (as an "
-                        "accelerator's is) rather than a share of the machine's cores")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="completion length (the untrained preset rarely stops early): generation dominates a step",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=4,
+        help="sequences one server decodes at once (at least the group size, 4): few, so that a server's "
+        "capacity is its slots (as an "
+        "accelerator's is) rather than a share of the machine's cores",
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tail", type=int, default=4, help="last steps whose reward/mean is averaged")
     p.add_argument("--repeats", type=int, default=1)
@@ -137,24 +208,48 @@ def main() -> None:
     for i in range(args.repeats):
         for name in ("separate", "shared"):
             with tempfile.TemporaryDirectory(prefix=f"arbor_shared_fleet_{name}_") as tmp:
-                res = arm(name == "shared", args.replicas, args.slots, args.steps, args.max_tokens, args.tail,
-                          Path(tmp))
+                res = arm(
+                    name == "shared", args.replicas, args.slots, args.steps, args.max_tokens, args.tail, Path(tmp)
+                )
             results[name].append(res)
-            runs = ", ".join(f"{n} {f['samples_per_s']:.2f}/s (reward {f['reward']:.3f})" for n, f in res["runs"].items())
-            print(f"{name} #{i}: {res['total']:.2f} trained samples/s [{runs}], fleet utilisation "
-                  f"{', '.join(f'{u:.2f}' for u in res['utilisation'])}", flush=True)
+            runs = ", ".join(
+                f"{n} {f['samples_per_s']:.2f}/s (reward {f['reward']:.3f})" for n, f in res["runs"].items()
+            )
+            print(
+                f"{name} #{i}: {res['total']:.2f} trained samples/s [{runs}], fleet utilisation "
+                f"{', '.join(f'{u:.2f}' for u in res['utilisation'])}",
+                flush=True,
+            )
     med = {name: statistics.median(r["total"] for r in rs) for name, rs in results.items()}
     ratio = med["shared"] / med["separate"]
-    print(f"shared / separate: {ratio:.2f}x trained samples/s (target >= {TARGET}) "
-          f"{'PASS' if ratio >= TARGET else 'BELOW TARGET'}")
-    reward = {f"{arm_name}_{run}_reward": statistics.median(r["runs"][run]["reward"] for r in rs)
-              for arm_name, rs in results.items() for run in RUNS}
-    print(json.dumps({"benchmark": "shared_fleet", "value": round(ratio, 3), "target": TARGET, "ok": ratio >= TARGET,
-                      "unit": "shared / separate trained samples per second", "replicas": args.replicas,
-                      "slots": args.slots, "max_tokens": args.max_tokens,
-                      "steps": args.steps, "repeats": args.repeats,
-                      "separate_samples_per_s": round(med["separate"], 3), "shared_samples_per_s": round(med["shared"], 3),
-                      **{k: round(v, 4) for k, v in reward.items()}}))
+    print(
+        f"shared / separate: {ratio:.2f}x trained samples/s (target >= {TARGET}) "
+        f"{'PASS' if ratio >= TARGET else 'BELOW TARGET'}"
+    )
+    reward = {
+        f"{arm_name}_{run}_reward": statistics.median(r["runs"][run]["reward"] for r in rs)
+        for arm_name, rs in results.items()
+        for run in RUNS
+    }
+    print(
+        json.dumps(
+            {
+                "benchmark": "shared_fleet",
+                "value": round(ratio, 3),
+                "target": TARGET,
+                "ok": ratio >= TARGET,
+                "unit": "shared / separate trained samples per second",
+                "replicas": args.replicas,
+                "slots": args.slots,
+                "max_tokens": args.max_tokens,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "separate_samples_per_s": round(med["separate"], 3),
+                "shared_samples_per_s": round(med["shared"], 3),
+                **{k: round(v, 4) for k, v in reward.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -49,14 +49,27 @@ def bare_import() -> float:
 
 def first_step(out: Path) -> float:
     """Seconds from `rl`'s start to the first row of metrics.jsonl; the run (one step) is then let finish."""
-    argv = [sys.executable, "-m", "arbor.launch.rl", "@", "examples/reverse_text/rl.toml", "--sft.steps", "0",
-            "--max-steps", "2", "--output-dir", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "arbor.launch.rl",
+        "@",
+        "examples/reverse_text/rl.toml",
+        "--sft.steps",
+        "0",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(out),
+    ]
     metrics = out / "metrics.jsonl"
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while not (metrics.exists() and metrics.stat().st_size > 0):
         if proc.poll() is not None:
-            raise RuntimeError(f"rl exited with code {proc.returncode} before its first step:\n{proc.stderr.read()[-3000:]}")
+            raise RuntimeError(
+                f"rl exited with code {proc.returncode} before its first step:\n{proc.stderr.read()[-3000:]}"
+            )
         time.sleep(0.05)
     took = time.perf_counter() - t0
     _, err = proc.communicate(timeout=600)
@@ -77,9 +90,20 @@ def main() -> None:
             print(f"#{i}: import torch {bare[-1]:.1f}s, rl to first step {rl[-1]:.1f}s", flush=True)
     floor = PROCESSES * statistics.median(bare)
     ratio = statistics.median(rl) / floor
-    print(json.dumps({"benchmark": "startup", "value": round(ratio, 3), "target": 1.5, "ok": ratio <= 1.5,
-                      "rl_first_step_s": round(statistics.median(rl), 2), "import_torch_s": round(statistics.median(bare), 2),
-                      "processes": PROCESSES, "repeats": a.repeats}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "startup",
+                "value": round(ratio, 3),
+                "target": 1.5,
+                "ok": ratio <= 1.5,
+                "rl_first_step_s": round(statistics.median(rl), 2),
+                "import_torch_s": round(statistics.median(bare), 2),
+                "processes": PROCESSES,
+                "repeats": a.repeats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

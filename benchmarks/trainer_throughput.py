@@ -4,7 +4,8 @@ The arbor arm is `arbor.trainer.step.train_step`, exactly what the RL loop calls
 logprobs with entropy, the ppo_clip loss, metrics, backward, grad-norm clipping, AdamW, the step's figures).
 The plain arm is the least a hand-written loop does with the same model and the same packed rows (precomputed
 mask, log_softmax + gather, ratio * advantage, backward, AdamW). Arms alternate after a warm-up so that load on
-the machine hits both alike; tokens/s are non-padding tokens over the median step time. Last line: `{"benchmark": "trainer_throughput", "value": arbor/plain, ...}`.
+the machine hits both alike; tokens/s are non-padding tokens over the median step time. Last line: `{"benchmark":
+"trainer_throughput", "value": arbor/plain, ...}`.
 
     uv run python benchmarks/trainer_throughput.py [--model qwen3-small] [--repeats 4] [--row-tokens 1024]
 
@@ -47,18 +48,20 @@ def synthetic_batch(model_cfg: ModelConfig, micro_batches: int, row_tokens: int,
         adv = torch.zeros(row_tokens)
         off = 0
         for n in lens:
-            mask[off + 32: off + n] = True
-            adv[off: off + n] = torch.randn((), generator=gen)
+            mask[off + 32 : off + n] = True
+            adv[off : off + n] = torch.randn((), generator=gen)
             off += n
-        mbs.append(MicroBatch(
-            input_ids=torch.randint(0, vocab, (row_tokens,), generator=gen),
-            position_ids=position_ids_for(lens, row_tokens)[0],
-            loss_mask=mask,
-            advantages=adv,
-            inference_logprobs=-5.0 + 0.1 * torch.randn(row_tokens, generator=gen),
-            policy_versions=torch.zeros(row_tokens, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-        ))
+        mbs.append(
+            MicroBatch(
+                input_ids=torch.randint(0, vocab, (row_tokens,), generator=gen),
+                position_ids=position_ids_for(lens, row_tokens)[0],
+                loss_mask=mask,
+                advantages=adv,
+                inference_logprobs=-5.0 + 0.1 * torch.randn(row_tokens, generator=gen),
+                policy_versions=torch.zeros(row_tokens, dtype=torch.int32),
+                seq_lens=torch.tensor(lens, dtype=torch.int32),
+            )
+        )
     total = sum(int(m.loss_mask.sum()) for m in mbs)
     return StepBatch(step=0, micro_batches=mbs, loss_tokens_total=total, num_samples_total=0, temperature=1.0)
 
@@ -68,10 +71,19 @@ def plain_step_fn(model: torch.nn.Module, batch: StepBatch, device: torch.device
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     rows = []
     for mb in batch.micro_batches:
-        rows.append(tuple(t.to(device) for t in (
-            mb.input_ids, mb.position_ids, packed_causal_mask(mb.seq_lens, mb.num_tokens), mb.loss_mask,
-            mb.advantages, mb.inference_logprobs,
-        )))
+        rows.append(
+            tuple(
+                t.to(device)
+                for t in (
+                    mb.input_ids,
+                    mb.position_ids,
+                    packed_causal_mask(mb.seq_lens, mb.num_tokens),
+                    mb.loss_mask,
+                    mb.advantages,
+                    mb.inference_logprobs,
+                )
+            )
+        )
     total = batch.loss_tokens_total
 
     def step() -> None:
@@ -93,8 +105,17 @@ def arbor_step_fn(model: torch.nn.Module, batch: StepBatch, device: torch.device
     loss_cfg = LossConfig()
 
     def step() -> None:
-        train_step(model, optimizer, batch, ppo_clip, loss_cfg, cfg.optim.max_norm, device, dims.dp_size,
-                   forward_context(dims, cfg, device.type))
+        train_step(
+            model,
+            optimizer,
+            batch,
+            ppo_clip,
+            loss_cfg,
+            cfg.optim.max_norm,
+            device,
+            dims.dp_size,
+            forward_context(dims, cfg, device.type),
+        )
 
     return step
 
@@ -142,22 +163,26 @@ def main() -> None:
     # Medians of the interleaved step times: robust to a repeat that another process slowed down.
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
     value = tps["arbor"] / tps["plain"]
-    print(json.dumps({
-        "benchmark": "trainer_throughput",
-        "value": round(value, 4),
-        "target": 0.9,
-        "ok": value >= 0.9,
-        "arbor_tokens_per_s": round(tps["arbor"], 1),
-        "plain_tokens_per_s": round(tps["plain"], 1),
-        "arbor_mean_tokens_per_s": round(tokens * len(times["arbor"]) / sum(times["arbor"]), 1),
-        "plain_mean_tokens_per_s": round(tokens * len(times["plain"]) / sum(times["plain"]), 1),
-        "model": a.model,
-        "device": str(device),
-        "tokens_per_step": tokens,
-        "micro_batches": a.micro_batches,
-        "repeats": a.repeats,
-        "threads": torch.get_num_threads(),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "trainer_throughput",
+                "value": round(value, 4),
+                "target": 0.9,
+                "ok": value >= 0.9,
+                "arbor_tokens_per_s": round(tps["arbor"], 1),
+                "plain_tokens_per_s": round(tps["plain"], 1),
+                "arbor_mean_tokens_per_s": round(tokens * len(times["arbor"]) / sum(times["arbor"]), 1),
+                "plain_mean_tokens_per_s": round(tokens * len(times["plain"]) / sum(times["plain"]), 1),
+                "model": a.model,
+                "device": str(device),
+                "tokens_per_step": tokens,
+                "micro_batches": a.micro_batches,
+                "repeats": a.repeats,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

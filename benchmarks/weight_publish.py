@@ -3,13 +3,14 @@
 A Qwen3-shaped model of ~1.1 GB in bf16 (fp32 master weights, as the trainer holds them) is published to the
 filesystem transport, each measurement in a fresh child process (a world of one rank, gloo):
 
-- `streamed`: arbor.trainer.publish.stream_publish with `weights.bucket_mb` buckets (the trainer's path);
+- `streamed`: arbor.weights.publish.stream_publish with `weights.bucket_mb` buckets (the trainer's path);
 - `full` (today's path before streaming, for comparison): `get_model_state_dict(full_state_dict=True,
   cpu_offload=True)`, cast to bf16, then `FilesystemTransport.publish` of the whole dict.
 
 Memory: the peak resident set (VmHWM, reset through /proc/self/clear_refs just before the publish) minus the
 resident set before it, divided by the model's size in bf16. Target <= 0.25 at 64 MB buckets; the full path
-is >= 1. Throughput: the fastest of `--repeats` streamed publishes plus a verified load, as a ratio of a raw write+read of the same
+is >= 1. Throughput: the fastest of `--repeats` streamed publishes plus a verified load, as a ratio of a raw write+read
+of the same
 bytes (benchmarks/weights.py's baseline): target >= 0.7. Files go under /tmp and are removed.
 
     uv run python benchmarks/weight_publish.py [--layers 10] [--bucket-mb 64] [--skip-full]
@@ -30,22 +31,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from weights import raw_copy  # benchmarks/weights.py: the raw write+read baseline (this script's directory)
 
 from arbor.models.presets import PRESETS
 from arbor.models.qwen3 import Qwen3ForCausalLM
 from arbor.run_dir import broadcast_dir
-from arbor.trainer.publish import DeltaTracker, stream_publish
-from arbor.transport.weights import FilesystemTransport, read_verified
-from weights import raw_copy  # benchmarks/weights.py: the raw write+read baseline (this script's directory)
+from arbor.weights.publish import DeltaTracker, stream_publish
+from arbor.weights.transport import FilesystemTransport, read_verified
 
 MEMORY_TARGET, THROUGHPUT_TARGET = 0.25, 0.7
 
 
 def build(layers: int) -> Qwen3ForCausalLM:
     """~0.1 GB per layer in bf16 plus a 131 MB tied embedding; fp32 parameters."""
-    args = dataclasses.replace(PRESETS["qwen3-small"], vocab_size=32_000, hidden_size=2048, intermediate_size=5632,
-                               num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
-                               head_dim=128)
+    args = dataclasses.replace(
+        PRESETS["qwen3-small"],
+        vocab_size=32_000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+    )
     model = Qwen3ForCausalLM(args)
     model.init_weights(0)
     return model
@@ -72,10 +80,10 @@ def child(mode: str, layers: int, bucket_mb: float, repeats: int, root: Path) ->
         before = _status("VmRSS")
         t0 = time.perf_counter()
         if mode == "streamed":
-            stream_publish(model, transport, root, version, torch.bfloat16, False, None, DeltaTracker(False),
-                           torch.device("cpu"))
+            stream_publish(
+                model, transport, root, version, torch.bfloat16, False, None, DeltaTracker(False), torch.device("cpu")
+            )
         else:
-
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             transport.publish(root, version, {k: v.to(torch.bfloat16) for k, v in state.items()}, model.args)
             del state
@@ -95,8 +103,20 @@ def child(mode: str, layers: int, bucket_mb: float, repeats: int, root: Path) ->
 def run_child(mode: str, a: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="arbor-bench-publish-", dir="/tmp"))
     try:
-        cmd = [sys.executable, __file__, "--child", mode, "--layers", str(a.layers), "--bucket-mb", str(a.bucket_mb),
-               "--repeats", str(a.repeats), "--root", str(root)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--layers",
+            str(a.layers),
+            "--bucket-mb",
+            str(a.bucket_mb),
+            "--repeats",
+            str(a.repeats),
+            "--root",
+            str(root),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         return json.loads(proc.stdout.strip().splitlines()[-1])
     finally:
@@ -121,18 +141,26 @@ def main() -> None:
     raw = min(s["raw_seconds"])
     throughput = raw / publish_load
     result = {
-        "benchmark": "weight_publish", "value": round(memory, 3), "target": MEMORY_TARGET,
+        "benchmark": "weight_publish",
+        "value": round(memory, 3),
+        "target": MEMORY_TARGET,
         "unit": "rank-0 extra peak RSS during publish / model bytes (bf16)",
-        "ok": memory <= MEMORY_TARGET and throughput >= THROUGHPUT_TARGET, "gib": round(s["bytes"] / 2**30, 3),
-        "bucket_mb": a.bucket_mb, "throughput_ratio": round(throughput, 3), "throughput_target": THROUGHPUT_TARGET,
-        "publish_load_seconds": round(publish_load, 3), "raw_seconds": round(raw, 3),
+        "ok": memory <= MEMORY_TARGET and throughput >= THROUGHPUT_TARGET,
+        "gib": round(s["bytes"] / 2**30, 3),
+        "bucket_mb": a.bucket_mb,
+        "throughput_ratio": round(throughput, 3),
+        "throughput_target": THROUGHPUT_TARGET,
+        "publish_load_seconds": round(publish_load, 3),
+        "raw_seconds": round(raw, 3),
     }
     if not a.skip_full:
         f = run_child("full", a)
         result["full_path_memory"] = round(f["extra_rss"] / f["bytes"], 3)
         result["full_path_publish_seconds"] = round(f["publish_seconds"][0], 3)
-    print(f"streamed publish of {s['bytes'] / 2**30:.2f} GiB: extra peak RSS {s['extra_rss'] / 2**20:.0f} MiB "
-          f"({memory:.3f} of the model), publish+load {throughput:.2f}x a raw copy's speed")
+    print(
+        f"streamed publish of {s['bytes'] / 2**30:.2f} GiB: extra peak RSS {s['extra_rss'] / 2**20:.0f} MiB "
+        f"({memory:.3f} of the model), publish+load {throughput:.2f}x a raw copy's speed"
+    )
     print(json.dumps(result))
 
 

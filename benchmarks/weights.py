@@ -2,7 +2,8 @@
 
 The raw baseline writes the same tensor bytes to one file (flushed) and reads them back: the least any
 filesystem transfer must do. `FilesystemTransport` additionally serializes safetensors, hashes every shard
-(crc32 by default, on publish and again on load; the sha256 option is measured too), writes config/manifest/STABLE and renames atomically. Target: the
+(crc32 by default, on publish and again on load; the sha256 option is measured too), writes config/manifest/STABLE and
+renames atomically. Target: the
 ratio raw_seconds / transport_seconds >= 0.7. Files go under /tmp and are removed.
 
     uv run python benchmarks/weights.py [--gb 1.0] [--shard-gb 0.5]
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from arbor.models.presets import PRESETS
-from arbor.transport.weights import FilesystemTransport
+from arbor.weights.transport import FilesystemTransport
 
 TARGET = 0.7
 
@@ -31,8 +32,10 @@ def synthetic_state(gb: float) -> dict[str, torch.Tensor]:
     per = 2048 * 2048 * 2
     n = max(1, int(gb * 2**30 // per))
     g = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i // 7}.w{i % 7}.weight": torch.randn(2048, 2048, generator=g).to(torch.bfloat16)
-            for i in range(n)}
+    return {
+        f"model.layers.{i // 7}.w{i % 7}.weight": torch.randn(2048, 2048, generator=g).to(torch.bfloat16)
+        for i in range(n)
+    }
 
 
 def raw_copy(state: dict[str, torch.Tensor], root: Path) -> float:
@@ -85,14 +88,27 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     raw_s, fs_s, sha_s = min(raw), min(fs), min(crc)
     ratio = raw_s / fs_s
-    print(f"raw copy {nbytes / raw_s / 2**30:.2f} GiB/s, publish+load {nbytes / fs_s / 2**30:.2f} GiB/s (crc32, the "
-          f"default), {nbytes / sha_s / 2**30:.2f} GiB/s (sha256)")
-    print(json.dumps({
-        "benchmark": "weights", "value": round(ratio, 3), "target": TARGET, "ok": ratio >= TARGET,
-        "unit": "raw_seconds / publish_load_seconds", "gib": round(nbytes / 2**30, 3),
-        "raw_seconds": round(raw_s, 3), "publish_load_seconds": round(fs_s, 3), "shard_gb": a.shard_gb,
-        "checksum": "crc32", "sha256_ratio": round(raw_s / sha_s, 3),
-    }))
+    print(
+        f"raw copy {nbytes / raw_s / 2**30:.2f} GiB/s, publish+load {nbytes / fs_s / 2**30:.2f} GiB/s (crc32, the "
+        f"default), {nbytes / sha_s / 2**30:.2f} GiB/s (sha256)"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "weights",
+                "value": round(ratio, 3),
+                "target": TARGET,
+                "ok": ratio >= TARGET,
+                "unit": "raw_seconds / publish_load_seconds",
+                "gib": round(nbytes / 2**30, 3),
+                "raw_seconds": round(raw_s, 3),
+                "publish_load_seconds": round(fs_s, 3),
+                "shard_gb": a.shard_gb,
+                "checksum": "crc32",
+                "sha256_ratio": round(raw_s / sha_s, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ print("DeepGEMM ok: relative error vs reference %.2e" % err)'
   fi
   if want deepep; then
     # The extension loads (its NVSHMEM and NCCL libraries resolve) and answers a config query; dispatch itself
-    # needs 2+ ranks: tests/test_parallel.py's GPU tests exercise it through trainer.parallel.ep_backend.
+    # needs 2+ ranks: tests/trainer/test_parallel.py's GPU tests exercise it through trainer.parallel.ep_backend.
     run "$PYEXE" -c '
 import deep_ep
 config = deep_ep.Buffer.get_dispatch_config(8)

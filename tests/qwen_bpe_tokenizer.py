@@ -23,18 +23,39 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from arbor.models.tokenizer import _byte_symbols
 
-PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRETOKENIZE = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 """Qwen2/Qwen3's split of text into words before BPE (the `pat_str` of the rank file's encoding)."""
 
 ADDED = [
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
-    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
 ]
 """Qwen3's added tokens in id order from 151643, each with whether it is special (dropped by skip_special)."""
 
@@ -48,7 +69,7 @@ TEMPLATE = (
     "{%- set ns.rest = messages[1:] %}{%- if tools %}{{ '\\n\\n' }}{%- endif %}{%- endif %}"
     "{%- if tools %}{{ '# Tools\\nYou may call these functions:\\n<tools>' }}"
     "{%- for t in tools %}{{ '\\n' + (t | tojson) }}{%- endfor %}"
-    "{{ '\\n</tools>\\nCall one as <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call>' }}"
+    '{{ \'\\n</tools>\\nCall one as <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>\' }}'
     "{%- endif %}{{ '<|im_end|>\\n' }}{%- endif %}"
     "{%- for m in ns.rest %}"
     "{%- if m.role == 'tool' %}"
@@ -70,7 +91,7 @@ def ranks_path() -> Path:
 def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
     """The two parts that BPE joins last to make `token`, using only merges ranked below the token itself."""
     limit = ranks[token]
-    parts = [token[i:i + 1] for i in range(len(token))]
+    parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         best, at = limit, -1
         for i in range(len(parts) - 1):
@@ -79,7 +100,7 @@ def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
                 best, at = r, i
         if at < 0:
             break
-        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
     if len(parts) != 2:
         raise ValueError(f"rank file has no merge path for token {token!r}")
     return parts[0], parts[1]
@@ -87,32 +108,58 @@ def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
 
 def build(path: Path) -> Path:
     """Writes `tokenizer.json` and `tokenizer_config.json` into `path` (created) and returns it."""
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in
-             (line.split() for line in ranks_path().read_text().splitlines() if line)}
+    ranks = {
+        base64.b64decode(tok): int(rank)
+        for tok, rank in (line.split() for line in ranks_path().read_text().splitlines() if line)
+    }
     alphabet = _byte_symbols()
 
     def spell(b: bytes) -> str:
         return "".join(alphabet[x] for x in b)
 
     vocab = {spell(tok): rank for tok, rank in ranks.items()}
-    merges = [(spell(a), spell(b)) for tok, _ in sorted(ranks.items(), key=lambda kv: kv[1]) if len(tok) > 1
-              for a, b in [_merge_of(tok, ranks)]]
+    merges = [
+        (spell(a), spell(b))
+        for tok, _ in sorted(ranks.items(), key=lambda kv: kv[1])
+        if len(tok) > 1
+        for a, b in [_merge_of(tok, ranks)]
+    ]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     path.mkdir(parents=True, exist_ok=True)
     data = json.loads(tok.to_str())
-    data["added_tokens"] = [{"id": FIRST_ADDED + i, "content": t, "single_word": False, "lstrip": False,
-                             "rstrip": False, "normalized": False, "special": special}
-                            for i, (t, special) in enumerate(ADDED)]
+    data["added_tokens"] = [
+        {
+            "id": FIRST_ADDED + i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": special,
+        }
+        for i, (t, special) in enumerate(ADDED)
+    ]
     (path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None, "clean_up_tokenization_spaces": False,
-        "model_max_length": 131072,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "unk_token": None,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 131072,
+            }
+        )
+    )
     return path

@@ -54,13 +54,17 @@ def build(path: Path, strip_think: bool = False) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     template = TEMPLATE.replace("STRIP", "true" if strip_think else "false")
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": template,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": template,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 4096,
+            }
+        )
+    )
     return path

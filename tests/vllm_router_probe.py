@@ -2,7 +2,7 @@
 line, each MoE gate's output and weight dtypes and the largest difference between its logits on bf16 activations
 and the trainer's router logits (arbor.models.qwen3_moe: `F.linear(x.float(), w.float())`) on the weights it
 serves (the checkpoint's where the CPU build packed them away).
-Whether arbor's plugin acts is the caller's environment (arbor.inference.vllm_router.FP32_ROUTER_ENV).
+Whether arbor's plugin acts is the caller's environment (arbor.inference.vllm.fp32_router.FP32_ROUTER_ENV).
 
     python tests/vllm_router_probe.py MODEL DTYPE
 """
@@ -22,7 +22,7 @@ from vllm import LLM  # noqa: E402
 
 from arbor.config.inference import InferenceConfig  # noqa: E402
 from arbor.config.model import ModelConfig  # noqa: E402
-from arbor.inference.vllm_model import model_dir  # noqa: E402
+from arbor.inference.vllm.model_dir import model_dir  # noqa: E402
 from arbor.models import build_model  # noqa: E402
 
 CHECKPOINT: dict[str, torch.Tensor] = {}
@@ -46,9 +46,15 @@ def gates(worker) -> list[dict]:
         logits = m(x)
         logits = logits[0] if isinstance(logits, tuple) else logits
         reference = F.linear(x.float(), weight.float())
-        out.append({"name": name, "out_dtype": str(logits.dtype), "weight_dtype": str(m.weight.dtype),
-                    "max_diff": (logits.float() - reference).abs().max().item(),
-                    "scale": reference.abs().max().item()})
+        out.append(
+            {
+                "name": name,
+                "out_dtype": str(logits.dtype),
+                "weight_dtype": str(m.weight.dtype),
+                "max_diff": (logits.float() - reference).abs().max().item(),
+                "scale": reference.abs().max().item(),
+            }
+        )
     return out
 
 

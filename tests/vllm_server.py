@@ -12,22 +12,50 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
-def vllm_server(tmp_path: Path, model_dir: Path | str, seq_len: int, *extra: str, dtype: str = "float32",
-                procs: list[subprocess.Popen] | None = None) -> Iterator[str]:
+def vllm_server(
+    tmp_path: Path,
+    model_dir: Path | str,
+    seq_len: int,
+    *extra: str,
+    dtype: str = "float32",
+    procs: list[subprocess.Popen] | None = None,
+) -> Iterator[str]:
     """Yields the base URL of `inference --backend vllm` serving `model_dir` (a directory or a preset name;
     extra flags appended). `procs`, when given, receives the server process (its own process group: the proxy
     and vLLM), for tests that kill it."""
     ready = tmp_path / "ready"
     ready.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "arbor.inference.server", "--backend", "vllm", "--port", "0",
-                             "--model.name", str(model_dir), "--seq-len", str(seq_len), "--ready-file", str(ready),
-                             "--vllm.enforce-eager", "true", "--vllm.gpu-memory-utilization", "0.3",
-                             "--vllm.dtype", dtype, *extra], start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "arbor.inference.server",
+            "--backend",
+            "vllm",
+            "--port",
+            "0",
+            "--model.name",
+            str(model_dir),
+            "--seq-len",
+            str(seq_len),
+            "--ready-file",
+            str(ready),
+            "--vllm.enforce-eager",
+            "true",
+            "--vllm.gpu-memory-utilization",
+            "0.3",
+            "--vllm.dtype",
+            dtype,
+            *extra,
+        ],
+        start_new_session=True,
+    )
     if procs is not None:
         procs.append(proc)
     try:
@@ -76,6 +104,8 @@ def get_json(url: str, path: str) -> dict[str, Any]:
 
 
 def post_json(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())

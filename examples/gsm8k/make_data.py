@@ -64,7 +64,9 @@ def demonstrations(n: int = 300, seed: int = 1) -> list[dict[str, str]]:
     """`n` SFT rows on problems that are not RL tasks: the worked step, then the answer boxed as the verifier
     reads it."""
     train = {row["question"] for row in problems()}
-    return [{"prompt": q, "completion": f"{work}\n\\boxed{{{answer}}}"} for q, work, answer in _generate(n, seed, train)]
+    return [
+        {"prompt": q, "completion": f"{work}\n\\boxed{{{answer}}}"} for q, work, answer in _generate(n, seed, train)
+    ]
 
 
 def main() -> None:

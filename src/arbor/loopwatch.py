@@ -61,8 +61,9 @@ class LoopWatch:
         self._thread.start()
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         if self._stamping is not None:
             self._stamping.cancel()
@@ -96,10 +97,14 @@ class LoopWatch:
                 continue
             self._named.add(where)
             self._logged = True
-            log.warning("the event loop has been blocked for %.1fs at %s: nothing else runs meanwhile (rollouts, "
-                        "weight updates, the gateway); blocking work in a coroutine (time.sleep, requests, "
-                        "subprocess.run, CPU-bound scoring) belongs in asyncio.to_thread or an async client (logged "
-                        "once per place; every stall counts in time/loop_blocked)", lag, where)
+            log.warning(
+                "the event loop has been blocked for %.1fs at %s: nothing else runs meanwhile (rollouts, "
+                "weight updates, the gateway); blocking work in a coroutine (time.sleep, requests, "
+                "subprocess.run, CPU-bound scoring) belongs in asyncio.to_thread or an async client (logged "
+                "once per place; every stall counts in time/loop_blocked)",
+                lag,
+                where,
+            )
 
 
 def place(frame: FrameType | None, depth: int = 3) -> str:

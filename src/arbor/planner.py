@@ -10,7 +10,8 @@ A roofline model, no measurement (docs/planner.md states its assumptions and com
   server's sequence cap and by the rollouts the orchestrator keeps in flight; a decode step costs the larger of
   reading weights + KV cache at `plan.decode_bandwidth` of HBM bandwidth and its FLOPs at `plan.inference_mfu`;
   prefill is compute-bound; a group ends with its longest rollout (`sampling.max_tokens`), so the rollouts in
-  flight over that latency bound the rate too; environment seconds hold a slot; `plan.acceptance` of the rollouts reach the trainer;
+  flight over that latency bound the rate too; environment seconds hold a slot; `plan.acceptance` of the rollouts reach
+  the trainer;
 - disaggregated pools run at the slower pool's rate, the faster one idles the rest; a colocated layout (trainer and
   vLLM on the same GPUs) alternates, so the rate is the harmonic combination of the two.
 Nothing here imports torch: `rl plan` answers in well under a second.
@@ -68,8 +69,16 @@ def model_figures(args: ModelArgs | DSAArgs) -> ModelFigures:
     else:
         kv, window = 2 * L * args.num_key_value_heads * args.head_dim, None
         attn = 4 * L * args.num_attention_heads * args.head_dim
-    return ModelFigures(total, total - idle_experts - embedding, routed, max(args.num_experts, 1),
-                        args.num_experts_per_tok if args.is_moe else 1, kv, attn, window)
+    return ModelFigures(
+        total,
+        total - idle_experts - embedding,
+        routed,
+        max(args.num_experts, 1),
+        args.num_experts_per_tok if args.is_moe else 1,
+        kv,
+        attn,
+        window,
+    )
 
 
 def attended(tokens: float, window: int | None) -> float:
@@ -129,15 +138,18 @@ def instance_gpus(cfg: RLConfig, m: ModelFigures, share: float, gpus: int) -> in
     while weights > WEIGHT_SHARE * size * hw.hbm_gb * 1e9 * share:
         size *= 2
     if size > gpus:
-        raise DoesNotFit(f"the model's weights ({weights / 1e9:.0f} GB at plan.weight_bytes = "
-                         f"{cfg.plan.weight_bytes:g}) need {size} GPU(s) of {hw.hbm_gb:g} GB (at {share:g} of their "
-                         f"memory, from tensor_parallel_size {cfg.inference.vllm.tensor_parallel_size} up in powers "
-                         f"of two); the inference pool has {gpus}")
+        raise DoesNotFit(
+            f"the model's weights ({weights / 1e9:.0f} GB at plan.weight_bytes = "
+            f"{cfg.plan.weight_bytes:g}) need {size} GPU(s) of {hw.hbm_gb:g} GB (at {share:g} of their "
+            f"memory, from tensor_parallel_size {cfg.inference.vllm.tensor_parallel_size} up in powers "
+            f"of two); the inference pool has {gpus}"
+        )
     return size
 
 
-def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float,
-                   tokens: tuple[float, float]) -> dict[str, Any]:
+def generator_rate(
+    cfg: RLConfig, m: ModelFigures, gpus: int, share: float, tokens: tuple[float, float]
+) -> dict[str, Any]:
     """Samples/s of `gpus` inference GPUs (`tokens`: mean prompt and completion), with what bounds it."""
     hw, plan, (prompt, completion) = _hardware(cfg), cfg.plan, tokens
     size = instance_gpus(cfg, m, share, gpus)
@@ -167,8 +179,12 @@ def generator_rate(cfg: RLConfig, m: ModelFigures, gpus: int, share: float,
     return {
         "rate": plan.acceptance * min(by_slots, by_stragglers),
         "rate_bound": "free slots" if by_slots <= by_stragglers else "longest rollouts (stragglers)",
-        "instance_gpus": size, "instances": instances, "slots": slots, "slots_by_memory": by_memory,
-        "slots_bound": bound, "decode_tok_s": instances * slots / step,
+        "instance_gpus": size,
+        "instances": instances,
+        "slots": slots,
+        "slots_by_memory": by_memory,
+        "slots_bound": bound,
+        "decode_tok_s": instances * slots / step,
         "decode_bound": "memory" if memory_s >= compute_s else "compute",
     }
 
@@ -179,8 +195,9 @@ def lengths(cfg: RLConfig) -> tuple[float, float]:
     return float(prompt), float(completion)
 
 
-def balance(cfg: RLConfig, m: ModelFigures, trainer_gpus: int, inference_gpus: int, share: float,
-            colocated: bool) -> dict[str, Any]:
+def balance(
+    cfg: RLConfig, m: ModelFigures, trainer_gpus: int, inference_gpus: int, share: float, colocated: bool
+) -> dict[str, Any]:
     """The steady state of one split: each side's rate, the run's rate and each side's idle fraction."""
     prompt, completion = lengths(cfg)
     compute, broadcast = trainer_rate(cfg, m, trainer_gpus, prompt + completion)
@@ -188,8 +205,14 @@ def balance(cfg: RLConfig, m: ModelFigures, trainer_gpus: int, inference_gpus: i
     trainer = batch / (batch / compute + broadcast)
     gen = generator_rate(cfg, m, inference_gpus, share, (prompt, completion))
     rate = 1 / (1 / trainer + 1 / gen["rate"]) if colocated else min(trainer, gen["rate"])
-    return {"trainer": trainer, "generator": gen, "rate": rate, "trainer_wait": 1 - rate / trainer,
-            "generator_idle": 1 - rate / gen["rate"], "step_s": batch / rate}
+    return {
+        "trainer": trainer,
+        "generator": gen,
+        "rate": rate,
+        "trainer_wait": 1 - rate / trainer,
+        "generator_idle": 1 - rate / gen["rate"],
+        "step_s": batch / rate,
+    }
 
 
 def matched_split(cfg: RLConfig, m: ModelFigures, lay: Layout) -> tuple[int, int, dict[str, Any]] | None:
@@ -214,8 +237,10 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
     _hardware(cfg)
     args = model_shape(cfg.model) or PUBLISHED_SHAPES.get(cfg.model.name)
     if args is None:
-        raise ConfigError(f"rl plan: model.name {cfg.model.name}: its shape is unknown here (not a preset, no "
-                          "config.json in the Hugging Face cache or the directory)")
+        raise ConfigError(
+            f"rl plan: model.name {cfg.model.name}: its shape is unknown here (not a preset, no "
+            "config.json in the Hugging Face cache or the directory)"
+        )
     m = model_figures(args)
     lay = layout(cfg)
     try:
@@ -228,17 +253,28 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
     price = cfg.cost.gpu_hour_usd
     train_gb = m.total_params * TRAIN_BYTES / lay.trainer_gpus / 1e9  # sharded over the trainer's GPUs
     return {
-        "model": cfg.model.name, "figures": m, "layout": lay, "gpus": gpus, "now": now, "misfit": misfit,
-        "prompt": prompt, "completion": completion, "tokens_s": tokens_s, "train_gb": train_gb,
-        "hbm_gb": cfg.hardware.hbm_gb, "matched": matched_split(cfg, m, lay),
+        "model": cfg.model.name,
+        "figures": m,
+        "layout": lay,
+        "gpus": gpus,
+        "now": now,
+        "misfit": misfit,
+        "prompt": prompt,
+        "completion": completion,
+        "tokens_s": tokens_s,
+        "train_gb": train_gb,
+        "hbm_gb": cfg.hardware.hbm_gb,
+        "matched": matched_split(cfg, m, lay),
         "usd_per_mtok": price * gpus / 3600 / tokens_s * 1e6 if price and now else None,
     }
 
 
 def _hardware(cfg: RLConfig):
     if cfg.hardware is None:
-        raise ConfigError("rl plan needs a [hardware] table (peak_tflops, hbm_gb, hbm_tb_s, interconnect_gb_s): "
-                          "add a layer such as configs/hardware/8xgpu-node.toml")
+        raise ConfigError(
+            "rl plan needs a [hardware] table (peak_tflops, hbm_gb, hbm_tb_s, interconnect_gb_s): "
+            "add a layer such as configs/hardware/8xgpu-node.toml"
+        )
     return cfg.hardware
 
 
@@ -249,8 +285,11 @@ def _pct(x: float) -> str:
 def table(p: dict[str, Any]) -> list[tuple[str, str]]:
     """(figure, value) rows, in the order `rl plan` prints them."""
     m, lay, now = p["figures"], p["layout"], p["now"]
-    pools = (f"{lay.trainer_gpus} GPU(s) shared by trainer and inference" if lay.colocated
-             else f"{lay.trainer_gpus} trainer + {lay.inference_gpus} inference")
+    pools = (
+        f"{lay.trainer_gpus} GPU(s) shared by trainer and inference"
+        if lay.colocated
+        else f"{lay.trainer_gpus} trainer + {lay.inference_gpus} inference"
+    )
     fits = "fits" if p["train_gb"] <= p["hbm_gb"] else "exceeds the GPU's memory: offload the optimizer or add GPUs"
     rows = [
         ("model", f"{p['model']}: {m.total_params / 1e9:.3g}B parameters, {m.active_params / 1e9:.3g}B per token"),
@@ -262,9 +301,12 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
         return rows + [("inference", f"does not fit: {p['misfit']}"), _matched_row(p)]
     gen = now["generator"]
     rows += [
-        ("inference instance", f"{gen['instance_gpus']} GPU(s) x {gen['instances']}, "
-                               f"{gen['slots']:.0f} rollouts each, bound by the {gen['slots_bound']} "
-                               f"(KV cache holds {gen['slots_by_memory']:.0f})"),
+        (
+            "inference instance",
+            f"{gen['instance_gpus']} GPU(s) x {gen['instances']}, "
+            f"{gen['slots']:.0f} rollouts each, bound by the {gen['slots_bound']} "
+            f"(KV cache holds {gen['slots_by_memory']:.0f})",
+        ),
         ("decode", f"{gen['decode_tok_s']:.4g} tokens/s, {gen['decode_bound']}-bound"),
         ("trainer samples/s", f"{now['trainer']:.4g}"),
         ("generator samples/s", f"{gen['rate']:.4g}, bound by the {gen['rate_bound']}"),
@@ -279,36 +321,52 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _matched_row(p: dict[str, Any]) -> tuple[str, str]:
     if p["matched"] is None:
-        why = ("one GPU cannot be split" if p["gpus"] < 2 else
-               "no split of these GPUs holds both the trainer's state and the inference weights")
+        why = (
+            "one GPU cannot be split"
+            if p["gpus"] < 2
+            else "no split of these GPUs holds both the trainer's state and the inference weights"
+        )
         return ("matched split", f"none: {why}")
     t, i, b = p["matched"]
     split = "disaggregated: " if p["layout"].colocated else ""
-    return ("matched split", f"{split}{t} trainer + {i} inference: {b['rate']:.4g} samples/s, trainer wait "
-                             f"{_pct(b['trainer_wait'])}, generator idle {_pct(b['generator_idle'])}")
+    return (
+        "matched split",
+        f"{split}{t} trainer + {i} inference: {b['rate']:.4g} samples/s, trainer wait "
+        f"{_pct(b['trainer_wait'])}, generator idle {_pct(b['generator_idle'])}",
+    )
 
 
 def advice(p: dict[str, Any]) -> str:
     """One sentence: what to change for the next run, by the planner's figures."""
     now, matched = p["now"], p["matched"]
     if now is None:
-        return ("the model does not fit this layout's inference GPUs" +
-                (f": split them {matched[0]} trainer + {matched[1]} inference" if matched else
-                 ": use more GPUs (a multi-node layer) or FP8 weights (plan.weight_bytes = 1)"))
+        return "the model does not fit this layout's inference GPUs" + (
+            f": split them {matched[0]} trainer + {matched[1]} inference"
+            if matched
+            else ": use more GPUs (a multi-node layer) or FP8 weights (plan.weight_bytes = 1)"
+        )
     if matched is not None and matched[2]["rate"] > 1.05 * now["rate"]:
         t, i, b = matched
-        return (f"move to {t} trainer + {i} inference GPUs: {b['rate'] / now['rate']:.2f}x the samples/s "
-                f"({b['rate']:.4g} vs {now['rate']:.4g})")
+        return (
+            f"move to {t} trainer + {i} inference GPUs: {b['rate'] / now['rate']:.2f}x the samples/s "
+            f"({b['rate']:.4g} vs {now['rate']:.4g})"
+        )
     if p["layout"].colocated:
-        return (f"colocated: the GPUs train {_pct(1 - now['trainer_wait'])} and generate "
-                f"{_pct(1 - now['generator_idle'])} of the time; keep it")
+        return (
+            f"colocated: the GPUs train {_pct(1 - now['trainer_wait'])} and generate "
+            f"{_pct(1 - now['generator_idle'])} of the time; keep it"
+        )
     gen = now["generator"]
     if now["trainer_wait"] > 0.1 and gen["rate_bound"].startswith("longest"):
-        return ("generation-bound by the longest rollouts: raise orchestrator.max_off_policy_steps (more rollouts in "
-                "flight) or lower sampling.max_tokens; more inference GPUs would not help")
+        return (
+            "generation-bound by the longest rollouts: raise orchestrator.max_off_policy_steps (more rollouts in "
+            "flight) or lower sampling.max_tokens; more inference GPUs would not help"
+        )
     if now["trainer_wait"] > 0.1 and gen["slots_bound"] == "rollouts in flight":
-        return ("generation-bound by the rollouts in flight: raise orchestrator.max_off_policy_steps (or batch_size) "
-                "so that the inference GPUs have more to decode")
+        return (
+            "generation-bound by the rollouts in flight: raise orchestrator.max_off_policy_steps (or batch_size) "
+            "so that the inference GPUs have more to decode"
+        )
     if now["trainer_wait"] > 0.1:
         return "generation-bound: give inference more GPUs or shorter completions"
     if now["generator_idle"] > 0.1:
@@ -320,4 +378,3 @@ def render(p: dict[str, Any]) -> str:
     rows = table(p) + [("advice", advice(p))]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-

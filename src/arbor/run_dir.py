@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 DONE = "DONE"
 """Written last into a trainer checkpoint directory: the checkpoint is complete."""
@@ -37,6 +37,7 @@ PathLike = str | Path
 
 
 # ---- atomic writes ----
+
 
 def write_atomic(path: Path, write: Callable[[Path], object], fsync: bool = True) -> None:
     """Calls `write(tmp_path)` then renames the temporary file onto `path` (after an fsync unless `fsync` is off:
@@ -62,6 +63,7 @@ def write_text_atomic(path: Path, text: str, fsync: bool = True) -> None:
 
 
 # ---- paths ----
+
 
 def poll_interval(waited: float) -> float:
     """Seconds to sleep before the next look for a file (a step's rollouts, a newer policy), `waited` seconds into
@@ -199,6 +201,7 @@ def stopped_path(output_dir: PathLike) -> Path:
 
 # ---- step listings ----
 
+
 def _steps(root: Path, complete: Callable[[Path], bool]) -> list[int]:
     """The N of every `root/step_N` that `complete` accepts, ascending."""
     if not root.is_dir():
@@ -243,6 +246,7 @@ def rollout_steps(output_dir: PathLike) -> list[int]:
 
 
 # ---- retention ----
+
 
 def _remove_step_dir_if_empty(output_dir: PathLike, step: int) -> None:
     d = checkpoint_step_dir(output_dir, step)

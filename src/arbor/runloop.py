@@ -19,8 +19,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger("arbor.runloop")
 T = TypeVar("T")
@@ -77,9 +78,12 @@ def exit_if_stuck(grace: float = 2.0) -> None:
     error = sys.exc_info()[1]
     if error is not None:  # os._exit skips the traceback the caller would have printed
         traceback.print_exception(error)
-    log.warning("exiting without waiting for %d worker thread(s) still running (%s): work such as an environment "
-                "call whose coroutine was cancelled, by its timeout or as the run ended; a thread cannot be",
-                len(stuck), ", ".join(t.name for t in stuck))
+    log.warning(
+        "exiting without waiting for %d worker thread(s) still running (%s): work such as an environment "
+        "call whose coroutine was cancelled, by its timeout or as the run ended; a thread cannot be",
+        len(stuck),
+        ", ".join(t.name for t in stuck),
+    )
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -39,8 +39,10 @@ def is_loopback(host: str) -> bool:
 def require_admin_token(host: str, token: SecretStr | None, key: str) -> None:
     """Refuses (one line naming `key`) a server that would bind beyond loopback with its admin routes open."""
     if token is None and not is_loopback(host):
-        raise ConfigError(f"{key} is required when the server binds {host!r} (beyond loopback): set it in the "
-                          f"config or through {ADMIN_TOKEN_ENV}")
+        raise ConfigError(
+            f"{key} is required when the server binds {host!r} (beyond loopback): set it in the "
+            f"config or through {ADMIN_TOKEN_ENV}"
+        )
 
 
 def new_admin_token() -> SecretStr:

@@ -30,7 +30,6 @@ NAME_MAX, PATH_MAX = 255, 4095
 """Longest file name and path (bytes) the usual filesystems accept."""
 
 
-
 def _at_most(limit: float) -> AfterValidator:
     """A cap on a value's magnitude, checked after the field's own bounds (a `Field(le=...)` here would replace
     the bound a field sets with the same keyword)."""
@@ -95,8 +94,10 @@ def _fits_filesystem(path: Path | None) -> Path | None:
         raise ValueError(f"the path is {len(text.encode())} bytes long; the filesystem takes at most {PATH_MAX}")
     long = next((p for p in path.parts if len(p.encode()) > NAME_MAX), None)
     if long is not None:
-        raise ValueError(f"the path component {long[:32]!r}... is {len(long.encode())} bytes long; the filesystem "
-                         f"takes at most {NAME_MAX}")
+        raise ValueError(
+            f"the path component {long[:32]!r}... is {len(long.encode())} bytes long; the filesystem "
+            f"takes at most {NAME_MAX}"
+        )
     return path
 
 
@@ -138,8 +139,9 @@ class Config(BaseModel):
     """One TOML table. Each field's attribute docstring is its `--help` text."""
 
     # allow_inf_nan: no float of any table (nested ones included: tuples, dict values) may be inf or NaN.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
     deprecated_aliases: ClassVar[dict[str, str]] = {}
     """Renamed keys of this table, old name -> new name; the loader accepts the old name with a warning."""

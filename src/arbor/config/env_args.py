@@ -1,7 +1,7 @@
 """Typed `[orchestrator.environment.args]` of the built-in environments, checked with the rest of the config.
 
 One model per built-in (`ENV_ARGS`), its fields the keyword arguments of the environment's constructor with the
-same defaults (tests/test_config.py holds the two together). `check_env_args` answers a misspelt argument with
+same defaults (tests/config/test_config.py holds the two together). `check_env_args` answers a misspelt argument with
 the closest known one, a wrong type or range with the argument's name, and contradictions (min_len > max_len,
 a black-box agent given twice) in one line, so none of them reaches a running orchestrator; an argument unlike
 any known one is refused by preflight (`strict`). Environments given by dotted path take whatever arguments
@@ -137,7 +137,7 @@ ENV_ARGS: dict[str, type[EnvArgs]] = {
     "black_box": BlackBoxArgs,
     "swe_agent": SweAgentArgs,
 }
-"""The built-ins' argument models, by environment id (arbor.environments.base.BUILTINS)."""
+"""The built-ins' argument models, by environment id (arbor.environments.protocol.BUILTINS)."""
 
 
 def check_env_args(env_id: str, args: dict[str, Any], prefix: str = "", strict: bool = False) -> None:
@@ -171,6 +171,7 @@ def _one_line(e: ValidationError, prefix: str, env_id: str) -> EnvArgsError:
     msg = err["msg"].removeprefix("Value error, ")
     loc = ".".join(str(p) for p in err["loc"])
     if not loc:  # a contradiction between arguments
-        return EnvArgsError(f"{prefix[:-1]} (environment {env_id!r}): {msg}" if prefix else
-                            f"environment {env_id!r}: {msg}")
+        return EnvArgsError(
+            f"{prefix[:-1]} (environment {env_id!r}): {msg}" if prefix else f"environment {env_id!r}: {msg}"
+        )
     return EnvArgsError(f"{prefix}{loc} of environment {env_id!r}: {msg} (got {err['input']!r})")

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from arbor.config.env_args import check_env_args
 from arbor.config.base import Config, Count, Float, Int, Seconds, Tokens
+from arbor.config.env_args import check_env_args
 
 
 class ContextConfig(Config):

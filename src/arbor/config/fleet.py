@@ -67,12 +67,16 @@ class FleetConfig(Config):
     @model_validator(mode="after")
     def _slots(self) -> "FleetConfig":
         if self.inference.weights.kind == "nccl":
-            raise ValueError("inference.weights.kind = 'nccl' cannot serve a shared fleet: runs publish adapters as "
-                             "files (weights.kind = 'filesystem')")
+            raise ValueError(
+                "inference.weights.kind = 'nccl' cannot serve a shared fleet: runs publish adapters as "
+                "files (weights.kind = 'filesystem')"
+            )
         router = self.inference.router
         if router.implementation == "vllm-router":
-            raise ValueError("inference.router.implementation = 'vllm-router' cannot serve a shared fleet (it has no "
-                             "run registration nor per-run sharing): use 'builtin'")
+            raise ValueError(
+                "inference.router.implementation = 'vllm-router' cannot serve a shared fleet (it has no "
+                "run registration nor per-run sharing): use 'builtin'"
+            )
         router.implementation = "builtin"
         if self.inference.vllm.enable_lora is None:  # the base model has no [model.lora]; the runs' adapters do
             self.inference.vllm.enable_lora = True

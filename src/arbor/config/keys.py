@@ -69,7 +69,9 @@ def replacements(cls: type[BaseModel], path: list[str], value: Any) -> list[tupl
     key as itself."""
     model: type[BaseModel] | None = cls
     for key in path[:-1]:
-        model = sub_model(model.model_fields[key].annotation) if model is not None and key in model.model_fields else None
+        model = (
+            sub_model(model.model_fields[key].annotation) if model is not None and key in model.model_fields else None
+        )
     if model is None or path[-1] not in getattr(model, "retired_keys", ()):
         return [(path, value)]
     out: list[tuple[list[str], Any]] = []

@@ -4,21 +4,18 @@ The mesh (`world = dp_replicate x dp_shard x cp`, ep folded into `dp_shard x cp`
 `rl` starts; the model must split the way the layout asks (experts over ep, attention heads over cp for
 Ulysses). The shape comes from a preset (arbor.models.presets) or the checkpoint's `config.json`
 (arbor.models.args; a hub id's from the Hugging Face cache, never downloaded here); a checkpoint that is not on
-this machine (a cluster path checked on a laptop) is checked by the trainer when it builds the model. The trainer applies the same rules again at start-up
+this machine (a cluster path checked on a laptop) is checked by the trainer when it builds the model. The trainer
+applies the same rules again at start-up
 (arbor.trainer.parallel), so a standalone trainer gets them too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from arbor.config.model import ModelConfig
+from arbor.config.parallel import ParallelConfig
 from arbor.models.args import DSAArgs, ModelArgs, check_cp_style
 from arbor.models.hub import cached_config
 from arbor.models.presets import PRESETS
-
-if TYPE_CHECKING:  # an annotation only: the trainer's table imports this module
-    from arbor.config.trainer import ParallelConfig
 
 
 def model_shape(model: ModelConfig) -> ModelArgs | DSAArgs | None:
@@ -48,8 +45,9 @@ def check_model_split(parallel: ParallelConfig, args: ModelArgs | DSAArgs, name:
             )
     if parallel.ep > 1:
         if not args.is_moe:
-            raise ValueError(f"parallel.ep = {parallel.ep} needs a mixture-of-experts model; {name} is dense "
-                             "(set ep = 1)")
+            raise ValueError(
+                f"parallel.ep = {parallel.ep} needs a mixture-of-experts model; {name} is dense (set ep = 1)"
+            )
         if args.num_experts % parallel.ep:
             raise ValueError(f"parallel.ep ({parallel.ep}) must divide the model's num_experts ({args.num_experts})")
 
@@ -60,14 +58,16 @@ def check_mesh(parallel: ParallelConfig, world: int, ranks: str) -> None:
     r, c = parallel.dp_replicate, parallel.cp
     if parallel.dp_shard == -1:
         if world % (r * c):
-            raise ValueError(f"trainer.parallel: dp_replicate ({r}) x cp ({c}) = {r * c} must divide the trainer's "
-                             f"ranks, {ranks}")
+            raise ValueError(
+                f"trainer.parallel: dp_replicate ({r}) x cp ({c}) = {r * c} must divide the trainer's ranks, {ranks}"
+            )
         shard = world // (r * c)
     else:
         shard = parallel.dp_shard
         if r * shard * c != world:
-            raise ValueError(f"trainer.parallel: dp_replicate ({r}) x dp_shard ({shard}) x cp ({c}) = {r * shard * c} "
-                             f"must equal the trainer's ranks, {ranks}")
+            raise ValueError(
+                f"trainer.parallel: dp_replicate ({r}) x dp_shard ({shard}) x cp ({c}) = {r * shard * c} "
+                f"must equal the trainer's ranks, {ranks}"
+            )
     if (shard * c) % parallel.ep:
         raise ValueError(f"trainer.parallel.ep ({parallel.ep}) must divide dp_shard x cp ({shard} x {c} = {shard * c})")
-

@@ -15,8 +15,9 @@ import os
 import sys
 import tomllib
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -29,7 +30,9 @@ __all__ = ["ConfigError", "load_config", "main_guard", "render_help"]
 C = TypeVar("C", bound=Config)
 
 
-def load_config(cls: type[C], argv: list[str] | None = None, env: Mapping[str, str] | None = None, prog: str = "arbor") -> C:
+def load_config(
+    cls: type[C], argv: list[str] | None = None, env: Mapping[str, str] | None = None, prog: str = "arbor"
+) -> C:
     """Parses `argv` (without the program name) into `cls`; prints help and exits on `--help`."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -41,7 +44,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, env: Mapping[str, s
     for name, raw in sorted((os.environ if env is None else env).items()):
         if name.startswith(ENV_PREFIX):
             where = f"environment variable {name}: "
-            path, ann = resolve(cls, name[len(ENV_PREFIX):].lower().split("__"), where, False)
+            path, ann = resolve(cls, name[len(ENV_PREFIX) :].lower().split("__"), where, False)
             put(cls, variables, path, ann, coerce(raw, ann), where, False)
 
     class Settings(BaseSettings, cls):  # type: ignore[misc,valid-type]  # cls's fields and validators
@@ -118,7 +121,9 @@ def parse_argv(cls: type[Config], argv: list[str]) -> tuple[list[str], dict[str,
     return files, flags
 
 
-def put(cls: type[Config], out: dict[str, Any], path: list[str], ann: Any, value: Any, where: str, dashed: bool) -> None:
+def put(
+    cls: type[Config], out: dict[str, Any], path: list[str], ann: Any, value: Any, where: str, dashed: bool
+) -> None:
     """Sets the field at `path` (of type `ann`) in the nested dict `out`; a table takes only a table. A retired
     key is set as the keys that replace it (arbor.config.keys.replacements)."""
     if sub_model(ann) is not None and not isinstance(value, dict):

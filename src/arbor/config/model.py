@@ -10,8 +10,19 @@ from pydantic import Field, field_validator
 
 from arbor.config.base import Config, Count, FilePath, Float, Seed
 
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
+DEFAULT_LORA_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+]
 """Every attention and MLP projection of the dense, MoE (experts included) and DeepSeek (MLA) models; names
 that a model lacks match nothing there."""
 

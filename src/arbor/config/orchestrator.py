@@ -8,8 +8,21 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from arbor.config.admin import AdminToken
-from arbor.config.base import (Config, Count, FilePath, Float, Int, Port, Ranks, Seconds, Seed, Temperature, Tokens,
-                               warn_config, warn_deprecated)
+from arbor.config.base import (
+    Config,
+    Count,
+    FilePath,
+    Float,
+    Int,
+    Port,
+    Ranks,
+    Seconds,
+    Seed,
+    Temperature,
+    Tokens,
+    warn_config,
+    warn_deprecated,
+)
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
@@ -192,7 +205,9 @@ class RolloutScheduleConfig(Config):
     @model_validator(mode="after")
     def _lag_is_continuous(self) -> "RolloutScheduleConfig":
         if self.lag is not None and self.mode in ("sync", "one_step_off"):
-            raise ValueError(f"lag applies to the continuous modes (async, greedy, windowed_fifo), not to {self.mode!r}")
+            raise ValueError(
+                f"lag applies to the continuous modes (async, greedy, windowed_fifo), not to {self.mode!r}"
+            )
         if self.adaptive_max is not None and self.adaptive_max < self.adaptive_min:
             raise ValueError(f"adaptive_max ({self.adaptive_max}) is below adaptive_min ({self.adaptive_min})")
         return self
@@ -226,7 +241,8 @@ class PartialConfig(Config):
 
 
 class GatewayConfig(Config):
-    """`[orchestrator.gateway]`: the OpenAI-compatible server black-box agents call (see arbor.orchestrator.gateway)."""
+    """`[orchestrator.gateway]`: the OpenAI-compatible server black-box agents call (see
+    arbor.orchestrator.gateway.service)."""
 
     enabled: bool = False
     """Start the gateway in the orchestrator process (the black_box environment starts it regardless)."""
@@ -382,21 +398,29 @@ class OrchestratorConfig(Config):
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
         if self.group_size == 1 and self.teacher is None and self.advantage.name in GROUP_RELATIVE:
-            raise ValueError(f"group_size = 1 with advantage.name = {self.advantage.name!r} gives every rollout an "
-                             "advantage of 0 (its reward minus its own group's baseline): nothing would be learned; "
-                             "use group_size >= 2, a teacher, or an advantage function that needs no group")
+            raise ValueError(
+                f"group_size = 1 with advantage.name = {self.advantage.name!r} gives every rollout an "
+                "advantage of 0 (its reward minus its own group's baseline): nothing would be learned; "
+                "use group_size >= 2, a teacher, or an advantage function that needs no group"
+            )
         if self.sampling.max_tokens >= self.seq_len:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below seq_len ({self.seq_len})")
         if self.partial.enabled and self.environment.id == "black_box":
             # A black-box agent calls the gateway itself: arbor cannot park and resume its requests mid-way.
-            raise ValueError("partial.enabled cannot be used with environment.id = 'black_box' (agents drive their "
-                             "own generation through the gateway); set partial.enabled = false")
+            raise ValueError(
+                "partial.enabled cannot be used with environment.id = 'black_box' (agents drive their "
+                "own generation through the gateway); set partial.enabled = false"
+            )
         if self.teacher is not None and self.teacher.top_k > 0 and self.sampling.top_p < 1:
-            raise ValueError(f"teacher.top_k = {self.teacher.top_k} needs sampling.top_p = 1 (got "
-                             f"{self.sampling.top_p}): the top-k distillation term is defined on the student's full "
-                             "distribution; set teacher.top_k = 0 or sampling.top_p = 1")
+            raise ValueError(
+                f"teacher.top_k = {self.teacher.top_k} needs sampling.top_p = 1 (got "
+                f"{self.sampling.top_p}): the top-k distillation term is defined on the student's full "
+                "distribution; set teacher.top_k = 0 or sampling.top_p = 1"
+            )
         if self.sampling.top_p < 1 and not self.gateway.override_sampling:
-            warn_config(f"orchestrator.gateway.override_sampling = false with orchestrator.sampling.top_p = "
-                        f"{self.sampling.top_p}: an agent that asks for another top_p or temperature samples a "
-                        "distribution the trainer does not score (it truncates at the run's top_p)")
+            warn_config(
+                f"orchestrator.gateway.override_sampling = false with orchestrator.sampling.top_p = "
+                f"{self.sampling.top_p}: an agent that asks for another top_p or temperature samples a "
+                "distribution the trainer does not score (it truncates at the run's top_p)"
+            )
         return self

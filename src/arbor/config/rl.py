@@ -132,11 +132,13 @@ class RLConfig(Config):
                         if merged != _comparable(top):
                             diff = sorted(k for k in merged if merged[k] != _comparable(top).get(k))
                             raise ValueError(
-                                f"{section}.{key}.{diff[0]} differs from {key}.{diff[0]}: set shared fields once, at the top level"
+                                f"{section}.{key}.{diff[0]} differs from {key}.{diff[0]}: set shared fields "
+                                f"once, at the top level"
                             )
                     elif _comparable(sub[key]) != top_cmp:
                         raise ValueError(
-                            f"{section}.{key} = {sub[key]!r} differs from {key} = {top!r}: set shared fields once, at the top level"
+                            f"{section}.{key} = {sub[key]!r} differs from {key} = {top!r}: set shared fields "
+                            f"once, at the top level"
                         )
                 sub[key] = top
                 data[section] = sub
@@ -168,8 +170,9 @@ class RLConfig(Config):
                 f"the trainer's data-parallel ranks ({ranks} = parallel.nproc / parallel.cp); leave it unset"
             )
         self.orchestrator.batching.trainer_ranks = ranks
-        self.orchestrator.batching.min_micro_batches = max(self.orchestrator.batching.min_micro_batches,
-                                                           self.trainer.mini_batches)
+        self.orchestrator.batching.min_micro_batches = max(
+            self.orchestrator.batching.min_micro_batches, self.trainer.mini_batches
+        )
         if self.trainer.mini_batches > max(1, self.orchestrator.batch_size // ranks):
             raise ValueError(
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the rollouts per trainer rank "
@@ -182,11 +185,15 @@ class RLConfig(Config):
             self.sft.environment = self.orchestrator.environment
         self._check_teacher()
         if self.fleet is not None and self.model.lora is None:
-            raise ValueError("fleet needs [model.lora]: a run on a shared fleet trains and serves a LoRA adapter on "
-                             "the fleet's base model")
+            raise ValueError(
+                "fleet needs [model.lora]: a run on a shared fleet trains and serves a LoRA adapter on "
+                "the fleet's base model"
+            )
         if self.fleet is not None and self.run_name is not None and self.model.lora.name not in (None, self.run_name):
-            raise ValueError(f"model.lora.name ({self.model.lora.name!r}) differs from run_name ({self.run_name!r}): "
-                             "on a fleet the adapter is named after the run; set run_name only")
+            raise ValueError(
+                f"model.lora.name ({self.model.lora.name!r}) differs from run_name ({self.run_name!r}): "
+                "on a fleet the adapter is named after the run; set run_name only"
+            )
         self.run_admin_token()
         return self
 
@@ -195,36 +202,53 @@ class RLConfig(Config):
         orch, coef = self.orchestrator, self.trainer.loss.distill_coef
         if self.teacher is not None:
             if orch.teacher is not None and orch.teacher.url is not None:
-                raise ValueError(f"orchestrator.teacher.url = {orch.teacher.url!r} and a [teacher] section to launch "
-                                 "one: keep one of them")
+                raise ValueError(
+                    f"orchestrator.teacher.url = {orch.teacher.url!r} and a [teacher] section to launch "
+                    "one: keep one of them"
+                )
             if self.slurm is not None:
-                raise ValueError("[teacher] is launched by a local rl only: under slurm serve the teacher yourself "
-                                 "and set orchestrator.teacher.url")
+                raise ValueError(
+                    "[teacher] is launched by a local rl only: under slurm serve the teacher yourself "
+                    "and set orchestrator.teacher.url"
+                )
             orch.teacher = orch.teacher or TeacherConfig()
             allowed = teacher_max_logprobs(self.teacher)
             if allowed is not None and orch.teacher.top_k > allowed:
-                raise ValueError(f"orchestrator.teacher.top_k ({orch.teacher.top_k}) exceeds the {allowed} "
-                                 f"logprobs per token the teacher ({self.teacher.backend} backend) serves")
+                raise ValueError(
+                    f"orchestrator.teacher.top_k ({orch.teacher.top_k}) exceeds the {allowed} "
+                    f"logprobs per token the teacher ({self.teacher.backend} backend) serves"
+                )
             if "seq_len" not in self.teacher.model_fields_set:
                 self.teacher.seq_len = self.seq_len + 1  # the scoring request asks for one token past a sample
             elif self.teacher.seq_len <= self.seq_len:
-                raise ValueError(f"teacher.seq_len ({self.teacher.seq_len}) must exceed seq_len ({self.seq_len}): "
-                                 "the teacher scores whole samples and generates one token past them")
+                raise ValueError(
+                    f"teacher.seq_len ({self.teacher.seq_len}) must exceed seq_len ({self.seq_len}): "
+                    "the teacher scores whole samples and generates one token past them"
+                )
         elif orch.teacher is not None and orch.teacher.url is None:
-            raise ValueError("orchestrator.teacher.url is not set: give the teacher server's URL, or add a [teacher] "
-                             "section for rl to launch one")
+            raise ValueError(
+                "orchestrator.teacher.url is not set: give the teacher server's URL, or add a [teacher] "
+                "section for rl to launch one"
+            )
         if coef > 0 and orch.teacher is None:
-            raise ValueError("trainer.loss.distill_weight > 0 (or loss.name = 'distill') needs a teacher: set "
-                             "orchestrator.teacher.url or add a [teacher] section")
+            raise ValueError(
+                "trainer.loss.distill_weight > 0 (or loss.name = 'distill') needs a teacher: set "
+                "orchestrator.teacher.url or add a [teacher] section"
+            )
         if coef == 0 and orch.teacher is not None:
-            raise ValueError("a teacher is set but trainer.loss.distill_weight is 0: set trainer.loss.distill_weight "
-                             "(or loss.name = 'distill'), or remove the teacher")
+            raise ValueError(
+                "a teacher is set but trainer.loss.distill_weight is 0: set trainer.loss.distill_weight "
+                "(or loss.name = 'distill'), or remove the teacher"
+            )
 
     def run_admin_token(self) -> SecretStr | None:
         """The run's one admin token: the top-level one, or the one a section sets; two different ones fail."""
-        places = {"admin_token": self.admin_token, "inference.admin_token": self.inference.admin_token,
-                  "inference.router.admin_token": self.inference.router.admin_token,
-                  "orchestrator.client.admin_token": self.orchestrator.client.admin_token}
+        places = {
+            "admin_token": self.admin_token,
+            "inference.admin_token": self.inference.admin_token,
+            "inference.router.admin_token": self.inference.router.admin_token,
+            "orchestrator.client.admin_token": self.orchestrator.client.admin_token,
+        }
         given = {k: v for k, v in places.items() if v is not None}
         if len({token_value(v) for v in given.values()}) > 1:
             raise ValueError(f"{' and '.join(given)} differ: set admin_token once, at the top level")

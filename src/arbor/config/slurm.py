@@ -50,7 +50,10 @@ class SlurmConfig(Config):
         if self.trainer_nodes > 1 and self.inference_nodes == 0:
             raise ValueError("trainer_nodes > 1 needs inference_nodes >= 1 (the multi-node layout)")
         if self.inference_nodes and not self.shared_fs:
-            raise ValueError("shared_fs = false works on one node only: multi-node runs exchange rollouts and weights through output_dir")
+            raise ValueError(
+                "shared_fs = false works on one node only: multi-node runs exchange rollouts and weights through "
+                "output_dir"
+            )
         return self
 
     @property

@@ -8,10 +8,10 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
-from arbor.config.transport import WeightTransportConfig, check_lora_transport
-from arbor.config.model import ModelConfig
 from arbor.config.layout import check_model_split, model_shape
-
+from arbor.config.model import ModelConfig
+from arbor.config.parallel import ParallelConfig
+from arbor.config.transport import WeightTransportConfig, check_lora_transport
 
 Beta = Annotated[Float, Field(ge=0, lt=1)]
 """An AdamW beta: a decay rate in [0, 1)."""
@@ -167,43 +167,6 @@ class CheckpointConfig(Config):
     """Save trainer state every this many steps (and at the last step)."""
     keep: Int = Field(2, ge=1)
     """Checkpoints to retain."""
-
-
-class ParallelConfig(Config):
-    """Mesh of the trainer ranks: world = dp_replicate x dp_shard x cp; ep folds into dp_shard x cp."""
-
-    nproc: Ranks = Field(1, ge=1)
-    """Trainer ranks on this node (torchrun --nproc-per-node). Parameters are FSDP2-sharded across them."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Collective backend: auto = nccl with CUDA, gloo on CPU."""
-    dp_replicate: Ranks = Field(1, ge=1)
-    """HSDP replica groups (parameters replicated across groups, sharded within); 1 = plain FSDP2."""
-    dp_shard: Ranks = Field(-1, ge=-1)
-    """FSDP2 shard degree; -1 = the ranks left over by dp_replicate and cp."""
-    cp: Ranks = Field(1, ge=1)
-    """Context parallel degree: each packed row is split over this many ranks (attention heads must divide by
-    it for Ulysses)."""
-    cp_style: Literal["auto", "ulysses", "ring", "dsa"] = "auto"
-    """Context parallel attention: "ulysses" (all-to-all from sequence to head sharding), "ring" (key/value
-    chunks passed around the ranks, online-softmax merge; zig-zag load-balanced sharding) or "dsa" (DeepSeek
-    sparse attention models only: one all-gather of the latent KV and index keys per layer, indexer and top-k
-    sparse attention for the local queries); "auto" = "dsa" for DSA models, "ulysses" otherwise."""
-    ep: Ranks = Field(1, ge=1)
-    """Expert parallel degree for MoE models: experts are split over this many ranks, a divisor of
-    dp_shard x cp (and of the number of experts)."""
-    ep_backend: Literal["all_to_all", "deepep"] = "all_to_all"
-    """Token dispatch: "all_to_all" (torch collectives; gloo and NCCL) or "deepep" (DeepEP kernels; CUDA with
-    the optional deep_ep package)."""
-    ep_max_tokens_per_rank: Tokens = Field(8192, ge=1)
-    """DeepEP buffer size: the most tokens one rank dispatches in a forward."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward instead of keeping its activations."""
-
-    @model_validator(mode="after")
-    def _shard_degree(self) -> "ParallelConfig":
-        if self.dp_shard == 0:
-            raise ValueError("dp_shard must be -1 (the ranks left over) or at least 1 (got 0)")
-        return self
 
 
 class TrainerConfig(Config):

@@ -47,5 +47,7 @@ def check_lora_transport(model: Any, weights: WeightTransportConfig) -> None:
     """A LoRA run (`model.lora`) publishes its adapter as files: vLLM's and the local engine's adapter loading
     read a directory, so the adapter never travels over NCCL."""
     if model.lora is not None and weights.kind == "nccl":
-        raise ValueError("model.lora needs weights.kind = 'filesystem' (an adapter is published as a PEFT directory, "
-                         "which inference loads through /v1/load_lora_adapter)")
+        raise ValueError(
+            "model.lora needs weights.kind = 'filesystem' (an adapter is published as a PEFT directory, "
+            "which inference loads through /v1/load_lora_adapter)"
+        )

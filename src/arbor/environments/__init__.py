@@ -1,6 +1,6 @@
 """Environments: the protocols and the built-ins."""
 
-from arbor.environments.base import (
+from arbor.environments.protocol import (
     Environment,
     MultiTurnEnvironment,
     NoTaskFits,
@@ -15,6 +15,15 @@ from arbor.environments.base import (
 )
 
 __all__ = [
-    "Environment", "MultiTurnEnvironment", "NoTaskFits", "StepResult", "Task", "check_some_task_fits",
-    "env_prompt_ids", "is_multi_turn", "load_environment", "load_object", "total_reward",
+    "Environment",
+    "MultiTurnEnvironment",
+    "NoTaskFits",
+    "StepResult",
+    "Task",
+    "check_some_task_fits",
+    "env_prompt_ids",
+    "is_multi_turn",
+    "load_environment",
+    "load_object",
+    "total_reward",
 ]

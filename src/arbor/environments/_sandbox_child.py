@@ -21,8 +21,15 @@ SETUP_FAILED = 125
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND = 1024, 2048, 4096
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
-KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-              "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+KEEP_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_PDEATHSIG = 38, 24, 1
 
 
@@ -84,10 +91,35 @@ def audit_hook(workdir):
     hence `ctypes` is refused too."""
     root = os.path.realpath(workdir) + os.sep
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    path_events = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
-                   "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-    refused_prefixes = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-                        "os.fork", "os.forkpty", "ctypes.", "_posixsubprocess.", "os.kill", "os.killpg")
+    path_events = {
+        "os.remove",
+        "os.rename",
+        "os.rmdir",
+        "os.mkdir",
+        "os.chmod",
+        "os.chown",
+        "os.symlink",
+        "os.link",
+        "os.truncate",
+        "os.utime",
+        "shutil.rmtree",
+        "shutil.move",
+        "shutil.copyfile",
+    }
+    refused_prefixes = (
+        "socket.",
+        "subprocess.",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.system",
+        "os.fork",
+        "os.forkpty",
+        "ctypes.",
+        "_posixsubprocess.",
+        "os.kill",
+        "os.killpg",
+    )
     realpath = os.path.realpath
 
     def outside(path):

@@ -6,7 +6,8 @@ For each rollout of a group the environment opens a gateway session and runs the
 environment's prompt) on argv, stdin or in `ARBOR_TASK`. The agent is either a `command` (a subprocess per
 rollout: the true black box) or a `function` (`module:fn(task, base_url, api_key) -> str`, called in a thread:
 the same agent code without a process start per rollout, which is what makes the CPU example fast), or, with
-`remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see arbor.orchestrator.gateway)
+`remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see
+arbor.orchestrator.gateway.service)
 and must POST the session's reward themselves.
 
 A subprocess agent also gets `ARBOR_REWARD_URL` (its session's reward route) and `ARBOR_SESSION_ID`; a function
@@ -40,18 +41,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from arbor.config.environment import EnvironmentConfig
-from arbor.environments.base import Task, load_environment, load_object, total_reward
 from arbor.environments.guard import reward_components
+from arbor.environments.protocol import Task, load_environment, load_object, total_reward
 
 if TYPE_CHECKING:
-    from arbor.orchestrator.gateway import Gateway
-    from arbor.orchestrator.rollout import GroupSpec, Rollout
+    from arbor.orchestrator.gateway.service import Gateway
+    from arbor.orchestrator.group import GroupSpec
+    from arbor.orchestrator.rollout import Rollout
 
 log = logging.getLogger("arbor.environments.black_box")
 
 
 class AgentFailed(Exception):
-    """An agent run that failed; `ended` says how (arbor.orchestrator.gateway_sessions.UNREWARDED)."""
+    """An agent run that failed; `ended` says how (arbor.orchestrator.gateway.sessions.UNREWARDED)."""
 
     def __init__(self, message: str, ended: str = "agent_failed") -> None:
         super().__init__(message)
@@ -76,8 +78,9 @@ class BlackBoxEnv:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         if (command is not None) + (function is not None) + bool(remote) != 1:
-            raise ValueError("black_box: give exactly one of `command` (argv list or string), `function` or "
-                             "`remote = true`")
+            raise ValueError(
+                "black_box: give exactly one of `command` (argv list or string), `function` or `remote = true`"
+            )
         if task_input not in ("argv", "stdin", "env"):
             raise ValueError(f"black_box: task_input must be argv, stdin or env, got {task_input!r}")
         if timeout <= 0 or retries < 0 or max_concurrent_agents < 1:
@@ -115,14 +118,17 @@ class BlackBoxEnv:
 
     # -- rollouts --
 
-    async def run_group(self, gateway: "Gateway", spec: "GroupSpec", group_size: int, weights: dict[str, float],
-                        score_timeout: float) -> list["Rollout"]:
-        groups = await asyncio.gather(*(self._rollout(gateway, spec, weights, score_timeout, k)
-                                        for k in range(group_size)))
+    async def run_group(
+        self, gateway: "Gateway", spec: "GroupSpec", group_size: int, weights: dict[str, float], score_timeout: float
+    ) -> list["Rollout"]:
+        groups = await asyncio.gather(
+            *(self._rollout(gateway, spec, weights, score_timeout, k) for k in range(group_size))
+        )
         return [r for g in groups for r in g]
 
-    async def _rollout(self, gateway: "Gateway", spec: "GroupSpec", weights: dict[str, float],
-                       score_timeout: float, episode: int) -> list["Rollout"]:
+    async def _rollout(
+        self, gateway: "Gateway", spec: "GroupSpec", weights: dict[str, float], score_timeout: float, episode: int
+    ) -> list["Rollout"]:
         text = self.task_text(spec.task)
         for attempt in range(self.retries + 1):
             session = gateway.open(task_id=spec.task.get("id", -1), group_id=spec.group_id)
@@ -133,8 +139,9 @@ class BlackBoxEnv:
                 await gateway.finish(session.id, e.ended)
                 if attempt < self.retries:
                     self.retried += 1
-                    log.warning("agent failed on task %s (%s); retry %d/%d", spec.task.get("id"), e, attempt + 1,
-                                self.retries)
+                    log.warning(
+                        "agent failed on task %s (%s); retry %d/%d", spec.task.get("id"), e, attempt + 1, self.retries
+                    )
                     continue
                 self.failed += 1
                 log.warning("agent failed on task %s (%s); rollout dropped", spec.task.get("id"), e)
@@ -161,8 +168,13 @@ class BlackBoxEnv:
             if self.remote:
                 return await self._remote_agent(gateway, session_id, task)
             async with self._slots:
-                return await self._run_agent(task, gateway.base_url(session_id), gateway.cfg.api_key or "none",
-                                             gateway.reward_url(session_id), session_id)
+                return await self._run_agent(
+                    task,
+                    gateway.base_url(session_id),
+                    gateway.cfg.api_key or "none",
+                    gateway.reward_url(session_id),
+                    session_id,
+                )
         except asyncio.CancelledError:
             gateway.abandon(session_id)
             raise
@@ -180,25 +192,35 @@ class BlackBoxEnv:
                 # A thread cannot be killed: the function's own HTTP timeout must end it; we stop waiting.
                 call = asyncio.get_running_loop().run_in_executor(self._pool, self.function, task, base_url, api_key)
                 return str(await asyncio.wait_for(call, self.timeout)).strip()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise AgentFailed(f"timed out after {self.timeout:.0f}s", "timed_out") from None
             except Exception as e:  # noqa: BLE001 - any agent error is a failed attempt, retried or counted
                 raise AgentFailed(repr(e)) from None
-        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
-               "ARBOR_REWARD_URL": reward_url, "ARBOR_SESSION_ID": session_id}
+        env = {
+            **os.environ,
+            **self.extra_env,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            "ARBOR_REWARD_URL": reward_url,
+            "ARBOR_SESSION_ID": session_id,
+        }
         argv = list(self.command)
         if self.task_input == "argv":
             argv.append(task)
         elif self.task_input == "env":
             env["ARBOR_TASK"] = task
         proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            *argv,
+            env=env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
         )
         stdin = task.encode() if self.task_input == "stdin" else b""
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             _kill(proc)
             await proc.wait()
             raise AgentFailed(f"timed out after {self.timeout:.0f}s", "timed_out") from None

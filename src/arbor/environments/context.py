@@ -17,10 +17,11 @@ contexts the agent saw.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from arbor.config.environment import ContextConfig
-from arbor.environments.base import load_object
+from arbor.environments.protocol import load_object
 
 SUMMARY_HEADER = "Summary of earlier turns:\n"
 Summariser = Callable[[list[dict[str, Any]]], str]
@@ -32,7 +33,7 @@ def extractive_summary(dropped: list[dict[str, Any]], width: int = 100) -> str:
     for m in dropped:
         content = m.get("content") or ""
         if content.startswith(SUMMARY_HEADER):  # an earlier summary: keep what it said
-            lines.append(content[len(SUMMARY_HEADER):])
+            lines.append(content[len(SUMMARY_HEADER) :])
             continue
         first = content.strip().split("\n", 1)[0]
         lines.append(f"- {m['role']}: {first[:width]}{'...' if len(first) > width else ''}")

@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from arbor.environments.base import Task
+from arbor.environments.protocol import Task
 
 LOCAL_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
 """Local file suffix -> the `datasets` builder that reads it."""
@@ -27,8 +27,9 @@ class DatasetError(ValueError):
 def load_rows(source: str, split: str = "train", config: str | None = None) -> list[dict[str, Any]]:
     """The rows of `source` (a local file by its suffix, else a hub id) as plain dicts, in the dataset's order."""
     if importlib.util.find_spec("datasets") is None:
-        raise DatasetError(f"dataset {source!r} needs the `datasets` library (the `datasets` extra: "
-                           "uv sync --extra datasets)")
+        raise DatasetError(
+            f"dataset {source!r} needs the `datasets` library (the `datasets` extra: uv sync --extra datasets)"
+        )
     # `datasets` takes seconds to import: only environments given a dataset pay for it.
     import datasets
 
@@ -49,22 +50,31 @@ def load_rows(source: str, split: str = "train", config: str | None = None) -> l
     return data.to_list()
 
 
-def map_columns(rows: list[dict[str, Any]], columns: dict[str, str] | None, fields: tuple[str, ...],
-                source: str, optional: tuple[str, ...] = ()) -> list[Task]:
+def map_columns(
+    rows: list[dict[str, Any]],
+    columns: dict[str, str] | None,
+    fields: tuple[str, ...],
+    source: str,
+    optional: tuple[str, ...] = (),
+) -> list[Task]:
     """Tasks holding `fields` (and the `optional` fields whose column exists), read from `rows` through the
     mapping `columns` (task field -> column); each task's "id" is its row index."""
     columns = columns or {}
     unknown = sorted(set(columns) - set(fields) - set(optional))
     if unknown:
-        raise DatasetError(f"columns.{unknown[0]}: the environment has no task field {unknown[0]!r} "
-                           f"(it reads {', '.join(fields + optional)})")
+        raise DatasetError(
+            f"columns.{unknown[0]}: the environment has no task field {unknown[0]!r} "
+            f"(it reads {', '.join(fields + optional)})"
+        )
     if not rows:
         raise DatasetError(f"dataset {source!r} has no rows")
     present = list(rows[0])
     for field in fields:
         column = columns.get(field, field)
         if column not in rows[0]:
-            raise DatasetError(f"dataset {source!r} has no column {column!r} for the task field {field!r} "
-                               f"(its columns: {', '.join(present)}): set columns.{field}")
+            raise DatasetError(
+                f"dataset {source!r} has no column {column!r} for the task field {field!r} "
+                f"(its columns: {', '.join(present)}): set columns.{field}"
+            )
     wanted = list(fields) + [f for f in optional if columns.get(f, f) in rows[0]]
     return [{"id": i, **{f: row[columns.get(f, f)] for f in wanted}} for i, row in enumerate(rows)]

@@ -23,9 +23,10 @@ import asyncio
 import dataclasses
 import logging
 import math
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from arbor.environments.base import StepResult
+from arbor.environments.protocol import StepResult
 
 log = logging.getLogger("arbor.environments")
 
@@ -71,7 +72,8 @@ def step_result(value: Any) -> StepResult:
     if not isinstance(value, StepResult):
         raise BadOutput(f"returned {_shown(value)}, not an arbor.environments.StepResult")
     if not isinstance(value.messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in value.messages):
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value.messages
+    ):
         raise BadOutput(f"returned StepResult.messages {_shown(value.messages)}, not a list of {{role, content}} dicts")
     if value.reward is not None:
         value.reward = _number(value.reward, "StepResult.reward")
@@ -106,7 +108,7 @@ async def guarded(
     for attempt in range(retries + 1):
         try:
             value = await asyncio.wait_for(fn(*args), timeout)
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             last = e
             if stats is not None:
                 stats.timeouts += 1

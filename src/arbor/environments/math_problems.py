@@ -18,7 +18,8 @@ decimals, `a/b`, `\\frac{a}{b}` / `\\dfrac`, a leading minus, thousands separato
 exactly with the reference: 0.5 matches 1/2, 0.333 does not match 1/3. A reference that is not one number (MATH's
 `\\frac{\\sqrt{3}}{2}`, `(1, 2)`, `x^2+1`) is compared as TeX after normalisation (spacing, `\\left`/`\\right`,
 `\\dfrac`/`\\tfrac`, degree marks, `\\text{}` wrappers and a trailing period removed). Reward components:
-`correct` (1 or 0) and, with `format_weight > 0`, `format` (that weight when a boxed answer is present) for early shaping.
+`correct` (1 or 0) and, with `format_weight > 0`, `format` (that weight when a boxed answer is present) for early
+shaping.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import random
 import re
 from fractions import Fraction
 
-from arbor.environments.base import Task
 from arbor.environments.datasets import DatasetError, load_rows, map_columns
+from arbor.environments.protocol import Task
 
 KINDS = ("arithmetic", "fraction", "linear", "word", "percent")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*-?\d+)?")
@@ -83,8 +84,18 @@ def extract_answer(completion: str) -> str | None:
 def normalize_tex(text: str) -> str:
     """An answer's TeX with the spellings that do not change its value removed (for non-numeric answers)."""
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""),
-                     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("^{\\circ}", ""), ("^\\circ", "")):
+    for old, new in (
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("$", ""),
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+    ):
         s = s.replace(old, new)
     return re.sub(r"\s+", "", s).rstrip(".")
 
@@ -127,7 +138,7 @@ def fmt(x: Fraction) -> str:
 
 
 def _arithmetic(rng: random.Random, d: int) -> tuple[str, Fraction]:
-    hi = 10 ** d
+    hi = 10**d
     a, b, c = rng.randint(1, hi), rng.randint(1, hi), rng.randint(1, 9 * d)
     form = rng.randrange(3 if d > 1 else 2)
     if form == 0:
@@ -164,8 +175,10 @@ def _word(rng: random.Random, d: int) -> tuple[str, Fraction]:
     friends = rng.randint(2, 3 + d)
     total = friends * rng.randint(1, 5 * d)
     gives = rng.randint(0, total // friends)
-    text = (f"{name} shares {total} {item} equally among {friends} friends, then each friend gives away {gives}. "
-            f"How many {item} does each friend keep?")
+    text = (
+        f"{name} shares {total} {item} equally among {friends} friends, then each friend gives away {gives}. "
+        f"How many {item} does each friend keep?"
+    )
     return text, Fraction(total // friends - gives)
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from arbor.environments.base import StepResult, Task
+from arbor.environments.protocol import StepResult, Task
 from arbor.environments.tools import ToolCall, ToolError, call_tool, parse_tool_calls
 
 
@@ -82,7 +83,7 @@ class ToolEnv(abc.ABC):
     async def _run(self, tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
         try:
             return await asyncio.wait_for(call_tool(tools, call), self.tool_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ToolError(f"{call.name} timed out after {self.tool_timeout:g}s") from None
 
     @abc.abstractmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import random
 
-from arbor.environments.base import Task
+from arbor.environments.protocol import Task
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -58,8 +58,17 @@ SETUP_FAILED = 125
 UID_BASE = 1_000_000_000  # far above any real account; one uid per (orchestrator pid, slot)
 MAX_SLOTS = 64
 UNSHARE_RERAISE_FAILED = b"unshare: sigprocmask unblock failed"
-UNSHARE_FLAGS = ["--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--uts",
-                 "--propagation", "private"]
+UNSHARE_FLAGS = [
+    "--pid",
+    "--fork",
+    "--kill-child",
+    "--mount-proc",
+    "--net",
+    "--ipc",
+    "--uts",
+    "--propagation",
+    "private",
+]
 CGROUP_PREFIX = "arbor-sandbox-"
 
 
@@ -114,9 +123,11 @@ class Isolation:
     """Directory under which a per-run cpu cgroup (quota: one CPU) is created, or None."""
 
     def describe(self) -> str:
-        parts = {"namespaces": "pid+net+mount(read-only)+ipc+uts namespaces via unshare",
-                 "userns": "user+pid+net+mount(read-only)+ipc+uts namespaces via unshare -U",
-                 "rlimits": "no namespaces; audit hook refuses sockets/processes/ctypes/writes outside (best effort)"}
+        parts = {
+            "namespaces": "pid+net+mount(read-only)+ipc+uts namespaces via unshare",
+            "userns": "user+pid+net+mount(read-only)+ipc+uts namespaces via unshare -U",
+            "rlimits": "no namespaces; audit hook refuses sockets/processes/ctypes/writes outside (best effort)",
+        }
         extra = ["uid drop per slot (RLIMIT_NPROC enforced)"] if self.drop_uid else []
         if "--pdeathsig" in self.prefix:
             extra.append("namespace killed if this process dies (setpriv --pdeathsig)")
@@ -184,7 +195,7 @@ def _read(path: str) -> str:
 def _remove_stale(parent: Path, cgroups: bool) -> None:
     """Per-run cgroups (empty by then) or work directories left by a process that died (its pid is in the name)."""
     for d in parent.glob(CGROUP_PREFIX + "*"):
-        owner = d.name[len(CGROUP_PREFIX):].split("-")[0]
+        owner = d.name[len(CGROUP_PREFIX) :].split("-")[0]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             try:
                 d.rmdir() if cgroups else _remove_tree(str(d))
@@ -231,8 +242,9 @@ def _detect_isolation() -> Isolation:
     if unshare and root and (py := _python_for(drop_uid=True)):
         candidates.append(Isolation("namespaces", (*enter, *UNSHARE_FLAGS), py, True, cg, cpu))
     if unshare and not root:
-        candidates.append(Isolation("userns", (*enter, "--user", "--map-root-user", *UNSHARE_FLAGS),
-                                    sys.executable, False, cg, cpu))
+        candidates.append(
+            Isolation("userns", (*enter, "--user", "--map-root-user", *UNSHARE_FLAGS), sys.executable, False, cg, cpu)
+        )
     if root and (py := _python_for(drop_uid=True)):
         candidates.append(Isolation("rlimits", (), py, True, cg, cpu))
     candidates.append(Isolation("rlimits", (), sys.executable, False, cg, cpu))
@@ -248,8 +260,13 @@ def _detect_isolation() -> Isolation:
 class Sandbox:
     """Runs Python source in a confined subprocess. `run` is async; at most `max_concurrency` run at once."""
 
-    def __init__(self, limits: SandboxLimits | None = None, max_concurrency: int = 4,
-                 isolation: Isolation | None = None, root: str | None = None) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        max_concurrency: int = 4,
+        isolation: Isolation | None = None,
+        root: str | None = None,
+    ) -> None:
         if not 1 <= max_concurrency <= MAX_SLOTS:
             raise ValueError(f"max_concurrency must be in [1, {MAX_SLOTS}], got {max_concurrency}")
         self.limits = limits or SandboxLimits()
@@ -296,21 +313,29 @@ class Sandbox:
 
     def _rlimits(self) -> dict[str, list[int]]:
         lim, mib = self.limits, 1024 * 1024
-        return {"RLIMIT_CPU": [lim.cpu_seconds, lim.cpu_seconds + 1],
-                "RLIMIT_AS": [lim.memory_mb * mib] * 2,
-                "RLIMIT_FSIZE": [lim.file_size_mb * mib] * 2,
-                "RLIMIT_NPROC": [lim.max_processes] * 2,
-                "RLIMIT_NOFILE": [lim.max_open_files] * 2,
-                "RLIMIT_CORE": [0, 0]}
+        return {
+            "RLIMIT_CPU": [lim.cpu_seconds, lim.cpu_seconds + 1],
+            "RLIMIT_AS": [lim.memory_mb * mib] * 2,
+            "RLIMIT_FSIZE": [lim.file_size_mb * mib] * 2,
+            "RLIMIT_NPROC": [lim.max_processes] * 2,
+            "RLIMIT_NOFILE": [lim.max_open_files] * 2,
+            "RLIMIT_CORE": [0, 0],
+        }
 
     def _make_cgroups(self, slot: int) -> list[Path]:
         """This run's pids cgroup (pids.max) and cpu cgroup (a quota of one CPU, so a fork bomb or a busy loop
         takes at most one core however many processes it has), as far as the host allows."""
         iso, made = self.isolation, []
         name = f"{CGROUP_PREFIX}{os.getpid()}-{slot}-{next(_run_ids)}"
-        wanted = [(iso.pids_cgroup, [("pids.max", str(self.limits.max_processes))]),
-                  (iso.cpu_cgroup, [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "100000")]
-                   if Path(iso.cpu_cgroup or "", "cpu.cfs_quota_us").exists() else [("cpu.max", "100000 100000")])]
+        wanted = [
+            (iso.pids_cgroup, [("pids.max", str(self.limits.max_processes))]),
+            (
+                iso.cpu_cgroup,
+                [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "100000")]
+                if Path(iso.cpu_cgroup or "", "cpu.cfs_quota_us").exists()
+                else [("cpu.max", "100000 100000")],
+            ),
+        ]
         for parent, settings in wanted:
             if parent is None:
                 continue
@@ -345,12 +370,26 @@ class Sandbox:
                     os.chown(p, uid, gid)
             os.chmod(workdir, 0o700)
             cgroups = await asyncio.to_thread(self._make_cgroups, slot)
-            cfg = {"workdir": os.path.realpath(workdir), "main": "main.py", "rlimits": self._rlimits(),
-                   "uid": uid, "gid": gid, "read_only_mounts": iso.mode != "rlimits",
-                   "disk_mb": self.limits.disk_mb,
-                   "audit": iso.mode == "rlimits", "cgroup_procs": [str(d / "cgroup.procs") for d in cgroups]}
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-                   "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+            cfg = {
+                "workdir": os.path.realpath(workdir),
+                "main": "main.py",
+                "rlimits": self._rlimits(),
+                "uid": uid,
+                "gid": gid,
+                "read_only_mounts": iso.mode != "rlimits",
+                "disk_mb": self.limits.disk_mb,
+                "audit": iso.mode == "rlimits",
+                "cgroup_procs": [str(d / "cgroup.procs") for d in cgroups],
+            }
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": workdir,
+                "TMPDIR": workdir,
+                "LANG": "C.UTF-8",
+                "PYTHONHASHSEED": "0",
+                "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1",
+            }
             argv = [*iso.prefix, iso.python, "-I", "-B", "-c", CHILD_SOURCE, json.dumps(cfg)]
             return await self._execute(argv, env, workdir, stdin, start, cgroups)
         finally:
@@ -358,22 +397,35 @@ class Sandbox:
                 await asyncio.to_thread(_kill_cgroup, d)
             await asyncio.to_thread(_remove_tree, workdir)
 
-    async def _execute(self, argv: list[str], env: dict[str, str], workdir: str, stdin: str, start: float,
-                       cgroups: list[Path]) -> SandboxResult:
+    async def _execute(
+        self, argv: list[str], env: dict[str, str], workdir: str, stdin: str, start: float, cgroups: list[Path]
+    ) -> SandboxResult:
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=workdir,
-            start_new_session=True)
+            *argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+        )
         cap = self.limits.max_output_bytes
         readers = [asyncio.ensure_future(_read_capped(s, cap)) for s in (proc.stdout, proc.stderr)]
         waiter = asyncio.ensure_future(_feed_and_wait(proc, stdin))
         disk = workdir if self.isolation.mode == "rlimits" else None  # the namespace modes have a bounded tmpfs
         watcher = None
         if cgroups or disk:
-            watcher = asyncio.ensure_future(_watch(cgroups[0] if cgroups else None, self.limits.memory_mb * 2**20,
-                                                   disk, self.limits.disk_mb * 2**20))
+            watcher = asyncio.ensure_future(
+                _watch(
+                    cgroups[0] if cgroups else None, self.limits.memory_mb * 2**20, disk, self.limits.disk_mb * 2**20
+                )
+            )
         try:
-            ended, _ = await asyncio.wait([t for t in (waiter, watcher) if t], timeout=self.limits.wall_seconds,
-                                          return_when=asyncio.FIRST_COMPLETED)
+            ended, _ = await asyncio.wait(
+                [t for t in (waiter, watcher) if t],
+                timeout=self.limits.wall_seconds,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             for t in (waiter, watcher):
                 if t:
@@ -394,10 +446,15 @@ class Sandbox:
             # `unshare --fork` re-raises on itself the signal that killed the program; when that fails (seen once
             # under heavy load, on a CPU-limit kill) unshare exits 1 with this message instead: still a kill.
             returncode = -signal.SIGKILL
-        return SandboxResult(returncode=returncode, stdout=out.decode(errors="replace"),
-                             stderr=err.decode(errors="replace"), timed_out=not ended,
-                             seconds=time.monotonic() - start, truncated=out_cut or err_cut,
-                             exceeded=watcher.result() if watcher in ended else None)
+        return SandboxResult(
+            returncode=returncode,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            timed_out=not ended,
+            seconds=time.monotonic() - start,
+            truncated=out_cut or err_cut,
+            exceeded=watcher.result() if watcher in ended else None,
+        )
 
 
 async def _watch(cgroup: Path | None, memory: int, workdir: str | None, disk: int, interval: float = 0.02) -> str:
@@ -446,7 +503,7 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, b
     kept, cut = bytearray(), False
     while chunk := await stream.read(65536):
         room = cap - len(kept)
-        kept += chunk[:max(room, 0)]
+        kept += chunk[: max(room, 0)]
         cut = cut or len(chunk) > room
     return bytes(kept), cut
 

@@ -22,7 +22,7 @@ import random
 import time
 import zlib
 
-from arbor.environments.base import Task
+from arbor.environments.protocol import Task
 from arbor.environments.reverse_text import ReverseTextEnv
 
 
@@ -40,7 +40,9 @@ class SkewedLatencyEnv(ReverseTextEnv):
     ) -> None:
         super().__init__(**reverse_text_args)
         if median_s < 0 or sigma < 0 or not 0 <= straggler_p <= 1 or straggler_x < 1 or not 0 <= compute_p <= 1:
-            raise ValueError("need median_s >= 0, sigma >= 0, 0 <= straggler_p <= 1, straggler_x >= 1, 0 <= compute_p <= 1")
+            raise ValueError(
+                "need median_s >= 0, sigma >= 0, 0 <= straggler_p <= 1, straggler_x >= 1, 0 <= compute_p <= 1"
+            )
         self.median_s, self.sigma, self.straggler_p, self.straggler_x = median_s, sigma, straggler_p, straggler_x
         self.compute_p = compute_p
         self.scorings: dict[str, int] = {}

@@ -12,11 +12,12 @@ the episode. The reward is the fraction of the tests that pass on the final file
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from arbor.environments.base import Task
 from arbor.environments.multiturn import ToolEnv, ToolState
+from arbor.environments.protocol import Task
 from arbor.environments.sandbox import Sandbox, SandboxLimits
 
 # The sandbox's main.py: imports the test module, runs each test_* function, prints one verdict line per test.
@@ -117,17 +118,22 @@ class SweAgentEnv(ToolEnv):
 
     async def score_episode(self, task: Task, state: ToolState, messages: list[dict[str, Any]]) -> dict[str, float]:
         passed, total, _ = await self.run_tests(state.extra["files"], task["tests"])
-        return {"passed": passed / total if total else 0.0,
-                "tool_penalty": 0.0 - self.invalid_penalty * state.invalid_calls}
+        return {
+            "passed": passed / total if total else 0.0,
+            "tool_penalty": 0.0 - self.invalid_penalty * state.invalid_calls,
+        }
 
     def demonstration(self, task: Task) -> list[dict[str, Any]]:
         """A correct episode without tool results that need running: read each fixed file, write its fix, answer."""
         messages = self.prompt(task)
         for path, content in task.get("solution", {}).items():
-            for name, args, result in (("read_file", {"path": path}, task["files"].get(path, "")),
-                                       ("write_file", {"path": path, "content": content},
-                                        f"wrote {path} ({len(content)} characters)")):
+            for name, args, result in (
+                ("read_file", {"path": path}, task["files"].get(path, "")),
+                ("write_file", {"path": path, "content": content}, f"wrote {path} ({len(content)} characters)"),
+            ):
                 call = json.dumps({"name": name, "arguments": args})
-                messages += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                             {"role": "tool", "content": result}]
+                messages += [
+                    {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                    {"role": "tool", "content": result},
+                ]
         return messages + [{"role": "assistant", "content": "Fixed."}]

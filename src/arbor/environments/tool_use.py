@@ -28,19 +28,25 @@ import operator
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 
-from arbor.environments.base import StepResult, Task
 from arbor.environments.math_problems import fmt, is_correct, last_boxed
 from arbor.environments.multiturn import ToolEnv, ToolState
+from arbor.environments.protocol import StepResult, Task
 
 MAX_DIGITS = 60
 MAX_EXPONENT = 100
 _BINARY = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 
 
@@ -150,14 +156,22 @@ def make_corpus(num_towns: int, seed: int) -> list[dict[str, Any]]:
         if name in seen:
             continue
         seen.add(name)
-        towns.append({"name": name, "river": rng.choice(_RIVERS), "founded": rng.randint(1100, 1900),
-                      "population": rng.randint(800, 90000)})
+        towns.append(
+            {
+                "name": name,
+                "river": rng.choice(_RIVERS),
+                "founded": rng.randint(1100, 1900),
+                "population": rng.randint(800, 90000),
+            }
+        )
     return towns
 
 
 def passage(town: dict[str, Any]) -> str:
-    return (f"{town['name']} is a town on the {town['river']} river. It was founded in {town['founded']} "
-            f"and has a population of {town['population']}.")
+    return (
+        f"{town['name']} is a town on the {town['river']} river. It was founded in {town['founded']} "
+        f"and has a population of {town['population']}."
+    )
 
 
 class ToolUseEnv(ToolEnv):
@@ -212,8 +226,11 @@ class ToolUseEnv(ToolEnv):
                 question, answer = f"What is {task['expression']}?", a * b - c
             elif kind == "lookup":
                 attr = task["attribute"] = rng.choice(["population", "founded"])
-                question = (f"What is the population of {town['name']}?" if attr == "population"
-                            else f"In which year was {town['name']} founded?")
+                question = (
+                    f"What is the population of {town['name']}?"
+                    if attr == "population"
+                    else f"In which year was {town['name']} founded?"
+                )
                 answer = town[attr]
             else:
                 m = rng.randint(2, 9)
@@ -239,8 +256,10 @@ class ToolUseEnv(ToolEnv):
         messages = self.prompt(task)
         for name, args, result in calls:
             call = json.dumps({"name": name, "arguments": args})
-            messages += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                         {"role": "tool", "content": result}]
+            messages += [
+                {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                {"role": "tool", "content": result},
+            ]
         return messages + [{"role": "assistant", "content": f"\\boxed{{{task['answer']}}}"}]
 
     async def step(self, task: Task, state: ToolState, messages: list[dict[str, Any]]) -> StepResult:

@@ -21,7 +21,8 @@ import json
 import re
 import types
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
@@ -109,7 +110,7 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
         if end < 0:
             errors.append(ToolCallError(text[start:], "unterminated <tool_call>"))
             break
-        raw = text[start + len(OPEN): end]
+        raw = text[start + len(OPEN) : end]
         pos = end + len(CLOSE)
         try:
             obj = json.loads(raw)

@@ -32,10 +32,11 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from arbor.environments.base import Task, load_object
 from arbor.environments.multiturn import ToolEnv, ToolState
+from arbor.environments.protocol import Task, load_object
 from arbor.environments.tools import parse_tool_calls
 
 INSTALL_HINT = "the verifiers adapter needs the optional extra: uv sync --extra verifiers"
@@ -99,8 +100,10 @@ class VerifiersEnv:
             role, content = m["role"], m.get("content") or ""
             if role == "assistant":
                 calls, _ = parse_tool_calls(content)
-                tool_calls = [vf.ToolCall(id=f"call_{i}_{j}", name=c.name, arguments=json.dumps(c.arguments))
-                              for j, c in enumerate(calls)] or None
+                tool_calls = [
+                    vf.ToolCall(id=f"call_{i}_{j}", name=c.name, arguments=json.dumps(c.arguments))
+                    for j, c in enumerate(calls)
+                ] or None
                 pending = [c.id for c in tool_calls or []]
                 message = vf.AssistantMessage(content=content, tool_calls=tool_calls)
             elif role == "tool":
@@ -114,7 +117,10 @@ class VerifiersEnv:
             task=vf.TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key, hash=vf_task.hash),
             state=state_cls(type(vf_task))(),
             agent=vf.AgentInfo(config=vf.AgentConfig(), name="arbor"),
-            nodes=nodes, is_completed=True, ok=True)
+            nodes=nodes,
+            is_completed=True,
+            ok=True,
+        )
 
     async def _rewards(self, task: Task, messages: list[dict[str, Any]]) -> dict[str, float]:
         vf_task = self._vf_task(task)
@@ -133,8 +139,15 @@ class VerifiersEnv:
 class VerifiersToolEnv(VerifiersEnv, ToolEnv):
     """A verifiers taskset with toolsets, as an arbor multi-turn tool environment."""
 
-    def __init__(self, taskset: Any, env_id: str, max_tasks: int | None = None, name: str | None = None,
-                 max_turns: int = 6, tool_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        taskset: Any,
+        env_id: str,
+        max_tasks: int | None = None,
+        name: str | None = None,
+        max_turns: int = 6,
+        tool_timeout: float = 10.0,
+    ) -> None:
         super().__init__(taskset, env_id, max_tasks, name)
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
         self._tools = tool_functions(self.vf, toolsets_of(self.taskset))
@@ -161,8 +174,10 @@ def tool_functions(vf: Any, toolsets: list[Any]) -> list[Callable[..., Any]]:
     fns = []
     for toolset in toolsets:
         if toolset.config.url:
-            raise ValueError(f"verifiers toolset {type(toolset).__name__} is served remotely ({toolset.config.url}): "
-                             "the adapter runs tools in-process only")
+            raise ValueError(
+                f"verifiers toolset {type(toolset).__name__} is served remotely ({toolset.config.url}): "
+                "the adapter runs tools in-process only"
+            )
         for method in discover_decorated(toolset, "tool"):
             fns.append(_as_tool(method, getattr(method, "tool_name", None) or method.__name__))
     names = [fn.__name__ for fn in fns]
@@ -193,18 +208,27 @@ def _as_tool(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A function named `name` with the method's signature, docstring and type hints (the tool schema); async
     when the method is, so that sync tools keep running in a thread."""
     if inspect.iscoroutinefunction(method):
+
         async def tool(**kwargs: Any) -> Any:
             return await method(**kwargs)
     else:
+
         def tool(**kwargs: Any) -> Any:
             return method(**kwargs)
+
     functools.update_wrapper(tool, method)
     tool.__name__ = tool.__qualname__ = name
     return tool
 
 
-def load_verifiers_env(env_id: str, config: dict[str, Any] | None = None, max_tasks: int | None = None,
-                       name: str | None = None, max_turns: int = 6, tool_timeout: float = 10.0) -> VerifiersEnv:
+def load_verifiers_env(
+    env_id: str,
+    config: dict[str, Any] | None = None,
+    max_tasks: int | None = None,
+    name: str | None = None,
+    max_turns: int = 6,
+    tool_timeout: float = 10.0,
+) -> VerifiersEnv:
     """The `verifiers` built-in: a multi-turn tool environment when the taskset declares toolsets, else single
     turn (where `max_turns` and `tool_timeout` do not apply)."""
     taskset = load_taskset(_vf(), env_id, dict(config or {}))
@@ -220,5 +244,3 @@ def is_available() -> bool:
     except ImportError:
         return False
     return True
-
-

@@ -10,17 +10,30 @@ from typing import Any
 
 from aiohttp import web
 
-from arbor.inference.sampling import PromptLogprobs, SamplingParams
+from arbor.inference.engine.params import PromptLogprobs, SamplingParams
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import BadRequest, get_field
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
 MAX_REQUEST_ID_CHARS = 256
 NEUTRAL_SAMPLING = {
-    "top_k": (-1, 0), "min_p": (0, 0.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "ignore_eos": (False,),
-    "bad_words": ([],), "allowed_token_ids": (), "use_beam_search": (False,), "logits_processors": ([],),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "top_k": (-1, 0),
+    "min_p": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "use_beam_search": (False,),
+    "logits_processors": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
     "response_format": ({"type": "text"},),
 }
 """vLLM sampling fields the local engine does not implement (it samples with temperature and top-p only), with
@@ -29,6 +42,7 @@ field would return samples (and logprobs) of another distribution than the one a
 
 
 # ---- request parsing ----
+
 
 def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:
     n = get_field(body, "n", (int,), 1)
@@ -39,17 +53,26 @@ def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, ma
     if get_field(body, "stream", (bool,), False):
         raise BadRequest(STREAM_UNSUPPORTED, "stream")
     if get_field(body, "best_of", (int,), n) != n:
-        raise BadRequest(f"best_of is not supported by the local backend: leave it unset or equal to n ({n})",
-                         "best_of")
+        raise BadRequest(
+            f"best_of is not supported by the local backend: leave it unset or equal to n ({n})", "best_of"
+        )
     for name, neutral in NEUTRAL_SAMPLING.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
-            raise BadRequest(f"{name} is not supported by the local backend (it samples with temperature and top_p "
-                             f"only): leave it unset{' or ' + repr(neutral[0]) if neutral else ''}, or serve with "
-                             "the vLLM backend", name)
+            raise BadRequest(
+                f"{name} is not supported by the local backend (it samples with temperature and top_p "
+                f"only): leave it unset{' or ' + repr(neutral[0]) if neutral else ''}, or serve with "
+                "the vLLM backend",
+                name,
+            )
     return SamplingParams(
-        max_tokens=max_tokens, temperature=read_temperature(body, 1.0), top_p=read_top_p(body, 1.0), n=n,
-        stop=read_stop(body), seed=read_seed(body), top_logprobs=top_logprobs,
+        max_tokens=max_tokens,
+        temperature=read_temperature(body, 1.0),
+        top_p=read_top_p(body, 1.0),
+        n=n,
+        stop=read_stop(body),
+        seed=read_seed(body),
+        top_logprobs=top_logprobs,
         skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
     )
 
@@ -73,8 +96,10 @@ def completion_fields(body: dict[str, Any]) -> None:
     """Refuses the legacy completions fields that change the response and that the local backend does not
     implement (`echo`, `suffix`), naming the field, rather than answering without them."""
     if get_field(body, "echo", (bool,), False):
-        raise BadRequest("echo is not supported by the local backend: leave it unset or false, or serve with the vLLM "
-                         "backend", "echo")
+        raise BadRequest(
+            "echo is not supported by the local backend: leave it unset or false, or serve with the vLLM backend",
+            "echo",
+        )
     if get_field(body, "suffix", (str,), None):
         raise BadRequest("suffix is not supported by the local backend: leave it unset", "suffix")
 
@@ -99,6 +124,7 @@ def abort_ids(body: dict[str, Any]) -> list[str] | None:
 
 # ---- response building ----
 
+
 def token_str(tokenizer: Any, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -119,6 +145,7 @@ def completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
 
 def prompt_logprobs(tokenizer: Any, entries: PromptLogprobs) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or {token id: Logprob}."""
+
     def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
         return {"logprob": lp, "rank": rank, "decoded_token": token_str(tokenizer, token_id, False)}
 
@@ -138,5 +165,9 @@ def chat_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
         return {"token": s, "logprob": lp, "bytes": token_bytes(tokenizer, token_id)}
 
     alts = c.top_logprobs or [[]] * len(c.token_ids)
-    return {"content": [{**item(t, lp), "top_logprobs": [item(i, a) for i, a in alt]}
-                        for t, lp, alt in zip(c.token_ids, c.logprobs, alts)]}
+    return {
+        "content": [
+            {**item(t, lp), "top_logprobs": [item(i, a) for i, a in alt]}
+            for t, lp, alt in zip(c.token_ids, c.logprobs, alts)
+        ]
+    }

@@ -4,12 +4,14 @@ Endpoints: POST /v1/completions (with vLLM's `prompt_logprobs`: the raw model's 
 what a distillation teacher serves), POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
 arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
 of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
-array with its dtype and shape, see arbor.transport.routes.encode_routes), GET /health, GET /v1/models, GET /metrics
+array with its dtype and shape, see arbor.transport.expert_routes.encode_routes), GET /health, GET /v1/models, GET
+/metrics
 (Prometheus text), and the admin routes POST /update_weights {"path", "version"}, POST /pause, POST /resume,
 POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts), which need `Authorization: Bearer
 <admin_token>` when the config sets one, and vLLM's dynamic-LoRA routes POST /v1/load_lora_adapter and
 POST /v1/unload_lora_adapter (arbor.transport.adapter_admin: a completion whose `model` names a loaded adapter is
-generated with it; its choices carry `"adapter"` and that adapter's versions) (required beyond loopback; see arbor.transport.admin, which also holds
+generated with it; its choices carry `"adapter"` and that adapter's versions) (required beyond loopback; see
+arbor.transport.admin, which also holds
 the weight-update policy: allowed roots, symlinks resolved, versions only upwards). A generation request may carry a
 client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
 with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
@@ -51,7 +53,7 @@ from arbor.config.admin import require_admin_token
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.inference import openai_api as api
-from arbor.inference.sampling import (
+from arbor.inference.engine.params import (
     MAX_TOP_LOGPROBS,
     EngineUnavailable,
     InvalidRequest,
@@ -59,13 +61,14 @@ from arbor.inference.sampling import (
     WeightUpdateError,
 )
 from arbor.monitor.heartbeat import beat, install
-from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
 from arbor.transport import chat
+from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.expert_routes import encode_routes
 from arbor.transport.http import (
     BadRequest,
-    HTTPError,
     Handler,
+    HTTPError,
     error_middleware,
     get_field,
     get_int,
@@ -73,12 +76,12 @@ from arbor.transport.http import (
     start_site,
     write_ready_file,
 )
-from arbor.transport.routes import encode_routes
 
 if TYPE_CHECKING:  # annotations only: the engine module loads torch, which `main` defers past the config
-    from arbor.inference.engine import Engine, RequestOutput
+    from arbor.inference.engine.core import Engine, RequestOutput
 
 log = logging.getLogger("arbor.inference.server")
+
 
 def _usage(outputs: list["RequestOutput"]) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -87,6 +90,7 @@ def _usage(outputs: list["RequestOutput"]) -> dict[str, int]:
 
 
 # ---- handlers ----
+
 
 @web.middleware
 async def _engine_unavailable(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -101,8 +105,14 @@ class InferenceServer:
     """The aiohttp application around one started engine. `admin_token` guards the admin routes (None: open);
     `weights` is the /update_weights policy (default: any directory, for an in-process server)."""
 
-    def __init__(self, engine: "Engine", tokenizer: Any, model_name: str, admin_token: SecretStr | None = None,
-                 weights: WeightUpdates | None = None) -> None:
+    def __init__(
+        self,
+        engine: "Engine",
+        tokenizer: Any,
+        model_name: str,
+        admin_token: SecretStr | None = None,
+        weights: WeightUpdates | None = None,
+    ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.admin_token = admin_token
         self.weights = weights or WeightUpdates(None)
@@ -112,23 +122,31 @@ class InferenceServer:
     def app(self) -> web.Application:
         middlewares = [admin_guard(self.admin_token), error_middleware(log, (InvalidRequest,)), _engine_unavailable]
         app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
-        app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.get("/health", self.health),
-            web.get("/v1/models", self.models),
-            web.get("/metrics", self.metrics),
-            web.post("/update_weights", self.update_weights),
-            web.post("/pause", self.pause),
-            web.post("/resume", self.resume),
-            web.post("/abort_requests", self.abort_requests),
-            web.post("/v1/load_lora_adapter", self.load_lora_adapter),
-            web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                web.get("/metrics", self.metrics),
+                web.post("/update_weights", self.update_weights),
+                web.post("/pause", self.pause),
+                web.post("/resume", self.resume),
+                web.post("/abort_requests", self.abort_requests),
+                web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
+            ]
+        )
         return app
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, param: str,
-                        request_id: str | None = None, adapter: str | None = None) -> list["RequestOutput"]:
+    async def _generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        param: str,
+        request_id: str | None = None,
+        adapter: str | None = None,
+    ) -> list["RequestOutput"]:
         for p in prompts:  # validate every prompt before queuing any, so a bad one leaves nothing running
             try:
                 self.engine.check(p, params, adapter)
@@ -148,7 +166,9 @@ class InferenceServer:
         logprobs = get_field(body, "logprobs", (int,), None)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-        params = api.sampling_params(body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size)
+        params = api.sampling_params(
+            body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size
+        )
         prompt_lps = get_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
         params = dataclasses.replace(params, prompt_logprobs=prompt_lps)
         return_ids = get_field(body, "return_token_ids", (bool,), False)
@@ -160,7 +180,9 @@ class InferenceServer:
         for pi, out in enumerate(outputs):
             for c in out.completions:
                 choice: dict[str, Any] = {
-                    "index": pi * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                    "index": pi * params.n + c.index,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     "logprobs": api.completion_logprobs(self.tokenizer, c, as_ids) if logprobs is not None else None,
                 }
@@ -174,10 +196,16 @@ class InferenceServer:
                 if c.routed_experts is not None:  # arbor extension: router replay (MoE)
                     choice["routed_experts"] = encode_routes(c.routed_experts)
                 choices.append(choice)
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage(outputs),
-        })
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(outputs),
+            }
+        )
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
@@ -203,10 +231,16 @@ class InferenceServer:
         (out,) = await self._generate([prompt], params, "messages", api.request_id(request, body), adapter)
         choices = []
         for c in out.completions:
-            message, finish = (chat.assistant_message(c.text, c.finish_reason) if parse_calls
-                               else ({"role": "assistant", "content": c.text}, c.finish_reason))
+            message, finish = (
+                chat.assistant_message(c.text, c.finish_reason)
+                if parse_calls
+                else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            )
             choice: dict[str, Any] = {
-                "index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
+                "index": c.index,
+                "message": message,
+                "finish_reason": finish,
+                "stop_reason": c.stop_reason,
                 "logprobs": api.chat_logprobs(self.tokenizer, c, as_ids) if want_logprobs else None,
             }
             if return_ids:
@@ -217,8 +251,12 @@ class InferenceServer:
                 choice["routed_experts"] = encode_routes(c.routed_experts)
             choices.append(choice)
         response: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage([out]),
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage([out]),
         }
         if return_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
@@ -227,14 +265,23 @@ class InferenceServer:
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.alive:  # the router ejects this backend; the process exits for `rl` to restart it
             failure = self.engine.failure
-            return web.json_response({
-                "status": "failed" if failure else "stopped", "policy_version": self.engine.version,
-                "error": repr(failure) if failure else "inference engine stopped"}, status=503)
+            return web.json_response(
+                {
+                    "status": "failed" if failure else "stopped",
+                    "policy_version": self.engine.version,
+                    "error": repr(failure) if failure else "inference engine stopped",
+                },
+                status=503,
+            )
         return web.json_response({"status": "ok", "policy_version": self.engine.version})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": model_cards(
-            self.model_name, int(self.started), self.engine.seq_len, self.engine.adapters)})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": model_cards(self.model_name, int(self.started), self.engine.seq_len, self.engine.adapters),
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         s = self.engine.stats()
@@ -251,20 +298,34 @@ class InferenceServer:
             ("decode_tokens_total", "counter", "Tokens appended by decode steps", s.decode_tokens),
             ("decode_seq_steps_total", "counter", "Sequences decoded, summed over decode steps", s.decode_seq_steps),
             ("decode_seconds_total", "counter", "Seconds spent in decode steps", round(s.decode_seconds, 6)),
-            ("decode_tokens_per_second", "gauge", "Decode tokens per second of decoding since start",
-             s.decode_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0),
+            (
+                "decode_tokens_per_second",
+                "gauge",
+                "Decode tokens per second of decoding since start",
+                s.decode_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0,
+            ),
             ("spec_draft_tokens_total", "counter", "Speculative decoding: drafts verified", s.draft_tokens),
             ("spec_accepted_tokens_total", "counter", "Speculative decoding: drafts accepted", s.accepted_draft_tokens),
-            ("spec_acceptance_rate", "gauge", "Speculative decoding: drafts accepted / verified since start",
-             s.accepted_draft_tokens / s.draft_tokens if s.draft_tokens else 0.0),
-            ("spec_mean_accepted_length", "gauge", "Tokens a sequence gains per decode step since start",
-             s.decode_tokens / s.decode_seq_steps if s.decode_seq_steps else 0.0),
+            (
+                "spec_acceptance_rate",
+                "gauge",
+                "Speculative decoding: drafts accepted / verified since start",
+                s.accepted_draft_tokens / s.draft_tokens if s.draft_tokens else 0.0,
+            ),
+            (
+                "spec_mean_accepted_length",
+                "gauge",
+                "Tokens a sequence gains per decode step since start",
+                s.decode_tokens / s.decode_seq_steps if s.decode_seq_steps else 0.0,
+            ),
         ]
         lines = []
         for name, kind, help_text, value in rows:
             lines += [f"# HELP arbor_{name} {help_text}", f"# TYPE arbor_{name} {kind}", f"arbor_{name} {value}"]
-        return web.Response(body=("\n".join(lines) + "\n").encode(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=("\n".join(lines) + "\n").encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
 
     async def update_weights(self, request: web.Request) -> web.Response:
         return await self.weights.handle(request, lambda: self.engine.version, self._load)
@@ -285,8 +346,9 @@ class InferenceServer:
             raise BadRequest(str(e), "lora_path") from None
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        return await self.lora.unload(request, lambda: self.engine.adapters,
-                                      lambda name: asyncio.wrap_future(self.engine.unload_adapter(name)))
+        return await self.lora.unload(
+            request, lambda: self.engine.adapters, lambda name: asyncio.wrap_future(self.engine.unload_adapter(name))
+        )
 
     async def pause(self, request: web.Request) -> web.Response:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.pause())})
@@ -301,11 +363,20 @@ class InferenceServer:
 
 # ---- running ----
 
+
 class BackgroundServer:
     """Serves an engine from an event loop in a daemon thread (tests, notebooks); `url` once constructed."""
 
-    def __init__(self, engine: "Engine", tokenizer: Any, model_name: str = "arbor", host: str = "127.0.0.1",
-                 port: int = 0, admin_token: SecretStr | None = None, weight_roots: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        engine: "Engine",
+        tokenizer: Any,
+        model_name: str = "arbor",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        admin_token: SecretStr | None = None,
+        weight_roots: list[Path] | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-http", daemon=True)
         self._thread.start()
@@ -352,8 +423,9 @@ async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> int:
         tasks += [signalled, died]
         await asyncio.wait([signalled, died], return_when=asyncio.FIRST_COMPLETED)
         if not signalled.done():
-            log.error("the inference engine loop died (%r): exiting for the launcher to restart this server",
-                      engine.failure)
+            log.error(
+                "the inference engine loop died (%r): exiting for the launcher to restart this server", engine.failure
+            )
             return 1
         log.info("shutting down")
         # Stop the engine first: its unfinished requests fail at once instead of holding up the HTTP shutdown.
@@ -383,17 +455,18 @@ async def _heartbeats(cfg: InferenceConfig, engine: "Engine") -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
     require_admin_token(cfg.host, cfg.admin_token, "admin_token")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.backend == "vllm":
-        from arbor.inference import vllm_adapter  # the vLLM backend (the `gpu` extra), loaded only when chosen
+        from arbor.inference.vllm import (
+            proxy as vllm_adapter,
+        )  # the vLLM backend (the `gpu` extra), loaded only when chosen
 
         vllm_adapter.require_vllm()
         return vllm_adapter.run(cfg)
     # The local engine loads torch: only once the config is known to be valid.
     import torch
 
-    from arbor.inference.engine import build_engine
+    from arbor.inference.engine.core import build_engine
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

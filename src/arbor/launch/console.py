@@ -41,7 +41,7 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def describe_waits(output_dir: Path, started: dict[str, float]) -> str:
-    """"name (what it does), ..." for the processes in `started` (name -> start time, unix seconds): the newest
+    """ "name (what it does), ..." for the processes in `started` (name -> start time, unix seconds): the newest
     heartbeat of this launch whose name begins with the process's kind, its name up to any "_" ("trainer" covers
     "trainer_rank0"; replicas "inference_0", "inference_1" share the "inference" heartbeat), or "starting"
     before its first heartbeat."""
@@ -87,9 +87,11 @@ class Console:
                 self.sft_seen = row["step"]
                 took = row.get("sft/time", 0.0)
                 eta = took / self.sft_seen * (self.sft_steps - self.sft_seen)
-                self.say(f"{progress_bar(self.sft_seen, self.sft_steps)} SFT warm-up step {self.sft_seen:>4}/"
-                         f"{self.sft_steps} | loss {row['sft/loss']:.4f} | {time.monotonic() - self.t0:.0f}s, "
-                         f"eta {eta:.0f}s")
+                self.say(
+                    f"{progress_bar(self.sft_seen, self.sft_steps)} SFT warm-up step {self.sft_seen:>4}/"
+                    f"{self.sft_steps} | loss {row['sft/loss']:.4f} | {time.monotonic() - self.t0:.0f}s, "
+                    f"eta {eta:.0f}s"
+                )
 
     def poll(self) -> None:
         for row in read_jsonl(self.path):
@@ -100,7 +102,11 @@ class Console:
                     self.first = (now, self.seen)
                 first_t, first_done = self.first
                 # The RL steps' own rate: from the first step on; at the first step, that step's own time.
-                per_step = (now - first_t) / (self.seen - first_done) if self.seen > first_done else row.get("time/step", 0.0)
+                per_step = (
+                    (now - first_t) / (self.seen - first_done) if self.seen > first_done else row.get("time/step", 0.0)
+                )
                 eta = per_step * (self.max_steps - self.seen)
-                self.say(f"{progress_bar(self.seen, self.max_steps)} {format_step(row, self.max_steps)} | "
-                         f"{now - self.t0:.0f}s, eta {eta:.0f}s")
+                self.say(
+                    f"{progress_bar(self.seen, self.max_steps)} {format_step(row, self.max_steps)} | "
+                    f"{now - self.t0:.0f}s, eta {eta:.0f}s"
+                )

@@ -44,8 +44,10 @@ def split(cores: int, train_work: float, generate_work: float) -> tuple[int, int
     max(train_work / t, generate_work / g)."""
     if cores < 2:
         return 1, 1
-    return min(((t, cores - t) for t in range(1, cores)),
-               key=lambda tg: (max(train_work / tg[0], generate_work / tg[1]), -tg[0]))
+    return min(
+        ((t, cores - t) for t in range(1, cores)),
+        key=lambda tg: (max(train_work / tg[0], generate_work / tg[1]), -tg[0]),
+    )
 
 
 def measured_work(output_dir: Path) -> tuple[float, float] | None:
@@ -56,8 +58,10 @@ def measured_work(output_dir: Path) -> tuple[float, float] | None:
     if not rows or None in threads:
         return None
     rows = rows[-RECENT:]
-    return (statistics.median(r["time/compute"] for r in rows) * threads[0],
-            statistics.median(r["time/generate"] for r in rows) * threads[1])
+    return (
+        statistics.median(r["time/compute"] for r in rows) * threads[0],
+        statistics.median(r["time/generate"] for r in rows) * threads[1],
+    )
 
 
 def _threads(path: Path) -> int | None:
@@ -86,5 +90,7 @@ def split_cores(cfg: RLConfig, cores: int | None = None) -> str | None:
     source = "this run's measured figures" if work is not None else "the default work ratio"
     train_work, generate_work = work or DEFAULT_WORK
     trainer.num_threads, inference.num_threads = split(cores, train_work, generate_work)
-    return (f"cores: trainer {trainer.num_threads}, inference {inference.num_threads} threads of {cores} "
-            f"(from {source}: {train_work:.2f} vs {generate_work:.2f} thread-seconds a step)")
+    return (
+        f"cores: trainer {trainer.num_threads}, inference {inference.num_threads} threads of {cores} "
+        f"(from {source}: {train_work:.2f} vs {generate_work:.2f} thread-seconds a step)"
+    )

@@ -2,7 +2,7 @@
 shared by any number of runs (`rl @ run.toml --fleet URL`), until it is stopped (Ctrl-C or SIGTERM: exit 0).
 
 It starts `inference.replicas` servers on free ports and the router (`inference.router.host`/`port`; 0: a free
-one) with `backend_slots` set, so that runs share the fleet by weight (arbor.inference.tenants); writes the
+one) with `backend_slots` set, so that runs share the fleet by weight (arbor.inference.router.tenants); writes the
 router's URL to `<output_dir>/url` once it answers; then, every `metrics_interval` seconds, appends the router's
 fleet-wide and per-run figures (tokens, tokens/s, slot-seconds, utilisation) to `<output_dir>/fleet_usage.jsonl`,
 which `arbor-report <output_dir>` turns into the fleet's $/Mtok and utilisation. A dead replica is restarted as
@@ -42,7 +42,7 @@ from arbor.launch.rl import (
     wait_healthy,
     wait_ready,
 )
-from arbor.transport.router import parse_router_metrics, parse_run_metrics
+from arbor.transport.router_wire import parse_router_metrics, parse_run_metrics
 
 
 def resolve(cfg: FleetConfig) -> FleetConfig:
@@ -99,8 +99,11 @@ def serve(cfg: FleetConfig, conf: Path, sup: Supervisor) -> None:
     url = url_of(cfg)
     wait_healthy(sup, url, cfg.startup_timeout, "router", [fleet])
     run_dir.write_text_atomic(run_dir.fleet_url_path(cfg.output_dir), url + "\n")
-    print(f"fleet: {cfg.model.name} on {len(fleet.argv)} replica(s) at {url}; runs join with "
-          f"`rl @ run.toml --fleet {url}`; Ctrl-C stops it", flush=True)
+    print(
+        f"fleet: {cfg.model.name} on {len(fleet.argv)} replica(s) at {url}; runs join with "
+        f"`rl @ run.toml --fleet {url}`; Ctrl-C stops it",
+        flush=True,
+    )
     next_row = time.monotonic()
     while True:
         check_children(sup, set(), may_finish=(), servers=[fleet])

@@ -20,7 +20,7 @@ from arbor.config.admin import token_value
 from arbor.config.loader import ConfigError
 from arbor.config.rl import RLConfig
 from arbor.transport.admin import bearer_headers
-from arbor.transport.router import parse_router_metrics, parse_run_metrics
+from arbor.transport.router_wire import parse_router_metrics, parse_run_metrics
 
 
 def run_name(cfg: RLConfig) -> str:
@@ -32,8 +32,12 @@ def run_name(cfg: RLConfig) -> str:
 
 def call(url: str, path: str, body: dict[str, Any], token: SecretStr | str | None) -> dict[str, Any]:
     """POSTs to the fleet's router; a refusal or no answer is a one-line error naming the fleet."""
-    req = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **bearer_headers(token)})
+    req = urllib.request.Request(
+        url.rstrip("/") + path,
+        json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **bearer_headers(token)},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
@@ -68,8 +72,9 @@ class Registration:
         """Registers the run; returns its own admin token."""
         self.start, _ = figures(self.url)
         self.t0 = time.time()
-        answer = call(self.url, "/runs/register", {"run": self.name, "weight": self.cfg.fleet_weight},
-                      self.cfg.fleet_token)
+        answer = call(
+            self.url, "/runs/register", {"run": self.name, "weight": self.cfg.fleet_weight}, self.cfg.fleet_token
+        )
         self.token = answer["token"]
         return self.token
 
@@ -83,10 +88,24 @@ class Registration:
         slots = fleet.get("slots")
         spent = fleet.get("slot_seconds", 0.0) - self.start.get("slot_seconds", 0.0)
         row = {
-            "time": time.time(), "fleet": self.url, "run": self.name, "seconds": round(seconds, 3),
-            **{k: mine.get(k, 0.0) for k in ("requests", "prompt_tokens", "completion_tokens", "slot_seconds",
-                                              "tokens_per_s", "utilisation", "adapter_choices", "base_choices",
-                                              "foreign_choices")},
+            "time": time.time(),
+            "fleet": self.url,
+            "run": self.name,
+            "seconds": round(seconds, 3),
+            **{
+                k: mine.get(k, 0.0)
+                for k in (
+                    "requests",
+                    "prompt_tokens",
+                    "completion_tokens",
+                    "slot_seconds",
+                    "tokens_per_s",
+                    "utilisation",
+                    "adapter_choices",
+                    "base_choices",
+                    "foreign_choices",
+                )
+            },
             "fleet_completion_tokens": fleet.get("completion_tokens", 0.0) - self.start.get("completion_tokens", 0.0),
             "fleet_slot_seconds": spent,
             "fleet_utilisation": spent / (slots * seconds) if slots and seconds > 0 else None,
@@ -100,8 +119,9 @@ class Registration:
 def resolve_on_fleet(cfg: RLConfig) -> RLConfig:
     """Points the orchestrator at the fleet, as the run's adapter; no inference process is started."""
     if cfg.sft.steps:
-        raise ConfigError("sft.steps must be 0 with --fleet: a warm-up changes the base model, which the fleet "
-                          "shares between runs")
+        raise ConfigError(
+            "sft.steps must be 0 with --fleet: a warm-up changes the base model, which the fleet shares between runs"
+        )
     client = cfg.orchestrator.client
     name = run_name(cfg)
     client.base_urls, client.admin_urls = [cfg.fleet], []

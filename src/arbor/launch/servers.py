@@ -31,6 +31,7 @@ MAX_RESTARTS, RESTART_WINDOW = 3, 600.0
 PROBE_INTERVAL = 2.0
 """Seconds between two liveness probes of a server (and each probe's own timeout)."""
 
+
 def healthy(url: str, timeout: float = PROBE_INTERVAL) -> bool:
     """Whether the server at `url` answers GET /health with 200 within `timeout` seconds (a refused or reset
     connection, a timeout or a 503 all count as not)."""
@@ -50,9 +51,18 @@ class Servers:
     failure when none is left. `env` adds variables to each one's environment (its admin token); `plural` names
     them in the message when all are dead; `prog` (the launcher: "rl", "fleet") starts each message."""
 
-    def __init__(self, sup: Supervisor, argv: dict[str, list[str]], urls: dict[str, str], env: dict[str, str],
-                 restart: bool, plural: str, liveness_timeout: float | None = None,
-                 startup_timeout: float = 600.0, prog: str = "rl") -> None:
+    def __init__(
+        self,
+        sup: Supervisor,
+        argv: dict[str, list[str]],
+        urls: dict[str, str],
+        env: dict[str, str],
+        restart: bool,
+        plural: str,
+        liveness_timeout: float | None = None,
+        startup_timeout: float = 600.0,
+        prog: str = "rl",
+    ) -> None:
         self.sup, self.argv, self.urls, self.env, self.plural, self.prog = sup, argv, urls, env, plural, prog
         self.restart = restart
         self.liveness_timeout, self.startup_timeout = liveness_timeout, startup_timeout
@@ -103,8 +113,10 @@ class Servers:
                 silent, limit = now - started, self.startup_timeout
                 what = "has not answered /health for {}s since its restart"
             if limit is not None and silent > limit:
-                message = (f"{self.prog}: {name} {what.format(f'{silent:.0f}')} (limit {limit:.0f}s); killing it so "
-                           "that it is restarted")
+                message = (
+                    f"{self.prog}: {name} {what.format(f'{silent:.0f}')} (limit {limit:.0f}s); killing it so "
+                    "that it is restarted"
+                )
                 if console is not None:
                     console(message, err=True)
                 else:
@@ -120,19 +132,26 @@ class Servers:
             if time.monotonic() - self.last_start.get(name, 0.0) >= RESTART_BACKOFF:
                 self.restarts[name].append(time.monotonic())
                 if console is not None:
-                    console(f"{self.prog}: {name} exited with code {rc}; restarting it (see {child.log_path})",
-                            err=True)
+                    console(
+                        f"{self.prog}: {name} exited with code {rc}; restarting it (see {child.log_path})", err=True
+                    )
                 self.start(name)
             return
         alive = [n for n in self.argv if self.sup.children[n].poll() is None]
         if not alive:
-            what = (f"{name} exited with code {rc}" if len(self.argv) == 1 else
-                    f"all {len(self.argv)} {self.plural} exited (last: {name}, code {rc})")
+            what = (
+                f"{name} exited with code {rc}"
+                if len(self.argv) == 1
+                else f"all {len(self.argv)} {self.plural} exited (last: {name}, code {rc})"
+            )
             logs = ", ".join(str(self.sup.children[n].log_path) for n in self.argv)
             raise ChildFailed(f"{what}{why_not}; see {logs}\n{tail(child.log_path)}")
         if name not in self.reported and console is not None:
-            console(f"{self.prog}: {name} exited with code {rc}{why_not}; continuing with {len(alive)} of "
-                    f"{len(self.argv)} (see {child.log_path})", err=True)
+            console(
+                f"{self.prog}: {name} exited with code {rc}{why_not}; continuing with {len(alive)} of "
+                f"{len(self.argv)} (see {child.log_path})",
+                err=True,
+            )
         self.reported.add(name)
 
     def why_not_restart(self, name: str) -> str | None:

@@ -62,43 +62,68 @@ def render(cfg: RLConfig, project: Path = PROJECT, python: str = sys.executable)
     s = cfg.slurm
     assert s is not None
     out = cfg.output_dir.resolve()
-    lines = [f"#SBATCH --partition={s.partition}" if s.partition else "",
-             f"#SBATCH --account={s.account}" if s.account else "",
-             f"#SBATCH --gpus-per-node={s.gpus_per_node}" if s.gpus_per_node else "",
-             f"#SBATCH --cpus-per-task={s.cpus_per_node}" if s.cpus_per_node else "",
-             f"#SBATCH --mem={s.mem}" if s.mem else "",
-             *(f"#SBATCH {x}" for x in s.extra_sbatch)]
+    lines = [
+        f"#SBATCH --partition={s.partition}" if s.partition else "",
+        f"#SBATCH --account={s.account}" if s.account else "",
+        f"#SBATCH --gpus-per-node={s.gpus_per_node}" if s.gpus_per_node else "",
+        f"#SBATCH --cpus-per-task={s.cpus_per_node}" if s.cpus_per_node else "",
+        f"#SBATCH --mem={s.mem}" if s.mem else "",
+        *(f"#SBATCH {x}" for x in s.extra_sbatch),
+    ]
     srun_opts = ""
     if s.container_image:
-        srun_opts = f"--container-image={shlex.quote(s.container_image)} --container-workdir={shlex.quote(str(project))}"
+        srun_opts = (
+            f"--container-image={shlex.quote(s.container_image)} --container-workdir={shlex.quote(str(project))}"
+        )
         if s.container_mounts:
             srun_opts += f" --container-mounts={shlex.quote(s.container_mounts)}"
         python = "python"
     q = shlex.quote
     values = dict(
-        job_name=q(s.job_name), time=s.time, log_file=str(logs_dir(out) / "slurm-%j.out"),
-        sbatch_lines="\n".join(x for x in lines if x), script=q(str(out / "rl.sbatch")),
-        setup="\n".join(s.setup), project=q(str(project)), output_dir=q(str(out)), python=q(python) if python != "python" else python,
+        job_name=q(s.job_name),
+        time=s.time,
+        log_file=str(logs_dir(out) / "slurm-%j.out"),
+        sbatch_lines="\n".join(x for x in lines if x),
+        script=q(str(out / "rl.sbatch")),
+        setup="\n".join(s.setup),
+        project=q(str(project)),
+        output_dir=q(str(out)),
+        python=q(python) if python != "python" else python,
         srun_opts=srun_opts,
     )
     if s.inference_nodes == 0:
-        local = "" if s.shared_fs else (
-            'run_dir="${TMPDIR:-/tmp}/arbor-$SLURM_JOB_ID"\n'
-            f'trap \'mkdir -p {q(str(out))} && cp -a "$run_dir/." {q(str(out))}/\' EXIT  # node-local run, copied back'
+        local = (
+            ""
+            if s.shared_fs
+            else (
+                'run_dir="${TMPDIR:-/tmp}/arbor-$SLURM_JOB_ID"\n'
+                f"trap 'mkdir -p {q(str(out))} && cp -a \"$run_dir/.\" {q(str(out))}/' EXIT  # node-local run, "
+                f"copied back"
+            )
         )
         values.update(
-            local_dir=local, job_config=q(str(configs_dir(out) / "slurm_job.toml")),
+            local_dir=local,
+            job_config=q(str(configs_dir(out) / "slurm_job.toml")),
             launch=f"srun --ntasks=1 {srun_opts}" if s.container_image else "exec",
         )
         return _Template((template_dir() / "single_node.sbatch").read_text()).substitute(values)
     nproc = cfg.trainer.parallel.nproc
     if s.gpus_per_node and nproc != s.gpus_per_node:
-        raise ConfigError(f"trainer.parallel.nproc ({nproc}) must equal slurm.gpus_per_node ({s.gpus_per_node}) in the multi-node layout")
+        raise ConfigError(
+            f"trainer.parallel.nproc ({nproc}) must equal slurm.gpus_per_node ({s.gpus_per_node}) in the "
+            f"multi-node layout"
+        )
     values.update(
-        nodes=s.nodes, inference_nodes=s.inference_nodes, trainer_nodes=s.trainer_nodes, nproc=nproc,
+        nodes=s.nodes,
+        inference_nodes=s.inference_nodes,
+        trainer_nodes=s.trainer_nodes,
+        nproc=nproc,
         # the orchestrator splits each batch over the data-parallel ranks: context-parallel ranks share rows
-        world=nproc * s.trainer_nodes // cfg.trainer.parallel.cp, inference_port=s.inference_port, rdzv_port=s.rdzv_port,
-        sft_steps=cfg.sft.steps, startup_timeout=int(cfg.inference_startup_timeout),
+        world=nproc * s.trainer_nodes // cfg.trainer.parallel.cp,
+        inference_port=s.inference_port,
+        rdzv_port=s.rdzv_port,
+        sft_steps=cfg.sft.steps,
+        startup_timeout=int(cfg.inference_startup_timeout),
     )
     return _Template((template_dir() / "multi_node.sbatch").read_text()).substitute(values)
 
@@ -117,11 +142,16 @@ def submit(cfg: RLConfig, dry_run: bool) -> int:
         return 0
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise ConfigError("slurm: sbatch is not on PATH; run on a SLURM login node, or pass --dry-run to only write the script")
+        raise ConfigError(
+            "slurm: sbatch is not on PATH; run on a SLURM login node, or pass --dry-run to only write the script"
+        )
     res = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
     if res.returncode != 0:
         raise ConfigError(f"sbatch failed: {res.stderr.strip() or res.stdout.strip()}")
     job_id = res.stdout.strip().split(";")[0]
     print(f"submitted SLURM job {job_id}: {script}")
-    print(f"logs: {logs_dir(out) / f'slurm-{job_id}.out'} (scheduler), {logs_dir(out)}/*.log (processes); metrics: {metrics_path(out)}")
+    print(
+        f"logs: {logs_dir(out) / f'slurm-{job_id}.out'} (scheduler), {logs_dir(out)}/*.log (processes); metrics: "
+        f"{metrics_path(out)}"
+    )
     return 0

@@ -78,8 +78,7 @@ class Watchdog:
                     del pending[name]
             time.sleep(0.1)
         for name, (path, size, spy_failure) in pending.items():
-            state = ("is missing" if not path.exists() else "is empty" if path.stat().st_size == 0
-                     else "did not grow")
+            state = "is missing" if not path.exists() else "is empty" if path.stat().st_size == 0 else "did not grow"
             self.missing[name] = f"{spy_failure}its stack file {path} {state} {wait:.0f}s after SIGUSR1"
         return written
 
@@ -96,7 +95,9 @@ class Watchdog:
         lines = []
         for hb in read_heartbeats(self.output_dir):
             state = "" if _alive(int(hb["pid"])) else " (exited)"
-            lines.append(f"  {hb['name']} (pid {hb['pid']}{state}): {hb['doing']}, last heartbeat {now - hb['time']:.0f}s ago")
+            lines.append(
+                f"  {hb['name']} (pid {hb['pid']}{state}): {hb['doing']}, last heartbeat {now - hb['time']:.0f}s ago"
+            )
         return "\n".join(lines) or "  no process wrote a heartbeat"
 
 

@@ -27,21 +27,26 @@ def model_args(cfg: ModelConfig) -> ModelArgs:
     if cfg.mtp_depth is None or cfg.mtp_depth == getattr(args, "mtp_depth", 0):
         return args
     if not isinstance(args, ModelArgs):
-        raise ValueError(f"model.mtp_depth: {cfg.name!r} is a DeepSeek sparse attention model; arbor builds MTP "
-                         "draft modules for dense Qwen3 models only")
+        raise ValueError(
+            f"model.mtp_depth: {cfg.name!r} is a DeepSeek sparse attention model; arbor builds MTP "
+            "draft modules for dense Qwen3 models only"
+        )
     return dataclasses.replace(args, mtp_depth=cfg.mtp_depth)
 
 
 def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     if cfg.tokenizer is not None:
-        return load_tokenizer(cfg.tokenizer if cfg.tokenizer == "byte" else resolve_dir(cfg.tokenizer, "model.tokenizer"))
+        return load_tokenizer(
+            cfg.tokenizer if cfg.tokenizer == "byte" else resolve_dir(cfg.tokenizer, "model.tokenizer")
+        )
     if cfg.name in PRESETS:
         return ByteTokenizer()
     return load_tokenizer(resolve_dir(cfg.name))
 
 
 def build_model(cfg: ModelConfig, device: str = "cpu", load: bool = True) -> "Qwen3ForCausalLM":
-    """The dense or MoE (a Qwen3ForCausalLM subclass) or DeepSeek sparse attention (DeepseekV32ForCausalLM) model on `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
+    """The dense or MoE (a Qwen3ForCausalLM subclass) or DeepSeek sparse attention (DeepseekV32ForCausalLM) model on
+    `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
     # Building loads torch; the package itself stays without it for the launcher and config checks (presets, args).
     import torch
 
@@ -64,4 +69,13 @@ def build_model(cfg: ModelConfig, device: str = "cpu", load: bool = True) -> "Qw
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
 
 
-__all__ = ["ModelArgs", "PRESETS", "Tokenizer", "build_model", "build_tokenizer", "load_tokenizer", "model_args", "resolve_dir"]
+__all__ = [
+    "ModelArgs",
+    "PRESETS",
+    "Tokenizer",
+    "build_model",
+    "build_tokenizer",
+    "load_tokenizer",
+    "model_args",
+    "resolve_dir",
+]

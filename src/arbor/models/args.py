@@ -53,9 +53,13 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if self.mtp_depth < 0 or (self.mtp_depth and self.is_moe):
-            raise ValueError(f"mtp_depth ({self.mtp_depth}) must be >= 0, and 0 for MoE models (dense MTP modules only)")
+            raise ValueError(
+                f"mtp_depth ({self.mtp_depth}) must be >= 0, and 0 for MoE models (dense MTP modules only)"
+            )
         if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]"
+            )
         self.mlp_only_layers = tuple(self.mlp_only_layers)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -82,7 +86,9 @@ class ModelArgs:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             architecture=arch,
-            num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch == "Qwen3MoeForCausalLM" else 0,
+            num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            if arch == "Qwen3MoeForCausalLM"
+            else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=cfg.get("norm_topk_prob", False),
@@ -97,9 +103,13 @@ class ModelArgs:
         out = self._dense_hf_config()
         if self.is_moe:
             out.update(
-                model_type="qwen3_moe", num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                model_type="qwen3_moe",
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
                 router_aux_loss_coef=self.router_aux_loss_coef,
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
             )
@@ -192,7 +202,8 @@ class DSAArgs:
     indexer_rope_interleave: bool = False
     """The indexer's RoPE layout: halves for DeepSeek-V3.2 (the reference's 2025-11 fix), pairs for GLM-5."""
     rope_scaling: dict[str, Any] | None = None
-    """None (plain RoPE) or YaRN as in DeepSeek's config: {"rope_type": "yarn", "factor", "original_max_position_embeddings",
+    """None (plain RoPE) or YaRN as in DeepSeek's config: {"rope_type": "yarn", "factor",
+    "original_max_position_embeddings",
     "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}."""
     architecture: str = "DeepseekV32ForCausalLM"
     n_routed_experts: int = 0
@@ -214,16 +225,25 @@ class DSAArgs:
 
     def __post_init__(self) -> None:
         if self.index_head_dim < self.qk_rope_head_dim:
-            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim})")
+            raise ValueError(
+                f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim})"
+            )
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "yarn":
-            raise ValueError(f"unsupported rope scaling {self.rope_scaling!r}; the DSA model implements default RoPE and YaRN")
+        if (
+            self.rope_scaling is not None
+            and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "yarn"
+        ):
+            raise ValueError(
+                f"unsupported rope scaling {self.rope_scaling!r}; the DSA model implements default RoPE and YaRN"
+            )
         if self.index_topk < 1:
             raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
         if self.is_moe and (self.n_routed_experts % self.n_group or self.topk_group > self.n_group):
-            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts}) "
-                             f"and be >= topk_group ({self.topk_group})")
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts}) "
+                f"and be >= topk_group ({self.topk_group})"
+            )
 
     # -- the interface the rest of arbor reads (same names as ModelArgs) --------------------------------------
     @property
@@ -249,18 +269,45 @@ class DSAArgs:
     def cache_width(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
-    _FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-               "index_head_dim", "index_topk", "q_lora_rank", "rms_norm_eps", "tie_word_embeddings",
-               "max_position_embeddings", "rope_interleave", "indexer_rope_interleave", "n_routed_experts", "num_experts_per_tok",
-               "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group",
-               "topk_group", "norm_topk_prob", "routed_scaling_factor", "num_nextn_predict_layers")
+    _FIELDS = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "q_lora_rank",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "rope_interleave",
+        "indexer_rope_interleave",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "num_nextn_predict_layers",
+    )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "DSAArgs":
         arch = (cfg.get("architectures") or ["DeepseekV32ForCausalLM"])[0]
         if arch not in DSA_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r} for a DSA model; arbor loads {sorted(DSA_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {arch!r} for a DSA model; arbor loads {sorted(DSA_ARCHITECTURES)}"
+            )
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", "yarn", None):
@@ -270,7 +317,9 @@ class DSAArgs:
         kwargs = {f: cfg[f] for f in cls._FIELDS if cfg.get(f) is not None}
         kwargs["rope_theta"] = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
         if kind == "yarn":
-            kwargs["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": "yarn"}
+            kwargs["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {
+                "rope_type": "yarn"
+            }
         kwargs.setdefault("indexer_rope_interleave", arch == "GlmMoeDsaForCausalLM")  # GLM-5's default
         if cfg.get("mlp_layer_types"):  # GLM-5 lists dense/sparse per layer; arbor supports a dense prefix
             types = list(cfg["mlp_layer_types"])
@@ -287,9 +336,14 @@ class DSAArgs:
         if self.rope_scaling:
             out["rope_scaling"] = dict(self.rope_scaling) | {"type": "yarn"}
         out.update(
-            num_key_value_heads=self.num_attention_heads, rope_theta=self.rope_theta,
-            rope_parameters=rope, hidden_act="silu",
-            attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", torch_dtype="float32",
+            num_key_value_heads=self.num_attention_heads,
+            rope_theta=self.rope_theta,
+            rope_parameters=rope,
+            hidden_act="silu",
+            attention_bias=False,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            torch_dtype="float32",
         )
         return out
 
@@ -313,7 +367,11 @@ def check_cp_style(style: str, dsa: bool) -> None:
     attention of the model (`dsa`: DeepSeek sparse attention). Beside the model arguments, without torch, so that
     the config validation and the trainer share it."""
     if dsa and style not in ("dsa", "auto"):
-        raise ValueError(f"trainer.parallel.cp_style = {style!r} cannot split DeepSeek sparse attention over the "
-                         "context; use 'dsa' (or 'auto')")
+        raise ValueError(
+            f"trainer.parallel.cp_style = {style!r} cannot split DeepSeek sparse attention over the "
+            "context; use 'dsa' (or 'auto')"
+        )
     if not dsa and style == "dsa":
-        raise ValueError("trainer.parallel.cp_style = 'dsa' needs a DeepSeek sparse attention model; use 'ulysses' or 'ring'")
+        raise ValueError(
+            "trainer.parallel.cp_style = 'dsa' needs a DeepSeek sparse attention model; use 'ulysses' or 'ring'"
+        )

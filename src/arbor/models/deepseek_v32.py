@@ -38,6 +38,7 @@ from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, spa
 from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, RotaryEmbedding, apply_rope, embed, linear_weight, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 
+
 def yarn_get_mscale(scale: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
 
@@ -71,7 +72,9 @@ def rope_setup(args: DSAArgs) -> tuple[torch.Tensor, float, float]:
     m, m_all = ys.get("mscale"), ys.get("mscale_all_dim")
     attn = ys.get("attention_factor")
     if attn is None:
-        attn = yarn_get_mscale(factor, m) / yarn_get_mscale(factor, m_all) if m and m_all else yarn_get_mscale(factor, 1.0)
+        attn = (
+            yarn_get_mscale(factor, m) / yarn_get_mscale(factor, m_all) if m and m_all else yarn_get_mscale(factor, 1.0)
+        )
     softmax = yarn_get_mscale(factor, m_all) ** 2 if m_all else 1.0
     return inv_freq, float(attn), softmax
 
@@ -133,7 +136,7 @@ class Indexer(nn.Module):
         B, T, _ = x.shape
         q = self._rotate(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), cos, sin)
         k = self._rotate(self.k_norm(self.wk(x)), cos, sin)
-        w = self.weights_proj(x) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        w = self.weights_proj(x) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, w, k
 
 
@@ -173,7 +176,9 @@ class DSAAttention(nn.Module):
         else:
             q_lat = x
             q = self.q_proj(x)
-        q_nope, q_pe = q.view(B, T, a.num_attention_heads, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        q_nope, q_pe = q.view(B, T, a.num_attention_heads, a.qk_head_dim).split(
+            [a.qk_nope_head_dim, a.qk_rope_head_dim], -1
+        )
         q_pe = self.rope(q_pe, *rope)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
@@ -316,7 +321,9 @@ class DeepseekV32ForCausalLM(nn.Module):
             x, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
             if idx is not None:
                 chosen.append(idx)
-        self.last_routed_experts = torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
+        self.last_routed_experts = (
+            torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
+        )
         return lm_logits(self, x, logits_to_keep, head_fn)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:

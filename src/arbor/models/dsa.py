@@ -54,8 +54,12 @@ def indexer_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_topk(index_scores(...))` one block of queries at a time, so the `[Tq, Tk]` scores are never all
     in memory: (indices, valid) `[B, Tq, min(topk, Tk)]`."""
-    parts = [select_topk(index_scores(q[:, s:s + QUERY_CHUNK], w[:, s:s + QUERY_CHUNK], k, mask[:, s:s + QUERY_CHUNK]), topk)
-             for s in range(0, q.shape[1], QUERY_CHUNK)]
+    parts = [
+        select_topk(
+            index_scores(q[:, s : s + QUERY_CHUNK], w[:, s : s + QUERY_CHUNK], k, mask[:, s : s + QUERY_CHUNK]), topk
+        )
+        for s in range(0, q.shape[1], QUERY_CHUNK)
+    ]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
@@ -71,7 +75,7 @@ def select_topk(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Te
     So ties go to the later key: in float64 each score gets `key index x 2^-100` added, far below the gap between
     distinct float32 scores, which makes every visible score distinct and the selection layout-independent."""
     Tk = scores.shape[-1]
-    tie = torch.arange(Tk, device=scores.device, dtype=torch.float64) * 2.0 ** -100
+    tie = torch.arange(Tk, device=scores.device, dtype=torch.float64) * 2.0**-100
     vals, idx = (scores.double() + tie).topk(min(topk, Tk), dim=-1, sorted=True)
     return idx, vals > float("-inf")
 
@@ -133,8 +137,12 @@ def dense_mla(
     k = torch.cat([k_nope, k_pe[:, :, None].expand(B, Tk, H, k_pe.shape[-1])], dim=-1)
     q = torch.cat([q_nope, q_pe], dim=-1)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=None if mask is None else mask[:, None], is_causal=mask is None, scale=scale,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=None if mask is None else mask[:, None],
+        is_causal=mask is None,
+        scale=scale,
     )
     return out.transpose(1, 2)
 
@@ -154,8 +162,15 @@ class DSACache:
     decoding and the indexer need; ~1/10 of a per-head KV cache at DeepSeek's sizes). Same slot protocol as
     `arbor.models.attention.KVCache`: tokens are written at their positions, `copy_slot` shares a prefill."""
 
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, width: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        width: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.rows = [torch.zeros(num_slots, max_len, width, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
 

@@ -15,7 +15,8 @@ weights); `dW = dY^T X` reduces over tokens, so both dY and X are quantised in 1
 128 tokens: DeepSeek-V3's "1x128 -> 128x1" conversion for the backward pass, DeepGEMM's (1, 1, 128) recipe).
 Master weights, gradients and optimizer state never leave their fp32/bf16 parameters: every forward quantises
 on the fly. Departures: the layer saves the high-precision input for backward (DeepSeek caches it in FP8 to save
-memory, at the cost of a second quantisation), and the FP8 weight with its scales for dgrad; scales are not rounded to powers of two (DeepSeek-V3 keeps fp32
+memory, at the cost of a second quantisation), and the FP8 weight with its scales for dgrad; scales are not rounded to
+powers of two (DeepSeek-V3 keeps fp32
 scales; only Blackwell's UE8M0 format would need that).
 
 Shapes not divisible by 128 are zero-padded to the next multiple (in K, N and, for the wgrad GEMM, tokens) and
@@ -183,8 +184,15 @@ def _gemm_scaled_mm(a, sa, b, sb, wgrad: bool) -> torch.Tensor:
     # 128x128 weight scales go in transposed, `[K/128, N/128]`. (An H100 with torch 2.11 refused the wgrad's
     # `[K/128, N]`, the layout of the older `torch._scaled_mm`.)
     scale_b = sb.t().contiguous().t() if wgrad else sb.t()
-    out = F.scaled_mm(a, b.t(), sa.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale_b, recipe_b,
-                      output_dtype=torch.float32 if wgrad else torch.bfloat16)
+    out = F.scaled_mm(
+        a,
+        b.t(),
+        sa.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        scale_b,
+        recipe_b,
+        output_dtype=torch.float32 if wgrad else torch.bfloat16,
+    )
     return out[:M]
 
 

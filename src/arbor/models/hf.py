@@ -110,6 +110,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 def drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Without the multi-token-prediction layers stored after the decoder's `num_layers` (DeepSeek-V3.2, GLM-5)."""
+
     def layer(name: str) -> int:
         parts = name.split(".")
         return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
@@ -144,8 +145,9 @@ def copy_checked(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], w
             own[name].copy_(tensor.to(own[name].dtype))
 
 
-def save_checkpoint_dir(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, tokenizer=None,
-                        fp8: bool = False) -> None:
+def save_checkpoint_dir(
+    state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, tokenizer=None, fp8: bool = False
+) -> None:
     """Writes config.json, model.safetensors and the tokenizer into `path` (the caller makes it atomic);
     `fp8` writes DeepSeek's FP8 checkpoint format."""
     path = Path(path)

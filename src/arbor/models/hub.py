@@ -49,17 +49,23 @@ def resolve_dir(name: str, key: str = "model.name") -> Path:
         pass
     cache = constants.HF_HUB_CACHE
     if hub_offline() or constants.HF_HUB_OFFLINE:
-        raise HubError(f"{key} {name!r} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
-                       f"download it once online (`hf download {name}`) or give a local directory") from None
+        raise HubError(
+            f"{key} {name!r} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+            f"download it once online (`hf download {name}`) or give a local directory"
+        ) from None
     try:
         return Path(snapshot_download(name, allow_patterns=FILES))
     except RepositoryNotFoundError:
-        raise HubError(f"{key} {name!r} is neither a local directory nor a Hugging Face model id the hub knows "
-                       "(private models need `hf auth login`)") from None
+        raise HubError(
+            f"{key} {name!r} is neither a local directory nor a Hugging Face model id the hub knows "
+            "(private models need `hf auth login`)"
+        ) from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:  # no network, or the hub failed
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise HubError(f"{key} {name!r} is not in the Hugging Face cache ({cache}) and could not be downloaded "
-                       f"({reason}): download it where the hub is reachable, or give a local directory") from None
+        raise HubError(
+            f"{key} {name!r} is not in the Hugging Face cache ({cache}) and could not be downloaded "
+            f"({reason}): download it where the hub is reachable, or give a local directory"
+        ) from None
 
 
 def cached_config(name: str) -> Path | None:

@@ -179,9 +179,11 @@ def check_mergeable(model: nn.Module) -> None:
     embeddings changes the output projection only, which one shared weight cannot hold."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, LoRALinearMixin) and head.weight is model.model.embed_tokens.weight:
-        raise ValueError("model.lora.target_modules: an adapter on lm_head cannot be merged into a model whose head "
-                         "is tied to its embeddings (sft.adapter merges it): leave lm_head out, or set "
-                         "sft.adapter = false")
+        raise ValueError(
+            "model.lora.target_modules: an adapter on lm_head cannot be merged into a model whose head "
+            "is tied to its embeddings (sft.adapter merges it): leave lm_head out, or set "
+            "sft.adapter = false"
+        )
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:

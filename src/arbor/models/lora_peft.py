@@ -3,7 +3,8 @@
 Keys are `base_model.model.<Hugging Face module path>.lora_A.weight` (`[r, in]`) and `...lora_B.weight`
 (`[out, r]`), module paths as arbor's Hugging Face mapping names them (arbor.models.hf): MoE experts per expert,
 `...mlp.experts.{e}.{gate,up,down}_proj`. `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read this
-layout; the trainer publishes it (arbor.trainer.publish) and the local engine loads it (arbor.inference.adapters).
+layout; the trainer publishes it (arbor.weights.publish) and the local engine loads it
+(arbor.inference.engine.adapters).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def arbor_tensors(peft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, t in peft.items():
         if not key.startswith(PEFT_PREFIX):
             raise ValueError(f"adapter tensor {key!r} is not under {PEFT_PREFIX!r}")
-        key = key[len(PEFT_PREFIX):]
+        key = key[len(PEFT_PREFIX) :]
         if (m := _EXPERT_KEY.match(key)) is not None:
             experts.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = t
         elif (m := _LINEAR_KEY.match(key)) is not None:
@@ -77,9 +78,17 @@ def target_leaves(adapters: dict[str, torch.Tensor]) -> list[str]:
 def adapter_config(cfg: Any, base_model: str, adapters: dict[str, torch.Tensor]) -> dict[str, Any]:
     """`adapter_config.json` for `cfg` (a `LoRAConfig`) over `base_model` (its name or path)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-        "lora_dropout": cfg.dropout, "target_modules": target_leaves(adapters), "base_model_name_or_path": base_model,
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": target_leaves(adapters),
+        "base_model_name_or_path": base_model,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
     }
 
 
@@ -88,8 +97,11 @@ def save_adapter(path: str | Path, config: dict[str, Any], adapters: dict[str, t
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    save_file(peft_tensors({k: v.detach() for k, v in adapters.items()}), str(path / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    save_file(
+        peft_tensors({k: v.detach() for k, v in adapters.items()}),
+        str(path / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
     return path
 
 
@@ -109,12 +121,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 def load_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config, arbor-named adapter tensors) of a PEFT directory (no checksum check: see
-    `arbor.inference.adapters`, which reads published directories through the weight transport)."""
+    `arbor.inference.engine.adapters`, which reads published directories through the weight transport)."""
     return read_config(path), arbor_tensors(load_file(str(Path(path) / ADAPTER_WEIGHTS)))
 
 
 def lora_scale(config: dict[str, Any]) -> float:
     """The adapter's output scale, alpha / r (rsLoRA: alpha / sqrt(r))."""
     r = config["r"]
-    return config["lora_alpha"] / (r ** 0.5 if config.get("use_rslora") else r)
-
+    return config["lora_alpha"] / (r**0.5 if config.get("use_rslora") else r)

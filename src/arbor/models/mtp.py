@@ -6,7 +6,7 @@ final hidden state, before the final norm, for d = 0) with the embedding of toke
 and predicts token i + d + 2 through its own final norm (`shared_head.norm`) and the decoder's embedding and
 head, which every depth shares. The trainer fits them to the policy (arbor.trainer.draft); the local engine
 drafts with depth 0 applied autoregressively, its own output standing in for the decoder's hidden state after
-the first draft (arbor.inference.speculative), as vLLM does when it drafts more tokens than there are modules.
+the first draft (arbor.inference.engine.speculative), as vLLM does when it drafts more tokens than there are modules.
 
 Checkpoints store depth d as decoder layer `num_hidden_layers + d` (DeepSeek-V3's layout, read from
 `num_nextn_predict_layers`): `model.layers.{L+d}.{enorm,hnorm,eh_proj,shared_head.norm}` beside the block's
@@ -45,8 +45,16 @@ class MTPLayer(nn.Module):
         self.block = block
         self.shared_head = SharedHead(norm_cls(h, args.rms_norm_eps))
 
-    def forward(self, hidden: torch.Tensor, token_emb: torch.Tensor, rope, position_ids: torch.Tensor,
-                attn_mask, kv_cache, cache_slots) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        token_emb: torch.Tensor,
+        rope,
+        position_ids: torch.Tensor,
+        attn_mask,
+        kv_cache,
+        cache_slots,
+    ) -> torch.Tensor:
         """This depth's hidden states `[B, T, H]` (before `shared_head.norm`)."""
         x = self.eh_proj(torch.cat([self.enorm(token_emb), self.hnorm(hidden)], dim=-1))
         return self.block(x, rope, position_ids, attn_mask, kv_cache, cache_slots)

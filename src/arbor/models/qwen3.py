@@ -128,8 +128,9 @@ class Qwen3Backbone(nn.Module):
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta)
 
 
-def embed(backbone: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None
-          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def embed(
+    backbone: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The forward prologue of every arbor decoder: (token embeddings, RoPE cos/sin, position ids), positions
     defaulting to 0..T-1 in each row. `backbone` has `embed_tokens` and `rotary_emb`."""
     B, T = input_ids.shape
@@ -149,7 +150,7 @@ def linear_weight(module: nn.Linear) -> torch.Tensor:
     """The layer's effective weight, for code that reads the weight instead of calling the layer (the trainer's
     vocabulary-chunked head, MLA's absorbed `kv_b_proj`): its own, plus `scale * B A` of the trainer's LoRA
     adapter (`delta_weight`, arbor.models.lora) or of the engine's current adapter slot (`lora_weight_delta`,
-    arbor.inference.adapters). Defined here, where every model reads it, by what the layer has rather than its
+    arbor.inference.engine.adapters). Defined here, where every model reads it, by what the layer has rather than its
     class: the adapter module imports the models. An adapter on `lm_head` changes the output projection only,
     also when the weight is tied to the embeddings; the `[V, H]` sum costs one copy of the head, against a
     forward's `[T, V]` logits that are never built."""
@@ -217,8 +218,9 @@ class Qwen3ForCausalLM(nn.Module):
             self.draft_out = self.draft_fn(self, x, input_ids, rope, position_ids, attn_mask)
         return lm_logits(self, x, logits_to_keep, head_fn)
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache,
-                      cache_slots: torch.Tensor) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: KVCache, cache_slots: torch.Tensor
+    ) -> torch.Tensor:
         """The decoder's final hidden states `[B, T, H]` before the final norm (what the MTP modules read);
         `lm_logits(model, hidden, 0)` turns them into logits."""
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
@@ -226,9 +228,16 @@ class Qwen3ForCausalLM(nn.Module):
             x = layer(x, rope, position_ids, None, kv_cache, cache_slots)
         return x
 
-    def mtp_hidden(self, depth: int, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
-                   attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                   cache_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def mtp_hidden(
+        self,
+        depth: int,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        cache_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """MTP module `depth` at `position_ids` given the previous depth's `hidden` and the ids of the tokens one
         position ahead (`next_ids`); its hidden states `[B, T, H]` before `shared_head.norm`."""
         emb, rope, position_ids = embed(self.model, next_ids, position_ids)
@@ -253,5 +262,12 @@ class Qwen3ForCausalLM(nn.Module):
         """One cache layer per decoder layer, then one per MTP module (their blocks' layer indices)."""
         a = self.args
         p = next(self.parameters())
-        return KVCache(a.num_hidden_layers + len(self.mtp), num_slots, a.num_key_value_heads, max_len, a.head_dim,
-                       p.dtype, p.device)
+        return KVCache(
+            a.num_hidden_layers + len(self.mtp),
+            num_slots,
+            a.num_key_value_heads,
+            max_len,
+            a.head_dim,
+            p.dtype,
+            p.device,
+        )

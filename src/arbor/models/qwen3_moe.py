@@ -42,7 +42,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     non-empty groups, which computes the same thing.
     """
     if (
-        x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
         and torch.cuda.get_device_capability(x.device)[0] >= 9
     ):
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -51,7 +53,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            out[start:start + n] = x[start:start + n] @ w[e].T
+            out[start : start + n] = x[start : start + n] @ w[e].T
         start += n
     return out
 

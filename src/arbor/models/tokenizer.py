@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Tokenizer(Protocol):
@@ -138,20 +139,52 @@ def _byte_symbols() -> list[str]:
 def byte_tokenizer_files(specials: Sequence[str], eos: str, pad: str) -> dict[str, dict]:
     """`tokenizer.json` and `tokenizer_config.json` of the byte tokenizer: byte b is token b, special i is 256+i."""
     vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
-    added = [{"id": 256 + i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, tok in enumerate(specials)]
+    added = [
+        {
+            "id": 256 + i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, tok in enumerate(specials)
+    ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": pad,
-              "bos_token": None, "unk_token": None, "clean_up_tokenization_spaces": False,
-              "model_max_length": 1 << 30, "chat_template": CHATML_TEMPLATE,
-              "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "pad_token": pad,
+        "bos_token": None,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 30,
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
+    }
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
 
 
@@ -201,7 +234,9 @@ class ByteTokenizer:
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
-        text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in _byte_messages(messages, tools))
+        text = "".join(
+            f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in _byte_messages(messages, tools)
+        )
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -221,8 +256,10 @@ class ByteTokenizer:
     def save(self, path: str | Path) -> None:
         """Writes a marker so that a saved model directory reloads with this tokenizer, and its Hugging Face
         export (for vLLM and other Hugging Face consumers of the directory)."""
-        files = {"arbor_tokenizer.json": {"type": "byte"},
-                 **byte_tokenizer_files(self.SPECIALS, eos=self.SPECIALS[2], pad=self.SPECIALS[0])}
+        files = {
+            "arbor_tokenizer.json": {"type": "byte"},
+            **byte_tokenizer_files(self.SPECIALS, eos=self.SPECIALS[2], pad=self.SPECIALS[0]),
+        }
         for name, content in files.items():
             # Only what changed, each file replaced whole: a directory a running server reads is refreshed
             # safely (a cached vLLM copy of a preset gets a newer export's template).

@@ -2,7 +2,7 @@
 run's share) from a fleet directory, and a run's share of the fleet it ran on from the run's directory.
 
 Sharing is priced by capacity used: a run pays the fleet's GPU-hours over its time on the fleet in proportion to
-the slot-seconds its requests held (sequences in flight x seconds, arbor.inference.tenants) among everyone's
+the slot-seconds its requests held (sequences in flight x seconds, arbor.inference.router.tenants) among everyone's
 over the same span, so the fleet's idle time is shared out too, and a run that keeps a busy fleet company pays
 for half of it rather than for all of an idle one.
 
@@ -81,22 +81,35 @@ def fleet_cost(out: Path, price: float | None, gpus: int | None) -> dict[str, An
     usd = price * gpus * hours
     for mine in runs.values():
         share = mine["slot_seconds"] / slot_seconds if slot_seconds else 0.0
-        mine.update(share=share, usd=usd * share,
-                    usd_per_m=usd * share / (mine["completion_tokens"] / 1e6) if mine["completion_tokens"] else None)
-    return {"usd": usd, "gpu_hour_usd": price, "gpus": gpus, "hours": hours, "generated_tokens": tokens,
-            "utilisation": slot_seconds / capacity if capacity else None,
-            "usd_per_m_generated": usd / (tokens / 1e6) if tokens and price else None, "runs": runs}
+        mine.update(
+            share=share,
+            usd=usd * share,
+            usd_per_m=usd * share / (mine["completion_tokens"] / 1e6) if mine["completion_tokens"] else None,
+        )
+    return {
+        "usd": usd,
+        "gpu_hour_usd": price,
+        "gpus": gpus,
+        "hours": hours,
+        "generated_tokens": tokens,
+        "utilisation": slot_seconds / capacity if capacity else None,
+        "usd_per_m_generated": usd / (tokens / 1e6) if tokens and price else None,
+        "runs": runs,
+    }
 
 
 def fleet_summary(out: Path, c: dict[str, Any]) -> str:
     util = "n/a (no backend_slots)" if c["utilisation"] is None else f"{100 * c['utilisation']:.1f}%"
     per_m = "n/a" if c["usd_per_m_generated"] is None else f"${c['usd_per_m_generated']:.4g}"
     lines = [
-        f"# arbor fleet report: {out}", "",
+        f"# arbor fleet report: {out}",
+        "",
         f"- up {c['hours']:.4f} h on {c['gpus']} GPU(s) at ${c['gpu_hour_usd']}/GPU-hour: ${c['usd']:.4f}",
         f"- utilisation (sequence slots in use over slots x time): {util}",
-        f"- {per_m} per million generated tokens ({c['generated_tokens']:.0f} tokens)", "",
-        "| run | generated tokens | share of slot-seconds | cost | $/Mtok generated |", "|---|---|---|---|---|",
+        f"- {per_m} per million generated tokens ({c['generated_tokens']:.0f} tokens)",
+        "",
+        "| run | generated tokens | share of slot-seconds | cost | $/Mtok generated |",
+        "|---|---|---|---|---|",
     ]
     for name, r in sorted(c["runs"].items()):
         per = "n/a" if r["usd_per_m"] is None else f"${r['usd_per_m']:.4g}"
@@ -112,10 +125,15 @@ def run_share(out: Path) -> dict[str, Any] | None:
         return None
     seconds = sum(r["seconds"] for r in rows)
     # Each launch's seconds on the fleet, times the run's share of the slot-seconds spent meanwhile.
-    shared = sum(r["seconds"] * (r["slot_seconds"] / r["fleet_slot_seconds"] if r["fleet_slot_seconds"] else 1.0)
-                 for r in rows)
+    shared = sum(
+        r["seconds"] * (r["slot_seconds"] / r["fleet_slot_seconds"] if r["fleet_slot_seconds"] else 1.0) for r in rows
+    )
     utils = [r["fleet_utilisation"] for r in rows if r.get("fleet_utilisation") is not None]
-    return {"fleet": rows[-1]["fleet"], "seconds": seconds, "hours": shared / 3600,
-            "share": shared / seconds if seconds else 0.0,
-            "completion_tokens": sum(r["completion_tokens"] for r in rows),
-            "fleet_utilisation": sum(utils) / len(utils) if utils else None}
+    return {
+        "fleet": rows[-1]["fleet"],
+        "seconds": seconds,
+        "hours": shared / 3600,
+        "share": shared / seconds if seconds else 0.0,
+        "completion_tokens": sum(r["completion_tokens"] for r in rows),
+        "fleet_utilisation": sum(utils) / len(utils) if utils else None,
+    }

@@ -36,8 +36,9 @@ def install(output_dir: str | Path, name: str, doing: str = "starting") -> None:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True, chain=False)
         stack_file = str(Path(dump_file.name).resolve())
-    _state.update(dir=heartbeats_dir(output_dir), name=name, dump_file=dump_file, doing=None, written=0.0,
-                  stack_file=stack_file)
+    _state.update(
+        dir=heartbeats_dir(output_dir), name=name, dump_file=dump_file, doing=None, written=0.0, stack_file=stack_file
+    )
     _state["dir"].mkdir(parents=True, exist_ok=True)
     beat(doing)
 
@@ -50,8 +51,13 @@ def beat(doing: str, min_interval: float = 0.5) -> None:
     if doing == _state["doing"] and now - _state["written"] < min_interval:
         return
     _state["doing"], _state["written"] = doing, now
-    record = {"name": _state["name"], "pid": os.getpid(), "time": now, "doing": doing,
-              "stack_file": _state["stack_file"]}
+    record = {
+        "name": _state["name"],
+        "pid": os.getpid(),
+        "time": now,
+        "doing": doing,
+        "stack_file": _state["stack_file"],
+    }
     write_text_atomic(_state["dir"] / _state["name"], json.dumps(record), fsync=False)
 
 

@@ -3,7 +3,8 @@
 The trainer appends its per-step figures to `metrics/trainer.jsonl` and the orchestrator its own to
 `metrics/orchestrator.jsonl`, each as soon as a step is done; the orchestrator owns `metrics.jsonl` and writes
 step N's line once both halves are on disk, in step order, so a reader (the `rl` console, a plot) sees whole
-steps only, and a kill at any moment loses no half that a resume would not redo. Lines are appended and flushed one at a time; a resumed run first truncates both files to the
+steps only, and a kill at any moment loses no half that a resume would not redo. Lines are appended and flushed one at a
+time; a resumed run first truncates both files to the
 steps before the checkpoint it resumes from, so no step is missing or repeated.
 
 Both halves carry `time` (unix seconds) and `elapsed_s` (`RunClock`: wall-clock seconds since the run's processes
@@ -116,11 +117,17 @@ class MetricsWriter:
         for step in sorted(self.pending):
             if step not in self.trainer:
                 break
-            row = {"step": step, **self.pending.pop(step), **{k: v for k, v in self.trainer[step].items() if k != "step"}}
+            row = {
+                "step": step,
+                **self.pending.pop(step),
+                **{k: v for k, v in self.trainer[step].items() if k != "step"},
+            }
             append_jsonl(self.path, row)
             self.written.add(step)
             if self.wandb_run is not None:
-                self.wandb_run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)
+                self.wandb_run.log(
+                    {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step
+                )
             done.append(step)
         return done
 
@@ -141,8 +148,10 @@ def init_wandb(cfg, output_dir: str | Path, run_config: dict[str, Any]):
     try:  # optional: the `wandb` extra, needed only when a [wandb] table is given
         import wandb
     except ImportError:
-        raise RuntimeError("[wandb] logging needs the wandb package: install arbor with the `wandb` extra "
-                           "(`uv sync --extra wandb` or `pip install 'arbor[wandb]'`)") from None
+        raise RuntimeError(
+            "[wandb] logging needs the wandb package: install arbor with the `wandb` extra "
+            "(`uv sync --extra wandb` or `pip install 'arbor[wandb]'`)"
+        ) from None
 
     offline = cfg.offline if cfg.offline is not None else not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb())
     return wandb.init(

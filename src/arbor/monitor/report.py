@@ -66,7 +66,9 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         ax = fig.subplots()
         drawn = False
         for key, label in series:
-            pts = [(r["step"] + 1, r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            pts = [
+                (r["step"] + 1, r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, markersize=3, label=label)
                 drawn = True
@@ -74,7 +76,13 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             xs = [r["step"] + 1 for r in rows if "reward/std" in r]
             mean = [r["reward/mean"] for r in rows if "reward/std" in r]
             std = [r["reward/std"] for r in rows if "reward/std" in r]
-            ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="mean ± std")
+            ax.fill_between(
+                xs,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                alpha=0.2,
+                label="mean ± std",
+            )
         if name == "mismatch" and drawn and all(r.get("mismatch_kl", 0) > 0 for r in rows if "mismatch_kl" in r):
             ax.set_yscale("log")
         if not drawn:
@@ -115,10 +123,16 @@ def cost(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace) -> dic
         return None
     slurm = conf.get("slurm") or {}
     nproc = conf.get("trainer", {}).get("parallel", {}).get("nproc", 1)
-    inf_gpus = args.inference_gpus if args.inference_gpus is not None else table.get(
-        "inference_gpus", slurm.get("inference_nodes", 0) * slurm.get("gpus_per_node", 0) or 1)
-    tr_gpus = args.trainer_gpus if args.trainer_gpus is not None else table.get(
-        "trainer_gpus", nproc * (slurm.get("trainer_nodes", 1) if slurm.get("inference_nodes") else 1))
+    inf_gpus = (
+        args.inference_gpus
+        if args.inference_gpus is not None
+        else table.get("inference_gpus", slurm.get("inference_nodes", 0) * slurm.get("gpus_per_node", 0) or 1)
+    )
+    tr_gpus = (
+        args.trainer_gpus
+        if args.trainer_gpus is not None
+        else table.get("trainer_gpus", nproc * (slurm.get("trainer_nodes", 1) if slurm.get("inference_nodes") else 1))
+    )
     inf_h, tr_h, measured = pool_hours(out, rows)
     shared = run_share(out)
     if shared is not None:  # no inference process of its own: its share of the fleet's hours
@@ -129,9 +143,16 @@ def cost(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace) -> dic
     generated = sum(r.get("completion_len/mean", 0.0) * batch for r in rows) if batch else 0.0
     if shared is not None:
         generated = shared["completion_tokens"]  # counted by the fleet's router
-    return {"fleet": shared,
-        "usd": usd, "gpu_hour_usd": price, "inference_gpus": inf_gpus, "trainer_gpus": tr_gpus,
-        "inference_hours": inf_h, "trainer_hours": tr_h, "measured": measured, "trained_tokens": trained,
+    return {
+        "fleet": shared,
+        "usd": usd,
+        "gpu_hour_usd": price,
+        "inference_gpus": inf_gpus,
+        "trainer_gpus": tr_gpus,
+        "inference_hours": inf_h,
+        "trainer_hours": tr_h,
+        "measured": measured,
+        "trained_tokens": trained,
         "generated_tokens": generated,
         "usd_per_m_trained": usd / (trained / 1e6) if trained else None,
         "usd_per_m_generated": usd / (generated / 1e6) if generated else None,
@@ -147,9 +168,11 @@ def _fmt(v: float | None, spec: str = ".3g") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-MEASURED = {"throughput/trainer_wait_frac": ("trainer wait", "trainer_wait"),
-            "throughput/generator_idle_frac": ("generator idle", "generator_idle"),
-            "throughput/queue_depth": ("queue depth", None)}
+MEASURED = {
+    "throughput/trainer_wait_frac": ("trainer wait", "trainer_wait"),
+    "throughput/generator_idle_frac": ("generator idle", "generator_idle"),
+    "throughput/queue_depth": ("queue depth", None),
+}
 """Run-time figures of the throughput match (metrics.jsonl keys) -> (label, the planner's matching estimate)."""
 
 
@@ -165,33 +188,48 @@ def planner_lines(out: Path, rows: list[dict[str, Any]]) -> list[str]:
     for key, (label, estimate) in MEASURED.items():
         mean = _mean(rows, key)
         measured = f"{_fmt(mean, '.2f')} measured (mean)" if mean is not None else f"not recorded (no `{key}`)"
-        planned = (f", planner {_fmt(p['now'][estimate], '.2f')}" if p is not None and p["now"] is not None
-                   and estimate is not None else "")
+        planned = (
+            f", planner {_fmt(p['now'][estimate], '.2f')}"
+            if p is not None and p["now"] is not None and estimate is not None
+            else ""
+        )
         lines.append(f"- {label}: {measured}{planned}")
-    lines.append(f"- planner advice for the next run: {advice(p)}" if p is not None
-                 else f"- planner: n/a ({why})")
+    lines.append(f"- planner advice for the next run: {advice(p)}" if p is not None else f"- planner: n/a ({why})")
     return lines
 
 
 def summary(out: Path, rows: list[dict[str, Any]], c: dict[str, Any] | None) -> str:
     first, last = rows[0], rows[-1]
     wait = _mean(rows, "wait_ratio")
-    verdict = ("n/a" if wait is None else "generation-bound: the trainer waits for rollouts most of the time" if wait > 0.5
-               else "trainer-bound: rollouts are ready before the trainer asks" if wait < 0.1 else "balanced")
+    verdict = (
+        "n/a"
+        if wait is None
+        else "generation-bound: the trainer waits for rollouts most of the time"
+        if wait > 0.5
+        else "trainer-bound: rollouts are ready before the trainer asks"
+        if wait < 0.1
+        else "balanced"
+    )
     lines = [
-        f"# arbor run report: {out}", "",
+        f"# arbor run report: {out}",
+        "",
         f"- steps: {len(rows)} (last step {last['step'] + 1})",
         f"- wall time: {_fmt(last['elapsed_s'] / 60 if 'elapsed_s' in last else None, '.1f')} min "
         f"(`elapsed_s` of the last step: the RL processes' time, resumes included, downtime not)",
         f"- reward/mean: first {_fmt(first.get('reward/mean'))}, last {_fmt(last.get('reward/mean'))}, "
-        f"best {_fmt(max((r.get('reward/mean', -math.inf) for r in rows)))}",
-        f"- staleness/max: mean {_fmt(_mean(rows, 'staleness/max'))}; dropped as stale: {sum(r.get('dropped/stale', 0) for r in rows)}",
-        f"- throughput: trainer {_fmt(_mean(rows, 'tokens/s'), '.0f')} tokens/s, orchestrator {_fmt(_mean(rows, 'rollouts/s'), '.1f')} rollouts/s (means)",
+        f"best {_fmt(max(r.get('reward/mean', -math.inf) for r in rows))}",
+        f"- staleness/max: mean {_fmt(_mean(rows, 'staleness/max'))}; dropped as stale: "
+        f"{sum(r.get('dropped/stale', 0) for r in rows)}",
+        f"- throughput: trainer {_fmt(_mean(rows, 'tokens/s'), '.0f')} tokens/s, orchestrator "
+        f"{_fmt(_mean(rows, 'rollouts/s'), '.1f')} rollouts/s (means)",
         f"- trainer wait ratio (time/wait / time/step): {_fmt(wait, '.2f')}, {verdict}",
-        f"- mismatch_kl: mean {_fmt(_mean(rows, 'mismatch_kl'), '.2e')}, max {_fmt(max((r.get('mismatch_kl', 0) for r in rows)), '.2e')}",
+        f"- mismatch_kl: mean {_fmt(_mean(rows, 'mismatch_kl'), '.2e')}, max "
+        f"{_fmt(max(r.get('mismatch_kl', 0) for r in rows), '.2e')}",
     ]
     if c is None:
-        lines.append("- cost: set `[cost] gpu_hour_usd` (or pass --gpu-hour-usd) for a dollars-per-million-tokens figure")
+        lines.append(
+            "- cost: set `[cost] gpu_hour_usd` (or pass --gpu-hour-usd) for a dollars-per-million-tokens figure"
+        )
     else:
         how = "measured wall-clock" if c["measured"] else "sum of time/step (no timings.jsonl: start-up not counted)"
         lines += [
@@ -203,8 +241,10 @@ def summary(out: Path, rows: list[dict[str, Any]], c: dict[str, Any] | None) -> 
         if c["fleet"] is not None:
             f = c["fleet"]
             util = "n/a" if f["fleet_utilisation"] is None else f"{100 * f['fleet_utilisation']:.1f}%"
-            lines.append(f"- on the shared fleet {f['fleet']}: {f['seconds'] / 3600:.4f} h, {100 * f['share']:.1f}% of "
-                         f"the slot-seconds spent meanwhile (the inference hours above); fleet utilisation {util}")
+            lines.append(
+                f"- on the shared fleet {f['fleet']}: {f['seconds'] / 3600:.4f} h, {100 * f['share']:.1f}% of "
+                f"the slot-seconds spent meanwhile (the inference hours above); fleet utilisation {util}"
+            )
     lines += planner_lines(out, rows)
     lines += ["", *(f"![{name}]({name}.png)" for name in PLOTS), ""]
     return "\n".join(lines)
@@ -220,15 +260,19 @@ def fleet_main(out: Path, args: argparse.Namespace) -> int:
     print(f"report: {report_dir / 'report.md'}")
     per_m = c["usd_per_m_generated"]
     util = c["utilisation"]
-    print(f"fleet: {'n/a' if per_m is None else f'${per_m:.4g}'} per million generated tokens, utilisation "
-          f"{'n/a' if util is None else f'{100 * util:.1f}%'}")
+    print(
+        f"fleet: {'n/a' if per_m is None else f'${per_m:.4g}'} per million generated tokens, utilisation "
+        f"{'n/a' if util is None else f'{100 * util:.1f}%'}"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="arbor-report", description=__doc__.split("\n")[0])
     p.add_argument("output_dir", type=Path, help="the run directory (holds metrics.jsonl)")
-    p.add_argument("--gpu-hour-usd", type=float, help="GPU-hour price; default: [cost] gpu_hour_usd of the run's config")
+    p.add_argument(
+        "--gpu-hour-usd", type=float, help="GPU-hour price; default: [cost] gpu_hour_usd of the run's config"
+    )
     p.add_argument("--inference-gpus", type=int, help="GPUs of the inference pool; default: from the run's config")
     p.add_argument("--trainer-gpus", type=int, help="GPUs of the trainer pool; default: from the run's config")
     args = p.parse_args(argv)

@@ -3,7 +3,8 @@ rewards with a relative-completion-time term.
 
 Scalar advantages per group, `[num_groups, group_size]` rewards in, same shape out:
 - `grpo` subtracts the group mean; with `std_normalize` it also divides by the group's standard deviation (the
-  original GRPO; `std_ddof` chooses the population (0, the default) or the sample (1) deviation). Without it this is Dr. GRPO's unbiased estimator, the default because the std division
+  original GRPO; `std_ddof` chooses the population (0, the default) or the sample (1) deviation). Without it this is Dr.
+  GRPO's unbiased estimator, the default because the std division
   up-weights near-solved and near-failed groups.
 - `drgrpo` is the mean baseline whatever `std_normalize` says (Dr. GRPO's length-unbiased loss normalisation is
   the batcher's "token" normalisation, the default).
@@ -75,7 +76,9 @@ def resolve_advantage(name: str) -> AdvantageFn:
     if name in BUILTINS:
         return BUILTINS[name]
     if ":" not in name and "." not in name:
-        raise ValueError(f"unknown advantage {name!r}: use one of {sorted(BUILTINS)} or a dotted path 'module:function'")
+        raise ValueError(
+            f"unknown advantage {name!r}: use one of {sorted(BUILTINS)} or a dotted path 'module:function'"
+        )
     return load_object(name)
 
 

@@ -37,7 +37,7 @@ from arbor.orchestrator.generation import FailedGroup, GenerationPool
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.scheduler import SchedulePolicy
 from arbor.orchestrator.tasks import TaskSource
-from arbor.orchestrator.weights import WeightSync
+from arbor.orchestrator.weight_sync import WeightSync
 
 log = logging.getLogger("arbor.orchestrator")
 
@@ -58,16 +58,22 @@ def open_buffer(cfg: OrchestratorConfig, start: int) -> ExperienceBuffer | None:
     # and claimed is undone like any lost step's.
     released, discarded = buffer.rewind(start)
     if released or discarded:
-        log.info("buffer: %d rollouts claimed for steps >= %d returned to the buffer, %d written by those steps "
-                 "discarded (their tasks are generated again)", released, start, discarded)
+        log.info(
+            "buffer: %d rollouts claimed for steps >= %d returned to the buffer, %d written by those steps "
+            "discarded (their tasks are generated again)",
+            released,
+            start,
+            discarded,
+        )
     return buffer
 
 
 class StepAssembler:
     """A step's kept groups (see the module docstring)."""
 
-    def __init__(self, cfg: OrchestratorConfig, policy: SchedulePolicy, pool: GenerationPool, source: TaskSource,
-                 counts: Counts) -> None:
+    def __init__(
+        self, cfg: OrchestratorConfig, policy: SchedulePolicy, pool: GenerationPool, source: TaskSource, counts: Counts
+    ) -> None:
         self.cfg, self.policy, self.pool, self.source, self.counts = cfg, policy, pool, source, counts
         self.need = cfg.batch_size // cfg.group_size
         self._filtered_here = 0  # groups dropped by filters or environment skips in this step's collection
@@ -133,10 +139,17 @@ class StepAssembler:
         self._failed_in_row += 1
         limit = self.cfg.client.max_failed_groups
         if self._failed_in_row > limit:
-            raise RuntimeError(f"generation failed for {self._failed_in_row} groups in a row at step {step} "
-                               f"(orchestrator.client.max_failed_groups = {limit}): {failed.error}") from failed.error
-        log.warning("step %d: a group is skipped, its generation failed (%d in a row; the run fails after %d): %s",
-                    step, self._failed_in_row, limit, failed.error)
+            raise RuntimeError(
+                f"generation failed for {self._failed_in_row} groups in a row at step {step} "
+                f"(orchestrator.client.max_failed_groups = {limit}): {failed.error}"
+            ) from failed.error
+        log.warning(
+            "step %d: a group is skipped, its generation failed (%d in a row; the run fails after %d): %s",
+            step,
+            self._failed_in_row,
+            limit,
+            failed.error,
+        )
         return False
 
     def _fresh(self, step: int, group: Group) -> bool:

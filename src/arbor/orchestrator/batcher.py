@@ -47,8 +47,10 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
     if r.teacher_topk_ids is not None:  # the teacher's top-k per completion token (`teacher.top_k`)
         ids, lps = np.asarray(r.teacher_topk_ids, np.int32), np.asarray(r.teacher_topk_logprobs, np.float32)
         if ids.shape != (C, ids.shape[-1]) or lps.shape != ids.shape:
-            raise ValueError(f"rollout of task {r.task_id}: teacher top-k arrays {ids.shape} and {lps.shape} for {C} "
-                             "completion tokens")
+            raise ValueError(
+                f"rollout of task {r.task_id}: teacher top-k arrays {ids.shape} and {lps.shape} for {C} "
+                "completion tokens"
+            )
         pad = np.zeros((P, ids.shape[1]), np.int32)
         out["teacher_topk_ids"] = np.concatenate([pad, np.where(trained[:, None], ids, 0)])
         out["teacher_topk_logprobs"] = np.concatenate([pad.astype(np.float32), np.where(trained[:, None], lps, 0)])
@@ -118,13 +120,16 @@ def _empty_micro_batch(pad_id: int) -> MicroBatch:
     return _micro_batch([one])
 
 
-def _pack(samples: list[dict[str, np.ndarray]], lengths: list[int], ranks: int, budget: int,
-          prefix_merge: bool) -> list[list[MicroBatch]]:
+def _pack(
+    samples: list[dict[str, np.ndarray]], lengths: list[int], ranks: int, budget: int, prefix_merge: bool
+) -> list[list[MicroBatch]]:
     """Per rank, its micro-batches at this row budget (prefix-tree merged or plainly packed)."""
     if prefix_merge:
         return merged_rank_rows(samples, ranks, budget)
-    return [[_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, budget)]
-            for idx in assign_ranks(lengths, ranks)]
+    return [
+        [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, budget)]
+        for idx in assign_ranks(lengths, ranks)
+    ]
 
 
 def build_step_batches(
@@ -158,8 +163,12 @@ def build_step_batches(
     loss_tokens = max(1, int(sum(r.num_trained for r in rollouts)))
     return [
         StepBatch(
-            step=step, micro_batches=mbs, loss_tokens_total=loss_tokens, num_samples_total=len(rollouts),
-            temperature=temperature, metadata={"normalization": normalization, "prefix_merge": prefix_merge},
+            step=step,
+            micro_batches=mbs,
+            loss_tokens_total=loss_tokens,
+            num_samples_total=len(rollouts),
+            temperature=temperature,
+            metadata={"normalization": normalization, "prefix_merge": prefix_merge},
             top_p=top_p,
         )
         for mbs in per_rank

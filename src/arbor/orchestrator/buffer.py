@@ -29,8 +29,9 @@ import dataclasses
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 from arbor.orchestrator.rollout import Rollout
 
@@ -120,23 +121,30 @@ class ExperienceBuffer:
 
     # --- reading -------------------------------------------------------------------------------------------------
 
-    def claim(self, n_groups: int, step: int, order: Order = "fifo",
-              accept: Callable[[list[Rollout]], bool] | None = None) -> list[list[Rollout]]:
+    def claim(
+        self, n_groups: int, step: int, order: Order = "fifo", accept: Callable[[list[Rollout]], bool] | None = None
+    ) -> list[list[Rollout]]:
         """Up to `n_groups` ready, unclaimed groups, recorded as claimed for `step` (atomically). A candidate that
         `accept` rejects is discarded instead (never claimable again) and the next one in `order` is tried."""
-        sort = {"fifo": "MIN(r.id) ASC", "priority": "AVG(r.abs_advantage) DESC, MIN(r.id) ASC",
-                "recency": "MIN(r.id) DESC"}[order]
+        sort = {
+            "fifo": "MIN(r.id) ASC",
+            "priority": "AVG(r.abs_advantage) DESC, MIN(r.id) ASC",
+            "recency": "MIN(r.id) DESC",
+        }[order]
         groups: list[list[Rollout]] = []
         with self._tx():
             while len(groups) < n_groups:
                 # Each pass claims or discards every key it reads, so the next pass reads new ones.
-                keys = [k for (k,) in self.db.execute(
-                    f"""SELECT r.group_key FROM rollouts r
+                keys = [
+                    k
+                    for (k,) in self.db.execute(
+                        f"""SELECT r.group_key FROM rollouts r
                         WHERE r.discarded = 0 AND NOT EXISTS
                             (SELECT 1 FROM claims c WHERE c.rollout_id = r.id AND c.released = 0)
                         GROUP BY r.group_key HAVING MIN(r.ready) = 1 ORDER BY {sort} LIMIT ?""",
-                    (n_groups - len(groups),),
-                )]
+                        (n_groups - len(groups),),
+                    )
+                ]
                 if not keys:
                     break
                 for key in keys:
@@ -147,8 +155,10 @@ class ExperienceBuffer:
                     if accept is not None and not accept(group):
                         self.db.execute("UPDATE rollouts SET discarded = 1 WHERE group_key = ?", (key,))
                         continue
-                    self.db.executemany("INSERT INTO claims (rollout_id, step, run) VALUES (?, ?, ?)",
-                                        [(i, step, self.run) for i, _ in rows])
+                    self.db.executemany(
+                        "INSERT INTO claims (rollout_id, step, run) VALUES (?, ?, ?)",
+                        [(i, step, self.run) for i, _ in rows],
+                    )
                     groups.append(group)
         return groups
 
@@ -157,8 +167,10 @@ class ExperienceBuffer:
         claimed them); returns how many rollouts."""
         where = "" if every_run else " AND run IN (?, '')"
         with self._tx():
-            cur = self.db.execute(f"UPDATE claims SET released = 1 WHERE step >= ? AND released = 0{where}",
-                                  (from_step,) if every_run else (from_step, self.run))
+            cur = self.db.execute(
+                f"UPDATE claims SET released = 1 WHERE step >= ? AND released = 0{where}",
+                (from_step,) if every_run else (from_step, self.run),
+            )
         return cur.rowcount
 
     def rewind(self, to_step: int) -> tuple[int, int]:
@@ -180,8 +192,11 @@ class ExperienceBuffer:
         total, ready = self.db.execute("SELECT COUNT(*), COALESCE(SUM(ready), 0) FROM rollouts").fetchone()
         claimed = self.db.execute("SELECT COUNT(DISTINCT rollout_id) FROM claims WHERE released = 0").fetchone()[0]
         # unclaimed: every rollout without a live claim, discarded ones included (a rewind logs how many).
-        return {"buffer/rollouts": int(total), "buffer/not_ready": int(total - ready),
-                "buffer/unclaimed": int(total - claimed)}
+        return {
+            "buffer/rollouts": int(total),
+            "buffer/not_ready": int(total - ready),
+            "buffer/unclaimed": int(total - claimed),
+        }
 
     def _tx(self):
         return _Transaction(self.db)

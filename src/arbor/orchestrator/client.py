@@ -44,9 +44,8 @@ import numpy as np
 from pydantic import SecretStr
 
 from arbor.transport.admin import bearer_headers
-from arbor.transport.router import RUN_HEADER
-from arbor.transport.routes import decode_routes
-from arbor.transport.router import ENGINE_PREFIX, METRIC_PREFIX, parse_metrics
+from arbor.transport.expert_routes import decode_routes
+from arbor.transport.router_wire import ENGINE_PREFIX, METRIC_PREFIX, RUN_HEADER, parse_metrics
 
 log = logging.getLogger("arbor.orchestrator.client")
 
@@ -85,9 +84,17 @@ class Completion:
 
 
 class InferenceClient:
-    def __init__(self, base_urls: list[str], timeout: float, max_retries: int, model: str = "arbor",
-                 admin_urls: list[str] | None = None, admin_token: SecretStr | None = None,
-                 adapter: str | None = None, reconnect_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_urls: list[str],
+        timeout: float,
+        max_retries: int,
+        model: str = "arbor",
+        admin_urls: list[str] | None = None,
+        admin_token: SecretStr | None = None,
+        adapter: str | None = None,
+        reconnect_timeout: float = 600.0,
+    ) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
         self.base_urls = [u.rstrip("/") for u in base_urls]
@@ -120,8 +127,14 @@ class InferenceClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _post(self, path: str, body: dict[str, Any], url: str | None = None,
-                    headers: dict[str, str] | None = None, gate: bool = True) -> dict[str, Any]:
+    async def _post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        url: str | None = None,
+        headers: dict[str, str] | None = None,
+        gate: bool = True,
+    ) -> dict[str, Any]:
         """POSTs to `url`, or to the next reachable server of `base_urls`, retrying as the module docstring says.
         `gate=False` (a recovery's own calls) neither waits for a recovery nor starts one."""
         assert self._session is not None, "use InferenceClient as an async context manager"
@@ -140,11 +153,13 @@ class InferenceClient:
                         return data
                     message = (data.get("error") or {}).get("message", data) if isinstance(data, dict) else data
                     if resp.status < 500:
-                        raise InferenceError(f"{base}{path} rejected the request ({resp.status}): {message}", resp.status)
+                        raise InferenceError(
+                            f"{base}{path} rejected the request ({resp.status}): {message}", resp.status
+                        )
                     last = InferenceError(f"{base}{path} failed ({resp.status}): {message}")
                     if gate and resp.status == 503:  # a dead engine, or a router with no backend: wait for /health
                         self._recover(base)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
                 last = e
                 gone = gate and unreachable(e)
                 if gone:
@@ -181,14 +196,17 @@ class InferenceClient:
 
     async def _await_return(self, base: str) -> None:
         """Waits until `base` answers /health again, then runs `catch_up` on it before requests reach it."""
-        log.warning("inference server %s is unreachable: waiting up to %.0fs for it to come back", base,
-                    self.reconnect_timeout)
+        log.warning(
+            "inference server %s is unreachable: waiting up to %.0fs for it to come back", base, self.reconnect_timeout
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.reconnect_timeout
         while (version := await self._health(base)) is None:
             if loop.time() > deadline:
-                raise InferenceError(f"inference server {base} was unreachable for {self.reconnect_timeout:.0f}s "
-                                     "(orchestrator.client.reconnect_timeout)")
+                raise InferenceError(
+                    f"inference server {base} was unreachable for {self.reconnect_timeout:.0f}s "
+                    "(orchestrator.client.reconnect_timeout)"
+                )
             await asyncio.sleep(RECONNECT_POLL)
         if self.catch_up is not None:
             await self.catch_up(base, version)
@@ -200,12 +218,13 @@ class InferenceClient:
         healthy (no answer, or a 5xx). An API without /health (a 4xx) counts as answering, with version 0."""
         assert self._session is not None
         try:
-            async with self._session.get(base + "/health", headers=self._headers,
-                                         timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self._session.get(
+                base + "/health", headers=self._headers, timeout=aiohttp.ClientTimeout(total=10)
+            ) as r:
                 if r.status >= 500:
                     return None
                 data = await r.json(content_type=None) if r.status == 200 else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
         version = data.get("policy_version", 0) if isinstance(data, dict) else 0
         return version if isinstance(version, int) and not isinstance(version, bool) else 0
@@ -246,10 +265,13 @@ class InferenceClient:
             versions = choice.get("policy_versions") or [-1] * len(ids)
             if self.adapter is not None and choice.get("adapter") not in (None, self.adapter):
                 # Another run's policy: training on it would corrupt this run (a fleet that mixed adapters up).
-                raise InferenceError(f"the fleet answered with adapter {choice.get('adapter')!r}, not this run's "
-                                     f"{self.adapter!r}")
+                raise InferenceError(
+                    f"the fleet answered with adapter {choice.get('adapter')!r}, not this run's {self.adapter!r}"
+                )
             if not (len(ids) == len(lps) == len(versions)):
-                raise InferenceError(f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions")
+                raise InferenceError(
+                    f"inconsistent completion lengths: {len(ids)} ids, {len(lps)} logprobs, {len(versions)} versions"
+                )
             routes = None
             if choice.get("routed_experts") is not None:
                 try:
@@ -257,28 +279,41 @@ class InferenceClient:
                 except ValueError as e:
                     raise InferenceError(str(e)) from None
                 if routes.shape[0] != len(prompt_ids) + len(ids):
-                    raise InferenceError(f"routed_experts covers {routes.shape[0]} tokens, expected {len(prompt_ids) + len(ids)}")
-            out.append(Completion(ids, [float(x) for x in lps], versions, choice.get("text", ""), choice.get("finish_reason", ""), routes))
+                    raise InferenceError(
+                        f"routed_experts covers {routes.shape[0]} tokens, expected {len(prompt_ids) + len(ids)}"
+                    )
+            out.append(
+                Completion(
+                    ids,
+                    [float(x) for x in lps],
+                    versions,
+                    choice.get("text", ""),
+                    choice.get("finish_reason", ""),
+                    routes,
+                )
+            )
         return out
 
-    async def update_weights(self, path: str, version: int, urls: list[str] | None = None,
-                             gate: bool = True) -> None:
+    async def update_weights(self, path: str, version: int, urls: list[str] | None = None, gate: bool = True) -> None:
         """Loads a published weights directory on every server (each pauses, swaps, resumes), or on `urls` only
         (a recovery's replay, which leaves the fleet's version as it is)."""
         body = {"path": path, "version": version}
-        await asyncio.gather(*(self._post("/update_weights", body, u, self._admin_headers, gate)
-                               for u in urls or self.admin_urls))
+        await asyncio.gather(
+            *(self._post("/update_weights", body, u, self._admin_headers, gate) for u in urls or self.admin_urls)
+        )
         if urls is None:
             self.policy_version = max(self.policy_version, version)
 
-    async def load_adapter(self, name: str, path: str, version: int, urls: list[str] | None = None,
-                           gate: bool = True) -> None:
+    async def load_adapter(
+        self, name: str, path: str, version: int, urls: list[str] | None = None, gate: bool = True
+    ) -> None:
         """Loads (or replaces in place) LoRA adapter `name` from a published directory on every server, or on
         `urls` only (as `update_weights`)."""
         # Absolute: a shared fleet's servers run in a directory of their own.
         body = {"lora_name": name, "lora_path": os.path.abspath(path), "load_inplace": True, "version": version}
-        await asyncio.gather(*(self._post("/v1/load_lora_adapter", body, u, self._admin_headers, gate)
-                               for u in urls or self.admin_urls))
+        await asyncio.gather(
+            *(self._post("/v1/load_lora_adapter", body, u, self._admin_headers, gate) for u in urls or self.admin_urls)
+        )
         if urls is None:
             self.policy_version = max(self.policy_version, version)
 
@@ -309,7 +344,7 @@ class InferenceClient:
         try:
             async with self._session.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 return parse_metrics(await r.text(), prefix) if r.status == 200 else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             log.warning("metrics of %s unavailable: %s", base, e)
             return {}
 

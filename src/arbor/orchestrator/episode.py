@@ -31,12 +31,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from arbor.config.environment import EnvironmentConfig
-from arbor.environments.base import MultiTurnEnvironment, Task, env_prompt_ids, total_reward
 from arbor.environments.context import ContextPolicy
 from arbor.environments.guard import EnvFailure, EnvStats, guarded, reward_components, step_result
+from arbor.environments.protocol import MultiTurnEnvironment, Task, env_prompt_ids, total_reward
 from arbor.environments.tools import tool_schema
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.trajectory import Trajectory
@@ -137,8 +138,9 @@ async def run_episode(
             if result.done:
                 finish = "done"
                 break
-        components = await guarded(f"scoring of task {tid}", env.score_episode, task, state, full, **policy,
-                                   check=reward_components)
+        components = await guarded(
+            f"scoring of task {tid}", env.score_episode, task, state, full, **policy, check=reward_components
+        )
     except EnvFailure as e:
         log.warning("episode of task %s: %s", tid, e)
         failure, finish, components = e, "env_failed", {}
@@ -151,13 +153,27 @@ async def run_episode(
     if failure is not None:
         stats.failed += 1
     reward = total_reward(components, cfg.reward_weights) if failure is None else 0.0
-    common = dict(score_failed=failure is not None, group_id=group_id, latency=time.perf_counter() - t0,
-                  episode_id=episode_id)
+    common = dict(
+        score_failed=failure is not None, group_id=group_id, latency=time.perf_counter() - t0, episode_id=episode_id
+    )
     rollouts = [] if traj is None else traj.rollouts(tid, reward, components, per_turn=failure is None, **common)
     stats.branches += len(rollouts)
     if not rollouts:  # failed before anything was generated: an empty rollout keeps the failure in the group
-        return [Rollout(tid, env_prompt_ids(env, task, tokenizer), [], [], [], "", finish, reward=reward,
-                        components=components, completion_mask=[], **common)]
+        return [
+            Rollout(
+                tid,
+                env_prompt_ids(env, task, tokenizer),
+                [],
+                [],
+                [],
+                "",
+                finish,
+                reward=reward,
+                components=components,
+                completion_mask=[],
+                **common,
+            )
+        ]
     return rollouts
 
 
@@ -174,8 +190,17 @@ async def run_group_episodes(
 ) -> list[Rollout]:
     """`group_size` concurrent episodes of one task; their rollouts (several per branched episode)."""
     runs = [
-        run_episode(generate, env, task, tokenizer, settings, (seed + 104729 * k) & 0x7FFFFFFF, group_id,
-                    max(group_id, 0) * group_size + k, stats)
+        run_episode(
+            generate,
+            env,
+            task,
+            tokenizer,
+            settings,
+            (seed + 104729 * k) & 0x7FFFFFFF,
+            group_id,
+            max(group_id, 0) * group_size + k,
+            stats,
+        )
         for k in range(group_size)
     ]
     return [r for rollouts in await asyncio.gather(*runs) for r in rollouts]

@@ -32,7 +32,7 @@ from arbor.orchestrator.generation import GenerationPool
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.scheduler import staleness_histogram
 from arbor.orchestrator.tasks import TaskSource
-from arbor.orchestrator.weights import WeightSync
+from arbor.orchestrator.weight_sync import WeightSync
 from arbor.transport.batch import StepBatch
 
 ROUTER_COUNTERS = ("requests", "retries", "ejections", "readmissions", "poisoned", "backends_in_rotation")
@@ -53,8 +53,15 @@ class StepTimes:
 class StepFigures:
     """Figures for `MetricsWriter.add(step, ...)`; remembers what the last batch reported (for rates and deltas)."""
 
-    def __init__(self, cfg: OrchestratorConfig, env: Any, source: TaskSource, pool: GenerationPool, counts: Counts,
-                 env_stats: EpisodeStats) -> None:
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        env: Any,
+        source: TaskSource,
+        pool: GenerationPool,
+        counts: Counts,
+        env_stats: EpisodeStats,
+    ) -> None:
         self.cfg, self.env, self.source, self.pool, self.counts = cfg, env, source, pool, counts
         self.env_stats = env_stats
         self._last_write: float | None = None
@@ -63,8 +70,15 @@ class StepFigures:
         self._last_rejected = 0
         self._last_engine: dict[str, float] = {}
 
-    async def step(self, step: int, groups: list[list[Rollout]], batches: list[StepBatch], times: StepTimes,
-                   weights: WeightSync | None, client: InferenceClient | None) -> dict[str, Any]:
+    async def step(
+        self,
+        step: int,
+        groups: list[list[Rollout]],
+        batches: list[StepBatch],
+        times: StepTimes,
+        weights: WeightSync | None,
+        client: InferenceClient | None,
+    ) -> dict[str, Any]:
         """All of a written step's figures."""
         rollouts = [r for g in groups for r in g]
         figures = self.rollouts(step, rollouts, times, weights, client)
@@ -97,8 +111,14 @@ class StepFigures:
                 out["spec/mean_accepted_length"] = d.get("decode_tokens_total", 0.0) / d["decode_seq_steps_total"]
         return out
 
-    def rollouts(self, step: int, rollouts: list[Rollout], times: StepTimes, weights: WeightSync | None,
-                 client: InferenceClient | None) -> dict[str, Any]:
+    def rollouts(
+        self,
+        step: int,
+        rollouts: list[Rollout],
+        times: StepTimes,
+        weights: WeightSync | None,
+        client: InferenceClient | None,
+    ) -> dict[str, Any]:
         """The batch's rollouts, the run's counters, the weights and the timings."""
         rewards = np.array([r.reward for r in rollouts])
         stale = np.array([r.staleness(step) for r in rollouts])
@@ -198,7 +218,7 @@ class StepFigures:
         return out
 
     def gateway_counts(self) -> dict[str, Any]:
-        """The gateway's cumulative counters (arbor.orchestrator.gateway_sessions.GatewayCounts): refused
+        """The gateway's cumulative counters (arbor.orchestrator.gateway.sessions.GatewayCounts): refused
         requests by status class, sessions without a posted reward by why they ended, temperature overrides,
         stop-string trims."""
         gateway = self.pool.gateway

@@ -36,10 +36,11 @@ from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.orchestrator.concurrency import IdleClock
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
-from arbor.orchestrator.gateway import Gateway
+from arbor.orchestrator.gateway.service import Gateway
+from arbor.orchestrator.group import generate_group
 from arbor.orchestrator.parking import Flight, Parking
 from arbor.orchestrator.partial import GroupHandle, PartialRollouts
-from arbor.orchestrator.rollout import Rollout, generate_group
+from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
 from arbor.orchestrator.tasks import TaskSource
 from arbor.run_dir import gateway_url_path, write_text_atomic
@@ -48,6 +49,7 @@ from arbor.run_dir import gateway_url_path, write_text_atomic
 @dataclasses.dataclass
 class FailedGroup:
     """A group whose generation failed for good, in the place of its rollouts."""
+
     group_id: int
     error: InferenceError
 
@@ -55,8 +57,16 @@ class FailedGroup:
 class GenerationPool:
     """Groups generating in the queue (see the module docstring)."""
 
-    def __init__(self, cfg: OrchestratorConfig, policy: SchedulePolicy, env: Any, tokenizer: Any,
-                 source: TaskSource, counts: Counts, env_stats: EpisodeStats) -> None:
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        policy: SchedulePolicy,
+        env: Any,
+        tokenizer: Any,
+        source: TaskSource,
+        counts: Counts,
+        env_stats: EpisodeStats,
+    ) -> None:
         self.cfg, self.policy, self.env, self.tokenizer = cfg, policy, env, tokenizer
         self.source, self.counts, self.env_stats = source, counts, env_stats
         self.queue: RolloutQueue[asyncio.Task] = RolloutQueue(policy.window)
@@ -85,8 +95,15 @@ class GenerationPool:
         cfg = self.cfg
         if not (cfg.gateway.enabled or getattr(self.env, "needs_gateway", False)):
             return
-        self.gateway = Gateway(client, self.tokenizer, cfg.gateway, temperature=cfg.sampling.temperature,
-                               top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens, seq_len=cfg.seq_len)
+        self.gateway = Gateway(
+            client,
+            self.tokenizer,
+            cfg.gateway,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            max_tokens=cfg.sampling.max_tokens,
+            seq_len=cfg.seq_len,
+        )
         url = await self.gateway.start()
         write_text_atomic(gateway_url_path(cfg.output_dir), url + "\n")  # agents poll for it: never half-written
 
@@ -123,8 +140,9 @@ class GenerationPool:
             out.append(task.result() if key is None else FailedGroup(key, task.exception()))  # type: ignore[arg-type]
         return out
 
-    async def wait(self, step: int, kept: int, need: int, version: int,
-                   newer_policy: asyncio.Event | None = None) -> None:
+    async def wait(
+        self, step: int, kept: int, need: int, version: int, newer_policy: asyncio.Event | None = None
+    ) -> None:
         """Nothing ready: moves stragglers (then returns at once), or waits until a group finishes, the next
         straggler is due or (continuous modes) `newer_policy` is set: the staleness bound then admits more
         launches, which would otherwise wait for the next group to finish."""
@@ -145,11 +163,15 @@ class GenerationPool:
             )
         timeout = None if due is None else max(due - time.monotonic(), 0.0)
         # One already set (a failed weight watcher leaves it so) would make this wait spin: ignored then.
-        newer = (asyncio.ensure_future(newer_policy.wait())
-                 if newer_policy is not None and not newer_policy.is_set() and self.policy.continuous else None)
+        newer = (
+            asyncio.ensure_future(newer_policy.wait())
+            if newer_policy is not None and not newer_policy.is_set() and self.policy.continuous
+            else None
+        )
         try:
-            await asyncio.wait(running + ([newer] if newer is not None else []), timeout=timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                running + ([newer] if newer is not None else []), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             if newer is not None:
                 newer.cancel()
@@ -169,14 +191,27 @@ class GenerationPool:
         spec = self.source.next_spec(step, k)
         handle = self.partial.handle(spec.group_id)
         if hasattr(self.env, "run_group"):  # black-box agents: the environment drives them via the gateway
-            coro = self.env.run_group(self.gateway, spec, cfg.group_size, cfg.environment.reward_weights,
-                                      cfg.environment.timeout)
+            coro = self.env.run_group(
+                self.gateway, spec, cfg.group_size, cfg.environment.reward_weights, cfg.environment.timeout
+            )
         else:
             sampling = cfg.sampling
-            coro = generate_group(handle, self.env, spec, cfg.group_size, sampling.max_tokens, sampling.temperature,
-                                  sampling.top_p, cfg.environment.reward_weights, cfg.environment.timeout,
-                                  generate=handle.generate, env_cfg=cfg.environment, tokenizer=self.tokenizer,
-                                  seq_len=cfg.seq_len, stats=self.env_stats)
+            coro = generate_group(
+                handle,
+                self.env,
+                spec,
+                cfg.group_size,
+                sampling.max_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                cfg.environment.reward_weights,
+                cfg.environment.timeout,
+                generate=handle.generate,
+                env_cfg=cfg.environment,
+                tokenizer=self.tokenizer,
+                seq_len=cfg.seq_len,
+                stats=self.env_stats,
+            )
         now = time.monotonic()
         self.idle.busy(now)
         flight = Flight(self.queue.launch(), asyncio.create_task(coro), handle, now, now, version)

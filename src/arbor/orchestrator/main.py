@@ -39,10 +39,10 @@ import logging
 import time
 
 from arbor import runloop
-from arbor.loopwatch import LoopWatch
 from arbor.config.loader import load_config, main_guard
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import load_environment
+from arbor.loopwatch import LoopWatch
 from arbor.models import build_tokenizer
 from arbor.monitor.heartbeat import beat, install
 from arbor.monitor.metrics import MetricsWriter, RunClock, init_wandb
@@ -52,7 +52,7 @@ from arbor.orchestrator.client import InferenceClient
 from arbor.orchestrator.concurrency import ConcurrencyController
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
-from arbor.orchestrator.eval import client_generator, evaluate
+from arbor.orchestrator.evaluator import client_generator, evaluate
 from arbor.orchestrator.figures import StepFigures, StepTimes, drain_metrics, poll_metrics
 from arbor.orchestrator.generation import GenerationPool
 from arbor.orchestrator.scheduler import SchedulePolicy
@@ -60,7 +60,7 @@ from arbor.orchestrator.state import OrchestratorState, load_state
 from arbor.orchestrator.step_writer import StepWriter
 from arbor.orchestrator.tasks import TaskSource
 from arbor.orchestrator.teacher import Teacher
-from arbor.orchestrator.weights import WeightSync
+from arbor.orchestrator.weight_sync import WeightSync
 from arbor.run_dir import latest_checkpoint, stopped_path
 
 log = logging.getLogger("arbor.orchestrator")
@@ -83,8 +83,7 @@ class Orchestrator:
         self.counts = Counts()
         self.env_stats = EpisodeStats()  # environment retries, failures and skips; multi-turn episode figures
         self.source = TaskSource(cfg, self.env, self.tokenizer, state)
-        self.pool = GenerationPool(cfg, self.policy, self.env, self.tokenizer, self.source, self.counts,
-                                   self.env_stats)
+        self.pool = GenerationPool(cfg, self.policy, self.env, self.tokenizer, self.source, self.counts, self.env_stats)
         self.assembler = StepAssembler(cfg, self.policy, self.pool, self.source, self.counts)
         self.writer = StepWriter(cfg, self.tokenizer.pad_token_id)
         self.figures = StepFigures(cfg, self.env, self.source, self.pool, self.counts, self.env_stats)
@@ -118,11 +117,17 @@ class Orchestrator:
                 else:
                     await self._run_with_fleet(metrics)
             if self.stopped_at is not None:
-                log.info("orchestrator stopped after %d of %d steps: the trainer reached max_minutes",
-                         self.stopped_at, cfg.max_steps)
+                log.info(
+                    "orchestrator stopped after %d of %d steps: the trainer reached max_minutes",
+                    self.stopped_at,
+                    cfg.max_steps,
+                )
             else:
-                log.info("orchestrator done after %d steps%s", cfg.max_steps,
-                         f" (train-only from {self.buffer.path})" if cfg.buffer.train_only else "")
+                log.info(
+                    "orchestrator done after %d steps%s",
+                    cfg.max_steps,
+                    f" (train-only from {self.buffer.path})" if cfg.buffer.train_only else "",
+                )
         finally:
             polling.cancel()
             metrics.close()
@@ -133,11 +138,16 @@ class Orchestrator:
         cfg = self.cfg
         # A LoRA run generates with its own adapter, served under its name (arbor.transport.adapter_admin).
         lora = cfg.model.lora.adapter_name(cfg.output_dir) if cfg.model.lora is not None else None
-        async with InferenceClient(cfg.client.base_urls, cfg.client.timeout, cfg.client.max_retries,
-                                   admin_urls=cfg.client.admin_urls, admin_token=cfg.client.admin_token,
-                                   adapter=lora, reconnect_timeout=cfg.client.reconnect_timeout) as client:
-            weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout),
-                                 lora_name=lora)
+        async with InferenceClient(
+            cfg.client.base_urls,
+            cfg.client.timeout,
+            cfg.client.max_retries,
+            admin_urls=cfg.client.admin_urls,
+            admin_token=cfg.client.admin_token,
+            adapter=lora,
+            reconnect_timeout=cfg.client.reconnect_timeout,
+        ) as client:
+            weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout), lora_name=lora)
             client.policy_version = weights.loaded_version
             self.pool.use(client)
             if cfg.partial.enabled and cfg.partial.abort_on_weight_update:
@@ -154,8 +164,9 @@ class Orchestrator:
                 syncing.cancel()
                 await self.pool.stop()
 
-    async def _run_steps(self, metrics: MetricsWriter, client: InferenceClient | None,
-                         weights: WeightSync | None) -> None:
+    async def _run_steps(
+        self, metrics: MetricsWriter, client: InferenceClient | None, weights: WeightSync | None
+    ) -> None:
         """Steps start..max_steps (train-only: without a fleet), then the trainer's figures of the last ones;
         fewer when the trainer stops the run early (`max_minutes`)."""
         for step in range(self.start, self.cfg.max_steps):
@@ -164,8 +175,9 @@ class Orchestrator:
                 break
         await drain_metrics(metrics, weights, self.cfg.weight_update_timeout)
 
-    async def _step_unless_stopped(self, step: int, client: InferenceClient | None, weights: WeightSync | None,
-                                   metrics: MetricsWriter) -> bool:
+    async def _step_unless_stopped(
+        self, step: int, client: InferenceClient | None, weights: WeightSync | None, metrics: MetricsWriter
+    ) -> bool:
         """Produces the step, looking for the trainer's stop meanwhile; False (the step cancelled) when the
         trainer stopped at or before it. A step before the stop is finished: the trainer trained it."""
         if self.stopped_at is None:
@@ -192,8 +204,9 @@ class Orchestrator:
         step = int(json.loads(path.read_text())["step"])
         return step if step > self.start else None  # one left by an earlier attempt is not this run's
 
-    async def _step(self, step: int, client: InferenceClient | None, weights: WeightSync | None,
-                    metrics: MetricsWriter) -> None:
+    async def _step(
+        self, step: int, client: InferenceClient | None, weights: WeightSync | None, metrics: MetricsWriter
+    ) -> None:
         cfg = self.cfg
         t0 = time.perf_counter()
         version = step - self.policy.lag(step)
@@ -217,16 +230,18 @@ class Orchestrator:
             figures.update(self.figures.decoding(await client.engine_counters()))
         if client is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
             t_eval = time.perf_counter()
-            figures.update(await evaluate(client_generator(client, cfg.eval), self.tokenizer, cfg.eval,
-                                          seq_len=cfg.seq_len))
+            figures.update(
+                await evaluate(client_generator(client, cfg.eval), self.tokenizer, cfg.eval, seq_len=cfg.seq_len)
+            )
             figures["time/eval"] = time.perf_counter() - t_eval
         if self.buffer is not None:
             figures.update(self.buffer.counts())
         if self.teacher is not None:
             figures["time/teacher"] = self.teacher.seconds
         metrics.add(step, {**figures, **self.clock.stamp()})
-        self.pool.max_in_flight = self.matching.decide(self._new_trainer_wait(metrics), self.pool.queue.waiting,
-                                                       self.counts.dropped_stale - self._dropped_before)
+        self.pool.max_in_flight = self.matching.decide(
+            self._new_trainer_wait(metrics), self.pool.queue.waiting, self.counts.dropped_stale - self._dropped_before
+        )
         self._dropped_before = self.counts.dropped_stale
 
     def _new_trainer_wait(self, metrics: MetricsWriter) -> float | None:
@@ -239,8 +254,9 @@ class Orchestrator:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("aiohttp", "httpx", "openai"):  # httpx/openai: in-process black-box agents log every request
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

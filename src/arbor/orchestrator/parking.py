@@ -22,7 +22,7 @@ import collections
 import dataclasses
 import statistics
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.orchestrator.counts import Counts
@@ -59,8 +59,9 @@ class Flight:
 class Parking:
     """The moves above, on `queue`; the generation pool passes its flights and its partial-rollout controller."""
 
-    def __init__(self, cfg: OrchestratorConfig, queue: RolloutQueue[asyncio.Task], source: TaskSource,
-                 counts: Counts) -> None:
+    def __init__(
+        self, cfg: OrchestratorConfig, queue: RolloutQueue[asyncio.Task], source: TaskSource, counts: Counts
+    ) -> None:
         self.cfg, self.queue, self.source, self.counts = cfg, queue, source, counts
         self.parked: list[Flight] = []
         """Per-step modes: surplus groups aborted at batch fill, oldest first."""

@@ -29,7 +29,7 @@ import asyncio
 import itertools
 import uuid
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 from arbor.orchestrator.client import Completion, InferenceClient
 
@@ -61,8 +61,9 @@ class GroupHandle:
         while not self._gate.is_set():
             await self._gate.wait()
 
-    async def _piece(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float, top_p: float,
-                     seed: int | None) -> list[Completion]:
+    async def _piece(
+        self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None
+    ) -> list[Completion]:
         await self._open()
         rid = f"arbor-{self.owner.run_id}-{self.key}-{next(self._ids)}"
         self._active.add(rid)
@@ -76,8 +77,9 @@ class GroupHandle:
                 self.oldest_version = low if self.oldest_version is None else min(self.oldest_version, low)
         return out
 
-    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float, top_p: float,
-                       seed: int | None = None) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+    ) -> list[Completion]:
         """`InferenceClient.generate`, made whole across aborts: returns when every sample has really finished."""
         first = await self._piece(prompt_ids, n, max_tokens, temperature, top_p, seed)
         pieces: list[list[Completion]] = [[c] for c in first]
@@ -111,8 +113,15 @@ class GroupHandle:
         decode = self.owner.decode
         text = decode(ids) if decode is not None else "".join(c.text for c in pieces)
         last = pieces[-1]
-        return Completion(ids, [x for c in pieces for x in c.logprobs], [v for c in pieces for v in c.policy_versions],
-                          text, last.finish_reason, last.routed_experts, pieces=len(pieces))
+        return Completion(
+            ids,
+            [x for c in pieces for x in c.logprobs],
+            [v for c in pieces for v in c.policy_versions],
+            text,
+            last.finish_reason,
+            last.routed_experts,
+            pieces=len(pieces),
+        )
 
     def pause(self) -> list[str]:
         """Closes the gate (no new request goes out) and returns the ids of the requests in flight."""
@@ -128,8 +137,9 @@ class GroupHandle:
 class PartialRollouts:
     """The controller: hands out `GroupHandle`s and aborts, parks and resumes them on `client`'s fleet."""
 
-    def __init__(self, client: InferenceClient, decode: Callable[[list[int]], str] | None = None,
-                 run_id: str | None = None) -> None:
+    def __init__(
+        self, client: InferenceClient, decode: Callable[[list[int]], str] | None = None, run_id: str | None = None
+    ) -> None:
         self.client, self.decode = client, decode
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.handles: dict[int | str, GroupHandle] = {}

@@ -102,7 +102,7 @@ def _subtree_ends(lens: list[int], lcps: list[int], starts: list[int], total: in
             low = min(low, lcps[j])
             if low < hi:
                 lo = max(low, p)
-                ends[starts[i] + lo - p: starts[i] + hi - p] = starts[j]
+                ends[starts[i] + lo - p : starts[i] + hi - p] = starts[j]
                 hi = lo
                 if hi <= p:
                     break
@@ -133,9 +133,7 @@ def _balanced_cuts(lengths: list[int], incs: list[int], parts: int) -> list[tupl
     return runs(lo)
 
 
-def merged_rank_rows(
-    samples: list[dict[str, np.ndarray]], ranks: int, budget: int
-) -> list[list[MicroBatch]]:
+def merged_rank_rows(samples: list[dict[str, np.ndarray]], ranks: int, budget: int) -> list[list[MicroBatch]]:
     """Per rank, the merged micro-batches of `samples`: ranks get contiguous runs of the trie order with balanced
     trie tokens, each run is packed next-fit into rows of at most `budget` trie tokens (a sample longer than the
     budget gets a row of its own)."""

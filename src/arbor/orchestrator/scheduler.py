@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Generic, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Generic, TypeVar
 
 from arbor.config.orchestrator import OrchestratorConfig
 
@@ -138,8 +139,16 @@ class SchedulePolicy:
             lag = 1
         else:
             lag = s.lag if s.lag is not None else cfg.max_off_policy_steps - slack
-        return cls(mode, continuous, window, in_flight, s.sync_interval if mode == "sync" else 0, lag,
-                   groups if continuous else launched, slack)
+        return cls(
+            mode,
+            continuous,
+            window,
+            in_flight,
+            s.sync_interval if mode == "sync" else 0,
+            lag,
+            groups if continuous else launched,
+            slack,
+        )
 
     def lag(self, step: int) -> int:
         """Versions the policy serving `step`'s generation may trail `step` by."""

@@ -3,7 +3,8 @@
 State for step N (the dataset position right after batch N-1 was collected) is written to
 `checkpoints/step_N/orchestrator.json` (`arbor.run_dir.orchestrator_state_path`) before batch N-1 is written,
 so it sits beside the trainer checkpoint taken after N optimizer steps and always exists when that checkpoint
-does (the trainer cannot take step N-1 before its batch exists). A resume from trainer checkpoint N restores exactly the dataset position that
+does (the trainer cannot take step N-1 before its batch exists). A resume from trainer checkpoint N restores exactly the
+dataset position that
 produced batch N the first time, plus the tasks that were launched but not yet trained (`pending`, relaunched
 first), so no task is skipped or repeated.
 """

@@ -34,9 +34,16 @@ class StepWriter:
         """Packs the step's rollouts per trainer rank and writes them; returns the batches."""
         cfg = self.cfg
         batches = build_step_batches(
-            rollouts, step, cfg.batching.trainer_ranks, cfg.batching.micro_batch_tokens, cfg.sampling.temperature,
-            self.pad_token_id, cfg.batching.normalization, cfg.batching.prefix_merge,
-            cfg.batching.min_micro_batches, cfg.sampling.top_p,
+            rollouts,
+            step,
+            cfg.batching.trainer_ranks,
+            cfg.batching.micro_batch_tokens,
+            cfg.sampling.temperature,
+            self.pad_token_id,
+            cfg.batching.normalization,
+            cfg.batching.prefix_merge,
+            cfg.batching.min_micro_batches,
+            cfg.sampling.top_p,
         )
         write_step(cfg.output_dir, step, batches)
         return batches

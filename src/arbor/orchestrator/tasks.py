@@ -26,7 +26,7 @@ from typing import Any
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt_ids
 from arbor.orchestrator.filters import CurriculumSampler
-from arbor.orchestrator.rollout import GroupSpec
+from arbor.orchestrator.group import GroupSpec
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,13 @@ class TaskSource:
         self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
         self.tasks: list[Task] = env.dataset(cfg.seed)
         # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.
-        check_some_task_fits(env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens,
-                             cfg.environment.prompt_format)
+        check_some_task_fits(
+            env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens, cfg.environment.prompt_format
+        )
         self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
         self.curriculum: CurriculumSampler | None = (
-            CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum) if cfg.curriculum.enabled
+            CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum)
+            if cfg.curriculum.enabled
             else None
         )
         self.relaunch: collections.deque[Task] = collections.deque(self.tasks[i] for i in state.pending)
@@ -93,8 +95,9 @@ class TaskSource:
             more = "; later ones are only counted (skipped/bad_prompt)" if self.skipped_bad == WARNED_PROMPTS else ""
             log.warning("task %s skipped: its prompt could not be built: %r%s", task.get("id", "?"), error, more)
         if in_a_row > 2 * len(self.tasks) + 10:  # more than every task twice over: nothing left to train on
-            raise NoTaskFits(f"the last {in_a_row} tasks' prompts could not be built (last: task "
-                             f"{task.get('id', '?')}: {error!r})")
+            raise NoTaskFits(
+                f"the last {in_a_row} tasks' prompts could not be built (last: task {task.get('id', '?')}: {error!r})"
+            )
 
     def taken(self, group_id: int) -> Task | None:
         """A group of this task left the queue for a batch (kept or dropped): it is no longer pending."""

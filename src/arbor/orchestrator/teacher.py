@@ -61,8 +61,10 @@ def completion_logprobs(prompt_logprobs: Any, token_ids: list[int], start: int) 
     the token id as a string, as JSON carries vLLM's int keys)."""
     if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(token_ids):
         got = len(prompt_logprobs) if isinstance(prompt_logprobs, list) else type(prompt_logprobs).__name__
-        raise TeacherError(f"the teacher's prompt_logprobs cover {got} tokens, expected {len(token_ids)} (does the "
-                           "server support prompt_logprobs?)")
+        raise TeacherError(
+            f"the teacher's prompt_logprobs cover {got} tokens, expected {len(token_ids)} (does the "
+            "server support prompt_logprobs?)"
+        )
     out = []
     for i in range(start, len(token_ids)):
         entry = prompt_logprobs[i]
@@ -73,8 +75,9 @@ def completion_logprobs(prompt_logprobs: Any, token_ids: list[int], start: int) 
     return out
 
 
-def completion_topk(prompt_logprobs: list[Any], start: int, k: int,
-                    vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def completion_topk(
+    prompt_logprobs: list[Any], start: int, k: int, vocab: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """`[C, k]` ids and logprobs of the entries ranked 1..k at each position from `start` on (a list that
     `completion_logprobs` has checked); a position without all k, or (with `vocab`, the student's number of
     token ids) a ranked id outside the student's vocabulary, is a TeacherError."""
@@ -87,12 +90,15 @@ def completion_topk(prompt_logprobs: list[Any], start: int, k: int,
             if isinstance(rank, int) and 1 <= rank <= k and isinstance(item.get("logprob"), (int, float)):
                 token = int(key) if str(key).isdigit() else -1
                 if token < 0 or (vocab is not None and token >= vocab):
-                    raise TeacherError(f"the teacher's top-k token {key!r} at position {i} is not one of the "
-                                       f"student's {vocab} token ids: teacher and student must share a tokenizer")
+                    raise TeacherError(
+                        f"the teacher's top-k token {key!r} at position {i} is not one of the "
+                        f"student's {vocab} token ids: teacher and student must share a tokenizer"
+                    )
                 ranked[rank] = (token, float(item["logprob"]))
         if len(ranked) < k:
-            raise TeacherError(f"the teacher's prompt_logprobs hold {len(ranked)} of the top_k = {k} ranked tokens "
-                               f"at position {i}")
+            raise TeacherError(
+                f"the teacher's prompt_logprobs hold {len(ranked)} of the top_k = {k} ranked tokens at position {i}"
+            )
         ids[i - start], lps[i - start] = zip(*(ranked[r] for r in range(1, k + 1)))
     return ids, lps
 
@@ -102,8 +108,10 @@ class Teacher(InferenceClient):
 
     def __init__(self, cfg: TeacherConfig, vocab: int | None = None) -> None:
         if cfg.url is None:
-            raise ValueError("orchestrator.teacher.url is not set: give the teacher server's URL (or, under rl, a "
-                             "[teacher] section to launch one)")
+            raise ValueError(
+                "orchestrator.teacher.url is not set: give the teacher server's URL (or, under rl, a "
+                "[teacher] section to launch one)"
+            )
         super().__init__([cfg.url], cfg.timeout, cfg.max_retries, model=cfg.model or "")
         self.cfg = cfg
         self.vocab = vocab
@@ -122,7 +130,7 @@ class Teacher(InferenceClient):
                 async with self._session.get(self.base_urls[0] + "/health", headers=self._headers) as resp:
                     if resp.status == 200:
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
             if time.monotonic() > deadline:
                 raise TeacherError(f"teacher {self.cfg.url} is not healthy after {self.cfg.timeout:.0f}s")

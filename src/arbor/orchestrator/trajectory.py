@@ -7,7 +7,7 @@ tokens the policy never produced. A `Trajectory` never re-tokenises what was sam
 keyed by exact token prefixes: a turn's parent is the longest earlier turn whose tokens (prompt + completion)
 its prompt begins with. Both kinds of caller use it: the episode driver of arbor's own multi-turn environments
 (arbor.orchestrator.episode, with context management from arbor.environments.context) and the gateway that
-serves black-box agents (arbor.orchestrator.gateway, arbor.environments.black_box).
+serves black-box agents (arbor.orchestrator.gateway.service, arbor.environments.black_box).
 
 A chat call's prompt: the chat template renders the call's messages (`full`). Each turn also keeps its *view*,
 the template's tokens of its own messages followed by the reply it gave. When `full` begins with a turn's view
@@ -138,8 +138,13 @@ class Trajectory:
         best: Turn | None = None
         for t in self.turns:
             v = t.view
-            if (v is not None and len(full) > len(v) and (best is None or len(v) >= len(best.view))
-                    and full[len(v) - 1] == v[-1] and full[: len(v)] == v):  # the last token first: cheap
+            if (
+                v is not None
+                and len(full) > len(v)
+                and (best is None or len(v) >= len(best.view))
+                and full[len(v) - 1] == v[-1]
+                and full[: len(v)] == v
+            ):  # the last token first: cheap
                 best = t
         ids = full if best is None else self._splice(best, full)
         return Prompt(ids, self._longest_prefix(ids), full, list(messages), tools)
@@ -167,9 +172,16 @@ class Trajectory:
             if rendered[: len(prompt.template)] == prompt.template:  # else the reply cannot be located: a leaf
                 view, reply_at = rendered, len(prompt.template)
         turn = Turn(
-            list(prompt.ids), ids, [float(x) for x in completion.logprobs],
-            [int(v) for v in completion.policy_versions], completion.finish_reason, completion.text, prompt.parent,
-            routes, view, reply_at,
+            list(prompt.ids),
+            ids,
+            [float(x) for x in completion.logprobs],
+            [int(v) for v in completion.policy_versions],
+            completion.finish_reason,
+            completion.text,
+            prompt.parent,
+            routes,
+            view,
+            reply_at,
         )
         self.turns.append(turn)
         return turn
@@ -177,12 +189,12 @@ class Trajectory:
     def _splice(self, t: Turn, full: list[int]) -> list[int]:
         """t's exact tokens, then the template's tokens after t's reply (which full begins with)."""
         eos = self.tokenizer.eos_token_id
-        reply = t.view[t.reply_at:]
+        reply = t.view[t.reply_at :]
         end = len(reply) - 1 - reply[::-1].index(eos) if eos in reply else len(reply)
         ids = t.prompt_ids + t.completion_ids
         if not t.completion_ids or t.completion_ids[-1] != eos:
-            ids += reply[end:end + 1]  # cut by length or a stop string: close the turn as the template does
-        return ids + reply[end + 1:] + full[len(t.view):]
+            ids += reply[end : end + 1]  # cut by length or a stop string: close the turn as the template does
+        return ids + reply[end + 1 :] + full[len(t.view) :]
 
     def _longest_prefix(self, ids: list[int]) -> int | None:
         """The latest of the longest turns whose exact tokens `ids` properly extends."""
@@ -190,8 +202,12 @@ class Trajectory:
         for i, t in enumerate(self.turns):
             n, m = len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids)
             last = t.completion_ids[-1] if t.completion_ids else t.prompt_ids[-1]
-            if (len(ids) > m >= best_len and ids[m - 1] == last  # the last token first: cheap
-                    and ids[:n] == t.prompt_ids and ids[n:m] == t.completion_ids):
+            if (
+                len(ids) > m >= best_len
+                and ids[m - 1] == last  # the last token first: cheap
+                and ids[:n] == t.prompt_ids
+                and ids[n:m] == t.completion_ids
+            ):
                 best, best_len = i, m
         return best
 
@@ -234,7 +250,7 @@ class Trajectory:
         root = chain[0]
         s = Sample(list(root.prompt_ids), [], [], [], [], [], chain[-1].finish_reason, "", chain[-1].routed_experts)
         for t in chain:
-            injected = t.prompt_ids[len(root.prompt_ids) + len(s.completion_ids):]
+            injected = t.prompt_ids[len(root.prompt_ids) + len(s.completion_ids) :]
             s.completion_ids += injected
             s.completion_mask += [0] * len(injected)
             s.logprobs += [0.0] * len(injected)
@@ -249,8 +265,9 @@ class Trajectory:
         s.text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=False)
         return s
 
-    def rollouts(self, task_id: int | str, reward: float, components: dict[str, float], *, per_turn: bool = False,
-                 **fields: Any) -> list[Rollout]:
+    def rollouts(
+        self, task_id: int | str, reward: float, components: dict[str, float], *, per_turn: bool = False, **fields: Any
+    ) -> list[Rollout]:
         """One Rollout per sample, each with the episode's reward and components (`fields`: group_id, episode_id,
         latency, score_failed...). With `per_turn` and any turn rewarded by the environment, each carries
         `turn_rewards`: its turns' own rewards, plus the episode's reward on its last turn."""
@@ -260,11 +277,25 @@ class Trajectory:
             rewards = None
             if per_turn:
                 last = len(s.turns) - 1
-                rewards = [(end, (r or 0.0) + (reward if k == last else 0.0))
-                           for k, ((_, end), r) in enumerate(zip(s.turns, s.rewards))]
-            out.append(Rollout(
-                task_id, s.prompt_ids, s.completion_ids, s.logprobs, s.policy_versions, s.text, s.finish_reason,
-                reward=reward, components=dict(components), routed_experts=s.routed_experts, turn_rewards=rewards,
-                completion_mask=s.completion_mask, **fields,
-            ))
+                rewards = [
+                    (end, (r or 0.0) + (reward if k == last else 0.0))
+                    for k, ((_, end), r) in enumerate(zip(s.turns, s.rewards))
+                ]
+            out.append(
+                Rollout(
+                    task_id,
+                    s.prompt_ids,
+                    s.completion_ids,
+                    s.logprobs,
+                    s.policy_versions,
+                    s.text,
+                    s.finish_reason,
+                    reward=reward,
+                    components=dict(components),
+                    routed_experts=s.routed_experts,
+                    turn_rewards=rewards,
+                    completion_mask=s.completion_mask,
+                    **fields,
+                )
+            )
         return out

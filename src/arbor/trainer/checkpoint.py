@@ -53,9 +53,7 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(
-    output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
+def load_checkpoint(output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed)."""
     import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -70,5 +68,10 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} holds step {saved}, not {step}")
     optimizers = getattr(optimizer, "optimizers", optimizer)
     lora = any(is_lora_param(k) for k in state["model"])  # adapters only: the base keeps its built weights
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=not lora))
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=not lora),
+    )

@@ -50,8 +50,10 @@ def shard_indices(T: int, cp: int, style: str) -> list[torch.Tensor]:
         n = T // cp
         return [torch.arange(r * n, (r + 1) * n) for r in range(cp)]
     n = T // (2 * cp)
-    return [torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange((2 * cp - 1 - r) * n, (2 * cp - r) * n)])
-            for r in range(cp)]
+    return [
+        torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange((2 * cp - 1 - r) * n, (2 * cp - r) * n)])
+        for r in range(cp)
+    ]
 
 
 def document_ids(seq_lens: list[int], T: int) -> torch.Tensor:
@@ -119,7 +121,9 @@ class ContextParallel:
     def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         H, Hkv, P = q.shape[1], k.shape[1], self.cp
         if H % P:
-            raise ValueError(f"Ulysses needs num_attention_heads ({H}) divisible by parallel.cp ({P}); use cp_style = 'ring'")
+            raise ValueError(
+                f"Ulysses needs num_attention_heads ({H}) divisible by parallel.cp ({P}); use cp_style = 'ring'"
+            )
         if Hkv % P:  # replicate kv heads so that each rank gets whole groups
             k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
             Hkv = H
@@ -127,8 +131,9 @@ class ContextParallel:
         qh, kh, vh = (self._seq_to_heads(t[0]) for t in (q, k, v))
         gidx = torch.cat(self.indices)
         mask = self.mask(gidx, gidx)
-        out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask[None, None],
-                                             enable_gqa=H != Hkv)
+        out = F.scaled_dot_product_attention(
+            qh[None], kh[None], vh[None], attn_mask=mask[None, None], enable_gqa=H != Hkv
+        )
         return self._heads_to_seq(out[0], Tl)[None]
 
     # -- Ring --------------------------------------------------------------------------------------------
@@ -184,8 +189,10 @@ def apply_cp(model: nn.Module, cp_mesh: "DeviceMesh", style: str) -> None:
     ctx = ContextParallel(cp_mesh.get_group(), style)
     H = model.args.num_attention_heads
     if style == "ulysses" and H % ctx.cp:
-        raise ValueError(f"trainer.parallel.cp_style = 'ulysses' needs num_attention_heads ({H}) divisible by "
-                         f"trainer.parallel.cp ({ctx.cp}); use cp_style = 'ring'")
+        raise ValueError(
+            f"trainer.parallel.cp_style = 'ulysses' needs num_attention_heads ({H}) divisible by "
+            f"trainer.parallel.cp ({ctx.cp}); use cp_style = 'ring'"
+        )
     for layer in model.model.layers:
         layer.self_attn.cp = ctx
     model._arbor_cp = ctx
@@ -207,7 +214,7 @@ class _AllGatherRows(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         r = dist.get_rank(ctx.group)
-        return grad[r * ctx.n:(r + 1) * ctx.n], None
+        return grad[r * ctx.n : (r + 1) * ctx.n], None
 
 
 def gather_tokens(ctx: ContextParallel, local: torch.Tensor) -> torch.Tensor:

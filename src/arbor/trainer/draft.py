@@ -8,7 +8,8 @@ token i + d + 2): a top-K KL over K + 1 outcomes, the policy's K most likely tok
 (detached) and `q` the module's, both over the tokenizer's ids (the head's first `policy_vocab` rows, as the
 policy's logprobs, arbor.trainer.logprobs) at the training temperature. The tail term keeps
 the module from piling the policy's whole mass onto its top K: acceptance is 1 - TV(p, q), and a draft fitted to
-a renormalised top K would be over-confident wherever the policy is spread out. Positions count where tokens i + 1 .. i + d + 2 lie on i's own path (the same sample of a packed
+a renormalised top K would be over-confident wherever the policy is spread out. Positions count where tokens i + 1 .. i
++ d + 2 lie on i's own path (the same sample of a packed
 row, descendants of i in a prefix-tree merged row).
 
 Everything the draft loss reads from the policy (hidden states, shared embedding, head weight) is detached, so
@@ -65,21 +66,23 @@ def make_draft_fn(subtree_end: torch.Tensor, temperature: float, top_k: int, chu
     """The `DraftFn` for one row with tree/packing structure `subtree_end [T]`."""
 
     def draft_fn(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, rope, position_ids, attn_mask):
-        return draft_loss(model, hidden, input_ids, rope, position_ids, attn_mask, subtree_end, temperature,
-                          top_k, chunk)
+        return draft_loss(
+            model, hidden, input_ids, rope, position_ids, attn_mask, subtree_end, temperature, top_k, chunk
+        )
 
     return draft_fn
 
 
 @torch.no_grad()
-def policy_top_k(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, k: int,
-                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_top_k(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, k: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's `k` most likely tokens per row of normalised hidden states `[N, H]`: their probabilities
     `[N, k]` (fp32, over the head's rows `weight`: the caller cuts it to the tokenizer's ids) and ids `[N, k]`, a
     chunk of rows at a time."""
     probs, ids = [], []
     for start in range(0, hidden.shape[0], chunk):
-        logits = F.linear(hidden[start:start + chunk], weight).float()
+        logits = F.linear(hidden[start : start + chunk], weight).float()
         if temperature > 0:
             logits = logits / temperature
         top, idx = logits.topk(k, dim=-1)
@@ -88,14 +91,24 @@ def policy_top_k(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
     return torch.cat(probs), torch.cat(ids)
 
 
-def draft_loss(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, rope, position_ids, attn_mask,
-               subtree_end: torch.Tensor, temperature: float, top_k: int, chunk: int) -> DraftOut:
+def draft_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    rope,
+    position_ids,
+    attn_mask,
+    subtree_end: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    chunk: int,
+) -> DraftOut:
     """The top-K KL of every MTP depth against the policy (module docstring), for one row `[1, T]`."""
     h = hidden.detach()
     weight = real_rows(linear_weight(model.lm_head).detach(), policy_vocab(model))  # the policy's ids only
     emb_weight = model.model.embed_tokens.weight.detach()
     ids = input_ids[0]
-    T = ids.shape[0]
+
     chunk = chunk or default_chunk(weight.shape[0])
     k = min(top_k, weight.shape[0])
     p, p_ids = policy_top_k(model.model.norm(h[0]), weight, temperature, k, chunk)
@@ -107,8 +120,8 @@ def draft_loss(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, 
     prev = h
     for d, layer in enumerate(model.mtp):
         # depth d reads token i + d + 1 and predicts token i + d + 2: that one must be on the path too
-        valid = valid & torch.cat([steps[d + 1:], steps.new_zeros(d + 1)])
-        nxt = torch.cat([ids[d + 1:], ids.new_zeros(d + 1)])[None]
+        valid = valid & torch.cat([steps[d + 1 :], steps.new_zeros(d + 1)])
+        nxt = torch.cat([ids[d + 1 :], ids.new_zeros(d + 1)])[None]
         out = layer(prev, F.embedding(nxt, emb_weight), rope, position_ids, attn_mask, None, None)
         prev = out
         rows = valid.nonzero().squeeze(1)
@@ -117,12 +130,17 @@ def draft_loss(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, 
             continue
         target_p, target_ids = p[rows + d + 1], p_ids[rows + d + 1]
         pair_rows = torch.arange(rows.numel(), device=rows.device).repeat_interleave(k)
-        q, _ = chunked_token_logprobs(layer.shared_head.norm(out[0, rows]), weight, pair_rows,
-                                      target_ids.reshape(-1), temperature, False, chunk)
+        q, _ = chunked_token_logprobs(
+            layer.shared_head.norm(out[0, rows]), weight, pair_rows, target_ids.reshape(-1), temperature, False, chunk
+        )
         q = q.view(-1, k)
         p_rest = (1.0 - target_p.sum(-1)).clamp_min(0.0)
         q_rest = (1.0 - q.exp().sum(-1)).clamp_min(1e-12)
-        kl = (torch.xlogy(target_p, target_p) - target_p * q).sum(-1) + torch.xlogy(p_rest, p_rest) - p_rest * q_rest.log()
+        kl = (
+            (torch.xlogy(target_p, target_p) - target_p * q).sum(-1)
+            + torch.xlogy(p_rest, p_rest)
+            - p_rest * q_rest.log()
+        )
         total = total + kl.mean()
         kl_sum = kl_sum + kl.detach().sum()
         count = count + rows.numel()

@@ -63,7 +63,7 @@ def apply_dsa_cp(model: nn.Module, cp_mesh: "DeviceMesh") -> None:
 
 
 def resolve_cp_style(style: str, model: nn.Module) -> str:
-    """"auto" -> "dsa" for DSA models, "ulysses" otherwise; a style that cannot run the model is an error."""
+    """ "auto" -> "dsa" for DSA models, "ulysses" otherwise; a style that cannot run the model is an error."""
     dsa = getattr(model.args, "is_dsa", False)
     check_cp_style(style, dsa)
     if style == "auto":

@@ -83,8 +83,10 @@ class DeepEPDispatcher:
         try:  # optional: torchtitan is in the `gpu` extra, DeepEP (deep_ep) is installed on its own
             from torchtitan.distributed.deepep import deepep
         except ImportError as e:
-            raise ImportError("trainer.parallel.ep_backend = 'deepep' needs DeepEP v2 (deep_ep) and torchtitan (the "
-                              f"`gpu` extra): {e}") from None
+            raise ImportError(
+                "trainer.parallel.ep_backend = 'deepep' needs DeepEP v2 (deep_ep) and torchtitan (the "
+                f"`gpu` extra): {e}"
+            ) from None
         self._deepep = deepep
         self.group, self.num_experts = group, num_experts
         self.ep = dist.get_world_size(group)
@@ -116,15 +118,18 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", backend: str = "all_to_all
         experts = module.experts
         if backend == "deepep":
             a = model.args
-            module.dispatcher = DeepEPDispatcher(group, experts.num_experts, a.num_experts_per_tok, a.hidden_size, max_tokens)
+            module.dispatcher = DeepEPDispatcher(
+                group, experts.num_experts, a.num_experts_per_tok, a.hidden_size, max_tokens
+            )
         elif backend == "all_to_all":
             module.dispatcher = AllToAllDispatcher(group, experts.num_experts)
         else:
             raise ValueError(f"trainer.parallel.ep_backend: unknown backend {backend!r} (all_to_all | deepep)")
         for name in expert_param_names(experts):
             full = getattr(experts, name)
-            sharded = nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)]),
-                                   requires_grad=full.requires_grad)  # a LoRA base stays frozen
+            sharded = nn.Parameter(
+                distribute_tensor(full.detach(), ep_mesh, [Shard(0)]), requires_grad=full.requires_grad
+            )  # a LoRA base stays frozen
             if sharded.requires_grad:
                 sharded.register_hook(lambda g, ep=ep: g / ep)
             setattr(experts, name, sharded)
@@ -132,8 +137,9 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", backend: str = "all_to_all
 
 def expert_param_names(experts: GroupedExperts) -> list[str]:
     """The per-expert (dim 0) parameters of `experts`: its weights and, with LoRA, their adapters."""
-    return ["gate_up_proj", "down_proj"] + [f"lora_{p}_{ab}" for p in getattr(experts, "lora_projs", ())
-                                              for ab in ("A", "B")]
+    return ["gate_up_proj", "down_proj"] + [
+        f"lora_{p}_{ab}" for p in getattr(experts, "lora_projs", ()) for ab in ("A", "B")
+    ]
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

@@ -89,8 +89,9 @@ def nucleus_mask(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(kept).scatter_(-1, order, kept)
 
 
-def _nucleus_pairs(logp: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nucleus_pairs(
+    logp: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For (row, target) pairs of one chunk: the logprob under the row's nucleus plus the target, the log of
     the nucleus' share of that support's mass (0 when the target is in the nucleus) and whether it is outside."""
     lse_nuc = torch.where(keep, logp, torch.full_like(logp, -torch.inf)).logsumexp(-1)[rows]
@@ -128,16 +129,17 @@ class VocabChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, hidden.shape[0], chunk)):
-                logp = _chunk_logp(hidden[start: start + chunk], head, temperature)
-                mine = order[bounds[i]: bounds[i + 1]]
+                logp = _chunk_logp(hidden[start : start + chunk], head, temperature)
+                mine = order[bounds[i] : bounds[i + 1]]
                 if top_p < 1:
                     out[mine], shift[mine], outside[mine] = _nucleus_pairs(
-                        logp, nucleus_mask(logp, top_p), rows[mine] - start, targets[mine])
+                        logp, nucleus_mask(logp, top_p), rows[mine] - start, targets[mine]
+                    )
                 else:
                     out[mine] = logp[rows[mine] - start, targets[mine]]
                 if with_entropy:
                     p = logp.exp()
-                    entropy[start: start + chunk] = -(p.mul_(logp)).sum(-1)
+                    entropy[start : start + chunk] = -(p.mul_(logp)).sum(-1)
         ctx.save_for_backward(hidden, weight, rows, targets, out, shift, outside)
         ctx.mark_non_differentiable(entropy)
         return out, entropy
@@ -170,18 +172,18 @@ class VocabChunkedLogprobs(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         head = real_rows(weight, ctx.vocab)
-        grad_head = None if grad_w is None else grad_w[:head.shape[0]]  # a view: padding rows keep 0
+        grad_head = None if grad_w is None else grad_w[: head.shape[0]]  # a view: padding rows keep 0
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, live.shape[0], chunk)):
-                idx = live[start: start + chunk]
+                idx = live[start : start + chunk]
                 h = hidden[idx]
                 logp = _chunk_logp(h, head, temperature)
                 if top_p < 1:  # the softmax over the nucleus
                     nuc = nucleus_mask(logp, top_p)
                     logp = torch.where(nuc, logp, torch.full_like(logp, -torch.inf)).log_softmax(-1)
                 grad = logp.exp_()
-                grad.mul_(-row_sum[start: start + idx.shape[0], None])
-                mine = order[bounds[i]: bounds[i + 1]]
+                grad.mul_(-row_sum[start : start + idx.shape[0], None])
+                mine = order[bounds[i] : bounds[i + 1]]
                 grad.index_put_((p_rows[mine] - start, p_targets[mine]), p_target_grad[mine], accumulate=True)
                 if temperature > 0:
                     grad.div_(temperature)
@@ -228,35 +230,58 @@ def chunked_token_logprobs(
     chunk = chunk or default_chunk(weight.shape[0])
     rows, targets = rows.to(hidden.device, torch.long), targets.to(hidden.device, torch.long)
     logprobs, entropy = VocabChunkedLogprobs.apply(
-        hidden.to(dtype), weight.to(dtype), rows, targets, temperature, chunk, with_entropy,
-        effective_top_p(temperature, top_p), vocab,
+        hidden.to(dtype),
+        weight.to(dtype),
+        rows,
+        targets,
+        temperature,
+        chunk,
+        with_entropy,
+        effective_top_p(temperature, top_p),
+        vocab,
     )
     return logprobs, entropy if with_entropy else None
 
 
 def chunked_extra_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-    extra_ids: torch.Tensor | None, temperature: float, with_entropy: bool = True, chunk: int = 0,
-    top_p: float = 1.0, vocab: int = 0,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    extra_ids: torch.Tensor | None,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk: int = 0,
+    top_p: float = 1.0,
+    vocab: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`chunked_token_logprobs` plus, with `extra_ids [K, k]`, the logprobs `[K, k]` of those ids under each
     pair's row (pair j's row read at `extra_ids[j]` as well as at `targets[j]`), in the same chunked pass."""
     if extra_ids is None:
-        return (*chunked_token_logprobs(hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p, vocab),
-                None)
+        return (
+            *chunked_token_logprobs(hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p, vocab),
+            None,
+        )
     n, k = rows.shape[0], extra_ids.shape[1]
     rows = rows.to(hidden.device, torch.long)
     all_rows = torch.cat([rows, rows.repeat_interleave(k)])
     extra = extra_ids.to(hidden.device, torch.long).reshape(-1)
     all_targets = torch.cat([targets.to(hidden.device, torch.long), extra])
-    lp, entropy = chunked_token_logprobs(hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk,
-                                         top_p, vocab)
+    lp, entropy = chunked_token_logprobs(
+        hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk, top_p, vocab
+    )
     return lp[:n], entropy, lp[n:].view(n, k)
 
 
 def shifted_chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, temperature: float,
-    with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0, extra_ids: torch.Tensor | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk: int = 0,
+    top_p: float = 1.0,
+    extra_ids: torch.Tensor | None = None,
     vocab: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """`shifted_logprobs` from hidden states `[T, H]` and the head weight: per-token logprobs `[T]` (token t
@@ -265,8 +290,18 @@ def shifted_chunked_logprobs(
     that predicted token t (0 for token 0)."""
     T = hidden.shape[0]
     rows = torch.arange(T - 1, device=hidden.device)
-    lp, ent, extra = chunked_extra_logprobs(hidden[:-1], weight, rows, input_ids[1:], None if extra_ids is None
-                                            else extra_ids[1:], temperature, with_entropy, chunk, top_p, vocab)
+    lp, ent, extra = chunked_extra_logprobs(
+        hidden[:-1],
+        weight,
+        rows,
+        input_ids[1:],
+        None if extra_ids is None else extra_ids[1:],
+        temperature,
+        with_entropy,
+        chunk,
+        top_p,
+        vocab,
+    )
     logprobs = torch.cat([lp.new_zeros(1), lp])
     entropy = None if ent is None else torch.cat([ent.new_zeros(1), ent])
     if extra is None:

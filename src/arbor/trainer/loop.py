@@ -6,7 +6,8 @@ optimizer steps). A fresh run publishes nothing before its first step, since inf
 weights; a resumed run republishes the version it resumed at, which the orchestrator waits for. After each
 step rank 0 removes the rollouts older than the `keep_rollouts` newest trained steps (arbor.run_dir.prune_rollouts).
 
-Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl` (`arbor.run_dir.trainer_metrics_path`): `step` (the rollout step
+Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl` (`arbor.run_dir.trainer_metrics_path`):
+`step` (the rollout step
 trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
 trainer) per loss token, before the update), `entropy`, `grad_norm` (the largest over the step's optimizer
 steps: `trainer.mini_batches` x `trainer.epochs`), `lr`, `tokens/s` (non-padding tokens over
@@ -50,10 +51,10 @@ from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
-from arbor.trainer.publish import DeltaTracker, stream_publish, stream_publish_adapter
 from arbor.trainer.step import train_step
 from arbor.transport.files import wait_for_step
-from arbor.transport.weights import make_transport
+from arbor.weights.publish import DeltaTracker, stream_publish, stream_publish_adapter
+from arbor.weights.transport import make_transport
 
 
 def run(cfg: TrainerConfig) -> int:
@@ -135,9 +136,20 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         t1 = time.perf_counter()
         set_lr(optimizer, step, cfg.max_steps, cfg.lr_schedule)
         figures = train_step(
-            model, optimizer, batch, loss_fn, cfg.loss, cfg.optim.max_norm, device, dims.dp_size,
-            forward_context(dims, cfg, device.type), reference, router_replay=cfg.model.router_replay,
-            mini_batches=cfg.mini_batches, epochs=cfg.epochs, draft=cfg.draft,
+            model,
+            optimizer,
+            batch,
+            loss_fn,
+            cfg.loss,
+            cfg.optim.max_norm,
+            device,
+            dims.dp_size,
+            forward_context(dims, cfg, device.type),
+            reference,
+            router_replay=cfg.model.router_replay,
+            mini_batches=cfg.mini_batches,
+            epochs=cfg.epochs,
+            draft=cfg.draft,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -170,8 +182,11 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
             }
             write_metrics(cfg.output_dir, record)
             last_checkpoint_seconds = 0.0
-            log(rank, f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
-                      f"{record['tokens/s']:.0f} tok/s")
+            log(
+                rank,
+                f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
+                f"{record['tokens/s']:.0f} tok/s",
+            )
         out_of_time = step + 1 < cfg.max_steps and over_budget(cfg, stamp["elapsed_s"])  # the last step ends anyway
         if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps or out_of_time:
             save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
@@ -194,10 +209,15 @@ def over_budget(cfg: TrainerConfig, elapsed: float) -> bool:
 def stop_for_time(cfg: TrainerConfig, rank: int, step: int, clock: RunClock) -> None:
     """After checkpoint `step`: tells the orchestrator where the run stopped (`stopped.json`), logs one line."""
     if rank == 0:
-        write_text_atomic(stopped_path(cfg.output_dir), json.dumps({"step": step, "reason": "max_minutes",
-                                                                     "elapsed_s": round(clock.elapsed(), 3)}))
-    log(rank, f"max_minutes ({cfg.max_minutes:g}) reached after {clock.elapsed() / 60:.1f} min: stopped at step "
-              f"{step} of {cfg.max_steps} with a checkpoint; continue with --resume and a larger --max-minutes")
+        write_text_atomic(
+            stopped_path(cfg.output_dir),
+            json.dumps({"step": step, "reason": "max_minutes", "elapsed_s": round(clock.elapsed(), 3)}),
+        )
+    log(
+        rank,
+        f"max_minutes ({cfg.max_minutes:g}) reached after {clock.elapsed() / 60:.1f} min: stopped at step "
+        f"{step} of {cfg.max_steps} with a checkpoint; continue with --resume and a larger --max-minutes",
+    )
 
 
 def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.Module | None:
@@ -218,7 +238,7 @@ def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.M
 
 class Publisher:
     """The run's weight publisher: one transport (so NCCL keeps one long-lived weight group) and the delta
-    tracker. Calling it is collective: every rank takes part in each bucket's gather (arbor.trainer.publish)."""
+    tracker. Calling it is collective: every rank takes part in each bucket's gather (arbor.weights.publish)."""
 
     def __init__(self, cfg: TrainerConfig, tokenizer, device: torch.device) -> None:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
@@ -229,10 +249,20 @@ class Publisher:
         # inference runs in model.dtype: publish that, not the fp32 masters
         dtype, lora = getattr(torch, self.cfg.model.dtype), self.cfg.model.lora
         if lora is not None:  # the adapter only, as a PEFT directory
-            return stream_publish_adapter(model, self.transport, self.cfg.output_dir, version, dtype, lora,
-                                          self.cfg.model.name)
-        return stream_publish(model, self.transport, self.cfg.output_dir, version, getattr(torch, self.cfg.model.dtype),
-                              self.cfg.model.fp8 == "block", self.tokenizer, self.tracker, self.device)
+            return stream_publish_adapter(
+                model, self.transport, self.cfg.output_dir, version, dtype, lora, self.cfg.model.name
+            )
+        return stream_publish(
+            model,
+            self.transport,
+            self.cfg.output_dir,
+            version,
+            getattr(torch, self.cfg.model.dtype),
+            self.cfg.model.fp8 == "block",
+            self.tokenizer,
+            self.tracker,
+            self.device,
+        )
 
 
 def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:
@@ -246,4 +276,3 @@ def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(f"[trainer] {message}", file=sys.stderr, flush=True)
-

@@ -81,12 +81,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from arbor.config.trainer import LossConfig
-from arbor.environments.base import load_object
+from arbor.environments.protocol import load_object
 from arbor.trainer.off_policy import mismatch_weights, ratio_mask_weights, sample_age, staleness_weights
 
 
@@ -263,8 +264,9 @@ def cross_entropy(logprobs, inference_logprobs, advantages, loss_mask, cfg: Loss
     return LossOutput(_reduce(-logprobs, mask, ctx))
 
 
-def reverse_kl_to_teacher(logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
-                          ctx: LossContext) -> LossOutput:
+def reverse_kl_to_teacher(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig, ctx: LossContext
+) -> LossOutput:
     """`distill_coef` times the per-token reverse KL(pi_theta || pi_teacher) on the policy's own samples.
 
     The estimator is k1 = log pi_theta - log pi_teacher, used as a score-function (REINFORCE) term: the value per
@@ -282,8 +284,10 @@ def reverse_kl_to_teacher(logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: 
     token's."""
     if ctx.teacher_logprobs is None:
         if bool(loss_mask.any()):
-            raise ValueError("loss.distill_weight > 0 (or loss.name = 'distill') needs the teacher's logprobs in the "
-                             "batch: set [orchestrator.teacher] (or rl's [teacher])")
+            raise ValueError(
+                "loss.distill_weight > 0 (or loss.name = 'distill') needs the teacher's logprobs in the "
+                "batch: set [orchestrator.teacher] (or rl's [teacher])"
+            )
         return LossOutput(logprobs.sum() * 0.0)  # an empty padding row: nothing to distil
     mask = loss_mask.bool()
     teacher = ctx.teacher_logprobs.to(logprobs.dtype)
@@ -298,8 +302,9 @@ def reverse_kl_to_teacher(logprobs: torch.Tensor, loss_mask: torch.Tensor, cfg: 
     return LossOutput(cfg.distill_coef * _reduce(per_token, mask, ctx), metrics)
 
 
-def _topk_reverse_kl(sampled_term: torch.Tensor, mask: torch.Tensor, ctx: LossContext
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _topk_reverse_kl(
+    sampled_term: torch.Tensor, mask: torch.Tensor, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The top-k estimator (module docstring): the sampled-token term kept where the sample is outside the
     teacher's top-k, plus the exact sum over the top-k of `p(i) sg(k1(i))`; with the student's mass on the
     top-k and the teacher's as figures."""

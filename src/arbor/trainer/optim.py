@@ -10,6 +10,7 @@ optimizer step, so a resumed run needs no scheduler state.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 
@@ -55,8 +56,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> Optimizers:
         (muon if _muon_eligible(name, p) else rest).append(p)
     muon_lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
     opts: list[torch.optim.Optimizer] = [
-        torch.optim.Muon(muon, lr=muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-                         adjust_lr_fn="match_rms_adamw")
+        torch.optim.Muon(
+            muon, lr=muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"
+        )
     ]
     if rest:
         opts.append(torch.optim.AdamW(rest, **adamw_kw))

@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from arbor.config.trainer import ParallelConfig, TrainerConfig
+from arbor.config.parallel import ParallelConfig
+from arbor.config.trainer import TrainerConfig
 from arbor.models import build_tokenizer
 from arbor.models.fp8 import apply_fp8
 from arbor.models.lora import apply_lora, load_adapter_into
@@ -136,12 +137,16 @@ class ParallelDims:
         fsdp = init_device_mesh(device_type, (r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp"))
         # EP groups are runs of consecutive ranks in the flattened dp_shard x cp order; "efsdp" indexes the
         # replicas of each expert shard inside one dp_replicate group.
-        experts = init_device_mesh(device_type, (r, s * c // self.ep, self.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        experts = init_device_mesh(
+            device_type, (r, s * c // self.ep, self.ep), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+        )
         return Meshes(
             fsdp=fsdp if r > 1 else fsdp["dp_shard_cp"],
             cp=main["cp"],
             ep=experts["ep"],
-            expert_replicas=experts["dp_replicate", "efsdp"]._flatten("expert_replicas") if r * s * c > self.ep else None,
+            expert_replicas=experts["dp_replicate", "efsdp"]._flatten("expert_replicas")
+            if r * s * c > self.ep
+            else None,
         )
 
 
@@ -193,7 +198,9 @@ def parallelize(
     ignored: set[nn.Parameter] = set()
     if parallel_dims.ep_enabled:
         if not getattr(model.args, "is_moe", False):
-            raise ValueError(f"trainer.parallel.ep = {parallel_dims.ep} needs an MoE model; {config.model.name} is dense")
+            raise ValueError(
+                f"trainer.parallel.ep = {parallel_dims.ep} needs an MoE model; {config.model.name} is dense"
+            )
         apply_ep(model, meshes.ep, pc.ep_backend, pc.ep_max_tokens_per_rank)
         ignored = set(expert_params(model))
         model._arbor_expert_replicas = meshes.expert_replicas

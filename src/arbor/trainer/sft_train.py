@@ -32,7 +32,7 @@ from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
 from arbor.trainer.logprobs import logprob_chunk, set_policy_vocab
-from arbor.trainer.sft import Example, batches, load_examples
+from arbor.trainer.sft_data import Example, batches, load_examples
 from arbor.trainer.step import packed_logprobs
 
 
@@ -102,8 +102,12 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         window.append(float(total))
         drafts_window.append(float(draft_kl))
         if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
-            record = {"step": step + 1, "sft/loss": sum(window) / len(window), "sft/lr": optimizer.param_groups[0]["lr"],
-                      "sft/time": time.perf_counter() - start}
+            record = {
+                "step": step + 1,
+                "sft/loss": sum(window) / len(window),
+                "sft/lr": optimizer.param_groups[0]["lr"],
+                "sft/time": time.perf_counter() - start,
+            }
             if trains_drafts:
                 record["sft/draft_kl"] = sum(drafts_window) / len(drafts_window)
             _append(metrics, record)
@@ -116,8 +120,9 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     return final
 
 
-def row_logprobs(model: torch.nn.Module, ids: torch.Tensor, lens: list[int], device: torch.device,
-                 draft: DraftConfig | None) -> tuple[torch.Tensor, DraftOut | None]:
+def row_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, lens: list[int], device: torch.device, draft: DraftConfig | None
+) -> tuple[torch.Tensor, DraftOut | None]:
     """One packed row's token logprobs and, with `draft`, the MTP modules' draft loss on it (the draft function
     the model's forward calls, as in RL steps)."""
     if draft is not None:

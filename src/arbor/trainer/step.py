@@ -35,8 +35,14 @@ from arbor.models.attention import row_attention_mask, subtree_end_for
 from arbor.models.qwen3 import HeadFn
 from arbor.trainer.context_parallel import packed_logprobs_cp
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
-from arbor.trainer.logprobs import (chunked_extra_logprobs, effective_top_p, logprob_chunk, nucleus_mask,
-                                    policy_vocab, shifted_chunked_logprobs)
+from arbor.trainer.logprobs import (
+    chunked_extra_logprobs,
+    effective_top_p,
+    logprob_chunk,
+    nucleus_mask,
+    policy_vocab,
+    shifted_chunked_logprobs,
+)
 from arbor.trainer.loss import LossContext, LossFn
 from arbor.transport.batch import MicroBatch, StepBatch
 
@@ -44,7 +50,10 @@ log = logging.getLogger(__name__)
 
 
 def shifted_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool = True,
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
     top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs `[T]` of `input_ids` under `logits` `[T, V]` (token t scored by the logits at t-1; token
@@ -90,17 +99,21 @@ def packed_logprobs(
     the cp ranks (arbor.trainer.context_parallel) with the same result."""
     if getattr(model, "_arbor_cp", None) is not None:
         if extra_ids is not None:
-            raise ValueError("orchestrator.teacher.top_k > 0 is not supported with trainer.parallel.cp > 1: set "
-                             "orchestrator.teacher.top_k = 0 or trainer.parallel.cp = 1")
-        return packed_logprobs_cp(model, input_ids, position_ids, seq_lens, temperature, device, with_entropy,
-                                  routed_experts, top_p)
+            raise ValueError(
+                "orchestrator.teacher.top_k > 0 is not supported with trainer.parallel.cp > 1: set "
+                "orchestrator.teacher.top_k = 0 or trainer.parallel.cp = 1"
+            )
+        return packed_logprobs_cp(
+            model, input_ids, position_ids, seq_lens, temperature, device, with_entropy, routed_experts, top_p
+        )
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
     chunk, vocab = logprob_chunk(model), policy_vocab(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return shifted_chunked_logprobs(hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p,
-                                        extra_ids, vocab)
+        return shifted_chunked_logprobs(
+            hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p, extra_ids, vocab
+        )
 
     return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head)
 
@@ -118,8 +131,9 @@ def _row_forward(
     chains): one mask per row, shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
     mask = row_attention_mask(subtree_end, device, getattr(model, "accepts_block_mask", False))
     kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
-    return model(input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask,
-                 head_fn=head_fn, **kwargs)
+    return model(
+        input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask, head_fn=head_fn, **kwargs
+    )
 
 
 def tree_logprobs(
@@ -149,8 +163,9 @@ def tree_logprobs(
     chunk, vocab = logprob_chunk(model), policy_vocab(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return unmerged_logprobs(hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk,
-                                 top_p, extra_ids, vocab)
+        return unmerged_logprobs(
+            hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk, top_p, extra_ids, vocab
+        )
 
     moe = hasattr(model, "aux_valid")
     if moe:
@@ -163,9 +178,17 @@ def tree_logprobs(
 
 
 def unmerged_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, token_nodes: torch.Tensor,
-    predictors: torch.Tensor, temperature: float, with_entropy: bool = True, chunk: int = 0, top_p: float = 1.0,
-    extra_ids: torch.Tensor | None = None, vocab: int = 0,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    token_nodes: torch.Tensor,
+    predictors: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk: int = 0,
+    top_p: float = 1.0,
+    extra_ids: torch.Tensor | None = None,
+    vocab: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` (its
     first `vocab` rows, arbor.trainer.logprobs) applied to the node hidden states `[M, H]` (0 where
@@ -174,8 +197,9 @@ def unmerged_logprobs(
     token it predicts, so a node shared by many samples costs one row of the vocabulary, not one per sample."""
     has = predictors >= 0
     src = predictors.clamp(min=0)
-    picked, ent, extra = chunked_extra_logprobs(hidden, weight, src, input_ids[token_nodes], extra_ids, temperature,
-                                                with_entropy, chunk, top_p, vocab)
+    picked, ent, extra = chunked_extra_logprobs(
+        hidden, weight, src, input_ids[token_nodes], extra_ids, temperature, with_entropy, chunk, top_p, vocab
+    )
     zero = torch.zeros_like(picked)
     logprobs = torch.where(has, picked, zero)
     entropy = None if ent is None else torch.where(has, ent[src], zero)
@@ -185,8 +209,14 @@ def unmerged_logprobs(
 
 
 def micro_batch_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, device: torch.device, with_entropy: bool = True,
-    router_replay: bool = False, top_p: float = 1.0, extra_ids: torch.Tensor | None = None,
+    model: nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    device: torch.device,
+    with_entropy: bool = True,
+    router_replay: bool = False,
+    top_p: float = 1.0,
+    extra_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged), of
     the distribution the tokens were sampled from (`top_p`: its nucleus; see arbor.trainer.logprobs); with
@@ -194,8 +224,9 @@ def micro_batch_logprobs(
     replay = mb.routed_experts if router_replay else None
     if mb.merged:
         return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p, extra_ids)
-    return packed_logprobs(model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay,
-                           top_p, extra_ids)
+    return packed_logprobs(
+        model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay, top_p, extra_ids
+    )
 
 
 @dataclasses.dataclass
@@ -230,7 +261,7 @@ class _Accumulator:
         return (
             dict(zip(names_s, s)),
             dict(zip(names_x, e[: len(names_x)])),
-            {k: -v for k, v in zip(names_n, e[len(names_x):])},
+            {k: -v for k, v in zip(names_n, e[len(names_x) :])},
         )
 
 
@@ -271,14 +302,29 @@ def train_step(
     proximal: list[torch.Tensor | None] = [None] * len(batch.micro_batches)
     if mini_batches * epochs > 1:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            proximal = [micro_batch_logprobs(model, mb, batch.temperature, device, False, router_replay, batch.top_p)[0]
-                        for mb in batch.micro_batches]
+            proximal = [
+                micro_batch_logprobs(model, mb, batch.temperature, device, False, router_replay, batch.top_p)[0]
+                for mb in batch.micro_batches
+            ]
     for epoch in range(epochs):
         for group, normaliser in zip(groups, normalisers):
             for i in group:
                 logprobs, entropy, mask = _micro_batch_backward(
-                    model, batch, batch.micro_batches[i], proximal[i], loss_fn, loss_cfg, device,
-                    dp_size / normaliser, len(group), forward_ctx, ref_model, router_replay, acc, epochs, draft,
+                    model,
+                    batch,
+                    batch.micro_batches[i],
+                    proximal[i],
+                    loss_fn,
+                    loss_cfg,
+                    device,
+                    dp_size / normaliser,
+                    len(group),
+                    forward_ctx,
+                    ref_model,
+                    router_replay,
+                    acc,
+                    epochs,
+                    draft,
                 )
                 if epoch == 0:
                     seen = logprobs if proximal[i] is None else proximal[i]  # the policy before any update
@@ -311,8 +357,14 @@ def split_mini_batches(n_micro: int, k: int, step: int) -> list[range]:
     batch written without the setting) takes one optimizer step per micro-batch, with a warning, rather than
     failing a run mid-way."""
     if k > max(n_micro, 1):
-        log.warning("step %d holds %d micro-batches per rank, fewer than trainer.mini_batches = %d: it takes %d "
-                    "optimizer steps", step, n_micro, k, max(n_micro, 1))
+        log.warning(
+            "step %d holds %d micro-batches per rank, fewer than trainer.mini_batches = %d: it takes %d "
+            "optimizer steps",
+            step,
+            n_micro,
+            k,
+            max(n_micro, 1),
+        )
         k = max(n_micro, 1)
     bounds = [round(j * n_micro / k) for j in range(k + 1)]
     return [range(bounds[j], bounds[j + 1]) for j in range(k)]
@@ -338,10 +390,21 @@ def mini_batch_normalisers(batch: StepBatch, groups: list[range], weight: float)
 
 
 def _micro_batch_backward(
-    model: nn.Module, batch: StepBatch, mb: MicroBatch, proximal: torch.Tensor | None, loss_fn: LossFn,
-    loss_cfg: LossConfig, device: torch.device, scale: float, n_mb: int,
-    forward_ctx: contextlib.AbstractContextManager | None, ref_model: nn.Module | None, router_replay: bool,
-    acc: _Accumulator, epochs: int, draft: DraftConfig | None = None,
+    model: nn.Module,
+    batch: StepBatch,
+    mb: MicroBatch,
+    proximal: torch.Tensor | None,
+    loss_fn: LossFn,
+    loss_cfg: LossConfig,
+    device: torch.device,
+    scale: float,
+    n_mb: int,
+    forward_ctx: contextlib.AbstractContextManager | None,
+    ref_model: nn.Module | None,
+    router_replay: bool,
+    acc: _Accumulator,
+    epochs: int,
+    draft: DraftConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (its loss times `scale`); adds the loss figures to `acc`
     (each epoch's share 1/epochs). Returns the detached logprobs, the entropy and the loss mask."""
@@ -353,16 +416,19 @@ def _micro_batch_backward(
     try:
         with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
             logprobs, entropy, *student_topk = micro_batch_logprobs(
-                model, mb, batch.temperature, device, router_replay=router_replay, top_p=batch.top_p,
-                extra_ids=topk_ids)
+                model, mb, batch.temperature, device, router_replay=router_replay, top_p=batch.top_p, extra_ids=topk_ids
+            )
         drafted: DraftOut | None = model.draft_out if trains_drafts else None
     finally:
         if trains_drafts:
             model.draft_fn = model.draft_out = None
     mask = mb.loss_mask.to(device, non_blocking=True)
     ctx = LossContext(
-        mb.seq_lens.to(device), mb.loss_weights.to(device, non_blocking=True), proximal_logprobs=proximal,
-        policy_versions=mb.policy_versions.to(device, non_blocking=True), step=batch.step,
+        mb.seq_lens.to(device),
+        mb.loss_weights.to(device, non_blocking=True),
+        proximal_logprobs=proximal,
+        policy_versions=mb.policy_versions.to(device, non_blocking=True),
+        step=batch.step,
         teacher_logprobs=None if mb.teacher_logprobs is None else mb.teacher_logprobs.to(device, non_blocking=True),
     )
     if topk_ids is not None:  # the teacher's top-k (arbor.trainer.loss's exact top-k term)
@@ -372,10 +438,17 @@ def _micro_batch_backward(
         ctx.sampled_in_topk = (topk_ids == token_ids.to(device)[:, None]).any(-1)
     if ref_model is not None:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
-            ctx.ref_logprobs, _ = micro_batch_logprobs(ref_model, mb, batch.temperature, device, False, router_replay,
-                                                       batch.top_p)
-    out = loss_fn(logprobs, mb.inference_logprobs.to(device, non_blocking=True),
-                  mb.advantages.to(device, non_blocking=True), mask, loss_cfg, ctx)
+            ctx.ref_logprobs, _ = micro_batch_logprobs(
+                ref_model, mb, batch.temperature, device, False, router_replay, batch.top_p
+            )
+    out = loss_fn(
+        logprobs,
+        mb.inference_logprobs.to(device, non_blocking=True),
+        mb.advantages.to(device, non_blocking=True),
+        mask,
+        loss_cfg,
+        ctx,
+    )
     total = out.loss_sum * scale
     aux = getattr(model, "aux_loss", None)
     if aux is not None:
@@ -399,8 +472,10 @@ def teacher_topk_ids(mb: MicroBatch, batch: StepBatch, device: torch.device) -> 
     if mb.teacher_topk_ids is None:
         return None
     if effective_top_p(batch.temperature, batch.top_p) < 1:
-        raise ValueError(f"step {batch.step} carries the teacher's top-k with top_p = {batch.top_p}: set "
-                         "orchestrator.sampling.top_p = 1 or orchestrator.teacher.top_k = 0")
+        raise ValueError(
+            f"step {batch.step} carries the teacher's top-k with top_p = {batch.top_p}: set "
+            "orchestrator.sampling.top_p = 1 or orchestrator.teacher.top_k = 0"
+        )
     return mb.teacher_topk_ids.to(device, torch.long, non_blocking=True)
 
 

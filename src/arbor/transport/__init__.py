@@ -1,1 +1,2 @@
-"""Transport between processes: rollout batches (orchestrator -> trainer) and published weights (trainer -> inference)."""
+"""Transport between processes: rollout batches (orchestrator -> trainer) and published weights (trainer ->
+inference)."""

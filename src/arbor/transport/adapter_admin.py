@@ -68,14 +68,19 @@ class AdapterUpdates:
         default = 0 if current is None else min(current + 1, MAX_VERSION)
         version = get_int(body, "version", default, 0, MAX_VERSION)
         if current is not None and version < current:
-            raise HTTPError(409, f"version {version} of adapter {name!r} is older than the loaded version {current}",
-                            "version")
+            raise HTTPError(
+                409, f"version {version} of adapter {name!r} is older than the loaded version {current}", "version"
+            )
         if current is not None and version == current and "version" in body:
             return None
         return AdapterLoad(name, self.weights.directory(path), version)
 
-    async def load(self, request: web.Request, loaded: Callable[[], dict[str, int]],
-                   do_load: Callable[[AdapterLoad], Awaitable[int]]) -> web.Response:
+    async def load(
+        self,
+        request: web.Request,
+        loaded: Callable[[], dict[str, int]],
+        do_load: Callable[[AdapterLoad], Awaitable[int]],
+    ) -> web.Response:
         body = await read_json_object(request)
         async with self._lock:
             update = self.read_load(body, loaded())
@@ -85,8 +90,9 @@ class AdapterUpdates:
             version = await do_load(update)
         return web.json_response({"lora_name": update.name, "version": version})
 
-    async def unload(self, request: web.Request, loaded: Callable[[], dict[str, int]],
-                     do_unload: Callable[[str], Awaitable[Any]]) -> web.Response:
+    async def unload(
+        self, request: web.Request, loaded: Callable[[], dict[str, int]], do_unload: Callable[[str], Awaitable[Any]]
+    ) -> web.Response:
         name = read_name(await read_json_object(request))
         async with self._lock:
             versions = loaded()
@@ -106,4 +112,5 @@ def model_cards(base: str, created: int, max_model_len: int, adapters: dict[str,
     """`/v1/models` entries: the base model, then each loaded adapter (`parent`: the base, as vLLM lists them)."""
     card = {"object": "model", "created": created, "owned_by": "arbor", "max_model_len": max_model_len}
     return [{"id": base, **card, "root": base, "parent": None}] + [
-        {"id": name, **card, "root": name, "parent": base, "version": version} for name, version in adapters.items()]
+        {"id": name, **card, "root": name, "parent": base, "version": version} for name, version in adapters.items()
+    ]

@@ -41,8 +41,10 @@ OPEN_GET = frozenset({"/health", "/metrics", "/ping", "/version"})
 ADMIN_UNDER_V1 = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 ADMIN_ROUTES = ("/update_weights", "/pause", "/resume", "/abort_requests")
 """The admin routes every arbor backend serves (and the router fans out)."""
-REFUSED_PATH = ("is not a published weights directory this server may load (an absolute path, without '..', "
-                "inside <output_dir>/broadcasts/ or inference.weight_roots)")
+REFUSED_PATH = (
+    "is not a published weights directory this server may load (an absolute path, without '..', "
+    "inside <output_dir>/broadcasts/ or inference.weight_roots)"
+)
 
 
 def needs_admin(request: web.Request) -> bool:
@@ -76,8 +78,12 @@ def admin_guard(token: SecretStr | None):
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is not None and needs_admin(request) and not has_token(request, token):
-            return error_response(401, f"{request.path} is an admin route: send Authorization: Bearer <admin_token>",
-                                  None, "authentication_error")
+            return error_response(
+                401,
+                f"{request.path} is an admin route: send Authorization: Bearer <admin_token>",
+                None,
+                "authentication_error",
+            )
         return await handler(request)
 
     return guard
@@ -138,8 +144,9 @@ class WeightUpdates:
             return None
         return WeightUpdate(self.directory(path), version)
 
-    async def handle(self, request: web.Request, loaded: Callable[[], int],
-                     load: Callable[[WeightUpdate], Awaitable[int]]) -> web.Response:
+    async def handle(
+        self, request: web.Request, loaded: Callable[[], int], load: Callable[[WeightUpdate], Awaitable[int]]
+    ) -> web.Response:
         """Serves one `/update_weights`: checks it against the version `loaded()` returns, then `load`s it (which
         answers the version now served), one update at a time."""
         body = await read_json_object(request)

@@ -204,7 +204,9 @@ class StepBatch:
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "StepBatch":
         header = json.loads(meta["arbor"])
         mbs = [
-            MicroBatch(**{f.name: tensors[k] for f in dataclasses.fields(MicroBatch) if (k := f"{i}.{f.name}") in tensors})
+            MicroBatch(
+                **{f.name: tensors[k] for f in dataclasses.fields(MicroBatch) if (k := f"{i}.{f.name}") in tensors}
+            )
             for i in range(header["num_micro_batches"])
         ]
         return cls(

@@ -1,5 +1,5 @@
 """Chat messages, tools and tool calls on the OpenAI wire, shared by the inference server's chat route
-(arbor.inference.server) and the gateway (arbor.orchestrator.gateway_openai), so that an agent gets the same
+(arbor.inference.server) and the gateway (arbor.orchestrator.gateway.openai_wire), so that an agent gets the same
 rendering and the same `tool_calls` from either.
 
 Messages are normalised to what a chat template renders (`template_message`: text content, tool calls with
@@ -36,23 +36,32 @@ def template_message(m: Any, i: int) -> dict[str, Any]:
         raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
     content = m.get("content")
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise HTTPError(400, f"messages[{i}].content parts must be text parts", "messages")
         content = "".join(p["text"] for p in content)
     elif content is not None and not isinstance(content, str):
         raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
     calls = m.get("tool_calls")
-    if calls is not None and not (isinstance(calls, list) and all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict)
-            and isinstance(c["function"].get("name"), str) for c in calls)):
-        raise HTTPError(400, f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}",
-                        "messages")
+    if calls is not None and not (
+        isinstance(calls, list)
+        and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls
+        )
+    ):
+        raise HTTPError(
+            400, f"messages[{i}].tool_calls must be a list of {{function: {{name, arguments}}}}", "messages"
+        )
     clean = {"role": m["role"], "content": content or ""}
     if calls:
-        clean["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-            "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
-            for c in calls]
+        clean["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))},
+            }
+            for c in calls
+        ]
     for key in ("name", "tool_call_id"):
         if isinstance(m.get(key), str):
             clean[key] = m[key]
@@ -89,10 +98,14 @@ def chat_tools(body: dict[str, Any]) -> tuple[list[dict] | None, bool]:
     if choice == "none":
         return tools, False
     if choice == "required" or isinstance(choice, dict):
-        raise BadRequest("tool_choice that forces a call ('required' or a named function) is not supported (arbor's "
-                         "servers do not constrain decoding): use 'auto' or 'none'", "tool_choice")
-    raise BadRequest(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}",
-                     "tool_choice")
+        raise BadRequest(
+            "tool_choice that forces a call ('required' or a named function) is not supported (arbor's "
+            "servers do not constrain decoding): use 'auto' or 'none'",
+            "tool_choice",
+        )
+    raise BadRequest(
+        f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}", "tool_choice"
+    )
 
 
 def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -101,8 +114,14 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     calls, errors = parse_tool_calls(text)
     if not calls or errors:
         return text, []
-    out = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+    out = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for c in calls
+    ]
     return TOOL_CALL.sub("", text).strip(), out
 
 

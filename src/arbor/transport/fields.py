@@ -44,6 +44,9 @@ def read_stop(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
-                         f"of at most {MAX_STOP_CHARS} characters", "stop")
+        raise BadRequest(
+            f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+            f"of at most {MAX_STOP_CHARS} characters",
+            "stop",
+        )
     return tuple(stop)

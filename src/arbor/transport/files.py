@@ -35,9 +35,7 @@ def read_step(path: str | Path) -> StepBatch:
     return StepBatch.from_tensors(safetensors.torch.load(data), meta)
 
 
-def wait_for_step(
-    output_dir: str | Path, step: int, rank: int, timeout: float, alive=lambda: True
-) -> StepBatch:
+def wait_for_step(output_dir: str | Path, step: int, rank: int, timeout: float, alive=lambda: True) -> StepBatch:
     """Blocks until this rank's file for `step` exists, looking as often as `arbor.run_dir.poll_interval` says;
     raises TimeoutError naming the file after `timeout` s."""
     path = rollout_rank_file(output_dir, step, rank)

@@ -19,9 +19,10 @@ import math
 import re
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -51,8 +52,9 @@ class BadRequest(HTTPError):
         super().__init__(400, message, param)
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error") -> web.Response:
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
 
 
@@ -60,8 +62,9 @@ def error_kind(status: int) -> str:
     """The OpenAI error `type` of an HTTP status."""
     if status >= 500:
         return "internal_error"
-    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            429: "rate_limit_error"}.get(status, "invalid_request_error")
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error"
+    )
 
 
 def relayed_error(status: int, raw: bytes, source: str) -> web.Response:
@@ -106,8 +109,12 @@ def error_middleware(log: logging.Logger, client_errors: tuple[type[Exception], 
         except Exception as e:
             ref = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
             log.exception("request %s %s (%s) failed", request.method, request.path, ref)
-            return error_response(500, f"{request.method} {request.path} (request {ref}) failed: "
-                                       f"{type(e).__name__}: {e}", None, "internal_error")
+            return error_response(
+                500,
+                f"{request.method} {request.path} (request {ref}) failed: {type(e).__name__}: {e}",
+                None,
+                "internal_error",
+            )
 
     return errors
 
@@ -204,8 +211,9 @@ def get_float(body: dict[str, Any], name: str, default: Any, lo: float, hi: floa
 class _JSONErrorProtocol(RequestHandler):
     """aiohttp's own error pages (a request its parser refuses, a handler timeout) in the JSON error shape."""
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs; raises if a response had begun
         text = message if message and status != 500 else HTTPStatus(status).phrase
         resp = error_response(status, text, None, error_kind(status))

@@ -1,0 +1,195 @@
+"""The Environment protocols: tasks in, prompts out, completions (or whole episodes) scored into named reward
+components.
+
+An environment is built from `[orchestrator.environment]`: `id` names a built-in (`reverse_text`, `math`,
+`tool_use`) or a dotted path `package.module:factory`; `args` are the factory's keyword arguments. Every call is
+async so that verifiers, tools and sandboxes never block the orchestrator's event loop.
+
+Two shapes:
+- `Environment` (single turn): `prompt(task)` is completed once and `score(task, completion)` rewards it.
+- `MultiTurnEnvironment`: an episode. The driver (arbor.orchestrator.episode) asks `setup(task)` for a fresh
+  per-episode state (any object; it lives in the driver coroutine, so it survives across turns and across
+  partial rollouts, which only suspend that coroutine), sends `prompt(task)` with the schemas of `tools(task)`
+  (plain Python functions: name, docstring and type hints make the schema, see arbor.environments.tools), then
+  after each assistant turn calls `step(task, state, messages)`: the environment answers with the messages to
+  append (tool results, a user turn) and whether the episode is done; finally `score_episode(task, state,
+  messages)` gives the reward components. `arbor.environments.multiturn.ToolEnv` implements tool calling
+  (Qwen3/Hermes `<tool_call>` markup) and is the usual base class.
+
+Failures: each environment call runs under `[orchestrator.environment] timeout` and is retried `retries` times;
+a call that still fails makes the rollout score 0 (`score_failed`, counted) or, with `on_failure = "skip"`,
+drops it (counted). No failure hangs the run or disappears silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from arbor.config.base import ConfigError
+from arbor.config.environment import EnvironmentConfig
+from arbor.environments.tools import tool_schema
+
+Task = dict[str, Any]
+"""One dataset row. Built-ins keep the chat prompt under "prompt" and a reference answer under "answer"."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+
+    def dataset(self, seed: int) -> list[Task]:
+        """All tasks of the training split, in a fixed order for `seed` (the orchestrator shuffles per epoch)."""
+        ...
+
+    def prompt(self, task: Task) -> list[dict[str, str]]:
+        """The chat messages the model completes."""
+        ...
+
+    async def score(self, task: Task, completion: str) -> dict[str, float]:
+        """Reward components of one completion (each usually in [0, 1])."""
+        ...
+
+    def reference(self, task: Task) -> str | None:
+        """A correct completion for supervised warm-up, or None when the task has none."""
+        ...
+
+
+@dataclasses.dataclass
+class StepResult:
+    """The environment's answer to one assistant turn."""
+
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Messages appended to the conversation (tool results as role "tool", user turns)."""
+    done: bool = False
+    """The episode is over (the agent answered, gave up, or broke a rule)."""
+    reward: float | None = None
+    """An optional process reward for this turn; when any turn has one, the rollout carries per-turn rewards
+    and advantages are reward-to-go (arbor.orchestrator.advantages)."""
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Protocol):
+    name: str
+    max_turns: int
+    """Most assistant turns of an episode (`[orchestrator.environment] max_turns` overrides it)."""
+
+    def dataset(self, seed: int) -> list[Task]: ...
+
+    def prompt(self, task: Task) -> list[dict[str, Any]]:
+        """The episode's first messages."""
+        ...
+
+    def reference(self, task: Task) -> str | None: ...
+
+    def tools(self, task: Task) -> list[Callable[..., Any]]:
+        """The functions the model may call in this task (their schemas go into the chat template)."""
+        ...
+
+    async def setup(self, task: Task) -> Any:
+        """A fresh per-episode state."""
+        ...
+
+    async def step(self, task: Task, state: Any, messages: list[dict[str, Any]]) -> StepResult:
+        """React to the assistant's latest turn (the last message of `messages`). A failed or timed-out step is
+        retried with the same arguments, so change `state` only once the step cannot fail any more."""
+        ...
+
+    async def score_episode(self, task: Task, state: Any, messages: list[dict[str, Any]]) -> dict[str, float]:
+        """Reward components of the finished episode (`messages` is the full, untrimmed conversation)."""
+        ...
+
+
+def is_multi_turn(env: Any) -> bool:
+    return isinstance(env, MultiTurnEnvironment)
+
+
+def raw_prompt(messages: list[dict[str, Any]]) -> str:
+    """A prompt without a chat template (`prompt_format = "raw"`): the messages' contents, blank-line separated."""
+    return "\n\n".join(m["content"] for m in messages if m.get("content"))
+
+
+def env_prompt_ids(env: Any, task: Task, tokenizer: Any, prompt_format: str = "chat") -> list[int]:
+    """The first prompt's token ids: through the chat template, with the task's tool schemas for a multi-turn
+    environment, or (`prompt_format = "raw"`) the raw prompt's text tokenised as it is."""
+    if prompt_format == "raw":
+        if is_multi_turn(env):
+            raise ValueError(
+                f"environment {env.name!r} is multi-turn: prompt_format = 'raw' suits single-turn "
+                "environments only (turns need the chat template)"
+            )
+        return tokenizer.encode(raw_prompt(env.prompt(task)))
+    tools = None
+    if is_multi_turn(env):
+        tools = [tool_schema(fn) for fn in env.tools(task)] or None
+    return tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True, tools=tools)
+
+
+class NoTaskFits(ConfigError):
+    """No task of the dataset leaves room for a completion: the run could only skip tasks forever."""
+
+
+def check_some_task_fits(
+    env: Any, tasks: list[Task], tokenizer: Any, seq_len: int, max_tokens: int, prompt_format: str = "chat"
+) -> None:
+    """Raises NoTaskFits unless some task's first prompt plus `max_tokens` fits in `seq_len` (stops at the first
+    that does; when none does, the message names the shortest prompt). The orchestrator skips (and counts) the
+    tasks that cannot fit; preflight and the task source call this so that a dataset of them all fails at once."""
+    if not tasks:
+        raise NoTaskFits(f"environment {env.name!r} has no tasks")
+    shortest, failed = None, None
+    for task in tasks:
+        try:
+            n = len(env_prompt_ids(env, task, tokenizer, prompt_format))
+        except Exception as e:  # noqa: BLE001 - a task whose prompt cannot be built is skipped in the run, too
+            failed = failed or f"task {task.get('id', '?')}: {e!r}"
+            continue
+        if n + max_tokens <= seq_len:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    if shortest is None:
+        raise NoTaskFits(f"no prompt of environment {env.name!r} could be built ({failed})")
+    raise NoTaskFits(
+        f"no task of environment {env.name!r} fits: its shortest prompt is {shortest} tokens, which with "
+        f"sampling.max_tokens = {max_tokens} exceeds seq_len = {seq_len}; raise seq_len or lower max_tokens"
+    )
+
+
+BUILTINS = {
+    "reverse_text": "arbor.environments.reverse_text:ReverseTextEnv",
+    "math": "arbor.environments.math_problems:MathEnv",
+    "tool_use": "arbor.environments.tool_use:ToolUseEnv",
+    "code": "arbor.environments.code:CodeEnv",
+    "verifiers": "arbor.environments.verifiers_adapter:load_verifiers_env",
+    "black_box": "arbor.environments.black_box:BlackBoxEnv",
+    "swe_agent": "arbor.environments.swe_agent:SweAgentEnv",
+}
+
+
+def load_object(path: str) -> Any:
+    """Imports `package.module:attr` (or `package.module.attr`)."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ValueError(f"{path!r} is not a dotted path 'package.module:name'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from None
+
+
+def load_environment(cfg: EnvironmentConfig) -> Environment | MultiTurnEnvironment:
+    factory = load_object(BUILTINS.get(cfg.id, cfg.id))
+    env = factory(**cfg.args)
+    if not isinstance(env, (Environment, MultiTurnEnvironment)):
+        raise TypeError(
+            f"environment {cfg.id!r} implements neither arbor.environments.Environment nor MultiTurnEnvironment"
+        )
+    return env
+
+
+def total_reward(components: dict[str, float], weights: dict[str, float]) -> float:
+    return float(sum(weights.get(k, 1.0) * v for k, v in components.items()))

@@ -1,0 +1,66 @@
+"""The model directory the vLLM backend serves (arbor.inference.vllm.proxy): a checkpoint or hub name as it
+is, a preset materialised once as a Hugging Face directory with its tokenizer's export, or with `model.fp8 =
+"block"` a DeepSeek-format block-FP8 checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from arbor.config.inference import InferenceConfig
+from arbor.inference.vllm.launch import materialized_path
+from arbor.models import PRESETS, build_model, build_tokenizer, model_args
+from arbor.models.hf import save_checkpoint_dir
+
+
+def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
+    """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized
+    (with the byte tokenizer's Hugging Face export); with `model.fp8 = "block"` the directory is a
+    DeepSeek-format FP8 checkpoint (`fp8_model_dir`)."""
+    name = cfg.model.name
+    if name not in PRESETS:
+        path = Path(name)
+        no_tok = path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        return (fp8_model_dir(cfg) if cfg.model.fp8 == "block" else name), no_tok
+    return fp8_model_dir(cfg) if cfg.model.fp8 == "block" else _materialize(cfg, fp8=False), False
+
+
+def _materialize(cfg: InferenceConfig, fp8: bool) -> str:
+    """Writes the model `build_model` makes (a preset, or a checkpoint re-saved) as a HF directory, once."""
+    out = materialized_path(cfg, fp8)
+    tokenizer = build_tokenizer(cfg.model)
+    # A directory written before tokenizers were exported lacks tokenizer_config.json: rewrite it.
+    if not (out / "config.json").exists() or not (out / "tokenizer_config.json").exists():
+        model = build_model(cfg.model)
+        save_checkpoint_dir(model.state_dict(), model.args, out, tokenizer, fp8=fp8)
+    else:  # kept from an earlier run, perhaps of an older arbor: its tokenizer export (chat template) refreshed
+        tokenizer.save(out)
+    return str(out)
+
+
+def fp8_model_dir(cfg: InferenceConfig) -> str:
+    """The checkpoint in DeepSeek's FP8 format (float8 weights + `weight_scale_inv`, `quantization_config` with
+    `weight_block_size [128, 128]`), which vLLM serves with its block-FP8 linear method (DeepGEMM/CUTLASS on
+    Hopper) and which the trainer publishes after every step. A checkpoint already in that format is used as
+    is; any other is quantised once into a temporary directory. Routed MoE experts are not FP8 in arbor, but
+    vLLM's fp8 method would quantise its fused experts too, so MoE models are refused here."""
+    if model_args(cfg.model).is_moe:
+        raise ValueError(
+            f"model.fp8 = 'block' with inference.backend = 'vllm' supports dense models only; "
+            f"{cfg.model.name} is an MoE model (use the local engine or model.fp8 = 'none')"
+        )
+    path = Path(cfg.model.name)
+    if (path / "config.json").exists():
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        if quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]:
+            return str(path)
+    return _materialize(cfg, fp8=True)
+
+
+def served_head_dim(cfg: InferenceConfig) -> int | None:
+    """The model's attention head size where arbor reads the model; None for what only vLLM loads (a DeepSeek-V3
+    checkpoint, say), whose kernels are then vLLM's to check."""
+    try:
+        return getattr(model_args(cfg.model), "head_dim", None)
+    except (ValueError, KeyError, OSError):
+        return None

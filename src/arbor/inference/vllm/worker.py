@@ -1,0 +1,111 @@
+"""vLLM worker extension (`--worker-extension-cls arbor.inference.vllm.worker.WeightUpdateExtension`).
+
+vLLM mixes this class into each worker (CUDA or CPU); the proxy in `arbor.inference.vllm.proxy` calls its
+methods on every worker through vLLM's `collective_rpc`. Every load goes through the model runner's
+`reload_weights(..., is_checkpoint_format=True)`: it takes (Hugging Face name, tensor) pairs, maps them onto
+vLLM's fused/sharded layouts (qkv, gate_up, tensor-parallel slices) and redoes vLLM's post-load processing
+(quantised layers' scale layouts included). A plain `model.load_weights` on a served model fails, because vLLM
+drops each parameter's `weight_loader` after that processing. Each load is bounded by the transport's timeout
+(`WeightTransferTimeout`), so a missing sender fails the RPC instead of hanging the engine.
+
+Why not vLLM 0.32's own weight-transfer endpoints: none of its transfer engines reads a published directory
+(arbor's filesystem transport, checksummed), and its NCCL engine expects a trainer that speaks vLLM's client
+protocol with one group per server, while arbor's group spans the trainer and every replica.
+
+This module imports no vLLM symbol at import time (vLLM imports it inside a worker; the NCCL path imports
+vLLM's world group there, to place the worker in the weight group). The NCCL path keeps one `ReceiverGroup` per
+worker for the whole run: the communicator formed at the first update is reused until the trainer's rendezvous
+says a new generation formed (a replica restarted, or the trainer did).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from arbor.weights.comm import ReceiverGroup, receive_buckets
+from arbor.weights.transport import read_nccl_layout, read_verified, wait_stable
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _repack_cpu(model: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Redoes what vLLM 0.32's CPU build leaves stale after an in-place reload.
+
+    - lm_head is computed from a packed copy of its weight (`cpu_linear`). A tied lm_head receives no tensor
+      of its own on a reload, so its old packed copy would stay while the shared embedding changes: repack
+      it (for an untied head this repeats what the reload did).
+    - Unquantised MoE experts are prepacked for the CPU grouped GEMM on the first load only: on a weight
+      update vLLM copies the new, unpacked expert weights into the packed tensors and skips the prepack.
+      Prepack them again (only where no intermediate padding is involved, which the prepack would redo).
+    """
+    head.quant_method.process_weights_after_loading(head)  # type: ignore[union-attr, operator]
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        cfg = getattr(experts, "moe_config", None)
+        if experts is None or cfg is None or not hasattr(experts, "_padded_intermediate_size"):
+            continue
+        if experts._padded_intermediate_size(cfg) == cfg.intermediate_size_per_partition:
+            experts.process_weights_after_loading(module)
+
+
+class WeightUpdateExtension:
+    """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's."""
+
+    _arbor_group: ReceiverGroup | None = None
+
+    def _arbor_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        if head is not None and hasattr(head, "cpu_linear"):  # vLLM's CPU build
+            _repack_cpu(model, head)
+        _sync()
+
+    def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
+        """Loads a published step directory (checksummed shards, bf16/fp32 or block-FP8); returns the tensors loaded."""
+        state = read_verified(wait_stable(path, timeout), verify)
+        self._arbor_reload(list(state.items()))
+        return len(state)
+
+    def arbor_load_nccl(
+        self, path: str, host: str, port: int, rank_offset: int, world_size: int, timeout: float = 600.0
+    ) -> int:
+        """Receives the buckets listed in `path/transport.json` from trainer rank 0 over the run's weight group
+        (NCCL on a CUDA worker, its gloo twin on a CPU one); joins, or rejoins after a restart, as told at the
+        update's rendezvous (arbor.weights.comm)."""
+        version, buckets = read_nccl_layout(wait_stable(path, timeout))
+        group = self._arbor_group
+        if group is None or (group.host, group.port, group.world) != (host, port, world_size):
+            # Ranks: trainer 0, then this server's workers from rank_offset, data-parallel rank major.
+            device = torch.device(self.device)  # type: ignore[attr-defined]
+            group = ReceiverGroup(
+                host,
+                port,
+                rank_offset + self._arbor_local_rank(),
+                world_size,
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout,
+                device,
+            )
+            self._arbor_group = group
+        comm = group.join(version)
+        self._arbor_reload(receive_buckets(comm, buckets, group.device))
+        return sum(len(b) for b in buckets)
+
+    def _arbor_local_rank(self) -> int:
+        """This worker's rank among its server's workers (data-parallel rank major)."""
+        # vLLM's parallel state exists only inside a running worker (this method runs there).
+        from vllm.distributed.parallel_state import get_world_group
+
+        pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group
+
+    def arbor_weight_checksum(self) -> float:
+        """Sum of every parameter (float64): lets a test see that an update reached every worker."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))

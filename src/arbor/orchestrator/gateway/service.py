@@ -1,0 +1,224 @@
+"""The gateway: an OpenAI-compatible server that records a black-box agent's model calls as training samples.
+
+An agent that only knows the `openai` package is pointed at a session:
+
+    OPENAI_BASE_URL = {gateway}/v1/sessions/{session_id}/v1     (or base_url {gateway}/v1 + X-Session-Id header)
+    OPENAI_API_KEY  = the gateway's api_key (any string when none is set)
+
+Routes (under the session prefix `/v1/sessions/{id}` or with the header): POST /v1/chat/completions (with
+`stream: true` as server-sent events in OpenAI's chunk format), POST /v1/responses (the Responses API, plain and
+streamed, arbor.orchestrator.gateway.responses), POST /v1/completions, GET /v1/models. Session
+management: POST /v1/sessions (open; body `{"id"?, "task_id"?}`), GET /v1/sessions/{id},
+POST /v1/sessions/{id}/reward `{"reward": float, "components": {name: float}}` (closes it), GET /health.
+Pull mode (agents on other machines, the black_box environment with `remote = true`): POST /v1/work
+`{"wait": seconds}` claims the next task as `{"session_id", "base_url", "task", "reward_url"}` (204: none yet);
+the agent runs against `base_url` and POSTs its reward to `reward_url`.
+
+For every call the gateway renders the messages with the chat template itself (tools included; like AReaL's and
+slime's proxies), sends token ids to the inference fleet (`InferenceClient.generate`: logprobs, per-token policy
+versions, routed experts), records them in the session's trajectory (arbor.orchestrator.trajectory: token-exact
+extension; a history that does not extend a recorded turn branches, never spliced) and answers with ordinary
+OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks (the Hermes/Qwen
+convention, arbor.environments.tools), usage. Streaming is generated whole, then sent as a role chunk, one
+content chunk, a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns
+token ids only for whole completions. Errors, all in the JSON error shape of arbor.transport.http: malformed
+JSON, wrong types, out-of-range or non-finite values, nesting past its depth limit, lone surrogates or a bad gzip
+body 400 (sampling fields checked as the inference server checks them, arbor.transport.fields), bad or missing
+key 401, unknown session 404, closed session 409, body over `max_request_bytes` 413, too many sessions 429, the
+backend refusing the request 400, backend failure 502; never a 500 for client input (a failure inside a handler
+is a 500 naming the request). There is no global lock: each call awaits its own backend request.
+
+Departures from OpenAI: sampling follows the run (`override_sampling`), not the agent's temperature, because
+the trainer's importance ratios assume the run's distribution; a response whose request asked for another
+temperature carries `X-Arbor-Temperature-Override: <agent's>-><used>` and is counted. `n` > 1 records each choice
+as its own turn. A completion cut at a `stop` string is recorded (trained, and extended by the next call)
+without the stop string's tokens when they start at a token boundary, so it holds exactly what the agent saw;
+a stop string that starts inside a token leaves the whole completion recorded (counted as `stop_untrimmed`).
+
+Accounting (`Gateway.figures()`, the `gateway/...` columns of metrics.jsonl): calls answered, sessions still
+open (one closed by its reward no longer counts), refused requests by status class (`rejected_4xx`: the agent's
+mistakes; `rejected_5xx`), sessions finished without a posted reward by why they ended (`unrewarded/...`, see
+arbor.orchestrator.gateway.sessions), temperature overrides and stop-string trims.
+
+Parts: the session store (arbor.orchestrator.gateway.sessions), the OpenAI request/response translation
+(arbor.orchestrator.gateway.openai_wire), the handlers (arbor.orchestrator.gateway.routes), and here the server that
+composes them: the route table, auth and the body limit, start/stop, and the session API for in-process users.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from arbor.orchestrator.gateway.openai_wire import RunSampling
+from arbor.orchestrator.gateway.routes import OpenAIRoutes, SessionRoutes, session_url
+from arbor.orchestrator.gateway.sessions import GatewayCounts, Session, SessionStore
+from arbor.transport.http import Handler, error_middleware, error_response, start_site
+
+if TYPE_CHECKING:
+    from arbor.config.orchestrator import GatewayConfig
+    from arbor.orchestrator.client import InferenceClient
+
+__all__ = ["Gateway", "Session"]
+
+log = logging.getLogger("arbor.orchestrator.gateway.service")
+
+
+def _counter(counts: GatewayCounts):
+    """The outermost middleware: counts every refused request by status class (after the JSON error shape)."""
+
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resp = await handler(request)
+        if resp.status >= 400:
+            counts.rejected[f"{resp.status // 100}xx"] += 1
+        return resp
+
+    return count
+
+
+def _guard(cfg: "GatewayConfig"):
+    """The middleware that refuses a request without the API key (401) or with a declared oversize body (413)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = cfg.api_key
+        if key and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
+            # aiohttp reads header bytes that are not UTF-8 into lone surrogates: encode them back, never fail
+            if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
+                return error_response(
+                    401, "missing or wrong API key (Authorization: Bearer <key>)", None, "authentication_error"
+                )
+        # aiohttp reads lazily: refuse a declared oversize body before reading any of it.
+        if request.content_length is not None and request.content_length > cfg.max_request_bytes:
+            return error_response(
+                413, f"request body of {request.content_length} bytes exceeds {cfg.max_request_bytes}"
+            )
+        return await handler(request)
+
+    return guard
+
+
+class Gateway:
+    """The session store served over HTTP; runs on the caller's event loop (the orchestrator's)."""
+
+    def __init__(
+        self,
+        client: "InferenceClient",
+        tokenizer: Any,
+        cfg: "GatewayConfig",
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seq_len: int,
+    ) -> None:
+        self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
+        self.store = SessionStore(tokenizer, cfg.max_open_sessions)
+        self.sessions: dict[str, Session] = self.store.sessions  # the store's own dict, kept current by it
+        sampling = RunSampling(temperature, top_p, max_tokens, seq_len, cfg.override_sampling)
+        self.openai = OpenAIRoutes(client, tokenizer, self.store, sampling, cfg.model_name)
+        self.url = ""  # set by start(), once bound
+        self._runner: web.AppRunner | None = None
+        self.manage = SessionRoutes(self.store, lambda: self.url)
+
+    @property
+    def calls(self) -> int:
+        """Model calls answered so far."""
+        return self.openai.calls
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions not closed yet (one closed by its reward no longer counts, though its owner still holds it)."""
+        return self.store.open_count
+
+    def figures(self) -> dict[str, int]:
+        """The `gateway/...` figures of metrics.jsonl: calls, open sessions and the counters of GatewayCounts."""
+        return {"gateway/calls": self.calls, "gateway/open_sessions": self.open_sessions, **self.store.counts.figures()}
+
+    # -- session API for in-process users (the black_box environment), kept on the gateway for them --
+
+    def open(self, session_id: str | None = None, task_id: int | str = -1, group_id: int = -1) -> Session:
+        return self.store.open(session_id, task_id, group_id)
+
+    def close(
+        self, session_id: str, reward: float | None = None, components: dict[str, float] | None = None
+    ) -> Session:
+        return self.store.close(session_id, reward, components)
+
+    def offer(self, session_id: str, task: str) -> None:
+        """Queues a session for a remote agent to claim with POST /v1/work (pull mode)."""
+        self.store.offer(session_id, task)
+
+    async def wait_reward(self, session_id: str, timeout: float) -> bool:
+        """Waits until the session is closed by a reward POST; False on timeout."""
+        return await self.store.wait_reward(session_id, timeout)
+
+    async def finish(self, session_id: str, ended: str = "abandoned") -> Session:
+        """Closes (if open), waits for calls still generating, and forgets the session; returns it. Without a
+        posted reward it is counted under `ended` (arbor.orchestrator.gateway.sessions.UNREWARDED)."""
+        return await self.store.finish(session_id, ended)
+
+    def abandon(self, session_id: str) -> None:
+        """Forgets a session whose owner was cancelled, without waiting for its calls."""
+        self.store.abandon(session_id)
+
+    def base_url(self, session_id: str) -> str:
+        """What an agent's OPENAI_BASE_URL should be for this session."""
+        return session_url(self.url, session_id) + "/v1"
+
+    def reward_url(self, session_id: str) -> str:
+        """Where the session's agent POSTs its reward (`ARBOR_REWARD_URL` for a subprocess agent)."""
+        return session_url(self.url, session_id) + "/reward"
+
+    # -- the server --
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[_counter(self.store.counts), error_middleware(log), _guard(self.cfg)],
+            client_max_size=self.cfg.max_request_bytes,
+        )
+        s, manage, openai = "/v1/sessions/{sid}", self.manage, self.openai
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.post("/v1/sessions", manage.open_session),
+                web.post("/v1/work", manage.claim_work),
+                web.get(s, manage.show_session),
+                web.post(s + "/reward", manage.reward),
+                web.post(s + "/v1/chat/completions", openai.chat),
+                web.post(s + "/v1/responses", openai.responses),
+                web.post(s + "/v1/completions", openai.completions),
+                web.get(s + "/v1/models", openai.models),
+                web.post("/v1/chat/completions", openai.chat),
+                web.post("/v1/responses", openai.responses),
+                web.post("/v1/completions", openai.completions),
+                web.get("/v1/models", openai.models),
+            ]
+        )
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "open_sessions": self.open_sessions, "calls": self.calls})
+
+    async def start(self) -> str:
+        self._runner, self.url = await start_site(self.app(), self.cfg.host, self.cfg.port)
+        log.info("gateway ready at %s (agents: OPENAI_BASE_URL=%s)", self.url, self.base_url("<session>"))
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> "Gateway":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()

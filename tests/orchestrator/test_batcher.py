@@ -1,0 +1,161 @@
+"""Orchestrator pieces that need no server: packing, advantages, task sampling, state, metrics merging."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from arbor.config.orchestrator import AdvantageConfig
+from arbor.monitor.metrics import MetricsWriter, read_jsonl, trainer_metrics_path, truncate_jsonl
+from arbor.orchestrator.advantages import compute_advantages, grpo
+from arbor.orchestrator.batcher import build_step_batches
+from arbor.orchestrator.rollout import Rollout
+from arbor.orchestrator.state import OrchestratorState, TaskSampler, load_state, save_state
+
+
+def _rollout(p: int, c: int, reward: float = 0.0, version: int = 0) -> Rollout:
+    return Rollout(0, list(range(1, p + 1)), list(range(10, 10 + c)), [-0.5] * c, [version] * c, "x", "stop", reward)
+
+
+def test_packing_balances_ranks_and_keeps_every_token():
+    rollouts = [_rollout(p, c) for p, c in [(5, 3), (7, 9), (4, 4), (10, 2), (3, 1), (6, 6), (2, 8)]]
+    batches = build_step_batches(rollouts, step=4, ranks=2, micro_batch_tokens=16, temperature=1.0, pad_id=0)
+    assert len(batches) == 2
+    assert len(batches[0].micro_batches) == len(batches[1].micro_batches)
+    total = sum(r.num_tokens for r in rollouts)
+    real = [sum(int(mb.seq_lens.sum()) for mb in b.micro_batches if mb.loss_mask.any()) for b in batches]
+    assert sum(real) == total and abs(real[0] - real[1]) <= max(r.num_tokens for r in rollouts)
+    for b in batches:
+        assert b.loss_tokens_total == sum(len(r.completion_ids) for r in rollouts)
+        for mb in b.micro_batches:
+            assert mb.num_tokens <= 16 or len(mb.seq_lens) == 1
+            assert int(mb.loss_mask.sum()) == int((mb.policy_versions >= 0).sum())
+            # position ids restart at every packed sample
+            starts = np.cumsum([0] + mb.seq_lens.tolist()[:-1])
+            assert all(int(mb.position_ids[s]) == 0 for s in starts)
+
+
+def test_loss_mask_covers_completion_only():
+    (b,) = build_step_batches([_rollout(4, 3)], step=0, ranks=1, micro_batch_tokens=64, temperature=1.0, pad_id=0)
+    mb = b.micro_batches[0]
+    assert mb.loss_mask.tolist() == [False] * 4 + [True] * 3
+    assert mb.inference_logprobs.tolist() == [0.0] * 4 + [-0.5] * 3
+
+
+def test_grpo_advantages():
+    groups = [[_rollout(2, 2, r) for r in (1.0, 0.0, 0.5, 0.5)], [_rollout(2, 2, r) for r in (1.0, 1.0, 1.0, 1.0)]]
+    compute_advantages(groups, AdvantageConfig())
+    assert [r.advantage for r in groups[0]] == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert [r.advantage for r in groups[1]] == pytest.approx([0, 0, 0, 0])
+    adv = grpo(np.array([[1.0, 0.0]]), AdvantageConfig(std_normalize=True))
+    assert adv.tolist()[0] == pytest.approx([1.0, -1.0], abs=1e-5)
+
+
+def test_user_advantage_by_dotted_path():
+    groups = [[_rollout(2, 2, r) for r in (1.0, 0.0)]]
+    compute_advantages(groups, AdvantageConfig(name="test_batcher:double_reward"))
+    assert [r.advantage for r in groups[0]] == [2.0, 0.0]
+
+
+def double_reward(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    return rewards * 2
+
+
+def test_task_sampler_resumes_exactly():
+    tasks = [{"id": i} for i in range(5)]
+    a = TaskSampler(tasks, seed=1)
+    first = [a.next()["id"] for _ in range(7)]
+    b = TaskSampler(tasks, seed=1, epoch=a.epoch, position=a.position)
+    assert [a.next()["id"] for _ in range(6)] == [b.next()["id"] for _ in range(6)]
+    assert sorted(first[:5]) == list(range(5))  # an epoch visits every task once
+
+
+def test_orchestrator_state_roundtrip(tmp_path):
+    save_state(tmp_path, OrchestratorState(step=3, epoch=1, position=9))
+    assert load_state(tmp_path, 3) == OrchestratorState(3, 1, 9)
+    with pytest.raises(FileNotFoundError, match="step_4"):
+        load_state(tmp_path, 4)
+
+
+def test_metrics_merge_in_step_order_and_truncate(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.add(0, {"reward/mean": 0.1})
+    w.add(1, {"reward/mean": 0.2})
+    tpath = trainer_metrics_path(tmp_path)
+    tpath.write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    assert w.poll() == []  # step 0's trainer half is missing, so step 1 waits too
+    with open(tpath, "a") as f:
+        f.write(json.dumps({"step": 0, "loss": 0.4}) + "\n")
+    assert w.poll() == [0, 1]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and rows[1] == {"step": 1, "reward/mean": 0.2, "loss": 0.5}
+    truncate_jsonl(tmp_path / "metrics.jsonl", 1)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
+    # a restarted writer picks up orchestrator halves that were never merged
+    w.add(1, {"reward/mean": 0.3})
+    again = MetricsWriter(tmp_path)
+    assert again.pending == {1: {"reward/mean": 0.3}}  # the newest half of a step wins
+    assert again.poll() == [1]
+
+
+def test_wandb_offline_run_receives_merged_steps(tmp_path, monkeypatch):
+    from arbor.config.monitor import WandbConfig
+    from arbor.monitor.metrics import init_wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = init_wandb(WandbConfig(project="arbor-test"), tmp_path, {"lr": 1.0})
+    assert run.settings.mode == "offline"  # no key: never tries the network
+    w = MetricsWriter(tmp_path, run)
+    w.add(0, {"reward/mean": 0.5})
+    path = trainer_metrics_path(tmp_path)
+    path.write_text(json.dumps({"step": 0, "loss": 0.1}) + "\n")
+    assert w.poll() == [0]
+    w.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_completion_mask_trains_only_sampled_tokens():
+    """Multi-turn: environment-inserted tokens (mask 0) get no loss, weight 0, and do not count in normalisation."""
+    multi = _rollout(3, 6, reward=1.0)
+    multi.completion_mask = [1, 1, 0, 0, 1, 1]
+    multi.policy_versions = [0, 0, -1, -1, 0, 0]
+    multi.advantage = 0.5
+    single = _rollout(2, 4)
+    single.group_id = 1
+    for norm in ("token", "sequence", "group"):
+        (b,) = build_step_batches([multi, single], 0, 1, 64, 1.0, 0, normalization=norm)
+        assert b.loss_tokens_total == 4 + 4
+        mb = b.micro_batches[0]
+        rows = {int(n): i for i, n in enumerate(mb.seq_lens.tolist())}
+        start = sum(mb.seq_lens.tolist()[: rows[9]])
+        mask = mb.loss_mask[start : start + 9].tolist()
+        assert mask == [False] * 3 + [True, True, False, False, True, True]
+        w = mb.loss_weights[start : start + 9]
+        assert (w[~mb.loss_mask[start : start + 9]] == 0).all()
+        assert mb.advantages[start + 5].item() == 0.0 and mb.advantages[start + 3].item() == 0.5
+        # every normalisation sums to the step's loss-token count over trained tokens
+        assert float(mb.loss_weights.sum()) == pytest.approx(8.0)
+    assert multi.staleness(2) == 2  # inserted tokens' version -1 is not "oldest"
+    with pytest.raises(ValueError, match="completion_mask"):
+        bad = _rollout(2, 3)
+        bad.completion_mask = [1]
+        build_step_batches([bad], 0, 1, 64, 1.0, 0)
+
+
+def test_reward_to_go_with_inserted_tokens():
+    r = _rollout(2, 6, reward=1.0)
+    r.completion_mask = [1, 1, 0, 0, 1, 1]
+    r.turn_rewards = [(2, 0.0), (6, 1.0)]
+    other = _rollout(2, 2, reward=0.0)
+    compute_advantages([[r, other]], AdvantageConfig())
+    (b,) = build_step_batches([r, other], 0, 1, 64, 1.0, 0)
+    mb = b.micro_batches[0]
+    # turn rewards (0, 1) and the other rollout's 0 have mean 1/3: turn 2 gets 2/3, turn 1 -1/3 + 2/3
+    assert sorted(mb.advantages[mb.loss_mask].tolist()) == pytest.approx(
+        sorted([1 / 3] * 2 + [2 / 3] * 2 + [-1 / 3] * 2), abs=1e-6
+    )
+    assert r.token_advantages[2:4] == pytest.approx([2 / 3] * 2)  # inserted tokens: carried, but masked out
