@@ -22,9 +22,9 @@ from arbor.config.loader import ConfigError, load_config, render_help
 from arbor.config.orchestrator import GROUP_RELATIVE, OrchestratorConfig
 from arbor.config.rl import RLConfig
 from arbor.config.trainer import TrainerConfig
-from arbor.environments.protocol import BUILTINS, load_object
+from arbor.environments.protocol import BUILTINS
 from arbor.environments.sandbox import MAX_SLOTS
-from arbor.orchestrator.advantages import BUILTINS as ADVANTAGES
+from arbor.registry import ADVANTAGES, load_object
 
 
 def _write(path, text):
@@ -695,4 +695,4 @@ def test_dry_run_into_an_unwritable_output_dir_is_one_line(tmp_path):
 
 def test_every_builtin_advantage_is_refused_with_groups_of_one() -> None:
     """The config's list of group-relative advantages (refused with group_size 1) covers every built-in one."""
-    assert set(GROUP_RELATIVE) == set(ADVANTAGES)
+    assert set(GROUP_RELATIVE) == set(ADVANTAGES.names())

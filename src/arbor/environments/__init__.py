@@ -10,7 +10,6 @@ from arbor.environments.protocol import (
     env_prompt_ids,
     is_multi_turn,
     load_environment,
-    load_object,
     total_reward,
 )
 
@@ -24,6 +23,5 @@ __all__ = [
     "env_prompt_ids",
     "is_multi_turn",
     "load_environment",
-    "load_object",
     "total_reward",
 ]

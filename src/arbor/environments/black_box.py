@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.guard import reward_components
-from arbor.environments.protocol import Task, load_environment, load_object, total_reward
+from arbor.environments.protocol import Task, load_environment, total_reward
+from arbor.registry import load_object
 
 if TYPE_CHECKING:
     from arbor.orchestrator.gateway.service import Gateway

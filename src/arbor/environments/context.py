@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arbor.config.environment import ContextConfig
-from arbor.environments.protocol import load_object
+from arbor.registry import load_object
 
 SUMMARY_HEADER = "Summary of earlier turns:\n"
 Summariser = Callable[[list[dict[str, Any]]], str]

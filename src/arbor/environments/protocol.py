@@ -24,13 +24,13 @@ drops it (counted). No failure hangs the run or disappears silently.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from arbor.config.base import ConfigError
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.tools import tool_schema
+from arbor.registry import load_object
 
 Task = dict[str, Any]
 """One dataset row. Built-ins keep the chat prompt under "prompt" and a reference answer under "answer"."""
@@ -166,19 +166,6 @@ BUILTINS = {
     "black_box": "arbor.environments.black_box:BlackBoxEnv",
     "swe_agent": "arbor.environments.swe_agent:SweAgentEnv",
 }
-
-
-def load_object(path: str) -> Any:
-    """Imports `package.module:attr` (or `package.module.attr`)."""
-    module, sep, attr = path.partition(":")
-    if not sep:
-        module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ValueError(f"{path!r} is not a dotted path 'package.module:name'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import {path!r}: {e}") from None
 
 
 def load_environment(cfg: EnvironmentConfig) -> Environment | MultiTurnEnvironment:

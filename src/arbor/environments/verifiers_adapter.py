@@ -36,8 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 from arbor.environments.multiturn import ToolEnv, ToolState
-from arbor.environments.protocol import Task, load_object
+from arbor.environments.protocol import Task
 from arbor.environments.tools import parse_tool_calls
+from arbor.registry import load_object
 
 INSTALL_HINT = "the verifiers adapter needs the optional extra: uv sync --extra verifiers"
 

@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from arbor.config.orchestrator import AdvantageConfig
-from arbor.environments import load_object
+from arbor.registry import ADVANTAGES
 
 
 class AdvantageFn(Protocol):
@@ -69,17 +69,9 @@ def rloo(rewards: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
     return rewards - others
 
 
-BUILTINS: dict[str, AdvantageFn] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
-
-
 def resolve_advantage(name: str) -> AdvantageFn:
-    if name in BUILTINS:
-        return BUILTINS[name]
-    if ":" not in name and "." not in name:
-        raise ValueError(
-            f"unknown advantage {name!r}: use one of {sorted(BUILTINS)} or a dotted path 'module:function'"
-        )
-    return load_object(name)
+    """A registered advantage (arbor.registry.ADVANTAGES) by name, or a user function by dotted path."""
+    return ADVANTAGES.load(name)
 
 
 def completion_time_bonus(group: list, weight: float) -> None:

@@ -87,7 +87,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from arbor.config.trainer import LossConfig
-from arbor.environments.protocol import load_object
+from arbor.registry import LOSSES
 from arbor.trainer.off_policy import mismatch_weights, ratio_mask_weights, sample_age, staleness_weights
 
 
@@ -396,17 +396,6 @@ def with_reference_kl(inner: LossFn) -> LossFn:
     return regularised
 
 
-LOSSES: dict[str, Callable[..., LossOutput]] = {
-    "ppo_clip": ppo_clip,
-    "is_mask": is_mask,
-    "gspo": gspo,
-    "cispo": cispo,
-    "opmd": opmd,
-    "cross_entropy": cross_entropy,
-    "distill": distill,
-}
-
-
 def accepts_ctx(fn: Callable) -> bool:
     """Whether a loss takes the optional `ctx` argument (built-ins do; a five-argument user loss does not)."""
     try:
@@ -435,11 +424,9 @@ def _legacy(fn: Callable) -> LossFn:
 def resolve_loss(name: str) -> LossFn:
     """A built-in loss by name, or a user function `package.module:function` with the LossFn signature (the
     `ctx` argument optional)."""
-    if name in LOSSES:
-        return LOSSES[name]
-    if ":" not in name and "." not in name:
-        raise ValueError(f"unknown loss {name!r}: use one of {sorted(LOSSES)} or a dotted path 'module:function'")
-    fn = load_object(name)
+    fn = LOSSES.load(name)
+    if name in LOSSES.members:
+        return fn
     if not callable(fn):
         raise TypeError(f"loss {name!r} is not callable")
     try:

@@ -1,0 +1,133 @@
+"""The registries: every family of pluggable things (losses, advantages, environments, inference backends,
+scheduling modes, model families) lists its built-ins here by name, each as the dotted path of the object that
+implements it.
+
+This module imports nothing of arbor, so every layer reads it: config validation names the choices without
+importing the implementations (or torch), and each process loads only what it uses. Adding a member is one new
+file (the implementation, typed by its family's Protocol) and one line below. Where a family takes user plugins,
+a dotted path `package.module:name` in the config stands for a member that is not listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+
+def load_object(path: str) -> Any:
+    """Imports `package.module:attr` (or `package.module.attr`); a ValueError in one line when it cannot."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ValueError(f"{path!r} is not a dotted path 'package.module:name'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from None
+
+
+def is_dotted_path(name: str) -> bool:
+    """Whether a configured name is a user plugin's dotted path rather than a registered name."""
+    return ":" in name or "." in name
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One registered implementation: the object's dotted path and, for families whose members take typed
+    arguments (environments), the dotted path of their pydantic arguments model."""
+
+    path: str
+    args: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Registry:
+    """The built-ins of one family, by name."""
+
+    kind: str
+    """What a member is, for messages ("loss", "inference backend")."""
+    field: str
+    """The config key that names a member, for messages ("trainer.loss.name")."""
+    members: Mapping[str, Member]
+    plugins: bool = True
+    """Whether a dotted path `package.module:name` may name a member that is not listed."""
+
+    def names(self) -> list[str]:
+        return list(self.members)
+
+    def check(self, name: str) -> None:
+        """A ValueError in one line naming the field unless `name` is registered (or a dotted path, where the
+        family takes plugins). Imports nothing."""
+        if name in self.members or (self.plugins and is_dotted_path(name)):
+            return
+        also = " or a dotted path 'package.module:name'" if self.plugins else ""
+        raise ValueError(f"{self.field}: unknown {self.kind} {name!r}; use one of {', '.join(self.members)}{also}")
+
+    def path(self, name: str) -> str:
+        self.check(name)
+        return self.members[name].path if name in self.members else name
+
+    def load(self, name: str) -> Any:
+        """The implementing object of `name` (imported now)."""
+        return load_object(self.path(name))
+
+    def load_args(self, name: str) -> Any | None:
+        """The arguments model of a registered member, or None (unregistered, or a family without one)."""
+        member = self.members.get(name)
+        return load_object(member.args) if member is not None and member.args else None
+
+
+def _members(**entries: str | tuple[str, str]) -> dict[str, Member]:
+    return {k: Member(*v) if isinstance(v, tuple) else Member(v) for k, v in entries.items()}
+
+
+LOSSES = Registry(
+    "loss",
+    "trainer.loss.name",
+    _members(
+        ppo_clip="arbor.trainer.loss:ppo_clip",
+        is_mask="arbor.trainer.loss:is_mask",
+        gspo="arbor.trainer.loss:gspo",
+        cispo="arbor.trainer.loss:cispo",
+        opmd="arbor.trainer.loss:opmd",
+        cross_entropy="arbor.trainer.loss:cross_entropy",
+        distill="arbor.trainer.loss:distill",
+    ),
+)
+"""Policy losses (arbor.trainer.loss.LossFn)."""
+
+ADVANTAGES = Registry(
+    "advantage",
+    "orchestrator.advantage.name",
+    _members(
+        grpo="arbor.orchestrator.advantages:grpo",
+        drgrpo="arbor.orchestrator.advantages:drgrpo",
+        rloo="arbor.orchestrator.advantages:rloo",
+    ),
+)
+"""Group-relative advantages (arbor.orchestrator.advantages.AdvantageFn)."""
+
+ENVIRONMENTS = Registry(
+    "environment",
+    "orchestrator.environment.id",
+    _members(
+        reverse_text=("arbor.environments.reverse_text:ReverseTextEnv", "arbor.config.env_args:ReverseTextArgs"),
+        math=("arbor.environments.math_problems:MathEnv", "arbor.config.env_args:MathArgs"),
+        tool_use=("arbor.environments.tool_use:ToolUseEnv", "arbor.config.env_args:ToolUseArgs"),
+        code=("arbor.environments.code:CodeEnv", "arbor.config.env_args:CodeArgs"),
+        verifiers=("arbor.environments.verifiers_adapter:load_verifiers_env", "arbor.config.env_args:VerifiersArgs"),
+        black_box=("arbor.environments.black_box:BlackBoxEnv", "arbor.config.env_args:BlackBoxArgs"),
+        swe_agent=("arbor.environments.swe_agent:SweAgentEnv", "arbor.config.env_args:SweAgentArgs"),
+    ),
+)
+"""Environments (arbor.environments.protocol.Environment / MultiTurnEnvironment factories), with the pydantic
+model of their `[orchestrator.environment.args]`."""
+
+# --- inference backends ---
+
+# --- scheduling modes ---
+
+# --- model families ---
