@@ -3,7 +3,7 @@
 Follows torchtitan's structure (ParallelDims -> build_meshes -> parallelize applying one transform per kind of
 parallelism) but builds its mesh on CPU with gloo as well as on CUDA with NCCL, which torchtitan's ParallelDims
 does not (and depends on torchtitan's own config classes). Named dimensions dp_replicate, dp_shard, cp and ep;
-the transforms (FP8 swap -> AC -> EP -> CP -> FSDP2) and the reasons for that order are documented in
+the transforms (FP8 swap -> LoRA -> AC -> EP -> CP -> FSDP2) and the reasons for that order are documented in
 `parallelize`. Gradient clipping is our own because parameters live on different meshes (FSDP2 vs
 expert-parallel DTensors).
 """
