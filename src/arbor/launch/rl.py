@@ -1,43 +1,10 @@
 """`rl`: resolves one layered config, then runs inference, trainer and orchestrator as supervised children.
 
-Order: validate the whole config (a bad one fails here, before any process starts) -> preflight (files, environment
-and dataset, backends, GPUs, ports, disk; `--check` stops here) -> write the resolved configs to
-`<output_dir>/configs/`, with the trainer's and the engine's torch threads split between the cores where the user
-set none (arbor.launch.cores; `--dry-run`, which skips preflight, stops here) -> prepare the run directory (fresh or
-resume) -> optional SFT warm-up (with its own progress lines) -> inference, trainer and orchestrator, started at
-once (each builds its model while the others start; the orchestrator waits for the fleet's /health itself) -> wait
-for /health, printing what each process is doing until the first step -> print one line per step from metrics.jsonl
-until both finish. Any child that dies stops everything and `rl` exits non-zero naming it and its log (exit 1; 3 for
-a stall), unless `max_restarts` lets it resume the run by itself from the last checkpoint (`run_attempts`: the
-attempt must have completed a step); SIGINT stops everything and exits 130, SIGTERM 143. SIGTERM is the clean stop:
-every process is stopped, no checkpoint or batch is left half-written (both are written atomically) and `--resume`
-continues from the last checkpoint (metrics truncated to it). `max_minutes` ends a run on time with a checkpoint of
-its last step instead (the trainer's `stopped.json`; `rl` says so and exits 0). This module never imports torch, so
-`--dry-run` and config errors answer in well under a second. `rl plan @ config.toml` prints the throughput planner's
-estimates for the config instead (arbor.planner) and starts nothing.
-
-With a `[teacher]` section (on-policy distillation) one more inference server, `teacher`, serves the teacher model
-on a free port; the orchestrator scores each step's samples with it (`orchestrator.teacher.url` is set to it) and
-it is restarted like a lone replica (below), under `teacher.restart_dead_replicas`.
-
-With `inference.replicas = N > 1`, N servers (`inference_0..N-1`, free ports) run behind a router (`router`:
-the built-in one, or `vllm-router` when installed) and the orchestrator talks to the router only.
-
-A replica that dies after it served is restarted on the same port (`inference.restart_dead_replicas`, on by
-default), at most once per `RESTART_BACKOFF` seconds: behind a router, which retries its requests elsewhere
-meanwhile and re-admits it once healthy after replaying the current weights; alone, the orchestrator's requests
-wait for it and the orchestrator loads the current weights on it before it serves (arbor.orchestrator.client).
-A replica that died `MAX_RESTARTS` times within `RESTART_WINDOW` seconds is not restarted again (it would only
-die again), and one that dies before it was first healthy is never restarted (a bad model, config or memory
-fails the same way each time). The run fails when no replica is left alive to serve. One that lives but stops
-answering `/health` for `inference.liveness_timeout` seconds is killed, and so restarted (arbor.launch.servers).
-The router is restarted the same way (its restarted self finds the replicas as they are; the orchestrator's
-requests wait for it).
-
-Admin token: when a server (an inference replica or the router) binds beyond loopback and the config gives no
-`admin_token`, `rl` generates one for the run. It reaches the servers and the orchestrator through their
-environment only (`ARBOR_ADMIN_TOKEN`, `ARBOR_CLIENT__ADMIN_TOKEN`), never through argv or the written configs.
-"""
+Validate the config -> preflight (`--check` stops here) -> write the resolved configs (`--dry-run` stops here) ->
+optional SFT warm-up -> start every process at once and print one line per step. A child that dies stops
+everything (exit 1, 3 for a stall) unless `max_restarts` resumes the run; SIGTERM is the clean stop (exit 143).
+Dead or frozen inference servers are restarted (arbor.launch.servers). This module never imports torch, so config
+errors answer in well under a second. The whole sequence: docs/operations.md, "What `rl` does"."""
 
 from __future__ import annotations
 

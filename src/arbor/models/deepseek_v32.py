@@ -1,29 +1,10 @@
 """A DeepSeek-V3.2-architecture decoder (DeepSeek sparse attention over multi-head latent attention) in plain
-PyTorch, with Hugging Face configuration and parameter names (`model_type = "deepseek_v32"`).
+PyTorch, with Hugging Face configuration and parameter names (`model_type = "deepseek_v32"`; GLM-5's
+`glm_moe_dsa` loads too).
 
-Attention (per layer, `self_attn`): queries through a low-rank bottleneck (`q_a_proj` -> `q_a_layernorm` ->
-`q_b_proj`) or one `q_proj` when `q_lora_rank` is None; keys and values compressed into a `kv_lora_rank` latent
-plus one decoupled RoPE key shared by the heads (`kv_a_proj_with_mqa` -> `kv_a_layernorm`), expanded per head by
-`kv_b_proj` into `qk_nope_head_dim` keys and `v_head_dim` values; a lightning indexer (`indexer.wq_b` on the
-query latent, `indexer.wk` + LayerNorm `indexer.k_norm`, `indexer.weights_proj`) picks the `index_topk` keys
-each query attends to (`arbor.models.dsa`). MLP: SwiGLU, or from layer `first_k_dense_replace` on a DeepSeek MoE
-(sigmoid router with `e_score_correction_bias`, group-limited top-k, `routed_scaling_factor`, shared experts),
-built from the grouped experts of `qwen3_moe`.
-
-Names and numerics checked against: DeepSeek-V3.2-Exp's `inference/model.py` (module structure; the indexer
-splits its heads rope-first, MLA nope-first; index weights scaled by `index_n_heads^-1/2 x index_head_dim^-1/2`;
-top-k under the causal mask) and its README (since 2025-11 the indexer's RoPE is non-interleaved, MLA's
-interleaved); vLLM's DeepSeek-V3.2 `Indexer` (`wq_b`, `wk`, `k_norm` LayerNorm eps 1e-6 with a bias,
-`weights_proj`, all without bias; `indexer_rope_interleave`); prime-rl's GLM-5 model (`GlmMoeDsaForCausalLM`,
-`model_type = "glm_moe_dsa"`): the same MLA and indexer names (`q_a_proj`, `q_a_layernorm`, `q_b_proj`,
-`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, `indexer.*`), indexer RoPE interleaved by
-default, `mlp_layer_types`. No published checkpoint was loaded (no downloads here): the round trip is tested on
-tiny random models saved in this layout.
-
-Departures: see `arbor.models.dsa` (no FP8, indexer without gradient, absorbed MLA everywhere); RoPE is plain
-or YaRN (DeepSeek's `rope_scaling`), nothing else; the router's correction bias is loaded and used but not
-updated (no auxiliary-loss-free balancing in training), and there is no auxiliary load-balancing loss.
-"""
+Multi-head latent attention with a lightning indexer that picks `index_topk` keys per query (arbor.models.dsa),
+and a SwiGLU or DeepSeek-MoE MLP. The names and numerics it was checked against, and its departures:
+docs/models.md, "DeepSeek sparse attention"."""
 
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """FP8 block-scaled linear layers as DeepSeek-V3 trains them, with a torch reference that runs anywhere.
 
-Format (DeepSeek-V3 section 3.3, DeepGEMM's "1x128 x 128x128" recipe): e4m3 (`torch.float8_e4m3fn`, max 448);
-activations are quantised in 1x128 tiles (per token, per 128 input channels), weights in 128x128 blocks, each
-tile/block with one float32 scale `s = amax / 448` so that `x ~= q * s` (the checkpoint calls the weight's
-`weight_scale_inv`: it multiplies the FP8 values back). A GEMM accumulates each 128-wide slice of the reduction
-in fp32 and adds it to the output multiplied by the two scales of that slice (`block_gemm_reference`): that is
-the math DeepGEMM does on Hopper, and products of two e4m3 numbers are exact in fp32, so the reference differs
-from the kernel only in fp32 summation order.
-
-Training (`FP8LinearFunction`): forward `y = x W^T` with x in 1x128 tiles and W in 128x128 blocks; backward
-`dX = dY W` with dY in 1x128 tiles (along the output channels, the reduction) and the same weight blocks
-transposed (a 128x128 block's scale is transpose-invariant, which is why DeepSeek uses square blocks for
-weights); `dW = dY^T X` reduces over tokens, so both dY and X are quantised in 128x1 tiles (per channel, per
-128 tokens: DeepSeek-V3's "1x128 -> 128x1" conversion for the backward pass, DeepGEMM's (1, 1, 128) recipe).
-Master weights, gradients and optimizer state never leave their fp32/bf16 parameters: every forward quantises
-on the fly. Departures: the layer saves the high-precision input for backward (DeepSeek caches it in FP8 to save
-memory, at the cost of a second quantisation), and the FP8 weight with its scales for dgrad; scales are not rounded to
-powers of two (DeepSeek-V3 keeps fp32
-scales; only Blackwell's UE8M0 format would need that).
-
-Shapes not divisible by 128 are zero-padded to the next multiple (in K, N and, for the wgrad GEMM, tokens) and
-the result sliced: zeros change neither a tile's amax nor a dot product, so an edge tile is simply a narrower
-tile with its own scale, and the checkpoint's scale tensors have `ceil(dim / 128)` entries as DeepSeek's do.
-
-Backends (`select_backend`): "deep_gemm" (the `deep_gemm` package, or the copy vLLM ships as
-`vllm.utils.deep_gemm`) on Hopper, "scaled_mm" (`torch.nn.functional.scaled_mm` with BlockWise1x128 /
-BlockWise128x128 scales, same numerics through cuBLASLt) where DeepGEMM is absent, and "reference" everywhere
-else (CPU, tests, GPUs without FP8). All three take the same quantised operands.
-"""
+e4m3 values, activations in 1x128 tiles and weights in 128x128 blocks, one float32 scale each; forward and both
+backward GEMMs in FP8, master weights never leaving their high precision. Backends (`select_backend`): DeepGEMM
+on Hopper, torch's block-scaled `scaled_mm`, else the reference, all on the same quantised operands. The format,
+the backward's tile layouts and the departures: docs/models.md, "FP8"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
 """Tokenizers behind one small protocol: the built-in byte tokenizer (no download) and Hugging Face tokenizers.
 
-Chat templates return token ids, never re-tokenised text, so that multi-turn prompts can be extended exactly.
-For multi-turn records (arbor.orchestrator.trajectory) a tokenizer also renders a conversation as text
-(`render_chat`) and encodes rendered template text with its special tokens recognised (`encode_rendered`), so a
-new turn's suffix can be tokenised alone.
-
-Tools: `apply_chat_template(..., tools=[json schema, ...])` exposes function schemas to the model. A Hugging Face
-tokenizer passes them to its own chat template (`tools=`); the byte tokenizer, whose tiny models have short
-contexts, appends a compact block to the system message (one is created when the conversation has none), one
-signature line per tool (optional parameters marked `?`, types from the JSON schema):
-
-    # Tools
-    calculator(expression: string) - Evaluates an arithmetic expression exactly.
-    search(query: string, k?: integer) - Searches a local encyclopedia of towns.
-    Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-
-and renders `tool` messages like Qwen3 does, as a user turn `<tool_response>\n...\n</tool_response>`.
-
-Saving the byte tokenizer also writes it as a Hugging Face tokenizer (`tokenizer.json`, `tokenizer_config.json`:
-a byte-level model with one token per byte and the ChatML specials at the same ids), so servers that need a
-Hugging Face tokenizer (vLLM: detokenised logprobs, chat templates) serve arbor's presets with the same ids;
-arbor itself reloads the directory as a `ByteTokenizer` (the `arbor_tokenizer.json` marker wins).
+Chat templates return token ids, never re-tokenised text, so multi-turn prompts extend exactly; tools are exposed
+through the template (the byte tokenizer appends a compact block to the system message). The byte tokenizer saves
+itself as a Hugging Face tokenizer too, so vLLM serves arbor's presets with the same ids (docs/models.md,
+"Tokenizers").
 """
 
 from __future__ import annotations

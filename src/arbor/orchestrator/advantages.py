@@ -1,29 +1,8 @@
-"""Advantages (the GRPO family) behind one typed signature, reward-to-go for per-turn rewards, and composite
-rewards with a relative-completion-time term.
+"""Advantages (the GRPO family: `grpo`, `drgrpo`, `rloo`) behind one typed signature, reward-to-go for per-turn
+rewards, and composite rewards with a relative-completion-time term.
 
-Scalar advantages per group, `[num_groups, group_size]` rewards in, same shape out:
-- `grpo` subtracts the group mean; with `std_normalize` it also divides by the group's standard deviation (the
-  original GRPO; `std_ddof` chooses the population (0, the default) or the sample (1) deviation). Without it this is Dr.
-  GRPO's unbiased estimator, the default because the std division
-  up-weights near-solved and near-failed groups.
-- `drgrpo` is the mean baseline whatever `std_normalize` says (Dr. GRPO's length-unbiased loss normalisation is
-  the batcher's "token" normalisation, the default).
-- `rloo` is REINFORCE leave-one-out: reward minus the mean of the OTHER rollouts of the group, i.e.
-  K/(K-1) times the GRPO advantage (a group of one gets 0).
-
-Reward-to-go (rollouts carrying `turn_rewards`) follows DeepSeekMath's process supervision, with a discount:
-all turn rewards of a group are normalised together (minus their mean, divided by their std when
-`std_normalize`), and a token of turn k gets sum_{j >= k} gamma^(j-k) * normalised r_j. A rollout without turn
-rewards counts as one turn ending at its last token. Tokens after a rollout's last turn end get 0.
-
-Branched multi-turn episodes (several rollouts with one `episode_id`, see arbor.orchestrator.episode): scalar
-advantages are computed over the group's episodes, each counted once with its reward, and every branch of an
-episode gets that episode's advantage. With per-turn rewards, each branch is a rollout of reward-to-go.
-
-Composite rewards: components are already summed with `environment.reward_weights` (a process penalty such as
-invalid tool calls is a component with a negative weight); `completion_time_weight` adds Forge's relative
-completion time: among a group's rollouts with positive reward, the fastest gains the full weight, the slowest
-none, linearly in between (component `completion_time`); with per-turn rewards it is added to the last turn's.
+A group's rewards `[num_groups, group_size]` in, advantages of the same shape out; branched episodes count once
+per episode. The estimators, reward-to-go and the completion-time bonus: docs/training.md, "Advantages".
 """
 
 from __future__ import annotations

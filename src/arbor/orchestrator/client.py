@@ -1,32 +1,10 @@
 """HTTP client for the inference fleet: token ids in, token ids + logprobs + per-token policy versions out.
 
-Speaks the vLLM field names (`return_token_ids`, `logprobs`), so it works against arbor's local engine, a vLLM
-server, or a router in front of either. Requests rotate over `base_urls`; a connection error, timeout or 5xx
-is retried on the next server with backoff, a 4xx is a bug in the request and raised at once with the server's
-message. Admin calls (update weights, aborts) go to every server in `admin_urls` (default: `base_urls`; a router
-fans them out itself), with `Authorization: Bearer <admin_token>` when the fleet has one.
-
-Every generation request carries `cache_salt = "policy-{version}"` (a vLLM request field), the newest policy
-version the fleet has been told to serve, so a server's prefix cache never hands a new rollout KV computed by
-older weights (the local engine has no prefix cache and accepts the field for compatibility).
-
-A LoRA run's client (`adapter` set: the adapter's name, which on a shared fleet is the run's) generates with
-`model = adapter` (a server that has not loaded it yet serves the base model, the run's version 0) and names
-its run in the `X-Arbor-Run` header (the inference router's `tenants` module); `load_adapter` loads each
-published version through `/v1/load_lora_adapter`; and a choice that another adapter generated is an error,
-never a sample.
-
-A server that refuses or drops connections (its process died; `rl` restarts it), or answers 503 (a dead engine, a
-router with no backend left), is waited for, not counted out: its requests wait, up to `reconnect_timeout`
-seconds, until it answers /health with 200 again, and the first of them starts the recovery that `catch_up`
-completes (WeightSync replays the policy the fleet serves) before any request reaches it; a restarted server
-therefore never serves the weights it started with. Each such wait still counts as one of a request's
-`max_retries`, so a server that keeps dying fails its requests in the end. Other servers in `base_urls` take the
-requests meanwhile.
-
-Partial rollouts: `generate(..., request_id=...)` names a request (vLLM's `request_id` body field) and
-`abort_requests(ids)` finishes named requests early on every server in `admin_urls`; their `generate` calls
-then return what was produced so far with `finish_reason == "abort"` (arbor.orchestrator.partial resumes them).
+Speaks vLLM's field names, so it works against arbor's engine, vLLM or a router in front of either; retries
+transient failures on the next server, raises a 4xx at once, waits for a restarted server (which gets the current
+weights before it serves), sends admin calls with the fleet's token, salts every request's prefix cache with the
+policy version, and names requests so partial rollouts can abort them (docs/inference.md, "The orchestrator's
+client").
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """The multi-turn rollout driver: one episode of a MultiTurnEnvironment, recorded token-exactly.
 
-An episode runs `setup(task)`, then turn after turn: the agent's view of the conversation is (optionally)
-trimmed by the context policy, turned into prompt ids by a `Trajectory` (arbor.orchestrator.trajectory:
-extending the previous turn's tokens, or branching after an edit), completed by `generate` (one sample), and
-the assistant's text goes to `step(task, state, messages)`, whose messages are appended; until the environment
-says done, `max_turns` assistant turns have passed, or the next prompt leaves no room under `seq_len` (the token
-budget of one sample). `score_episode` then scores the full conversation.
-
-`generate` is passed in, with `InferenceClient.generate`'s signature (prompt_ids, n, max_tokens, temperature,
-top_p, seed) -> [Completion]: the driver never talks to the client itself, so a caller can wrap generation
-(partial rollouts park and resume a request inside that call; the driver only sees one finished completion per
-turn). The episode state lives in this coroutine, so it is kept across turns and across such suspensions.
-
-Rewards of a branched episode: every branch becomes a Rollout with the episode's reward, components and
-`episode_id`. Group advantages are computed over episodes, not branches (arbor.orchestrator.advantages): each
-episode counts once in the group baseline and all its branches get its advantage, so an episode that was trimmed
-three times weighs no more in the baseline than one that was not (its tokens do weigh more in the loss, as they
-would unbranched). When the environment gives per-turn rewards (`StepResult.reward`), each branch carries
-`turn_rewards` (its turns' rewards, plus the episode's reward on its last turn, the outcome that follows every
-branch) and advantages are reward-to-go.
-
-Failures: setup, step and scoring run under the environment's timeout and retry policy (arbor.environments.guard).
-An episode whose environment fails for good is scored 0 (`score_failed`; its recorded branches are kept, or one
-empty rollout when nothing was generated) or, with on_failure = "skip", yields no rollout; both are counted.
+`setup`, then turn after turn: trim the context, build the prompt ids with a `Trajectory`, generate one sample,
+pass the reply to `step`; until done, `max_turns` or `seq_len`; then `score_episode`. Every branch becomes a
+Rollout with the episode's reward; failures are scored 0 or skipped (docs/agents.md, "Multi-turn episodes").
 """
 
 from __future__ import annotations

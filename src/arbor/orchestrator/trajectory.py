@@ -1,55 +1,9 @@
 """Token-exact multi-turn records: one tree of model calls per episode or agent session, turned into samples.
 
-Re-tokenising a conversation at every turn drifts from what the model sampled (BPE merges across a turn
-boundary, templates that rewrite past turns, decode/encode round trips), and then the trainer's logprobs are of
-tokens the policy never produced. A `Trajectory` never re-tokenises what was sampled. Every call is a `Turn`
-(its prompt ids, the completion ids, logprobs, policy versions and routed experts the engine returned) in a tree
-keyed by exact token prefixes: a turn's parent is the longest earlier turn whose tokens (prompt + completion)
-its prompt begins with. Both kinds of caller use it: the episode driver of arbor's own multi-turn environments
-(arbor.orchestrator.episode, with context management from arbor.environments.context) and the gateway that
-serves black-box agents (arbor.orchestrator.gateway.service, arbor.environments.black_box).
-
-A chat call's prompt: the chat template renders the call's messages (`full`). Each turn also keeps its *view*,
-the template's tokens of its own messages followed by the reply it gave. When `full` begins with a turn's view
-(the caller kept that history and echoed that reply; the longest such view wins), the prompt is that turn's
-exact tokens, then the template's tokens after the reply (the end-of-turn glue, tool results, user turns, the
-next generation prompt). The model's sampled tokens stand in for the template's tokens of the reply, which may
-differ (per-character sampling, a tool call the agent echoed back as structured `tool_calls`); a turn cut by
-length or a stop string gets the template's end-of-turn token inserted. When no view matches (the history was
-truncated, summarised or edited, the template rewrote a past turn, the tools changed), the prompt is `full`
-itself: a new root. A raw-token call (/v1/completions) is simply attached to the longest turn it extends.
-
-Samples: one per leaf (a turn no later turn extends), the chain root -> leaf as one sequence: the root's prompt
-is the sample's prompt, the rest its completion, with `completion_mask` 1 on sampled tokens (trained) and 0 on
-inserted ones (logprob 0, policy version -1). So a context edit is a new branch trained as its own sample with
-the episode's reward; `n` > 1 choices and parallel calls from one point are sibling turns, one sample each; a
-retried call shares its parent's tokens with the first try.
-
-Departures from the Forge article (MiniMax; its "Prefix Tree Merging" and its gateway for black-box agents):
-there, samples that share a prefix are merged into one tree and the tree is what trains. Here the tree is a
-*record*, one per episode or session, emitted as flat samples (a turn shared by two chains is repeated in both);
-merging happens later, across all the samples of a step and from token ids alone (arbor.orchestrator.prefix_tree),
-so the record does not depend on the training layout and unmerged training stays possible. Nodes are matched on
-the template's exact tokens, not on text or message equality. Where the article accepts any context operation of
-an agent, one that does not extend the recorded tokens starts a new root here instead of being reconciled with
-the old branch, so no sample ever holds tokens the model did not see; the edited context is then trained as an
-observation of its own (the article's context management as part of the environment's dynamics).
-
-Public API:
-
-    traj = Trajectory(tokenizer, tools=None)       # tools: JSON schemas (arbor.environments.tools.tool_schema)
-    p = traj.chat_prompt(messages, tools=None)     # a Prompt: .ids to send, .parent in the tree
-    p = traj.token_prompt(ids)                     # a raw-token call
-    turn = traj.record(p, completion, reply=None)  # one engine Completion sampled from p.ids; reply: the
-                                                   # assistant message the caller will echo (chat calls)
-    traj.prompt_ids(messages) / traj.add_completion(completion)   # the same for one caller turn after turn,
-                                                   # the reply being {"role": "assistant", "content": text}
-    traj.samples() -> list[Sample]; traj.rollouts(task_id, reward, components, ...) -> list[Rollout]
-    traj.turns, traj.num_branches
-
-Caller contract for episodes: append the assistant's turn as `{"role": "assistant", "content": completion.text}`.
-Anything else that renders differently branches (exact, only less mergeable). A template that drops past
-reasoning (Qwen3's `<think>` stripping before the last user turn) branches at such turns, for the same reason.
+Re-tokenising a conversation drifts from what the model sampled, so a `Trajectory` never re-tokenises a reply: a
+call extends the longest earlier turn its prompt begins with, a context edit starts a new root, and each leaf is
+one sample (sampled tokens trained, inserted glue masked). Used by the episode driver and by the gateway. The
+matching rules, the public API and the departures from Forge: docs/agents.md, "Token-exact records".
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """Token logprobs and entropy straight from the final hidden states and the lm_head weight, a chunk of tokens at a
-time, so that `[T, V]` logits never exist at once (issue 14, "vocabulary-flat logprobs").
+time, so that `[T, V]` logits never exist at once.
 
-`VocabChunkedLogprobs` is a custom autograd function: its forward computes, per chunk of `chunk` rows, the
-logits `h W^T` (in the head's compute dtype, upcast to fp32, divided by the temperature as
-`arbor.trainer.step.shifted_logprobs` does), their `log_softmax`, the logprob of each requested (row, target)
-pair and, if asked, each row's entropy; it keeps only its inputs. Its backward recomputes each chunk's
-`log_softmax` and applies the softmax gradient `scatter(g) - p * sum(g)` (what `log_softmax`'s own backward does
-with a gather's sparse gradient), then the two matmuls of the head's backward, so the gradients of the hidden
-states and of the weight are exactly those of the full-logits path; the weight's is accumulated over chunks in
-at least fp32. Rows whose every logprob has a zero gradient (tokens outside the loss mask) are skipped in
-backward, their gradient being exactly 0. Peak memory is two `[chunk, V]` fp32 buffers (and the weight's
-gradient) instead of five `[T, V]` ones, at the cost of one more matmul per backward row (the recompute).
-
-Rows and pairs are separate so that one function serves the packed rows (row t predicts token t + 1) and the
-prefix-tree merged rows (a node's distribution is normalised once and read by every sample token it predicts),
-and so that a token's row can be read at more ids than its own: `chunked_extra_logprobs` adds k pairs per token
-(a distillation teacher's top-k ids) to the same pass, so their logprobs and gradients come from the same
-chunked log-softmax and `[T, V]` still never exists.
-
-Nucleus sampling (`top_p < 1` at a temperature above 0): the tokens were drawn from the top-p nucleus of each
-tempered distribution, renormalised, and both inference backends report that distribution's logprob (vLLM's
-`processed_logprobs`; the local engine's `Sampler`). So the trainer scores the same truncated
-distribution: `log q(x) = log p(x) - log sum_{j in S} p(j)` with S the nucleus of the row's own distribution
-(`nucleus_mask`: the most likely tokens until their mass reaches top_p, the rule both engines apply), and its
-gradient flows through the renormalisation. A target outside the trainer's nucleus (the two policies disagree at
-the nucleus' edge) joins its support, S plus the target, so its logprob stays finite: the exact truncated one
-would be -inf, a ratio of 0 that a loss such as CISPO's `A log pi` cannot take. The entropy stays the untruncated
-distribution's.
-
-The policy is a distribution over the tokenizer's ids only. A model's head often has more rows than its
-tokenizer has ids (Qwen3: 151,936 rows, 151,669 ids; the presets: 264 rows, 259 byte-tokenizer ids); the rows
-from the tokenizer's `vocab_size` up decode to nothing and are never sampled (both inference engines keep off
-them). So every function here takes `vocab`, the number of real ids, and reads only the head's first `vocab`
-rows: the softmax, the nucleus and the entropy are over the real ids, exactly the distribution the engines
-sample from and report, and the padding rows' gradients are exactly 0 (were they in the softmax, nothing would
-ever push their mass down, since they are never sampled). `vocab = 0`, or one covering every row, is the whole
-head, unchanged. The trainer records it on the model once (`policy_vocab`).
+`VocabChunkedLogprobs` recomputes each chunk in an exact custom backward; the same pass reads a distillation
+teacher's top-k ids, scores the top-p nucleus the engines sampled from, and covers only the tokenizer's ids
+(`vocab`), never the head's padding rows. Details: docs/training.md, "Logprobs without `[tokens, vocab]`
+logits".
 """
 
 from __future__ import annotations

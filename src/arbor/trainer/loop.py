@@ -1,31 +1,8 @@
 """The trainer loop: waits for each step's rollouts, trains on them, publishes the new weights, checkpoints.
 
-Started by the `trainer` entry point (arbor.trainer.main) once its config parsed. Step N consumes
-`rollouts/step_N/rank_R.safetensors` and publishes `broadcasts/step_{N+1}/` (version N+1 = weights after N+1
-optimizer steps). A fresh run publishes nothing before its first step, since inference builds the same initial
-weights; a resumed run republishes the version it resumed at, which the orchestrator waits for. After each
-step rank 0 removes the rollouts older than the `keep_rollouts` newest trained steps (arbor.run_dir.prune_rollouts).
-
-Rank 0 appends one JSON object per step to `<output_dir>/metrics/trainer.jsonl` (`arbor.run_dir.trainer_metrics_path`):
-`step` (the rollout step
-trained on), `weights_version`, `loss` (global token mean), `mismatch_kl` (k3 estimate of KL(inference ||
-trainer) per loss token, before the update), `entropy`, `grad_norm` (the largest over the step's optimizer
-steps: `trainer.mini_batches` x `trainer.epochs`), `lr`, `tokens/s` (non-padding tokens over
-the step's compute time, rollout wait excluded), `time/step`, `time/wait`, `time/wait_ratio` (wait / step: the
-trainer starved of rollouts; also as `throughput/trainer_wait_frac`, which the orchestrator's concurrency control
-reads), `time/compute`, `time/publish`,
-`time/checkpoint` (seconds of the checkpoint saved after the previous step; 0 on other steps, so its sum over the
-rows is the run's checkpointing time), `weights/bytes_moved` (bytes the weight update moved: less than
-`weights/bytes_total` when `weights.delta` skipped unchanged buckets, counted in `weights/buckets_skipped`),
-`skipped_updates` (optimizer steps skipped because the gradient norm was not finite, arbor.trainer.step),
-`num_tokens`, `loss_tokens`, `policy_staleness/mean|max` and the loss's own `loss/...`
-figures (see arbor.trainer.loss; `draft/kl`, the MTP draft modules' top-K KL to the policy, when they are
-trained (arbor.trainer.draft); `loss/kl_ref_mean` with a reference model, `loss.kl_coef` > 0, which
-`build_reference` builds from the initial weights), and `time` / `elapsed_s` (arbor.monitor.metrics.RunClock).
-
-`max_minutes`: the first step that ends with `elapsed_s` past the budget is checkpointed, rank 0 writes
-`stopped.json` (arbor.run_dir.stopped_path: the checkpoint's step, which tells the orchestrator to stop), logs one
-line and training returns normally (exit 0). Rank 0's clock decides, broadcast, so that every rank stops together.
+Step N consumes `rollouts/step_N/rank_R.safetensors` and publishes `broadcasts/step_{N+1}/`; rank 0 appends one
+row per step to `metrics/trainer.jsonl` and, when `max_minutes` is spent, checkpoints and writes `stopped.json`.
+The figures of a row: docs/training.md, "The trainer step".
 """
 
 from __future__ import annotations

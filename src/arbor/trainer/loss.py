@@ -1,80 +1,9 @@
-"""Policy losses behind one typed protocol, a registry of built-ins, wrappers that apply to any loss (the decoupled
-off-policy objective with its behaviour corrections, KL to a reference model), and loading a user loss by dotted
-path.
+"""Policy losses behind one typed protocol (`LossFn`), the wrappers that apply to any loss (the decoupled off-policy
+objective with its behaviour corrections, KL to a reference model), and loading a user loss by dotted path.
 
-A loss sees one packed micro-batch as flat per-token tensors and returns the SUM of its per-token loss over the
-loss tokens, each token multiplied by its weight `ctx.loss_weights[t]` (1 by default). The RL loop divides by
-the step's global loss-token count, so with unit weights every built-in is a token-level mean over the whole
-step (DAPO-style). The orchestrator writes the weights into the batch (`transport.batch`) to make the
-normalisation explicit: token (all 1), sequence (each sample's tokens sum to one sample's share) or group (each
-group's tokens sum to one group's share). Sequence-level losses (GSPO) put the sample's loss on each of its
-tokens, so sequence normalisation gives the paper's mean over sequences.
-
-`LossContext` carries what a loss needs beyond the tokens: the packed samples' lengths (segments for
-sequence-level ratios), the per-token weights, with `kl_coef > 0` the reference model's logprobs, and for the
-off-policy wrapper the proximal logprobs and the tokens' policy versions. A user loss may omit the `ctx`
-parameter (the original five-argument signature); it then cannot be combined with non-unit weights, and the
-trainer says so.
-
-The decoupled off-policy objective (AReaL, Fu et al. 2025, "decoupled PPO"). Three policies: the behaviour
-policy mu (the inference engine's logprobs, `inference_logprobs`, of per-token versions), the proximal policy
-pi_prox (the trainer's logprobs at the start of the step: recomputed once, with no gradient, when a batch takes
-more than one optimizer step, else the current logprobs detached) and the current policy pi_theta. Per loss
-token t of a sample with advantage A_t:
-
-    loss_t = w_t * f(r_t, A_t),   r_t = pi_theta(t) / pi_old(t),   w_t = sg(c(pi_prox / mu) * s)
-
-where f is the loss below, pi_old is pi_prox when `loss.trust_region` resolves to "proximal" (always for gspo
-and whenever a mismatch correction is on; `LossConfig.decoupled`) and mu otherwise (coupled PPO, where one ratio
-both bounds the update and corrects the samples' staleness, and c = 1). c is the behaviour correction of
-arbor.trainer.off_policy (TIS, MIS/IcePop, their sequence-level geometric and product variants, the two-sided
-ratio mask) and s the staleness bound's weight. With one optimizer step per batch and a correction on, r = 1 in
-value (its gradient is that of log pi_theta) and all of the off-policy correction is w.
-
-The losses f (per token t; the sum over loss tokens of `ctx.loss_weights[t] * loss_t` is returned):
-- ppo_clip (PPO, Schulman et al. 2017; DAPO's clip-higher, Yu et al. 2025, when clip_high > clip_low):
-  `-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`.
-- is_mask (a trust-region mask instead of a clip): `-r A * 1{1 - clip_low <= sg(r) <= 1 + clip_high}`.
-- gspo (GSPO, Zheng et al. 2025): the sample ratio `s_i = exp(mean_{t in i} log r_t)` replaces r in PPO's
-  clip with the band [1 - gspo_clip_low, 1 + gspo_clip_high] and A_t; under sequence normalisation (the `rl`
-  default for gspo) the step's loss is the paper's mean over sequences.
-- cispo (CISPO, MiniMax-M1 2025): `-sg(clip(r, 1 - cispo_clip_low, 1 + cispo_clip_high)) A log pi_theta`.
-- opmd (Trinity-RFT, Pan et al. 2025, appendix A.3): `-A log pi_theta / (1 + tau)` with A the group-mean
-  baselined reward; no ratio (valid off-policy by its mirror-descent derivation).
-- cross_entropy (SFT): `-log pi_theta`.
-- distill (on-policy distillation; also added to any loss above with `distill_weight > 0`): the reverse KL to a
-  teacher, `distill_coef * k1` in value with the gradient `distill_coef * sg(k1) * grad log pi_theta`, k1 = log
-  pi_theta - log pi_teacher on the policy's own samples (see `reverse_kl_to_teacher`). With the teacher's top-k
-  (`orchestrator.teacher.top_k = k`) the same reverse KL is summed exactly over the teacher's k most likely
-  tokens K and sampled only outside them (Rao-Blackwellised; see below).
-
-The top-k distillation estimator. Per loss token t, with x the sampled token, K the teacher's top-k ids there,
-p = pi_theta(. | prefix) (the student's full tempered distribution, read at the k ids by the chunked head:
-arbor.trainer.logprobs, never `[T, V]`) and k1(i) = log p(i) - log pi_teacher(i):
-
-    loss_t = sum_{i in K} p(i) sg(k1(i))  +  1{x not in K} [k1(x) in value, sg(k1(x)) grad log p(x) in gradient]
-
-Its value is an unbiased estimate of KL(p || pi_teacher) = sum_i p(i) k1(i): the K part exact, the rest by
-the one sample (x is drawn from p, so E[1{x not in K} k1(x)] is the sum over the other tokens). Its gradient,
-`sum_{i in K} k1(i) grad p(i) + 1{x not in K} k1(x) grad log p(x)`, has the expectation `sum_i k1(i) grad
-p(i)`, the exact gradient of the reverse KL (its other part, `sum_i p(i) grad log p(i) = grad sum_i p(i)`, is
-0). This is the sampled-token term of k = 0 with the part of the sum over K taken exactly instead of sampled:
-"sum the likely categories, sample the rest" (Liu, Regier, Tripuraneni, Jordan & McAuliffe 2019,
-Rao-Blackwellized stochastic gradients for discrete distributions), which can only lower the variance. Why
-this and not a KL over K alone (the student renormalised over K, or the teacher's top-k forward KL used in
-logit distillation): both are biased objectives that ignore the student's mass outside K, so a student could
-move mass to tokens the teacher finds unlikely at no cost; this one keeps the run's objective, the reverse
-(mode-seeking) KL of on-policy distillation, and only removes noise. Gradients flow only to the student (the
-teacher's logprobs are data); masked tokens contribute exactly 0.
-- the reference KL (`kl_coef > 0`) adds `kl_coef * k3`, k3 = `exp(d) - d - 1` with d = log pi_ref - log
-  pi_theta (Schulman's k3 estimator of KL(pi_theta || pi_ref), as in GRPO, Shao et al. 2024).
-
-Metric convention: every value in `LossOutput.metrics` is a 0-d tensor. A key ending in `_max` (`_min`) is
-reduced by maximum (minimum) over micro-batches and ranks; any other key is a SUM over loss tokens that the loop
-divides by the step's loss-token count (so `clip_frac` reports the fraction of clipped tokens), renaming a
-trailing `_sum` to `_mean`. The loop logs them as `loss/<key>` (`loss/clip_frac`, `loss/ratio_mean`, ...); a key
-with a namespace of its own (`distill/reverse_kl_sum`) is logged under it, as the per-token mean without the
-suffix (`distill/reverse_kl`).
+A loss returns the SUM of its per-token loss times `ctx.loss_weights` over the loss tokens; the loop divides by the
+step's loss-token count. The built-ins are listed in arbor.registry.LOSSES; their formulas, the off-policy
+objective, the top-k distillation estimator and the metric convention: docs/training.md, "Losses".
 """
 
 from __future__ import annotations

@@ -1,36 +1,9 @@
 """The typed wire format of one training step: per trainer rank, a list of packed micro-batches.
 
-A micro-batch is one packed row of several samples. `seq_lens` gives the packed samples' lengths (their sum may
-be shorter than the row: the rest is padding). Token `t`'s `inference_logprobs[t]`, `advantages[t]` and
-`loss_mask[t]` describe the prediction *of* token `t` from the tokens before it, so the trainer shifts logits by
-one. `policy_versions[t]` is the trainer step whose weights sampled token `t` (-1 for prompt tokens).
-`loss_weights[t]` multiplies token `t`'s loss: it makes the step's normalisation explicit (token: 1; sequence
-and group: see arbor.orchestrator.batcher). A file written without it (an older writer) reads as all ones. The
-optional `routed_experts [T, moe_layers, top_k]` (uint8 or int16) holds the experts the inference engine routed
-each token to (router replay); absent for dense models or with replay off. The optional `teacher_logprobs [N]`
-(float32, per original sample token like `inference_logprobs`) holds a distillation teacher's logprob of each
-completion token given its prefix (`[orchestrator.teacher]`; 0 on prompt and inserted tokens); absent without a
-teacher. With `orchestrator.teacher.top_k = k` two more per-sample-token fields ride with it:
-`teacher_topk_ids [N, k]` (int32) and `teacher_topk_logprobs [N, k]` (float32), the teacher's k most likely
-tokens at each completion position and their logprobs, best first (0 on prompt and inserted tokens).
-
-Plain rows: every per-token array has the length of `input_ids`.
-
-Prefix-tree merged rows (`[orchestrator.batching] prefix_merge`, arbor.orchestrator.prefix_tree) depart from
-that (and from DESIGN.md's "every per-token array has the length of input_ids"): the row holds the M nodes of a
-trie of its samples, flattened in DFS order, and two optional fields appear:
-
-- `subtree_end [M]` (int32): node j's subtree is `[j, subtree_end[j])`; node i attends to node j iff
-  `j <= i < subtree_end[j]` (arbor.models.attention). Without it the mask is the packed causal one of `seq_lens`.
-- `token_nodes [N]` (int32): for each token of the ORIGINAL samples (concatenated in `seq_lens` order, N =
-  sum(seq_lens)), the node that holds it. The node whose logits predict sample token t is `token_nodes[t-1]`
-  (none for a sample's first token), and its target id is `input_ids[token_nodes[t]]`.
-
-In a merged row the node arrays `input_ids`, `position_ids` (depth in the trie), `subtree_end` and
-`routed_experts` have length M, and the per-sample-token arrays `loss_mask`, `advantages`,
-`inference_logprobs`, `policy_versions` and `loss_weights` keep length N: they stay per original sample token,
-so two samples sharing a node may carry different advantages, and the loss, gradients and metrics are those of
-the unmerged samples. Files without the two fields (older writers) read as plain rows.
+Per-token arrays (`input_ids`, `position_ids`, `loss_mask`, `advantages`, `inference_logprobs`,
+`policy_versions`, `loss_weights`, optional teacher and router-replay fields) describe the prediction of token t
+from the tokens before it; prefix-tree merged rows add `subtree_end` and `token_nodes`. Every field, and how merged
+rows depart from "every per-token array has the length of input_ids": docs/training.md, "The batch format".
 """
 
 from __future__ import annotations

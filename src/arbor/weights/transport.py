@@ -1,31 +1,8 @@
 """Weight transfer from the trainer to the inference fleet, behind one small interface (`WeightTransport`).
 
-Every version N (the weights after N optimizer steps; 0 is the initial model) gets a step directory
-`broadcasts/step_N/`, written under a temporary name and renamed into place with `STABLE` written last, so a
-directory with `STABLE` is always complete, and the newest `keep` are retained so disks do not fill (the layout,
-the listing and the retention are arbor.run_dir's). The orchestrator watches these directories and tells the
-fleet to load one (`/update_weights {path, version}`).
-
-A version moves in buckets (arbor.weights.buckets): the trainer (arbor.weights.publish) gathers one bucket of
-parameters at a time and hands it to a `Publication` (`begin` -> `put`/`skip` per bucket on the rank that owns
-it -> `finish` on rank 0), so no rank holds more than one bucket beyond its shards. `publish` does the same from
-one process with a whole state dict (tools, tests). What the directory holds depends on the implementation:
-
-- `FilesystemTransport`: a Hugging Face checkpoint (or, for a LoRA run, a PEFT adapter directory:
-  `adapter_config.json` + `adapter_model.safetensors`, one bucket: `prepare_adapter` / `begin_adapter`): config.json,
-  one safetensors shard per bucket (with
-  `model.safetensors.index.json` when there are several), written by the rank that owns the bucket (bucket i:
-  rank i mod world, no funnel through rank 0), and `manifest.json` with each shard's checksum (crc32 by default,
-  ~5x cheaper than the sha256 option), verified on load (arbor.weights.shards). A skipped bucket (a delta
-  update: nothing in it changed) is a hard link to the previous version's shard, so every directory stays a
-  complete checkpoint.
-- `NCCLTransport` (GPU, vLLM backend): `transport.json` lists the buckets sent, each a list of (name, dtype,
-  shape); trainer rank 0 then broadcasts each bucket as one flat buffer over the run's long-lived weight group
-  (arbor.weights.comm: NCCL, or its gloo twin on CPU) to the vLLM workers, which receive through the
-  worker extension (`arbor.inference.vllm.worker`). A restarted worker rejoins at the next update.
-
-Both fail with `WeightTransferTimeout` after `timeout` seconds rather than hang (waiting for `STABLE`, for the
-group to form, for a receiver, or for one collective).
+Version N is `broadcasts/step_N/` (`STABLE` written last), moved in buckets: `FilesystemTransport` writes a
+checksummed Hugging Face checkpoint (or a PEFT adapter), `NCCLTransport` a bucket list followed by a broadcast
+from trainer rank 0 to the vLLM workers. Both time out rather than hang (docs/weights.md).
 """
 
 from __future__ import annotations

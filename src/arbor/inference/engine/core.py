@@ -1,36 +1,10 @@
 """The local inference engine: continuous batching over a fixed pool of KV-cache slots, in a background thread.
 
-One thread owns the model and the cache. Each turn of its loop it (1) applies control commands (weight updates,
-pause, resume), (2) admits queued requests into free slots (the prompts admitted together prefilled in batched
-forwards, each once: a request with `n > 1` copies the prompt's slot to its other samples), and (3) decodes one token
-for every running sequence with a
-single `[B, 1]` forward (with `[inference.speculative]`, drafts up to k tokens per sequence with the model's MTP
-module and verifies them in one `[B, k + 1]` forward: arbor.inference.engine.speculative). Requests therefore join and
-leave the running batch between decode steps.
-
-Callers get `concurrent.futures.Future`s; asyncio code awaits them with `asyncio.wrap_future`, which hands the
-result to the event loop with `loop.call_soon_threadsafe`. Torch releases the GIL inside its ops, so an HTTP
-loop in the main thread stays responsive while the engine computes.
-
-This module is the thin threaded front: the `Engine` callers use and the engine thread's loop. The work is
-split by job: `inbox` (the hand-off between callers and the engine thread), `scheduler` (slot admission, decode
-steps, retirement), `sampler` (token choice and stop conditions), `runner` (the model, its KV cache, route
-recording and weight loading) and `requests` (the request and output records).
-
-Policy versions: every generated token is tagged with the version of the weights it was sampled from. A weight
-update is applied between decode steps; the KV cache of every running sequence is then recomputed with the new
-weights (in batched forwards), so a token tagged with version v is exactly a sample of policy v given its prefix
-(its logprob is what the trainer computes with version v's weights). With `recompute_on_update=False`
-(`inference.kv_after_update = "keep"`) the caches stay as the older weights computed them, as vLLM's do: later
-tokens are still tagged v and carry the logprobs they were sampled with. Logprobs follow the convention in
-`arbor.inference.engine.params`.
-
-LoRA adapters (arbor.inference.engine.adapters): `load_adapter(name, path, version)` puts a PEFT directory into one of
-`max_loras` slots between decode steps; a request submitted with `adapter=name` is generated with it, in the
-same decode batch as requests for other adapters or for none. Its tokens carry that adapter's versions. Loading a
-new version of a loaded adapter recomputes the caches of that adapter's running requests only (the others go on
-as they were; none with `recompute_on_update=False`); unloading it aborts its requests.
-"""
+One thread owns the model and the cache and, each turn of its loop, applies commands (weight and adapter updates,
+pause, resume), admits queued requests into free slots and decodes one token (or verifies MTP drafts) for every
+running sequence, so requests join and leave the batch between decode steps; callers get futures. This module is
+the thin threaded front (`Engine`); the work is split into inbox, slots, sampler, runner and requests. Every token
+carries the policy version that sampled it (docs/inference.md, "arbor's engine")."""
 
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """Speculative decoding for the local engine, drafting with the model's first MTP module (arbor.models.mtp).
 
-Each decode step (1) drafts up to k tokens per running sequence with the MTP module, (2) verifies every draft
-with one target forward of `[B, k + 1]` tokens (the newest token and the drafts), and (3) accepts a prefix of
-the drafts and appends one more token, so a sequence gains between 1 and k + 1 tokens per step.
-
-Exactness. Acceptance is the standard speculative-sampling rule against the target's *processed*
-distribution `p` (the tokenizer's ids only, temperature, top-p nucleus: `sampler.processed_probs`, exactly what
-plain decoding samples from) and the draft's distribution `q` processed the same way: draft d is kept with
-probability min(1, p(d) / q(d)); at the first rejection the token is drawn from the residual `max(p - q, 0)`
-renormalised; when every draft is kept one more token is drawn from `p` after the last. Each emitted token is therefore
-distributed exactly as
-under plain decoding. Greedy requests (temperature 0) keep a draft iff it equals the target's argmax, so they
-produce exactly plain decoding's tokens. The logprob recorded for each token is the target's (the convention
-of arbor.inference.engine.params: over the tokenizer's ids, as plain decoding reports it), from the verifying
-forward; its version is the loaded policy's, as today.
-
-Caches. Rejected drafts need no rollback: a slot's KV entries are addressed by position and a query attends
-only to positions at or before its own, so entries past the accepted length are never read before the next
-forward at those positions overwrites them. The MTP module keeps its own cache layer (after the decoder's).
-Its entry at position j reads the decoder's hidden state at j and token j + 1, so it is written once token
-j + 1 is known: over the prompt in the prefill (all but its last position), then by each step's "catch-up"
-from the hidden states the verifying forward kept (at most k + 1 positions a row); drafting then continues
-autoregressively past the newest token, the module's own output standing in for the decoder's hidden state.
-Sequences in one batch may draft different numbers of tokens (near their `max_tokens` or the cache end):
-shorter rows repeat their last input, which rewrites the same entry with the same values.
-"""
+Each decode step drafts up to k tokens per sequence, verifies them in one `[B, k + 1]` forward and keeps them by
+the exact speculative-sampling rule against the target's processed distribution, so every token is distributed
+as under plain decoding and carries the target's logprob. Why that is exact and how the caches need no rollback:
+docs/inference.md, "Speculative decoding"."""
 
 from __future__ import annotations
 

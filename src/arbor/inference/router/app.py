@@ -1,38 +1,10 @@
-"""The router in front of N inference servers: built-in aiohttp router, or the `vllm-router` console script.
+"""The router in front of N inference servers: arbor's built-in aiohttp router, or the `vllm-router` console script.
 
-Built-in router (`router @ router.toml` or started by `rl` when `inference.replicas > 1`):
-- policies: round_robin; least_outstanding (fewest requests in flight, ties by rotation); consistent_hash on a
-  session id (header `X-Session-Id`, else the body's `session_id` or `user`) via rendezvous hashing, so every
-  turn of a session lands on the backend holding its prefix cache and a lost backend moves only its sessions.
-- health (in `arbor.inference.router.backends`, with the backends' state and the picking policies): every backend's
-  /health is polled; `eject_after` consecutive failures (or one refused connection on the request path) eject
-  it; the first success re-admits it, after replaying the last weight update and pause state the fleet
-  received, so a restarted replica never serves stale weights.
-- failover: a completion/chat completion (idempotent for RL: the orchestrator keeps whatever comes back) or any
-  GET that fails on one backend with a connection error, a timeout or a 5xx is retried on another, up to
-  `max_retries`. Client errors are told from backend failures: a backend's 4xx goes back to the client as it is
-  and never counts against the backend's health; connection errors and timeouts count at once, a 5xx once
-  another backend has served the request. A request that failed on two backends (5xx, timeout or hang-up) is
-  poisonous: it is not retried on a third, the client gets a 502 naming both failures, and their 5xx answers
-  count against neither backend (counter `poisoned`).
-- errors: the router's own answers (a malformed body, a bad gzip stream, a header that is not UTF-8, no backend)
-  have the fleet's JSON error shape (arbor.transport.http), and so do aiohttp's.
-- admin fan-out: POST /update_weights, /pause, /resume, /abort_requests go to every backend and answer
-  per-backend results (an abort names request ids, and the router does not track which backend holds which,
-  so every backend gets it; one that never saw an id remembers it as aborted, which is harmless). With an
-  `admin_token`, these and every other route outside `/v1/` (bar GET /health and /metrics) need it as a bearer
-  header (401 otherwise), and the router sends it to the backends (which, under `rl`, share it); without one,
-  the client's own Authorization header is passed on.
-- GET /metrics: Prometheus text with retries, ejections, re-admissions and per-backend outstanding counts;
-  GET /health: 200 while any backend is in rotation, with the lowest policy version among them.
-
-It adds little latency: one pooled aiohttp ClientSession, bodies forwarded as bytes, responses streamed through
-chunk by chunk, and JSON parsed only for consistent_hash requests without a session header.
-
-`vllm-router` (when installed and `implementation` allows; see arbor.transport.router_wire) is exec'd instead. It does
-not implement arbor's admin routes, so `rl` then points the orchestrator's admin calls at the backends directly;
-least_outstanding maps to its load-aware `power_of_two` policy (the closest it offers).
-"""
+One address for the fleet: picking policies (round_robin, least_outstanding, consistent_hash on a session id),
+health checks with ejection and re-admission (replaying the current weights first), failover of failed requests
+to another backend, fan-out of the admin routes, the fleet's JSON error shape and Prometheus `/metrics`; with
+little added latency (bodies forwarded as bytes, responses streamed). The rules: docs/inference.md, "Replicas
+and the router"."""
 
 from __future__ import annotations
 

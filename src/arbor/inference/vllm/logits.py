@@ -11,7 +11,7 @@ sets in the server's environment (every vLLM process inherits it); the processor
 What the reported logprobs then are: with `--logprobs-mode processed_logprobs` vLLM reports logprobs of the
 distribution it samples from, so after this mask they are the tempered distribution renormalised over the real
 ids: the policy arbor's local engine (arbor.inference.engine.sampler) samples and reports and the trainer (its
-`logprobs` module) scores, so the three agree (docs/architecture.md, "Padding rows"). vLLM's prompt logprobs
+`logprobs` module) scores, so the three agree (docs/models.md, "Padding rows"). vLLM's prompt logprobs
 (a teacher's scores) are computed before any logits processor: they stay the raw model's, over every row.
 This module imports vLLM: only vLLM's own processes import it.
 """

@@ -1,61 +1,10 @@
-"""The vLLM backend (`inference.backend = "vllm"`): every vLLM touch of arbor's server side lives here and in
-`arbor.inference.vllm.worker` (the worker extension vLLM imports by dotted path) and
-`arbor.inference.vllm.logits` (the padding-row mask, a logits processor it imports by name).
+"""The vLLM backend (`inference.backend = "vllm"`): vLLM's OpenAI server as a child process behind a thin proxy.
 
-Shape: vLLM's OpenAI server runs as a child process on a private loopback port, started (by
-`arbor.inference.vllm.launch`, for the CUDA or the CPU build) with the options of `[inference.vllm]`,
-`--worker-extension-cls arbor.inference.vllm.worker.WeightUpdateExtension`,
-`--logprobs-mode processed_logprobs` (temperature-scaled logprobs, as the trainer computes them; with
-top_p < 1 those of the truncated nucleus, as the local engine's and the trainer's are), when the model's head
-has more rows than the tokenizer has ids `--logits-processors` with `arbor.inference.vllm.logits`'s mask, which
-keeps every request off those padding rows (`arbor.inference.vllm.launch.padding_bound`; its logprobs are then
-renormalised over the real
-ids), and
-VLLM_SERVER_DEV_MODE=1 (which exposes vLLM's `/collective_rpc` and `/reset_prefix_cache`). In front of it a
-thin aiohttp proxy on the configured host/port serves arbor's API:
-
-- /v1/completions and /v1/chat/completions are forwarded as *streaming* requests and reassembled into the
-  ordinary (non-streaming) response, so every token can be tagged with the policy version current when it
-  arrived: `policy_versions`, the arbor extension the orchestrator needs. A token that arrives while an update
-  is being applied is tagged with the older version (conservative: it can only overstate staleness).
-  Routed experts (router replay, `inference.router_replay`) are requested and passed through per choice.
-  A chat request's `tools` go upstream with `tool_choice: "none"` (vLLM runs without a tool parser; its template
-  still renders them) and the reply's `<tool_call>` blocks become `tool_calls` here, as on the local server
-  (arbor.transport.chat); a forced call is refused.
-  A completion that asks for vLLM's `prompt_logprobs` (a distillation teacher's scoring request) is forwarded
-  *non-streamed* instead, since vLLM's stream does not carry them, and vLLM's reply is passed through with
-  its `prompt_logprobs` (each position's map: the actual token plus the k most likely, k up to vLLM's
-  `--max-logprobs`), every generated token tagged with the version current when the request was sent (the
-  older one if an update lands meanwhile). Such a request is not abortable through /abort_requests.
-- /update_weights {path, version}: checked as on the local engine (arbor.transport.admin: allowed roots, symlinks
-  resolved, versions only upwards), then `collective_rpc` of the worker extension's `arbor_load_dir` (files,
-  checksum checked) or `arbor_load_nccl` (NCCL broadcast from the trainer), then `/reset_prefix_cache`. vLLM runs a
-  collective RPC between engine steps, so requests in flight continue on the new weights, as on the local
-  engine; unlike the local engine, vLLM keeps the KV already computed by the old weights for them.
-- /abort_requests {"request_ids": [...] | "all"} (partial rollouts): the proxy stops reading the named requests'
-  upstream streams and closes those connections (vLLM aborts a streaming request whose client disconnects,
-  freeing its KV), and answers each with what it had received, unfinished choices with finish_reason "abort".
-  Request ids are the body's `request_id` (vLLM's own field, forwarded) or the `X-Request-Id` header; an id
-  aborted before its request arrives is remembered, and that request is answered at once, empty.
-- /v1/load_lora_adapter and /v1/unload_lora_adapter (arbor.transport.adapter_admin: checked as on the local
-  engine, versions per adapter) are forwarded to vLLM's own dynamic-LoRA routes (`--enable-lora`, runtime
-  updating on); a completion whose `model` names a loaded adapter goes to vLLM under that name, its tokens tagged
-  with the adapter's version and its choices with `"adapter"`.
-- /pause and /resume gate new requests in the proxy (requests already running finish); /health answers once
-  vLLM is healthy, with the served policy version.
-- Any other route is forwarded to vLLM. With `admin_token` set, the admin routes and every forwarded route but
-  the OpenAI ones and the read-only pages need the bearer token: vLLM's dev-mode routes (`/collective_rpc`
-  runs any worker method) are reachable through the proxy only with it.
-
-Why a proxy plus collective_rpc rather than vLLM's own endpoints: its sleep/wake/reload endpoints reload from
-the original model path or need the engine idle, and its weight-transfer endpoints (`/init_weight_transfer_engine`,
-`/start_weight_update`, `/update_weights`, `/finish_weight_update`) move tensors from a trainer that speaks
-vLLM's own transfer engines (NCCL, IPC, ...), with no engine that reads a published directory; RL needs loads
-from a new directory or arbor's NCCL group (trainer plus every replica) every step with requests in flight, and
-per-token versions that vLLM does not track. The proxy costs one
-loopback hop per request. Everything here except `run` is importable without vLLM (command line and request
-rendering are unit-tested without it).
-"""
+The proxy serves arbor's API in front of it: completions streamed upstream and reassembled so every token gets
+the policy version current when it arrived, `/update_weights` through the worker extension's `collective_rpc`
+(files or NCCL), `/abort_requests`, the dynamic-LoRA routes, `/pause` and `/resume`. A proxy because vLLM's own
+endpoints neither load a new directory every step with requests in flight nor track per-token versions
+(docs/inference.md, "vLLM behind a proxy"). Everything here except `run` imports without vLLM."""
 
 from __future__ import annotations
 
