@@ -77,7 +77,8 @@ def test_no_unmarked_partial_lists(doc):
             hit = mentioned & want
             assert len(hit) < PARTIAL_THRESHOLD or hit == want, (
                 f"{doc.relative_to(ROOT)}: a paragraph lists {sorted(hit)} of {family} but not "
-                f"{sorted(want - hit)}; mark the list (<!-- registry: {family} -->) or name them all:\n{paragraph[:300]}"
+                f"{sorted(want - hit)}; mark the list (<!-- registry: {family} -->) or name them all:\n"
+                f"{paragraph[:300]}"
             )
 
 
