@@ -6,6 +6,8 @@ one line naming the field."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import types
 
 import pytest
@@ -41,13 +43,69 @@ def test_every_registered_mode_satisfies_the_interface(name: str, schedule: dict
     assert mode.max_in_flight >= 1 and mode.most_in_flight >= 1 and mode.queue_budget >= 1
     if schedule.get("max_in_flight"):
         assert mode.max_in_flight == schedule["max_in_flight"]  # a limit set by hand is the mode's default
-    assert all(0 <= mode.lag(step) <= settings.max_off_policy_steps for step in range(12))
+    assert all(isinstance(mode.lag(step), int) and mode.lag(step) >= 0 for step in range(12))
     queue: RolloutQueue[str] = RolloutQueue(mode.window, mode.pick)
     assert mode.admits(0, 0, 4, 0, queue, mode.max_in_flight)  # a fresh step launches: no mode stalls at once
     for _ in range(mode.max_in_flight):
         queue.launch()
     assert not mode.admits(0, 0, 4, 0, queue, mode.max_in_flight)  # never beyond the in-flight limit
     assert mode.pick([2, 5, 7]) in (2, 5, 7)
+
+
+def _former_policy(name: str, settings: ModeSettings) -> dict:
+    """What the string branches of the former `SchedulePolicy.from_config` and `ConcurrencyController.from_config`
+    decided, as a reference the mode objects must match."""
+    s, groups, bound = settings.scheduler, settings.groups_per_step, settings.max_off_policy_steps
+    continuous = name in ("async", "greedy", "windowed_fifo")
+    window = {"async": 1, "greedy": None, "windowed_fifo": s.window or max(1, groups // 2)}.get(name)
+    launched = math.ceil(s.oversample * groups)
+    in_flight = s.max_in_flight or (2 * groups if continuous else settings.max_concurrent_groups or launched)
+    slack = min(math.ceil(window / groups), bound) if name == "windowed_fifo" else 0
+    lag = 1 if name == "one_step_off" else (s.lag if s.lag is not None else bound - slack)
+    return {
+        "continuous": continuous,
+        "window": window if continuous else None,
+        "slack": slack,
+        "max_in_flight": in_flight,
+        "most_in_flight": (bound - slack + 1) * groups if continuous else launched,
+        "queue_budget": max(1, bound - slack) * groups,
+        "lags": [step % s.sync_interval if name == "sync" else lag for step in range(7)],
+    }
+
+
+def _former_admits(mode, settings: ModeSettings, step, kept, need, version, q, limit) -> bool:
+    if mode.continuous:
+        return q.in_flight < limit and step + (kept + q.outstanding) // need - version <= (
+            settings.max_off_policy_steps - mode.slack
+        )
+    launched = math.ceil(settings.scheduler.oversample * settings.groups_per_step)
+    return kept + q.in_flight + q.ready < launched and q.in_flight < limit
+
+
+@pytest.mark.parametrize("name", MODES.names())
+def test_the_modes_decide_as_the_string_branches_did(name: str) -> None:
+    continuous = name not in PER_STEP_MODES
+    grid = itertools.product(
+        [1, 2, 3],  # max_off_policy_steps
+        [{}, {"oversample": 1.5}, {"max_in_flight": 5}, {"sync_interval": 3}, {"window": 7}]
+        + ([{"lag": 1}] if continuous else []),
+        [None, 2],  # max_concurrent_groups
+    )
+    for bound, schedule, concurrent in grid:
+        cfg = {"batch_size": 12, "group_size": 2, "max_off_policy_steps": bound, "max_concurrent_groups": concurrent}
+        settings = make_slices(**cfg, scheduler={"mode": name, **schedule}).mode
+        mode = build_mode(settings)
+        got = {k: getattr(mode, k) for k in ("continuous", "window", "slack", "max_in_flight", "most_in_flight")}
+        got |= {"queue_budget": mode.queue_budget, "lags": [mode.lag(step) for step in range(7)]}
+        assert got == _former_policy(name, settings), (bound, schedule, concurrent)
+        q: RolloutQueue[str] = RolloutQueue(mode.window, mode.pick)
+        for n in range(20):  # a queue growing, with some groups finished: the same launch decisions
+            for step, kept, version in itertools.product([0, 3], [0, 4], [0, 1, 3]):
+                args = (step, kept, 6, version, q, 8)
+                assert mode.admits(*args) == _former_admits(mode, settings, *args), (n, args)
+            q.launch()
+            if n % 3 == 0:
+                q.finish(n, "done")
 
 
 def test_every_registered_mode_is_its_own_module() -> None:
