@@ -3,7 +3,7 @@
 Each launched group is an asyncio task (`generate_group` through a resumable `GroupHandle`, or a black-box
 agent environment's `run_group` through the gateway) with a position in the `RolloutQueue`; `take` hands out
 finished groups under the queue's window rule (windowed FIFO: only positions in [H, H + W) are visible, the head
-advances as the group at H is consumed; arbor.orchestrator.scheduler).
+advances as the group at H is consumed; arbor.orchestrator.scheduler), in the scheduling mode's `pick` order.
 
 Admission (`admit`) follows the scheduling mode's launch rule (arbor.orchestrator.modes): a per-step mode
 launches exactly the step's groups (ceil(oversample x need), replacements for dropped ones, parked ones resumed

@@ -1,10 +1,10 @@
 """The orchestrator: tasks -> rollouts -> rewards -> advantages -> packed batches, one training step at a time.
 
-Each step waits until the inference fleet serves a policy at most `lag(step)` versions behind the step (see
-arbor.orchestrator.scheduler: 0 = synchronous on-policy; 1 = batch N+1 is generated while the trainer trains on
-batch N), collects `batch_size / group_size` kept groups, writes the state a resume would start from and then
-the packed batch to `rollouts/step_N/`, and records the step's figures. Weight updates run in the background
-(`WeightSync`) and metrics are merged with the trainer's as they arrive (`MetricsWriter`).
+Each step waits until the inference fleet serves a policy at most `lag(step)` versions behind the step (the
+scheduling mode's, arbor.orchestrator.modes: 0 = synchronous on-policy; 1 = batch N+1 is generated while the
+trainer trains on batch N), collects `batch_size / group_size` kept groups, writes the state a resume would start
+from and then the packed batch to `rollouts/step_N/`, and records the step's figures. Weight updates run in the
+background (`WeightSync`) and metrics are merged with the trainer's as they arrive (`MetricsWriter`).
 
 The parts, one job each:
 - arbor.orchestrator.tasks: which task each new group gets (sampler or curriculum, retries, relaunch of a
