@@ -32,7 +32,7 @@ oldest token is already too stale. Staleness is the trainer's: counted from a ro
 retry for a retried task and from the first launch for a resumed one. Windowed FIFO's admission rule keeps
 ceil(W / batch) steps of the bound free (a rollout can be overtaken by the whole window, i.e. trained that many
 steps later than planned) and a step waits for policy version step - lag, lag = max_off_policy - that slack
-(arbor.orchestrator.scheduler.SchedulePolicy); the other modes use the whole bound. Greedy never blocks and has
+(arbor.orchestrator.modes.windowed_fifo); the other modes use the whole bound. Greedy never blocks and has
 no straggler rule. `windowed_no_partial` shows the cost of waiting for every straggler.
 
 Why "retry", and why these defaults. A policy that never waits for a 50x straggler cannot train it within any
@@ -184,7 +184,7 @@ def simulate(mode: str, a: argparse.Namespace, partial: bool = True) -> dict:
         n = len(train_done) - lag - 1
         return train_done[n] if n >= 0 else 0.0
 
-    # arbor.orchestrator.scheduler.SchedulePolicy: windowed FIFO keeps ceil(W / batch) steps of the bound free,
+    # arbor.orchestrator.modes.windowed_fifo: windowed FIFO keeps ceil(W / batch) steps of the bound free,
     # and a step waits for policy version step - lag
     slack = min(math.ceil(a.window / a.batch), a.max_off_policy) if mode == "windowed_fifo" else 0
     lag = a.max_off_policy - slack

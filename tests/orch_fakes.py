@@ -12,8 +12,9 @@ from arbor.orchestrator.client import Completion
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
 from arbor.orchestrator.generation import GenerationPool
+from arbor.orchestrator.main import Slices, slice_config
 from arbor.orchestrator.rollout import Rollout
-from arbor.orchestrator.scheduler import SchedulePolicy
+from arbor.orchestrator.scheduler import build_mode
 from arbor.orchestrator.state import OrchestratorState
 from arbor.orchestrator.tasks import TaskSource
 
@@ -25,8 +26,14 @@ def make_cfg(**over: Any) -> OrchestratorConfig:
     )
 
 
-def seed_of(cfg: OrchestratorConfig, step: int, k: int) -> int:
-    """The sampling seed of the step's k-th launch (arbor.orchestrator.tasks)."""
+def make_slices(**over: Any) -> Slices:
+    """Each part's settings from `make_cfg(**over)`, as the orchestrator hands them out."""
+    return slice_config(make_cfg(**over))
+
+
+def seed_of(cfg: Any, step: int, k: int) -> int:
+    """The sampling seed of the step's k-th launch (arbor.orchestrator.tasks); `cfg`: anything with the run's
+    `seed` (the config, or the task source's settings)."""
     return zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
 
 
@@ -105,11 +112,12 @@ def group(group_id: int, rewards: list[float], version: int = 0) -> list[Rollout
 
 
 def make_pool(**over: Any) -> GenerationPool:
-    """A generation pool over ten 4-token tasks of FakeEnv, with a fresh task source and counts."""
-    cfg = make_cfg(**over)
+    """A generation pool over ten 4-token tasks of FakeEnv, with a fresh task source and counts, under the
+    configured scheduling mode."""
+    parts = make_slices(**over)
     env, tokenizer = FakeEnv([4] * 10), FakeTokenizer()
-    source = TaskSource(cfg, env, tokenizer, OrchestratorState())
-    return GenerationPool(cfg, SchedulePolicy.from_config(cfg), env, tokenizer, source, Counts(), EpisodeStats())
+    source = TaskSource(parts.tasks, env, tokenizer, OrchestratorState())
+    return GenerationPool(parts.generation, build_mode(parts.mode), env, tokenizer, source, Counts(), EpisodeStats())
 
 
 def admit_once(pool: GenerationPool, fleet: Fleet, need: int = 2) -> int:

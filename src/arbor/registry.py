@@ -130,4 +130,21 @@ model of their `[orchestrator.environment.args]`."""
 
 # --- scheduling modes ---
 
+MODES = Registry(
+    "scheduling mode",
+    "orchestrator.scheduler.mode",
+    _members(
+        sync="arbor.orchestrator.modes.sync:SyncMode",
+        one_step_off="arbor.orchestrator.modes.one_step_off:OneStepOffMode",
+        **{"async": "arbor.orchestrator.modes.async_fifo:AsyncMode"},  # `async` is a keyword
+        greedy="arbor.orchestrator.modes.greedy:GreedyMode",
+        windowed_fifo="arbor.orchestrator.modes.windowed_fifo:WindowedFifoMode",
+    ),
+)
+"""How generation overlaps training (arbor.orchestrator.scheduler.SchedulingMode, built from ModeSettings)."""
+
+PER_STEP_MODES = frozenset({"sync", "one_step_off"})
+"""The registered modes that launch one step's groups at a time (`continuous = False`), for config validation:
+`scheduler.lag` is the continuous modes' knob. The modes' contract test holds the classes to this list."""
+
 # --- model families ---

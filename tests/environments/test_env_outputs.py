@@ -24,6 +24,7 @@ from arbor.orchestrator.client import Completion
 from arbor.orchestrator.episode import EpisodeSettings, EpisodeStats, run_group_episodes
 from arbor.orchestrator.evaluator import evaluate
 from arbor.orchestrator.group import GroupSpec, generate_group
+from arbor.orchestrator.main import slice_config
 from arbor.orchestrator.state import OrchestratorState
 from arbor.orchestrator.tasks import TaskSource
 
@@ -188,12 +189,13 @@ class NoPrompts(ReverseTextEnv):
 
 def test_tasks_whose_prompt_cannot_be_built_are_skipped_and_counted_in_training_and_eval():
     cfg = OrchestratorConfig(environment={"id": "test_env_outputs:bad_prompts"})
-    source = TaskSource(cfg, BadPrompts(num_tasks=30), TOK, OrchestratorState())
+    settings = slice_config(cfg).tasks
+    source = TaskSource(settings, BadPrompts(num_tasks=30), TOK, OrchestratorState())
     specs = [source.next_spec(0, k) for k in range(10)]
     assert all(s.task["id"] % 3 == 0 and s.prompt_ids for s in specs)
     assert source.skipped_bad >= 10  # about two skipped per launch
     with pytest.raises(NoTaskFits, match=r"no prompt of environment 'reverse_text' could be built \(task 0: KeyError"):
-        TaskSource(cfg, NoPrompts(num_tasks=5), TOK, OrchestratorState())
+        TaskSource(settings, NoPrompts(num_tasks=5), TOK, OrchestratorState())
     envs = [{"id": "test_env_outputs:bad_prompts", "args": {"min_len": 3, "max_len": 3}}]
     figures = asyncio.run(evaluate(_reversed, TOK, EvalSettings(num_tasks=6, k=2, environments=envs)))
     assert figures["eval/bad_prompts/failed"] == 8  # tasks 1, 2, 4 and 5

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from orch_fakes import FakeEnv, FakeTokenizer, group, make_cfg
+from orch_fakes import FakeEnv, FakeTokenizer, group, make_cfg, make_slices
 
 from arbor.orchestrator.assembler import StepAssembler, open_buffer
 from arbor.orchestrator.buffer import ExperienceBuffer
@@ -19,7 +19,6 @@ from arbor.orchestrator.client import InferenceError
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.generation import FailedGroup
 from arbor.orchestrator.rollout import Rollout
-from arbor.orchestrator.scheduler import SchedulePolicy
 from arbor.orchestrator.state import OrchestratorState
 from arbor.orchestrator.tasks import TaskSource
 
@@ -47,10 +46,10 @@ class ScriptedPool:
 
 
 def _assembler(takes, **over) -> tuple[StepAssembler, ScriptedPool]:
-    cfg = make_cfg(**over)
-    source = TaskSource(cfg, FakeEnv([4] * 10), FakeTokenizer(), OrchestratorState())
+    parts = make_slices(**over)
+    source = TaskSource(parts.tasks, FakeEnv([4] * 10), FakeTokenizer(), OrchestratorState())
     pool = ScriptedPool(iter(takes))
-    return StepAssembler(cfg, SchedulePolicy.from_config(cfg), pool, source, Counts()), pool
+    return StepAssembler(parts.assembler, pool, source, Counts()), pool
 
 
 def _collect(assembler: StepAssembler, step: int, version: int = 0) -> list[list[Rollout]]:
@@ -117,14 +116,16 @@ def test_the_buffer_takes_the_new_groups_and_hands_out_the_batch(tmp_path: Path,
 def test_open_buffer_releases_the_claims_a_resume_must_redo(
     tmp_path: Path, reuse: bool, start: int, claimable: int
 ) -> None:
-    assert open_buffer(make_cfg(output_dir=str(tmp_path)), 0) is None
+    off = make_cfg(output_dir=str(tmp_path))
+    assert open_buffer(off.buffer, off.output_dir, 0, off.resume) is None
     path = tmp_path / "b.sqlite"
     buffer = ExperienceBuffer(path)
     for k, step in enumerate((0, 1)):
         buffer.put_group(group(k, [1, 0]), f"g{k}")
         buffer.claim(1, step)
     buffer.close()
-    buffer = open_buffer(make_cfg(buffer={"enabled": True, "path": str(path), "reuse": reuse}), start)
+    cfg = make_cfg(buffer={"enabled": True, "path": str(path), "reuse": reuse})
+    buffer = open_buffer(cfg.buffer, cfg.output_dir, start, cfg.resume)
     assert len(buffer.claim(2, 5)) == claimable
     buffer.close()
 
@@ -165,7 +166,8 @@ def test_a_resume_rewinds_only_its_own_run(tmp_path: Path) -> None:
         a.put_group(group(step, [1, 0], version=step), f"a{step}", step=step)
         a.claim(1, step)
     a.close()
-    buffer = open_buffer(cfg, 1)  # trained steps 0 (A's a0 claim stays); a1 and a2 are discarded
+    # trained steps 0 (A's a0 claim stays); a1 and a2 are discarded
+    buffer = open_buffer(cfg.buffer, cfg.output_dir, 1, cfg.resume)
     assert buffer.claim(5, 1) == []  # nothing of A left to claim, and B's groups are B's claims
     assert b.release(0) == 6
     assert sorted(g[0].task_id for g in buffer.claim(5, 1)) == [10, 11, 12]

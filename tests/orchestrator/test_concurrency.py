@@ -5,17 +5,17 @@ controller's limit."""
 from __future__ import annotations
 
 import pytest
-from orch_fakes import Fleet, admit_once, make_cfg, make_pool, seed_of
+from orch_fakes import Fleet, admit_once, make_pool, make_slices, seed_of
 
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.orchestrator.concurrency import ConcurrencyController, IdleClock
-from arbor.orchestrator.scheduler import SchedulePolicy
+from arbor.orchestrator.scheduler import build_mode
 
 
 def controller(**over) -> ConcurrencyController:
-    cfg = make_cfg(**over)
-    return ConcurrencyController.from_config(cfg, SchedulePolicy.from_config(cfg))
+    settings = make_slices(**over).mode
+    return ConcurrencyController.for_mode(build_mode(settings), settings)
 
 
 def test_bounds_and_budget_follow_the_mode() -> None:
@@ -84,6 +84,6 @@ def test_idle_clock_measures_the_share_with_nothing_in_flight() -> None:
 def test_the_pool_admits_under_the_adapted_limit() -> None:
     pool = make_pool(scheduler={"mode": "async"}, max_off_policy_steps=2)
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, s, k) for s in range(3) for k in range(4)}
+    fleet.slow = {seed_of(pool.source.settings, s, k) for s in range(3) for k in range(4)}
     pool.max_in_flight = 1  # what the controller chose
     assert admit_once(pool, fleet) == 1

@@ -7,7 +7,7 @@ import asyncio
 import types
 
 import pytest
-from orch_fakes import Fleet, group, make_pool
+from orch_fakes import Fleet, group, make_pool, make_slices
 
 from arbor.orchestrator.figures import StepFigures, StepTimes, drain_metrics
 from arbor.orchestrator.generation import GenerationPool
@@ -15,7 +15,8 @@ from arbor.orchestrator.generation import GenerationPool
 
 def _figures(**over) -> tuple[StepFigures, GenerationPool]:
     pool = make_pool(**over)
-    return StepFigures(pool.cfg, pool.env, pool.source, pool, pool.counts, pool.env_stats), pool
+    settings = make_slices(**over).figures
+    return StepFigures(settings, pool.env, pool.source, pool, pool.counts, pool.env_stats), pool
 
 
 class Router:

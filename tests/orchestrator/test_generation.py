@@ -32,7 +32,7 @@ def test_per_step_admission_launches_the_oversampled_step_and_takes_in_queue_ord
 def test_per_step_admission_respects_max_concurrent_groups() -> None:
     pool = make_pool(scheduler={"mode": "one_step_off"}, max_concurrent_groups=1)
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 0)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 0)}
 
     async def go():
         pool.use(fleet)
@@ -48,7 +48,7 @@ def test_continuous_admission_stops_at_the_staleness_bound_or_max_in_flight(max_
     """async, max_off_policy_steps 1, two groups a step, the fleet at version 0: steps 0 and 1 may be launched."""
     pool = make_pool(scheduler={"mode": "async", "max_in_flight": max_in_flight}, max_off_policy_steps=1)
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, k) for k in range(4)}
+    fleet.slow = {seed_of(pool.source.settings, 0, k) for k in range(4)}
 
     async def go():
         pool.use(fleet)
@@ -69,7 +69,7 @@ def test_wait_reports_a_stalled_scheduler() -> None:
 def test_wait_returns_when_a_group_finishes() -> None:
     pool = make_pool(scheduler={"mode": "one_step_off"})
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 0)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 0)}
 
     async def go():
         pool.use(fleet)
@@ -88,7 +88,7 @@ def test_wait_returns_when_a_newer_policy_lets_more_groups_launch() -> None:
     the next group finishes."""
     pool = make_pool(scheduler={"mode": "async", "max_in_flight": 20}, max_off_policy_steps=1)
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, step, k) for step in range(3) for k in range(4)}
+    fleet.slow = {seed_of(pool.source.settings, step, k) for step in range(3) for k in range(4)}
 
     async def go():
         pool.use(fleet)
@@ -110,7 +110,7 @@ def test_wait_returns_when_a_newer_policy_lets_more_groups_launch() -> None:
 def test_end_step_cancels_or_parks_the_surplus_and_the_next_step_resumes_it_first(partial: bool) -> None:
     pool = make_pool(scheduler={"mode": "one_step_off", "oversample": 2.0}, partial={"enabled": partial})
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 2), seed_of(pool.cfg, 0, 3)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 2), seed_of(pool.source.settings, 0, 3)}
 
     async def go():
         pool.use(fleet)
@@ -141,7 +141,7 @@ def test_end_step_cancels_or_parks_the_surplus_and_the_next_step_resumes_it_firs
 def test_a_cancelled_group_gives_up_its_position_and_its_task() -> None:
     pool = make_pool(scheduler={"mode": "one_step_off"}, max_concurrent_groups=1)
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 0)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 0)}
 
     async def go():
         pool.use(fleet)
@@ -156,7 +156,7 @@ def test_a_cancelled_group_gives_up_its_position_and_its_task() -> None:
 def test_resume_after_a_weight_update_leaves_parked_groups_parked() -> None:
     pool = make_pool(scheduler={"mode": "one_step_off"}, partial={"enabled": True})
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 0), seed_of(pool.cfg, 0, 1)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 0), seed_of(pool.source.settings, 0, 1)}
 
     async def go():
         pool.use(fleet)
@@ -175,7 +175,7 @@ def test_resume_after_a_weight_update_leaves_parked_groups_parked() -> None:
 
 def test_a_group_the_fleet_refuses_is_taken_as_failed_and_any_other_error_ends_the_run() -> None:
     pool = make_pool(scheduler={"mode": "one_step_off"})
-    refused_seed = seed_of(pool.cfg, 0, 0)
+    refused_seed = seed_of(pool.source.settings, 0, 0)
 
     class RefusingFleet(Fleet):
         async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, request_id=None):

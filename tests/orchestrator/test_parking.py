@@ -21,7 +21,7 @@ def _straggling(action: str = "resume", max_resumes: int = 3, mode: str = "async
         partial={"enabled": True, "straggler_factor": 2.0, "straggler_action": action, "max_resumes": max_resumes},
     )
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 0)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 0)}
     pool.parking.durations.extend([0.01] * 8)
     return pool, fleet
 
@@ -113,7 +113,7 @@ def test_the_surplus_is_parked_unless_resumed_max_resumes_times_and_too_stale_pa
         scheduler={"mode": "one_step_off", "oversample": 2.0}, partial={"enabled": True, "max_resumes": max_resumes}
     )
     fleet = Fleet()
-    fleet.slow = {seed_of(pool.cfg, 0, 2), seed_of(pool.cfg, 0, 3)}
+    fleet.slow = {seed_of(pool.source.settings, 0, 2), seed_of(pool.source.settings, 0, 3)}
 
     async def go():
         pool.use(fleet)

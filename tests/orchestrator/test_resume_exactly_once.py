@@ -15,8 +15,8 @@ from orch_fakes import FakeEnv, FakeTokenizer, make_cfg
 from arbor.orchestrator.assembler import StepAssembler, open_buffer
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.group import GroupSpec
+from arbor.orchestrator.main import slice_config
 from arbor.orchestrator.rollout import Rollout
-from arbor.orchestrator.scheduler import SchedulePolicy
 from arbor.orchestrator.state import OrchestratorState, load_state
 from arbor.orchestrator.step_writer import StepWriter
 from arbor.orchestrator.tasks import TaskSource
@@ -78,13 +78,12 @@ class Attempt:
 
     def __init__(self, out: Path, buffer: bool, start: int, resume: bool) -> None:
         cfg = make_cfg(output_dir=str(out), resume=resume, buffer={"enabled": buffer})
+        parts = slice_config(cfg)
         state = load_state(out, start) if start else OrchestratorState()
-        self.source = TaskSource(cfg, FakeEnv([4] * TASKS), FakeTokenizer(), state)
-        self.assembler = StepAssembler(
-            cfg, SchedulePolicy.from_config(cfg), SourcePool(self.source), self.source, Counts()
-        )
-        self.writer = StepWriter(cfg, 0)
-        self.buffer = open_buffer(cfg, start)
+        self.source = TaskSource(parts.tasks, FakeEnv([4] * TASKS), FakeTokenizer(), state)
+        self.assembler = StepAssembler(parts.assembler, SourcePool(self.source), self.source, Counts())
+        self.writer = StepWriter(parts.writer, 0)
+        self.buffer = open_buffer(cfg.buffer, cfg.output_dir, start, cfg.resume)
 
     def step(self, step: int, crash_after: str | None = None) -> list[int] | None:
         """The task ids of the step's batch (one per group), or None when the crash comes after `crash_after`."""

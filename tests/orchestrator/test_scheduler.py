@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from arbor.config.orchestrator import OrchestratorConfig
-from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy, staleness_histogram
+from arbor.orchestrator.main import slice_config
+from arbor.orchestrator.modes.async_fifo import AsyncMode
+from arbor.orchestrator.modes.sync import SyncMode
+from arbor.orchestrator.scheduler import RolloutQueue, SchedulingMode, build_mode, staleness_histogram
+
+
+def _mode(cfg: OrchestratorConfig) -> SchedulingMode:
+    return build_mode(slice_config(cfg).mode)
 
 
 def _queue(window, n):
@@ -65,23 +72,23 @@ def test_queue_rejects_bad_positions():
 
 def test_policies_from_config():
     base = dict(batch_size=16, group_size=4, max_off_policy_steps=3)
-    default = SchedulePolicy.from_config(OrchestratorConfig(**base))
-    assert (default.mode, default.continuous, default.lag(7)) == ("one_step_off", False, 1)
-    sync = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "sync", "sync_interval": 3}))
+    default = _mode(OrchestratorConfig(**base))
+    assert (type(default).__name__, default.continuous, default.lag(7)) == ("OneStepOffMode", False, 1)
+    sync = _mode(OrchestratorConfig(**base, scheduler={"mode": "sync", "sync_interval": 3}))
     assert [sync.lag(s) for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     with pytest.warns(DeprecationWarning, match="async_lag is deprecated"):  # the retired key keeps its meaning
-        assert SchedulePolicy.from_config(OrchestratorConfig(**base, async_lag=0)).mode == "sync"
-        lagged = SchedulePolicy.from_config(OrchestratorConfig(**base, async_lag=2))
-    assert (lagged.mode, lagged.continuous, lagged.window, lagged.lag(5)) == ("async", True, 1, 2)
-    explicit = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo", "lag": 1}))
+        assert isinstance(_mode(OrchestratorConfig(**base, async_lag=0)), SyncMode)
+        lagged = _mode(OrchestratorConfig(**base, async_lag=2))
+    assert (isinstance(lagged, AsyncMode), lagged.continuous, lagged.window, lagged.lag(5)) == (True, True, 1, 2)
+    explicit = _mode(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo", "lag": 1}))
     assert (explicit.slack, explicit.lag(5)) == (1, 1)  # an explicit lag is taken as given
-    w = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo"}))
+    w = _mode(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo"}))
     # W = 2 of 4 groups per step: a group can be overtaken into the next step, so one step of the bound is kept free
     assert (w.continuous, w.window, w.max_in_flight, w.lag(5), w.slack) == (True, 2, 8, 2, 1)
-    wide = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo", "window": 9}))
+    wide = _mode(OrchestratorConfig(**base, scheduler={"mode": "windowed_fifo", "window": 9}))
     assert (wide.slack, wide.lag(5)) == (3, 0)  # ceil(9 / 4) = 3 steps, never more than the bound itself
-    g = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "greedy", "max_in_flight": 5}))
+    g = _mode(OrchestratorConfig(**base, scheduler={"mode": "greedy", "max_in_flight": 5}))
     assert (g.window, g.max_in_flight) == (None, 5)
-    a = SchedulePolicy.from_config(OrchestratorConfig(**base, scheduler={"mode": "async"}))
+    a = _mode(OrchestratorConfig(**base, scheduler={"mode": "async"}))
     assert (a.window, a.slack, a.lag(5)) == (1, 0, 3)
     assert staleness_histogram([0, 1, 1, 2]) == {"staleness/hist_0": 1, "staleness/hist_1": 2, "staleness/hist_2": 1}

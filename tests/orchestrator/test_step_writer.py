@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orch_fakes import FakeEnv, FakeTokenizer, group, make_cfg
+from orch_fakes import FakeEnv, FakeTokenizer, group, make_slices
 
 from arbor.orchestrator.state import OrchestratorState, load_state
 from arbor.orchestrator.step_writer import StepWriter
@@ -14,9 +14,9 @@ from arbor.run_dir import DONE, checkpoint_dir, orchestrator_state_path, rollout
 
 
 def test_the_state_a_resume_starts_from_is_saved_and_older_states_pruned(tmp_path: Path) -> None:
-    cfg = make_cfg(output_dir=str(tmp_path))
-    source = TaskSource(cfg, FakeEnv([4] * 10), FakeTokenizer(), OrchestratorState())
-    writer = StepWriter(cfg, 0)
+    parts = make_slices(output_dir=str(tmp_path))
+    source = TaskSource(parts.tasks, FakeEnv([4] * 10), FakeTokenizer(), OrchestratorState())
+    writer = StepWriter(parts.writer, 0)
     writer.save_state(0, source)
     specs = [source.next_spec(1, k) for k in range(3)]
     source.taken(specs[0].group_id)
@@ -30,8 +30,8 @@ def test_the_state_a_resume_starts_from_is_saved_and_older_states_pruned(tmp_pat
 
 
 def test_the_batch_is_packed_per_trainer_rank_and_written(tmp_path: Path) -> None:
-    cfg = make_cfg(output_dir=str(tmp_path), batching={"trainer_ranks": 2})
+    writer = StepWriter(make_slices(output_dir=str(tmp_path), batching={"trainer_ranks": 2}).writer, 0)
     rollouts = [r for k in range(2) for r in group(k, [1, 0])]
-    batches = StepWriter(cfg, 0).write(5, rollouts)
+    batches = writer.write(5, rollouts)
     assert [b.step for b in batches] == [5, 5] and batches[0].num_samples_total == 4  # samples over all ranks
     assert all(rollout_rank_file(tmp_path, 5, rank).exists() for rank in range(2))

@@ -4,7 +4,7 @@ rule, seeds, pending tasks for the saved state, and the retry limit."""
 from __future__ import annotations
 
 import pytest
-from orch_fakes import FakeEnv, FakeTokenizer, make_cfg, seed_of
+from orch_fakes import FakeEnv, FakeTokenizer, make_slices, seed_of
 
 from arbor.environments import NoTaskFits
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
@@ -12,7 +12,7 @@ from arbor.orchestrator.tasks import TaskSource
 
 
 def _source(lengths=(4, 5, 6, 7, 8), state: OrchestratorState | None = None, **over) -> TaskSource:
-    return TaskSource(make_cfg(**over), FakeEnv(list(lengths)), FakeTokenizer(), state or OrchestratorState())
+    return TaskSource(make_slices(**over).tasks, FakeEnv(list(lengths)), FakeTokenizer(), state or OrchestratorState())
 
 
 def test_fresh_tasks_follow_the_seeded_sampler_and_get_ids_and_seeds_in_launch_order() -> None:
@@ -21,7 +21,7 @@ def test_fresh_tasks_follow_the_seeded_sampler_and_get_ids_and_seeds_in_launch_o
     specs = [source.next_spec(3, k) for k in range(4)]
     assert [s.task for s in specs] == [reference.next() for _ in range(4)]
     assert [s.group_id for s in specs] == [0, 1, 2, 3] and source.groups_launched == 4
-    assert [s.seed for s in specs] == [seed_of(source.cfg, 3, k) for k in range(4)]
+    assert [s.seed for s in specs] == [seed_of(source.settings, 3, k) for k in range(4)]
     assert all(len(s.prompt_ids) == len(s.task["text"]) for s in specs)
 
 

@@ -147,7 +147,13 @@ def format_validation_error(e: ValidationError) -> str:
         seen.add((loc, msg))
         got = f" (got {err['input']!r})" if not isinstance(err.get("input"), (dict, type(None))) else ""
         where = ".".join(loc)
-        said = not loc or msg.startswith((f"{where}.", f"{where}:", f"{where} "))  # the message names its key already
+        # The message names its key already: relative to where it failed, or by its full path in the run's config
+        # (a registry's check names `orchestrator.scheduler.mode`, whichever process's config it fails in).
+        said = (
+            not loc
+            or msg.startswith((f"{where}.", f"{where}:", f"{where} "))
+            or msg.split(":")[0].endswith(f".{where}")
+        )
         lines.append(msg if said else f"{where}: {msg}{got}")
     return "; ".join(lines)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from arbor.config.admin import AdminToken
 from arbor.config.base import (
@@ -27,6 +27,7 @@ from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
+from arbor.registry import MODES, PER_STEP_MODES
 
 
 class SamplingConfig(Config):
@@ -166,12 +167,14 @@ class BufferConfig(Config):
 class RolloutScheduleConfig(Config):
     """`[orchestrator.scheduler]`: how generation overlaps training (see arbor.orchestrator.scheduler)."""
 
-    mode: Literal["sync", "one_step_off", "async", "greedy", "windowed_fifo"] = "one_step_off"
-    """The async mode: how generation overlaps training and which finished groups a batch may take. "sync"
-    (on-policy: a step's generation waits for the weights of every step before it; see sync_interval),
-    "one_step_off" (generation runs one step ahead of training), or a continuous mode, which launches groups ahead
-    across step boundaries: "async" (strict FIFO), "greedy" (first finished first out), "windowed_fifo" (Forge).
-    Replaces `orchestrator.async_lag` (0 = "sync", 1 = "one_step_off", k > 1 = "async" with `lag = k`)."""
+    mode: str = "one_step_off"
+    """The scheduling mode: how generation overlaps training and which finished groups a batch may take
+    (arbor.orchestrator.modes, one module per mode). "sync" (on-policy: a step's generation waits for the weights
+    of every step before it; see sync_interval), "one_step_off" (generation runs one step ahead of training), or
+    a continuous mode, which launches groups ahead across step boundaries: "async" (strict FIFO), "greedy"
+    (first finished first out), "windowed_fifo" (Forge). A user's mode: its dotted path "package.module:Class"
+    (a class implementing arbor.orchestrator.scheduler.SchedulingMode). Replaces `orchestrator.async_lag`
+    (0 = "sync", 1 = "one_step_off", k > 1 = "async" with `lag = k`)."""
     lag: Int | None = Field(None, ge=0)
     """Continuous modes: policy versions a step's generation may trail the step by (weights version >= step - lag
     before its groups are launched or taken). Default: max_off_policy_steps (windowed_fifo: less its slack)."""
@@ -202,12 +205,17 @@ class RolloutScheduleConfig(Config):
     `[orchestrator.partial]` enabled, aborted and parked with its tokens and resumed first at the next step
     (slime's design). Surplus groups that already finished are kept for the next step."""
 
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        MODES.check(mode)
+        return mode
+
     @model_validator(mode="after")
     def _lag_is_continuous(self) -> "RolloutScheduleConfig":
-        if self.lag is not None and self.mode in ("sync", "one_step_off"):
-            raise ValueError(
-                f"lag applies to the continuous modes (async, greedy, windowed_fifo), not to {self.mode!r}"
-            )
+        if self.lag is not None and self.mode in PER_STEP_MODES:
+            continuous = ", ".join(n for n in MODES.names() if n not in PER_STEP_MODES)
+            raise ValueError(f"lag applies to the continuous modes ({continuous}), not to {self.mode!r}")
         if self.adaptive_max is not None and self.adaptive_max < self.adaptive_min:
             raise ValueError(f"adaptive_max ({self.adaptive_max}) is below adaptive_min ({self.adaptive_min})")
         return self

@@ -24,10 +24,12 @@ earlier claim.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
+from pathlib import Path
 
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import AdvantageConfig, BufferConfig, FilterConfig
 from arbor.orchestrator.advantages import compute_advantages
 from arbor.orchestrator.buffer import ExperienceBuffer
 from arbor.orchestrator.client import InferenceClient
@@ -35,7 +37,6 @@ from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.filters import filter_reason, solve_rate
 from arbor.orchestrator.generation import FailedGroup, GenerationPool
 from arbor.orchestrator.rollout import Rollout
-from arbor.orchestrator.scheduler import SchedulePolicy
 from arbor.orchestrator.tasks import TaskSource
 from arbor.orchestrator.weight_sync import WeightSync
 
@@ -44,15 +45,15 @@ log = logging.getLogger("arbor.orchestrator")
 Group = list[Rollout]
 
 
-def open_buffer(cfg: OrchestratorConfig, start: int) -> ExperienceBuffer | None:
+def open_buffer(cfg: BufferConfig, output_dir: Path, start: int, resume: bool) -> ExperienceBuffer | None:
     """The experience buffer when configured, rewound to step `start` (this run's claims of steps >= start
-    released, its groups written by those steps discarded)."""
-    if not (cfg.buffer.enabled or cfg.buffer.train_only):
+    released, its groups written by those steps discarded); `resume`: the run continues an earlier one."""
+    if not (cfg.enabled or cfg.train_only):
         return None
-    buffer = ExperienceBuffer(cfg.buffer.path or cfg.output_dir / "buffer.sqlite", str(cfg.output_dir.resolve()))
-    if cfg.buffer.reuse:
+    buffer = ExperienceBuffer(cfg.path or output_dir / "buffer.sqlite", str(output_dir.resolve()))
+    if cfg.reuse:
         buffer.release(0, every_run=True)
-    if not (start or cfg.resume):  # a fresh run keeps what an earlier one left (and claims it first)
+    if not (start or resume):  # a fresh run keeps what an earlier one left (and claims it first)
         return buffer
     # Also a resume at step 0: an attempt that died before its first checkpoint trained nothing, so what it wrote
     # and claimed is undone like any lost step's.
@@ -68,14 +69,27 @@ def open_buffer(cfg: OrchestratorConfig, start: int) -> ExperienceBuffer | None:
     return buffer
 
 
+@dataclasses.dataclass(frozen=True)
+class AssemblerSettings:
+    """What the step assembler reads of the orchestrator config (arbor.orchestrator.main hands it out)."""
+
+    groups_per_step: int
+    """batch_size / group_size: the groups a step keeps."""
+    max_off_policy_steps: int
+    """The staleness bound a taken (or claimed) group must meet."""
+    advantage: AdvantageConfig
+    filters: FilterConfig
+    max_failed_groups: int
+    """`client.max_failed_groups`: groups in a row whose generation failed before the run fails."""
+    buffer: BufferConfig
+
+
 class StepAssembler:
     """A step's kept groups (see the module docstring)."""
 
-    def __init__(
-        self, cfg: OrchestratorConfig, policy: SchedulePolicy, pool: GenerationPool, source: TaskSource, counts: Counts
-    ) -> None:
-        self.cfg, self.policy, self.pool, self.source, self.counts = cfg, policy, pool, source, counts
-        self.need = cfg.batch_size // cfg.group_size
+    def __init__(self, settings: AssemblerSettings, pool: GenerationPool, source: TaskSource, counts: Counts) -> None:
+        self.settings, self.pool, self.source, self.counts = settings, pool, source, counts
+        self.need = settings.groups_per_step
         self._filtered_here = 0  # groups dropped by filters or environment skips in this step's collection
         self._failed_in_row = 0  # groups whose generation failed, since the last one that did not
 
@@ -104,7 +118,7 @@ class StepAssembler:
 
     def _keep(self, step: int, group: Group | FailedGroup, kept: int) -> bool:
         """Staleness bound, advantages, curriculum record and filters for one taken group."""
-        cfg = self.cfg
+        cfg = self.settings
         if isinstance(group, FailedGroup):
             return self._skip_failed(step, group)
         self._failed_in_row = 0
@@ -137,7 +151,7 @@ class StepAssembler:
         self.source.taken(failed.group_id)
         self.counts.failed_groups += 1
         self._failed_in_row += 1
-        limit = self.cfg.client.max_failed_groups
+        limit = self.settings.max_failed_groups
         if self._failed_in_row > limit:
             raise RuntimeError(
                 f"generation failed for {self._failed_in_row} groups in a row at step {step} "
@@ -155,7 +169,7 @@ class StepAssembler:
     def _fresh(self, step: int, group: Group) -> bool:
         """The staleness bound: False (and the group counted in dropped/stale) when a token is older than
         `max_off_policy_steps` at `step`."""
-        if max(r.staleness(step) for r in group) <= self.cfg.max_off_policy_steps:
+        if max(r.staleness(step) for r in group) <= self.settings.max_off_policy_steps:
             return True
         self.counts.dropped_stale += len(group)
         return False
@@ -171,8 +185,8 @@ class StepAssembler:
         groups left from before a restart, or, train-only, only those)."""
         for g in groups:
             buffer.put_group(g, uuid.uuid4().hex, step=step)
-        accept = None if self.cfg.buffer.train_only else lambda g: self._fresh(step, g)
-        claimed = buffer.claim(self.need, step, self.cfg.buffer.order, accept)
+        accept = None if self.settings.buffer.train_only else lambda g: self._fresh(step, g)
+        claimed = buffer.claim(self.need, step, self.settings.buffer.order, accept)
         if not claimed:
             raise RuntimeError(f"buffer {buffer.path} has no ready, unclaimed group left for step {step}")
         if len(claimed) < self.need:

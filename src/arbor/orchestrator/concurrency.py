@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from arbor.config.orchestrator import OrchestratorConfig
-from arbor.orchestrator.scheduler import SchedulePolicy
+from arbor.orchestrator.scheduler import ModeSettings, SchedulingMode
 
 WAIT_THRESHOLD = 0.1
 """Trainer-wait fraction above which generation counts as the bottleneck: below it the wait is the fixed cost of
@@ -38,19 +37,16 @@ class ConcurrencyController:
     enabled: bool = True
 
     @classmethod
-    def from_config(cls, cfg: OrchestratorConfig, policy: SchedulePolicy) -> "ConcurrencyController":
-        s = cfg.scheduler
-        groups = cfg.batch_size // cfg.group_size
-        by_hand = s.max_in_flight is not None or cfg.max_concurrent_groups is not None
-        # The most groups the mode can use at once: more are never admitted (arbor.orchestrator.generation).
-        usable = (cfg.max_off_policy_steps - policy.slack + 1) * groups if policy.continuous else policy.per_step
-        high = s.adaptive_max or max(usable, policy.max_in_flight)
+    def for_mode(cls, mode: SchedulingMode, settings: ModeSettings) -> "ConcurrencyController":
+        """Bounds from the mode (its default limit, the most it can use, its queue budget) unless
+        `[orchestrator.scheduler]` sets them; off when the in-flight limit is set by hand."""
+        s = settings.scheduler
+        by_hand = s.max_in_flight is not None or settings.max_concurrent_groups is not None
+        high = s.adaptive_max or max(mode.most_in_flight, mode.max_in_flight)
         low = min(s.adaptive_min, high)
-        # A finished group waiting this many steps' batches deep is trained at the edge of the staleness bound.
-        budget = max(1, cfg.max_off_policy_steps - policy.slack) * groups
         enabled = s.adaptive and not by_hand
-        start = min(max(policy.max_in_flight, low), high) if enabled else policy.max_in_flight
-        return cls(start, low, high, budget, enabled=enabled)
+        start = min(max(mode.max_in_flight, low), high) if enabled else mode.max_in_flight
+        return cls(start, low, high, mode.queue_budget, enabled=enabled)
 
     def decide(self, trainer_wait_frac: float | None, queue_depth: int, dropped_stale: int) -> int:
         """The limit after a step whose batch left `queue_depth` finished groups waiting and dropped

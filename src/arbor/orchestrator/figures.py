@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import CurriculumConfig
 from arbor.monitor.metrics import MetricsWriter
 from arbor.orchestrator.client import InferenceClient
 from arbor.orchestrator.counts import Counts
@@ -50,19 +50,33 @@ class StepTimes:
     """Seconds the event loop was blocked (by blocking code in a coroutine: arbor.loopwatch) during the step."""
 
 
+@dataclasses.dataclass(frozen=True)
+class FigureSettings:
+    """What the per-step figures read of the orchestrator config (arbor.orchestrator.main hands it out)."""
+
+    group_size: int
+    """Rollouts per finished group (the generator's production rate)."""
+    prefix_merge: bool
+    """`batching.prefix_merge`: report the prefix-merge ratio."""
+    solve_threshold: float
+    """`filters.solve_threshold`: a rollout counts as solved at or above this reward (the difficulty mix)."""
+    curriculum: CurriculumConfig
+    """Its easy / hard thresholds classify the batch's groups."""
+
+
 class StepFigures:
     """Figures for `MetricsWriter.add(step, ...)`; remembers what the last batch reported (for rates and deltas)."""
 
     def __init__(
         self,
-        cfg: OrchestratorConfig,
+        settings: FigureSettings,
         env: Any,
         source: TaskSource,
         pool: GenerationPool,
         counts: Counts,
         env_stats: EpisodeStats,
     ) -> None:
-        self.cfg, self.env, self.source, self.pool, self.counts = cfg, env, source, pool, counts
+        self.settings, self.env, self.source, self.pool, self.counts = settings, env, source, pool, counts
         self.env_stats = env_stats
         self._last_write: float | None = None
         self._last_finished = 0
@@ -82,7 +96,7 @@ class StepFigures:
         """All of a written step's figures."""
         rollouts = [r for g in groups for r in g]
         figures = self.rollouts(step, rollouts, times, weights, client)
-        if self.cfg.batching.prefix_merge:  # sample tokens per trained (trie) token: what merging saved this step
+        if self.settings.prefix_merge:  # sample tokens per trained (trie) token: what merging saved this step
             rows = sum(mb.num_tokens for b in batches for mb in b.micro_batches)
             figures["batch/prefix_merge_ratio"] = sum(r.num_tokens for r in rollouts) / max(rows, 1)
         if client is not None:
@@ -173,7 +187,7 @@ class StepFigures:
         finished = self.counts.finished_groups
         if self._last_write is not None:
             interval = max(now - self._last_write, 1e-9)
-            produced = (finished - self._last_finished) * self.cfg.group_size
+            produced = (finished - self._last_finished) * self.settings.group_size
             out["throughput/produced_rollouts_per_s"] = produced / interval
             out["throughput/consumed_rollouts_per_s"] = taken / interval
             out["throughput/orchestrator_wait_ratio"] = min(waited / interval, 1.0)
@@ -183,8 +197,8 @@ class StepFigures:
     def difficulty_mix(self, groups: list[list[Rollout]]) -> dict[str, Any]:
         """The batch's difficulty mix: the fraction of its groups that are easy / normal / hard by their own solve
         rate (the curriculum's thresholds), plus the cumulative filter counts."""
-        cfg = self.cfg
-        kinds = [difficulty(solve_rate(g, cfg.filters.solve_threshold), cfg.curriculum) for g in groups]
+        cfg = self.settings
+        kinds = [difficulty(solve_rate(g, cfg.solve_threshold), cfg.curriculum) for g in groups]
         out: dict[str, Any] = {f"batch/{p}_frac": kinds.count(p) / max(len(kinds), 1) for p in POOLS}
         out.update({f"filtered/{k}": v for k, v in self.counts.filtered.items()})
         return out

@@ -3,15 +3,12 @@
 Each launched group is an asyncio task (`generate_group` through a resumable `GroupHandle`, or a black-box
 agent environment's `run_group` through the gateway) with a position in the `RolloutQueue`; `take` hands out
 finished groups under the queue's window rule (windowed FIFO: only positions in [H, H + W) are visible, the head
-advances as the group at H is consumed; arbor.orchestrator.scheduler).
+advances as the group at H is consumed; arbor.orchestrator.scheduler), in the scheduling mode's `pick` order.
 
-Admission (`admit`): per-step modes (sync, one_step_off) launch exactly the step's groups (ceil(oversample x
-need), replacements for dropped ones, parked ones resumed first), at most `max_in_flight` at once (the policy's,
-adapted per step by arbor.orchestrator.concurrency). Continuous
-modes (async, greedy, windowed_fifo) keep up to max_in_flight groups generating across step boundaries, but
-launch only groups the staleness bound will still admit when their step comes (AReaL's rule): the outstanding
-groups fill the rest of this step's batch, then the next steps, in order; windowed_fifo keeps `policy.slack`
-steps of the bound free, so the window's waits never turn into stale drops.
+Admission (`admit`) follows the scheduling mode's launch rule (arbor.orchestrator.modes): a per-step mode
+launches exactly the step's groups (ceil(oversample x need), replacements for dropped ones, parked ones resumed
+first), a continuous one keeps groups generating across step boundaries as far as the staleness bound allows,
+both at most `max_in_flight` at once (the mode's default, adapted per step by arbor.orchestrator.concurrency).
 
 A group whose generation failed for good (`InferenceError`: the fleet rejected a request, or it failed all of
 the client's retries) is taken as a `FailedGroup`, which the assembler skips and counts; any other exception in a
@@ -29,19 +26,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.environment import EnvironmentConfig
+from arbor.config.orchestrator import GatewayConfig, SamplingConfig
 from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.orchestrator.concurrency import IdleClock
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
 from arbor.orchestrator.gateway.service import Gateway
 from arbor.orchestrator.group import generate_group
-from arbor.orchestrator.parking import Flight, Parking
+from arbor.orchestrator.parking import Flight, Parking, ParkingSettings
 from arbor.orchestrator.partial import GroupHandle, PartialRollouts
 from arbor.orchestrator.rollout import Rollout
-from arbor.orchestrator.scheduler import RolloutQueue, SchedulePolicy
+from arbor.orchestrator.scheduler import RolloutQueue, SchedulingMode
 from arbor.orchestrator.tasks import TaskSource
 from arbor.run_dir import gateway_url_path, write_text_atomic
 
@@ -54,31 +53,46 @@ class FailedGroup:
     error: InferenceError
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """What the generation pool reads of the orchestrator config (arbor.orchestrator.main hands it out)."""
+
+    group_size: int
+    seq_len: int
+    output_dir: Path
+    """Where the gateway's URL is written."""
+    sampling: SamplingConfig
+    environment: EnvironmentConfig
+    gateway: GatewayConfig
+    parking: ParkingSettings
+    """Partial rollouts: the parked surplus and the straggler moves."""
+
+
 class GenerationPool:
     """Groups generating in the queue (see the module docstring)."""
 
     def __init__(
         self,
-        cfg: OrchestratorConfig,
-        policy: SchedulePolicy,
+        settings: GenerationSettings,
+        mode: SchedulingMode,
         env: Any,
         tokenizer: Any,
         source: TaskSource,
         counts: Counts,
         env_stats: EpisodeStats,
     ) -> None:
-        self.cfg, self.policy, self.env, self.tokenizer = cfg, policy, env, tokenizer
+        self.settings, self.mode, self.env, self.tokenizer = settings, mode, env, tokenizer
         self.source, self.counts, self.env_stats = source, counts, env_stats
-        self.queue: RolloutQueue[asyncio.Task] = RolloutQueue(policy.window)
+        self.queue: RolloutQueue[asyncio.Task] = RolloutQueue(mode.window, mode.pick)
         self.flights: dict[int, Flight] = {}
         """Group id -> its generation, while it runs or is parked."""
-        self.parking = Parking(cfg, self.queue, source, counts)
+        self.parking = Parking(settings.parking, self.queue, source, counts)
         self.partial: PartialRollouts | None = None
         """The partial-rollout controller for the current client (`use`)."""
         self.gateway: Gateway | None = None
         """The OpenAI-compatible gateway black-box agents call (`start_gateway`)."""
-        self.max_in_flight = policy.max_in_flight
-        """Groups generating at once: the policy's, then what arbor.orchestrator.concurrency chooses per step."""
+        self.max_in_flight = mode.max_in_flight
+        """Groups generating at once: the mode's, then what arbor.orchestrator.concurrency chooses per step."""
         self.idle = IdleClock(time.monotonic())
         """Wall time with no group generating (the generator-idle fraction)."""
         self._failed: dict[asyncio.Task, int] = {}
@@ -92,7 +106,7 @@ class GenerationPool:
     async def start_gateway(self, client: InferenceClient) -> None:
         """Starts the gateway when configured or when the environment drives black-box agents, and writes its
         URL to `<output_dir>/gateway_url`."""
-        cfg = self.cfg
+        cfg = self.settings
         if not (cfg.gateway.enabled or getattr(self.env, "needs_gateway", False)):
             return
         self.gateway = Gateway(
@@ -116,20 +130,13 @@ class GenerationPool:
 
     def admit(self, step: int, kept: int, need: int, version: int, launched: int) -> int:
         """Launches what the mode allows now, for a step that has `kept` of its `need` groups, the fleet serving
-        `version`; `launched` counts the step's launches so far. Returns how many it launched."""
-        cfg, pol, q = self.cfg, self.policy, self.queue
+        `version`; `launched` counts the step's launches so far. Returns how many it launched (a parked group
+        resumed takes a launch's place without counting)."""
         n = 0
-        if pol.continuous:
-            while q.in_flight < self.max_in_flight and (
-                step + (kept + q.outstanding) // need - version <= cfg.max_off_policy_steps - pol.slack
-            ):
+        while self.mode.admits(step, kept, need, version, self.queue, self.max_in_flight):
+            if not self.parking.unpark(step):
                 self._launch(step, launched + n, version)
                 n += 1
-        else:
-            while kept + q.in_flight + q.ready < pol.per_step and q.in_flight < self.max_in_flight:
-                if not self.parking.unpark(step):
-                    self._launch(step, launched + n, version)
-                    n += 1
         return n
 
     def take(self, limit: int) -> list[list[Rollout] | FailedGroup]:
@@ -146,9 +153,9 @@ class GenerationPool:
         """Nothing ready: moves stragglers (then returns at once), or waits until a group finishes, the next
         straggler is due or (continuous modes) `newer_policy` is set: the staleness bound then admits more
         launches, which would otherwise wait for the next group to finish."""
-        cfg, q = self.cfg, self.queue
+        q = self.queue
         due = None
-        if cfg.partial.enabled and self.policy.continuous:
+        if self.settings.parking.partial.enabled and self.mode.continuous:
             due = await self.parking.move_stragglers(step, self.flights, self.partial)
         if due is not None and due <= time.monotonic():
             return
@@ -165,7 +172,7 @@ class GenerationPool:
         # One already set (a failed weight watcher leaves it so) would make this wait spin: ignored then.
         newer = (
             asyncio.ensure_future(newer_policy.wait())
-            if newer_policy is not None and not newer_policy.is_set() and self.policy.continuous
+            if newer_policy is not None and not newer_policy.is_set() and self.mode.continuous
             else None
         )
         try:
@@ -178,7 +185,7 @@ class GenerationPool:
 
     async def end_step(self) -> None:
         """A batch is full: per-step modes cancel or park the groups still generating."""
-        if not self.policy.continuous:
+        if not self.mode.continuous:
             await self.parking.surplus(self.flights.values(), self.partial)
 
     def resume_after_update(self, handles: list[GroupHandle]) -> None:
@@ -187,7 +194,7 @@ class GenerationPool:
         self.partial.resume(live, scheduled=False)
 
     def _launch(self, step: int, k: int, version: int) -> None:
-        cfg = self.cfg
+        cfg = self.settings
         spec = self.source.next_spec(step, k)
         handle = self.partial.handle(spec.group_id)
         if hasattr(self.env, "run_group"):  # black-box agents: the environment drives them via the gateway

@@ -1,17 +1,19 @@
 """The orchestrator: tasks -> rollouts -> rewards -> advantages -> packed batches, one training step at a time.
 
-Each step waits until the inference fleet serves a policy at most `lag(step)` versions behind the step (see
-arbor.orchestrator.scheduler: 0 = synchronous on-policy; 1 = batch N+1 is generated while the trainer trains on
-batch N), collects `batch_size / group_size` kept groups, writes the state a resume would start from and then
-the packed batch to `rollouts/step_N/`, and records the step's figures. Weight updates run in the background
-(`WeightSync`) and metrics are merged with the trainer's as they arrive (`MetricsWriter`).
+Each step waits until the inference fleet serves a policy at most `lag(step)` versions behind the step (the
+scheduling mode's, arbor.orchestrator.modes: 0 = synchronous on-policy; 1 = batch N+1 is generated while the
+trainer trains on batch N), collects `batch_size / group_size` kept groups, writes the state a resume would start
+from and then the packed batch to `rollouts/step_N/`, and records the step's figures. Weight updates run in the
+background (`WeightSync`) and metrics are merged with the trainer's as they arrive (`MetricsWriter`).
 
 The parts, one job each:
 - arbor.orchestrator.tasks: which task each new group gets (sampler or curriculum, retries, relaunch of a
   resumed run's pending tasks, prompts too long for seq_len skipped).
-- arbor.orchestrator.generation: the groups generating in the scheduler's queue (windowed FIFO admission, the
-  staleness-bounded launch rule, oversampling, waits), with arbor.orchestrator.parking for partial rollouts
-  (parked surplus, straggler resume/retry).
+- arbor.orchestrator.modes: the scheduling mode (`[orchestrator.scheduler] mode`, arbor.registry.MODES): lag,
+  window, launch rule, in-flight bounds.
+- arbor.orchestrator.generation: the groups generating in the scheduler's queue (the mode's window and launch
+  rule, oversampling, waits), with arbor.orchestrator.parking for partial rollouts (parked surplus, straggler
+  resume/retry).
 - arbor.orchestrator.assembler: a step's groups (staleness drops, advantages, filters, the experience buffer,
   train-only from the buffer).
 - arbor.orchestrator.teacher: with `[orchestrator.teacher]`, the teacher's logprobs of each kept sample's
@@ -20,6 +22,9 @@ The parts, one job each:
 - arbor.orchestrator.figures: the per-step figures and the metrics plumbing.
 - arbor.orchestrator.concurrency: after each step, the in-flight limit from the trainer's newest wait fraction
   and the queue left waiting (live throughput matching).
+
+`Orchestrator` is the one holder of the whole `OrchestratorConfig`: `slice_config` cuts it into each part's
+settings (a small typed dataclass of the sub-tables and fields that part reads), and the parts see only those.
 
 Groups still in flight (or parked, or finished but not taken) when a run stops lose their generation, but not
 their tasks: the saved state lists them and a resumed run launches them first, so no task is skipped.
@@ -34,9 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
+from typing import Any
 
 from arbor import runloop
 from arbor.config.loader import load_config, main_guard
@@ -46,27 +53,77 @@ from arbor.loopwatch import LoopWatch
 from arbor.models import build_tokenizer
 from arbor.monitor.heartbeat import beat, install
 from arbor.monitor.metrics import MetricsWriter, RunClock, init_wandb
-from arbor.orchestrator.assembler import StepAssembler, open_buffer
+from arbor.orchestrator.assembler import AssemblerSettings, StepAssembler, open_buffer
 from arbor.orchestrator.buffer import ExperienceBuffer
 from arbor.orchestrator.client import InferenceClient
 from arbor.orchestrator.concurrency import ConcurrencyController
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
 from arbor.orchestrator.evaluator import client_generator, evaluate
-from arbor.orchestrator.figures import StepFigures, StepTimes, drain_metrics, poll_metrics
-from arbor.orchestrator.generation import GenerationPool
-from arbor.orchestrator.scheduler import SchedulePolicy
+from arbor.orchestrator.figures import FigureSettings, StepFigures, StepTimes, drain_metrics, poll_metrics
+from arbor.orchestrator.generation import GenerationPool, GenerationSettings
+from arbor.orchestrator.parking import ParkingSettings
+from arbor.orchestrator.rollout import Rollout
+from arbor.orchestrator.scheduler import ModeSettings, build_mode
 from arbor.orchestrator.state import OrchestratorState, load_state
-from arbor.orchestrator.step_writer import StepWriter
-from arbor.orchestrator.tasks import TaskSource
+from arbor.orchestrator.step_writer import StepWriter, WriterSettings
+from arbor.orchestrator.tasks import TaskSettings, TaskSource
 from arbor.orchestrator.teacher import Teacher
 from arbor.orchestrator.weight_sync import WeightSync
 from arbor.run_dir import latest_checkpoint, stopped_path
+from arbor.transport.batch import StepBatch
 
 log = logging.getLogger("arbor.orchestrator")
 
 STOP_POLL = 0.5
 """Seconds between two looks for the trainer's `stopped.json` while a step is produced."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slices:
+    """Each part's share of the orchestrator config."""
+
+    mode: ModeSettings
+    tasks: TaskSettings
+    generation: GenerationSettings
+    assembler: AssemblerSettings
+    writer: WriterSettings
+    figures: FigureSettings
+
+
+def slice_config(cfg: OrchestratorConfig) -> Slices:
+    """The one place the whole config is read for the parts: each gets the sub-tables and fields it uses."""
+    groups = cfg.batch_size // cfg.group_size
+    return Slices(
+        mode=ModeSettings(cfg.scheduler, groups, cfg.max_off_policy_steps, cfg.max_concurrent_groups),
+        tasks=TaskSettings(
+            seed=cfg.seed,
+            seq_len=cfg.seq_len,
+            max_tokens=cfg.sampling.max_tokens,
+            prompt_format=cfg.environment.prompt_format,
+            curriculum=cfg.curriculum,
+            max_retries=cfg.partial.max_resumes,
+        ),
+        generation=GenerationSettings(
+            group_size=cfg.group_size,
+            seq_len=cfg.seq_len,
+            output_dir=cfg.output_dir,
+            sampling=cfg.sampling,
+            environment=cfg.environment,
+            gateway=cfg.gateway,
+            parking=ParkingSettings(cfg.partial, cfg.group_size, cfg.max_off_policy_steps),
+        ),
+        assembler=AssemblerSettings(
+            groups_per_step=groups,
+            max_off_policy_steps=cfg.max_off_policy_steps,
+            advantage=cfg.advantage,
+            filters=cfg.filters,
+            max_failed_groups=cfg.client.max_failed_groups,
+            buffer=cfg.buffer,
+        ),
+        writer=WriterSettings(cfg.output_dir, cfg.batching, cfg.sampling),
+        figures=FigureSettings(cfg.group_size, cfg.batching.prefix_merge, cfg.filters.solve_threshold, cfg.curriculum),
+    )
 
 
 class Orchestrator:
@@ -75,18 +132,21 @@ class Orchestrator:
 
     def __init__(self, cfg: OrchestratorConfig) -> None:
         self.cfg = cfg
+        parts = slice_config(cfg)
         self.tokenizer = build_tokenizer(cfg.model)
         self.env = load_environment(cfg.environment)
-        self.policy = SchedulePolicy.from_config(cfg)
+        self.mode = build_mode(parts.mode)
         self.start = (latest_checkpoint(cfg.output_dir) or 0) if cfg.resume else 0
         state = load_state(cfg.output_dir, self.start) if self.start else OrchestratorState()
         self.counts = Counts()
         self.env_stats = EpisodeStats()  # environment retries, failures and skips; multi-turn episode figures
-        self.source = TaskSource(cfg, self.env, self.tokenizer, state)
-        self.pool = GenerationPool(cfg, self.policy, self.env, self.tokenizer, self.source, self.counts, self.env_stats)
-        self.assembler = StepAssembler(cfg, self.policy, self.pool, self.source, self.counts)
-        self.writer = StepWriter(cfg, self.tokenizer.pad_token_id)
-        self.figures = StepFigures(cfg, self.env, self.source, self.pool, self.counts, self.env_stats)
+        self.source = TaskSource(parts.tasks, self.env, self.tokenizer, state)
+        self.pool = GenerationPool(
+            parts.generation, self.mode, self.env, self.tokenizer, self.source, self.counts, self.env_stats
+        )
+        self.assembler = StepAssembler(parts.assembler, self.pool, self.source, self.counts)
+        self.writer = StepWriter(parts.writer, self.tokenizer.pad_token_id)
+        self.figures = StepFigures(parts.figures, self.env, self.source, self.pool, self.counts, self.env_stats)
         self.buffer: ExperienceBuffer | None = None
         """Opened by `run` when `[orchestrator.buffer]` is on."""
         self.teacher = Teacher(cfg.teacher, self.tokenizer.vocab_size) if cfg.teacher is not None else None
@@ -94,7 +154,7 @@ class Orchestrator:
         self.clock = RunClock(cfg.output_dir, self.start)
         self.stopped_at: int | None = None
         """The trainer's last checkpoint when its `max_minutes` stopped the run early."""
-        self.matching = ConcurrencyController.from_config(cfg, self.policy)
+        self.matching = ConcurrencyController.for_mode(self.mode, parts.mode)
         self._trainer_seen: int | None = None  # the trainer row the controller last read
         self._dropped_before = 0  # stale drops counted before the current step
         self.watch = LoopWatch()
@@ -104,7 +164,7 @@ class Orchestrator:
         cfg = self.cfg
         install(cfg.output_dir, "orchestrator")
         metrics = MetricsWriter(cfg.output_dir, init_wandb(cfg.wandb, cfg.output_dir, cfg.model_dump(mode="json")))
-        self.buffer = open_buffer(cfg, self.start)
+        self.buffer = open_buffer(cfg.buffer, cfg.output_dir, self.start, cfg.resume)
         polling = asyncio.create_task(poll_metrics(metrics))
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -207,24 +267,59 @@ class Orchestrator:
     async def _step(
         self, step: int, client: InferenceClient | None, weights: WeightSync | None, metrics: MetricsWriter
     ) -> None:
-        cfg = self.cfg
+        """One step: the policy the mode says it waits for, its groups, its batch on disk, its figures, then the
+        in-flight limit for the next admissions."""
         t0 = time.perf_counter()
-        version = step - self.policy.lag(step)
+        waited = await self._wait_for_policy(step, weights)
+        groups, gen_seconds = await self._collect(step, client, weights)
+        groups = await self._through_buffer_and_teacher(step, groups)
+        batches = self._write(step, groups)
+        times = StepTimes(gen_seconds, waited, time.perf_counter() - t0, self.watch.take())
+        figures = await self._figures(step, groups, batches, times, weights, client)
+        metrics.add(step, {**figures, **self.clock.stamp()})
+        self._match_throughput(metrics)
+
+    async def _wait_for_policy(self, step: int, weights: WeightSync | None) -> float:
+        """Waits until the fleet serves version step - lag(step) (the mode's admission rule); the seconds waited."""
+        version = step - self.mode.lag(step)
         beat(f"waiting for policy version {max(0, version)} (step {step})")
-        waited = 0.0 if weights is None else await weights.ensure(version, cfg.weight_update_timeout)
+        return 0.0 if weights is None else await weights.ensure(version, self.cfg.weight_update_timeout)
+
+    async def _collect(
+        self, step: int, client: InferenceClient | None, weights: WeightSync | None
+    ) -> tuple[list[list[Rollout]], float]:
+        """The step's kept groups (none without a fleet: train-only) and the seconds collecting them took."""
         t_gen = time.perf_counter()
         beat(f"generating and scoring step {step}")
         groups = await self.assembler.collect(step, client, weights) if client is not None else []
         beat(f"packing and writing rollouts step {step}")
-        gen_seconds = time.perf_counter() - t_gen
+        return groups, time.perf_counter() - t_gen
+
+    async def _through_buffer_and_teacher(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """The step's batch through the experience buffer (when on), scored by the teacher (when configured)."""
         if self.buffer is not None:
             groups = self.assembler.through_buffer(step, groups, self.buffer)
         if self.teacher is not None:
             beat(f"scoring step {step} with the teacher")
             await self.teacher.score([r for g in groups for r in g])
-        self.writer.save_state(step, self.source)  # before the batch (arbor.orchestrator.step_writer)
-        batches = self.writer.write(step, [r for g in groups for r in g])
-        times = StepTimes(gen_seconds, waited, time.perf_counter() - t0, self.watch.take())
+        return groups
+
+    def _write(self, step: int, groups: list[list[Rollout]]) -> list[StepBatch]:
+        """The resume state, then the batch (arbor.orchestrator.step_writer)."""
+        self.writer.save_state(step, self.source)
+        return self.writer.write(step, [r for g in groups for r in g])
+
+    async def _figures(
+        self,
+        step: int,
+        groups: list[list[Rollout]],
+        batches: list[StepBatch],
+        times: StepTimes,
+        weights: WeightSync | None,
+        client: InferenceClient | None,
+    ) -> dict[str, Any]:
+        """The step's figures, with decoding speed, the periodic evaluation, the buffer and the teacher's."""
+        cfg = self.cfg
         figures = await self.figures.step(step, groups, batches, times, weights, client)
         if client is not None:  # decode speed and speculative acceptance over the step (local engines)
             figures.update(self.figures.decoding(await client.engine_counters()))
@@ -238,7 +333,10 @@ class Orchestrator:
             figures.update(self.buffer.counts())
         if self.teacher is not None:
             figures["time/teacher"] = self.teacher.seconds
-        metrics.add(step, {**figures, **self.clock.stamp()})
+        return figures
+
+    def _match_throughput(self, metrics: MetricsWriter) -> None:
+        """The in-flight limit for the next admissions, from the trainer's newest wait and the queue left."""
         self.pool.max_in_flight = self.matching.decide(
             self._new_trainer_wait(metrics), self.pool.queue.waiting, self.counts.dropped_stale - self._dropped_before
         )

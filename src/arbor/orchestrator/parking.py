@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Iterable
 
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import PartialConfig
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.partial import GroupHandle, PartialRollouts
 from arbor.orchestrator.scheduler import RolloutQueue
@@ -56,13 +56,24 @@ class Flight:
         return self.version if v is None else min(v, self.version)
 
 
+@dataclasses.dataclass(frozen=True)
+class ParkingSettings:
+    """What the partial-rollout moves read of the orchestrator config (arbor.orchestrator.main hands it out)."""
+
+    partial: PartialConfig
+    group_size: int
+    """Rollouts a dropped group counts for in dropped/stale."""
+    max_off_policy_steps: int
+    """A parked or moved group with a token older than this at the step is dropped, not resumed."""
+
+
 class Parking:
     """The moves above, on `queue`; the generation pool passes its flights and its partial-rollout controller."""
 
     def __init__(
-        self, cfg: OrchestratorConfig, queue: RolloutQueue[asyncio.Task], source: TaskSource, counts: Counts
+        self, settings: ParkingSettings, queue: RolloutQueue[asyncio.Task], source: TaskSource, counts: Counts
     ) -> None:
-        self.cfg, self.queue, self.source, self.counts = cfg, queue, source, counts
+        self.settings, self.queue, self.source, self.counts = settings, queue, source, counts
         self.parked: list[Flight] = []
         """Per-step modes: surplus groups aborted at batch fill, oldest first."""
         self.durations: collections.deque[float] = collections.deque(maxlen=STRAGGLER_RECENT)
@@ -82,8 +93,8 @@ class Parking:
             f = self.parked.pop(0)
             if f.task.done():
                 continue
-            if step - f.oldest > self.cfg.max_off_policy_steps:
-                self.counts.dropped_stale += self.cfg.group_size
+            if step - f.oldest > self.settings.max_off_policy_steps:
+                self.counts.dropped_stale += self.settings.group_size
                 f.task.cancel()
                 continue
             self._requeue(f, "resumed")
@@ -93,7 +104,7 @@ class Parking:
     async def surplus(self, flights: Iterable[Flight], partial: PartialRollouts) -> None:
         """Per-step modes, batch full: groups still generating are cancelled, or parked for the next step (partial
         rollouts); a group already resumed max_resumes times keeps running into the next step."""
-        cfg = self.cfg
+        cfg = self.settings
         running = [f for f in flights if not f.parked and not f.task.done()]
         if not running:
             return
@@ -115,7 +126,7 @@ class Parking:
         their positions and continues them at the tail (resume; too stale ones are dropped) or relaunches their
         tasks there (retry). Returns when the next window member becomes a straggler (None: never, as things
         stand; now: some moved, look at the queue again at once)."""
-        cfg, q = self.cfg, self.queue
+        cfg, q = self.settings, self.queue
         if q.window is None or len(self.durations) < STRAGGLER_MIN_FINISHED:
             return None
         retry = cfg.partial.straggler_action == "retry"

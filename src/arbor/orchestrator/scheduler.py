@@ -2,23 +2,18 @@
 
 `RolloutQueue` is the pure part (no asyncio, no clock): groups enter the generation queue at increasing
 positions as they are launched, finish in any order, and `take` hands out finished ones under a window rule:
-only positions in [H, H + W) are visible, any finished group inside the window is taken at once, none outside it
-ever is, and the head H advances only as the group at H is consumed (MiniMax Forge's windowed FIFO). W = 1 is
-strict FIFO; W = None is greedy (first finished, first out). Scripted completion orders in the tests pin this.
+only positions in [H, H + W) are visible, any finished group inside the window is taken at once (lowest position
+first, unless the mode's `pick` orders them otherwise), none outside it ever is, and the head H advances only as
+the group at H is consumed (MiniMax Forge's windowed FIFO). W = 1 is strict FIFO; W = None is greedy (first
+finished, first out). Scripted completion orders in the tests pin this.
 
-`SchedulePolicy` maps `[orchestrator.scheduler]` to the loop's two knobs: the policy lag a step waits for
-(weights version >= step - lag before the step's groups are launched or taken) and whether generation is a
-continuous producer (groups launched ahead, up to `max_in_flight`, across step boundaries) or per-step (exactly
-one step's groups launched when the step starts, as the walking skeleton did):
-- `sync`: lag = step mod sync_interval (every sync_interval-th step waits for fully on-policy weights), per-step.
-- `one_step_off`: lag 1, per-step (the default).
-- `async`: lag `scheduler.lag` (default max_off_policy_steps), continuous, strict FIFO order.
-- `greedy`: the same lag, continuous, first finished first out.
-- `windowed_fifo`: lag `scheduler.lag` (default max_off_policy_steps - slack), continuous, window W, where
-  slack = ceil(W / groups per step) (at most max_off_policy_steps): a group overtaken by the whole window is
-  trained that many steps later than the admission rule planned, so the loop launches only up to
-  max_off_policy_steps - slack steps ahead and the window's waits never turn into stale drops (which would skew
-  the batch mix toward easy, fast tasks).
+A scheduling mode (`SchedulingMode`, `[orchestrator.scheduler] mode`) decides everything else: whether generation
+is a continuous producer (groups launched ahead, up to the in-flight limit, across step boundaries) or per-step
+(exactly one step's groups launched when the step starts), the queue's window W, the order a batch takes the
+visible finished groups in (`pick`), the policy lag a step waits for (weights version >= step - lag before the
+step's groups are launched or taken), the launch rule (`admits`), the staleness slack it keeps free, and the
+in-flight default and adaptive bounds (arbor.orchestrator.concurrency). The built-ins live in
+arbor.orchestrator.modes, one module each, registered in arbor.registry.MODES; a user's mode is a dotted path.
 Every mode drops (and counts) a group with a token older than max_off_policy_steps when it is taken.
 Oversampling (per-step modes) and partial rollouts (aborting stragglers out of the window) are applied by the
 generation pool (arbor.orchestrator.generation, arbor.orchestrator.parking) on top of this queue: a moved group
@@ -28,22 +23,29 @@ is `discard`ed at its old position and `launch`ed again at the tail.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import RolloutScheduleConfig
+from arbor.registry import MODES
 
 T = TypeVar("T")
+
+
+def lowest_first(ready: Sequence[int]) -> int:
+    """The queue's default order: the lowest visible finished position (FIFO within the window)."""
+    return ready[0]
 
 
 class RolloutQueue(Generic[T]):
     """The generation queue: positions 0, 1, 2, ... in launch order; see the module docstring."""
 
-    def __init__(self, window: int | None) -> None:
+    def __init__(self, window: int | None, pick: Callable[[Sequence[int]], int] = lowest_first) -> None:
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 or None (greedy), got {window}")
         self.window = window
+        self.pick = pick
+        """Which of the visible finished positions (ascending, never empty) a batch takes next."""
         self.head = 0
         """H: the lowest position not yet consumed."""
         self.next_position = 0
@@ -96,65 +98,86 @@ class RolloutQueue(Generic[T]):
             self.head += 1
 
     def take(self, limit: int | None = None) -> list[tuple[int, T]]:
-        """Finished groups inside the window, lowest position first, at most `limit`; they are consumed. The
-        window is re-evaluated as the head advances, so a batch may take a group that enters the window because
-        the head was taken in this same call."""
+        """Finished groups inside the window, in `pick` order (lowest position first by default), at most
+        `limit`; they are consumed. The window is re-evaluated as the head advances, so a batch may take a group
+        that enters the window because the head was taken in this same call."""
         out: list[tuple[int, T]] = []
         while limit is None or len(out) < limit:
-            visible = [p for p in self._finished if self._visible(p)]
+            visible = sorted(p for p in self._finished if self._visible(p))
             if not visible:
                 break
-            p = min(visible)
+            p = self.pick(visible)
+            if p not in visible:
+                raise ValueError(f"pick chose position {p}, which is not one of the visible finished {visible}")
             out.append((p, self._finished.pop(p)))
             self._consume(p)
         return out
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulePolicy:
-    mode: str
-    continuous: bool
-    window: int | None
-    max_in_flight: int
-    lag_interval: int
-    fixed_lag: int
-    per_step: int = 0
-    """Per-step modes: groups launched for a step (ceil(oversample x groups per step))."""
-    slack: int = 0
-    """Continuous modes: steps of the staleness bound kept free by the admission rule (module docstring)."""
+class ModeSettings:
+    """What a scheduling mode reads of the orchestrator config (arbor.orchestrator.main hands it out)."""
 
-    @classmethod
-    def from_config(cls, cfg: OrchestratorConfig) -> "SchedulePolicy":
-        s = cfg.scheduler
-        groups = cfg.batch_size // cfg.group_size
-        mode = s.mode
-        continuous = mode in ("async", "greedy", "windowed_fifo")
-        window = {"async": 1, "greedy": None, "windowed_fifo": s.window or max(1, groups // 2)}.get(mode)
-        if not continuous:
-            window = None  # per-step: all of the step's groups are needed, order is irrelevant
-        launched = math.ceil(s.oversample * groups)
-        in_flight = s.max_in_flight or (2 * groups if continuous else cfg.max_concurrent_groups or launched)
-        slack = min(math.ceil(window / groups), cfg.max_off_policy_steps) if mode == "windowed_fifo" else 0
-        if mode == "one_step_off":
-            lag = 1
-        else:
-            lag = s.lag if s.lag is not None else cfg.max_off_policy_steps - slack
-        return cls(
-            mode,
-            continuous,
-            window,
-            in_flight,
-            s.sync_interval if mode == "sync" else 0,
-            lag,
-            groups if continuous else launched,
-            slack,
-        )
+    scheduler: RolloutScheduleConfig
+    """`[orchestrator.scheduler]`: the mode's name and knobs (lag, sync_interval, window, in-flight, oversample)."""
+    groups_per_step: int
+    """batch_size / group_size."""
+    max_off_policy_steps: int
+    """The staleness bound a taken group must meet."""
+    max_concurrent_groups: int | None
+    """The per-step modes' older in-flight knob (`orchestrator.max_concurrent_groups`)."""
+
+
+@runtime_checkable
+class SchedulingMode(Protocol):
+    """Everything a scheduling mode decides. A mode is built as `Mode(settings: ModeSettings)`; the built-ins
+    (arbor.orchestrator.modes) share the bases of arbor.orchestrator.modes.base."""
+
+    continuous: bool
+    """True: groups are launched ahead across step boundaries (the pool then moves stragglers out of the window
+    and wakes on a newer policy); False: per-step, the surplus still generating when a batch is full is
+    cancelled or parked for the next step (arbor.orchestrator.parking)."""
+    window: int | None
+    """W: only queue positions [H, H + W) are visible to a batch (and watched for stragglers); None: the whole
+    queue (no straggler moves)."""
+    slack: int
+    """Steps of the staleness bound the launch rule keeps free (windowed FIFO: a group overtaken by the whole
+    window is trained that many steps later than planned)."""
+    max_in_flight: int
+    """The in-flight limit before any adaptation (groups generating at once)."""
+    most_in_flight: int
+    """The most groups in flight the mode can use: the adaptive limit's default upper bound."""
+    queue_budget: int
+    """Finished groups that may wait in the queue after a batch is taken before the generator counts as running
+    ahead (the adaptation then lowers the limit)."""
 
     def lag(self, step: int) -> int:
-        """Versions the policy serving `step`'s generation may trail `step` by."""
-        if self.mode == "sync":
-            return step % self.lag_interval
-        return self.fixed_lag
+        """Versions the policy serving `step`'s generation may trail `step` by: the step waits for weights
+        version >= step - lag(step)."""
+        ...
+
+    def admits(self, step: int, kept: int, need: int, version: int, queue: RolloutQueue, max_in_flight: int) -> bool:
+        """Whether one more group may be launched (or a parked one resumed) now, for `step`, which has `kept` of
+        its `need` groups, the fleet serving `version`, under the in-flight limit `max_in_flight`."""
+        ...
+
+    def pick(self, ready: Sequence[int]) -> int:
+        """Which of the visible finished queue positions (ascending, never empty) a batch takes next."""
+        ...
+
+
+def build_mode(settings: ModeSettings) -> SchedulingMode:
+    """The configured mode: a registered name (arbor.registry.MODES) or a user's dotted path."""
+    name = settings.scheduler.mode
+    try:
+        factory = MODES.load(name)
+    except ValueError as e:  # a plugin's path that does not import: say which setting named it
+        raise ValueError(f"{MODES.field}: {e}") from None
+    mode = factory(settings)
+    if not isinstance(mode, SchedulingMode):  # a plugin's class that misses part of the interface
+        missing = [m for m in (*SchedulingMode.__annotations__, "lag", "admits", "pick") if not hasattr(mode, m)]
+        raise TypeError(f"{MODES.field}: {name!r} is not a SchedulingMode (it lacks {', '.join(sorted(missing))})")
+    return mode
 
 
 def staleness_histogram(staleness: Iterable[int]) -> dict[str, int]:

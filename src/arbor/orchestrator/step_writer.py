@@ -9,7 +9,10 @@ The batch is packed into micro-batches per trainer rank (arbor.orchestrator.batc
 
 from __future__ import annotations
 
-from arbor.config.orchestrator import OrchestratorConfig
+import dataclasses
+from pathlib import Path
+
+from arbor.config.orchestrator import BatchingConfig, SamplingConfig
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.state import save_state
@@ -19,31 +22,42 @@ from arbor.transport.batch import StepBatch
 from arbor.transport.files import write_step
 
 
-class StepWriter:
-    """Writes each step's state and batches to `cfg.output_dir` (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class WriterSettings:
+    """What the step writer reads of the orchestrator config (arbor.orchestrator.main hands it out)."""
 
-    def __init__(self, cfg: OrchestratorConfig, pad_token_id: int) -> None:
-        self.cfg, self.pad_token_id = cfg, pad_token_id
+    output_dir: Path
+    batching: BatchingConfig
+    sampling: SamplingConfig
+    """The temperature and top_p the trainer scores the samples at."""
+
+
+class StepWriter:
+    """Writes each step's state and batches to `settings.output_dir` (see the module docstring)."""
+
+    def __init__(self, settings: WriterSettings, pad_token_id: int) -> None:
+        self.settings, self.pad_token_id = settings, pad_token_id
 
     def save_state(self, step: int, source: TaskSource) -> None:
         """The state a run resuming at step + 1 starts from; call it before `write(step, ...)`."""
-        save_state(self.cfg.output_dir, source.state(step + 1))
-        prune_orchestrator_states(self.cfg.output_dir, latest_checkpoint(self.cfg.output_dir) or 0)
+        out = self.settings.output_dir
+        save_state(out, source.state(step + 1))
+        prune_orchestrator_states(out, latest_checkpoint(out) or 0)
 
     def write(self, step: int, rollouts: list[Rollout]) -> list[StepBatch]:
         """Packs the step's rollouts per trainer rank and writes them; returns the batches."""
-        cfg = self.cfg
+        batching, sampling = self.settings.batching, self.settings.sampling
         batches = build_step_batches(
             rollouts,
             step,
-            cfg.batching.trainer_ranks,
-            cfg.batching.micro_batch_tokens,
-            cfg.sampling.temperature,
+            batching.trainer_ranks,
+            batching.micro_batch_tokens,
+            sampling.temperature,
             self.pad_token_id,
-            cfg.batching.normalization,
-            cfg.batching.prefix_merge,
-            cfg.batching.min_micro_batches,
-            cfg.sampling.top_p,
+            batching.normalization,
+            batching.prefix_merge,
+            batching.min_micro_batches,
+            sampling.top_p,
         )
-        write_step(cfg.output_dir, step, batches)
+        write_step(self.settings.output_dir, step, batches)
         return batches

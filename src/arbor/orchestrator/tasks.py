@@ -19,11 +19,12 @@ the saved state.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import zlib
 from typing import Any
 
-from arbor.config.orchestrator import OrchestratorConfig
+from arbor.config.orchestrator import CurriculumConfig
 from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt_ids
 from arbor.orchestrator.filters import CurriculumSampler
 from arbor.orchestrator.group import GroupSpec
@@ -34,20 +35,34 @@ WARNED_PROMPTS = 10
 """Failed prompts warned about one by one; later ones are only counted (`skipped/bad_prompt`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskSettings:
+    """What the task source reads of the orchestrator config (arbor.orchestrator.main hands it out)."""
+
+    seed: int
+    """`orchestrator.seed`: the dataset, the sampler's order and the per-launch sampling seeds."""
+    seq_len: int
+    max_tokens: int
+    """`sampling.max_tokens`: a prompt must leave this much of seq_len."""
+    prompt_format: str
+    """`environment.prompt_format`."""
+    curriculum: CurriculumConfig
+    max_retries: int
+    """`partial.max_resumes`: a straggler's task is retried at most this many times."""
+
+
 class TaskSource:
     """Tasks for new groups (see the module docstring), resumed from `state`."""
 
-    def __init__(self, cfg: OrchestratorConfig, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
-        self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
-        self.tasks: list[Task] = env.dataset(cfg.seed)
+    def __init__(self, settings: TaskSettings, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
+        self.settings, self.env, self.tokenizer = settings, env, tokenizer
+        self.tasks: list[Task] = env.dataset(settings.seed)
         # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.
-        check_some_task_fits(
-            env, self.tasks, tokenizer, cfg.seq_len, cfg.sampling.max_tokens, cfg.environment.prompt_format
-        )
-        self.sampler = TaskSampler(self.tasks, cfg.seed, state.epoch, state.position)
+        check_some_task_fits(env, self.tasks, tokenizer, settings.seq_len, settings.max_tokens, settings.prompt_format)
+        self.sampler = TaskSampler(self.tasks, settings.seed, state.epoch, state.position)
         self.curriculum: CurriculumSampler | None = (
-            CurriculumSampler(self.tasks, cfg.seed, cfg.curriculum, state.curriculum)
-            if cfg.curriculum.enabled
+            CurriculumSampler(self.tasks, settings.seed, settings.curriculum, state.curriculum)
+            if settings.curriculum.enabled
             else None
         )
         self.relaunch: collections.deque[Task] = collections.deque(self.tasks[i] for i in state.pending)
@@ -62,7 +77,7 @@ class TaskSource:
 
     def next_spec(self, step: int, k: int) -> GroupSpec:
         """The next group to launch: the step's k-th launch."""
-        cfg = self.cfg
+        cfg = self.settings
         failed_in_a_row = 0
         while True:
             retries = 0
@@ -73,12 +88,12 @@ class TaskSource:
             else:
                 task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
             try:
-                prompt_ids = env_prompt_ids(self.env, task, self.tokenizer, cfg.environment.prompt_format)
+                prompt_ids = env_prompt_ids(self.env, task, self.tokenizer, cfg.prompt_format)
             except Exception as e:  # noqa: BLE001 - the environment's code for one task: skipped and counted
                 failed_in_a_row += 1
                 self._bad_prompt(task, e, failed_in_a_row)
                 continue
-            if len(prompt_ids) + cfg.sampling.max_tokens <= cfg.seq_len:
+            if len(prompt_ids) + cfg.max_tokens <= cfg.seq_len:
                 break
             self.skipped_long += 1
         seed = zlib.crc32(f"{cfg.seed}/{step}/{k}".encode()) & 0x7FFFFFFF
@@ -113,7 +128,7 @@ class TaskSource:
         """Queues the task of a cancelled straggler to be launched again, first; False when it has been retried
         max_resumes times already (or is unknown): it is given up."""
         task, retries = self._task_of_group.pop(group_id, None), self._retries.get(group_id, 0)
-        if task is None or retries >= self.cfg.partial.max_resumes:
+        if task is None or retries >= self.settings.max_retries:
             return False
         self.retry.append((task, retries + 1))
         return True
