@@ -3,7 +3,8 @@
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
 port free (when set explicitly), model and tokenizer files present (a Hugging Face hub id is fetched into the
-cache once, here), the GPUs a config asks for present, requested backends importable (vllm, DeepEP), the SFT
+cache once, here), the GPUs a config asks for present, requested backends importable (an inference server's
+backend, arbor.inference.backend, says which module it needs and adds its own checks; DeepEP), the SFT
 dataset readable, the environment importable with arguments its built-in takes and the black-box agent it names
 present, any loss or advantage function given by dotted path importable, and, last, the orchestrator's tokenizer
 and environment built as the orchestrator builds them, with the chat template a chat prompt needs
