@@ -107,14 +107,15 @@ class Layout:
 
 def layout(cfg: RLConfig) -> Layout:
     slurm, inf, nproc = cfg.slurm, cfg.inference, cfg.trainer.parallel.nproc
-    share = inf.vllm.gpu_memory_utilization if inf.backend == "vllm" else 0.9
+    backend = inf.engine_backend()
+    share = backend.memory_share(inf)
     if slurm is not None and slurm.inference_nodes:
         if not slurm.gpus_per_node:
             raise ConfigError("rl plan: slurm.gpus_per_node is 0: set the GPUs of a node to plan a multi-node run")
         trainer = cfg.cost.trainer_gpus or nproc * slurm.trainer_nodes
         inference = cfg.cost.inference_gpus or slurm.inference_nodes * slurm.gpus_per_node
         return Layout(trainer, inference, False, slurm.gpus_per_node, share)
-    if inf.backend == "vllm":  # one node: the vLLM server shares the trainer's GPUs
+    if backend.colocated:  # one node: the server (vLLM's) shares the trainer's GPUs
         return Layout(nproc, nproc, True, 1, share)
     return Layout(cfg.cost.trainer_gpus or nproc, cfg.cost.inference_gpus or inf.replicas, False, 1, share)
 

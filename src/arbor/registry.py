@@ -127,6 +127,13 @@ ENVIRONMENTS = Registry(
 model of their `[orchestrator.environment.args]`."""
 
 # --- inference backends ---
+BACKENDS = Registry(
+    "inference backend",
+    "inference.backend",
+    _members(local="arbor.inference.local_backend:LOCAL", vllm="arbor.inference.vllm.backend:VLLM"),
+    plugins=True,
+)
+"""Engines an `inference` server runs (arbor.inference.backend.InferenceBackend objects); `teacher.backend` too."""
 
 # --- scheduling modes ---
 

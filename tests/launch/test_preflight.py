@@ -13,6 +13,7 @@ import pytest
 
 from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
+from arbor.inference.vllm import backend as vllm_backend
 from arbor.launch import preflight
 from arbor.launch.preflight import PreflightError
 
@@ -122,7 +123,7 @@ def test_backend_not_importable(tmp_path, monkeypatch):
 def test_a_model_vllms_cpu_build_cannot_serve_fails_before_vllm_starts(tmp_path, monkeypatch):
     """vLLM's CPU build starts any model, then its engine dies at the first request when the heads are of a size its
     CPU attention lacks (qwen3-test's 8): preflight refuses that, for the policy and for a launched teacher."""
-    monkeypatch.setattr(preflight, "vllm_build", lambda: "cpu")
+    monkeypatch.setattr(vllm_backend, "vllm_build", lambda: "cpu")
     monkeypatch.setattr(preflight, "_importable", lambda module: True)
     for flags in (
         ["--inference.backend", "vllm"],
@@ -141,7 +142,7 @@ def test_a_model_vllms_cpu_build_cannot_serve_fails_before_vllm_starts(tmp_path,
         ["--output-dir", str(tmp_path / "run"), *TINY, "--inference.backend", "vllm", "--model.name", "qwen3-tiny"],
     )
     preflight.check_backends(served)
-    monkeypatch.setattr(preflight, "vllm_build", lambda: "gpu")  # CUDA attention kernels have their own sizes
+    monkeypatch.setattr(vllm_backend, "vllm_build", lambda: "gpu")  # CUDA attention kernels have their own sizes
     preflight.check_backends(cfg)
 
 

@@ -81,7 +81,5 @@ class FleetConfig(Config):
         if self.inference.vllm.enable_lora is None:  # the base model has no [model.lora]; the runs' adapters do
             self.inference.vllm.enable_lora = True
         if router.backend_slots is None:
-            vllm = self.inference.vllm.max_num_seqs
-            # vLLM's own default of --max-num-seqs is 256.
-            router.backend_slots = (vllm or 256) if self.inference.backend == "vllm" else self.inference.max_batch_size
+            router.backend_slots = self.inference.engine_backend().batch_slots(self.inference)
         return self

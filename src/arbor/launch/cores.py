@@ -15,9 +15,10 @@ comes from measured figures:
   as issue 20 found). A calibration run at launch would measure the same thing for the run's own model, at the
   price of seconds of start-up on every run; this default costs nothing and a resume corrects it.
 
-It applies only to a single-process local run (arbor's own engine, one replica, one trainer rank): vLLM and
-multi-rank trainers size their own pools. A side whose `num_threads` is set by hand keeps it; the other gets the
-remaining cores. This module never imports torch.
+It applies only to a single-process local run (a backend whose threads follow `inference.num_threads`, its
+`core_split`: arbor's own engine; one replica, one trainer rank): vLLM and multi-rank trainers size their own
+pools. A side whose `num_threads` is set by hand keeps it; the other gets the remaining cores.
+This module never imports torch.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def split_cores(cfg: RLConfig, cores: int | None = None) -> str | None:
     """Sets `trainer.num_threads` and `inference.num_threads` where the user did not; returns a line saying what
     was chosen and why, or None when the split does not apply."""
     trainer, inference = cfg.trainer, cfg.inference
-    if inference.backend != "local" or inference.replicas > 1 or trainer.parallel.nproc > 1:
+    if not inference.engine_backend().core_split or inference.replicas > 1 or trainer.parallel.nproc > 1:
         return None
     if trainer.num_threads is not None and inference.num_threads is not None:
         return None

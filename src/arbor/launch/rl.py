@@ -24,7 +24,6 @@ from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, n
 from arbor.config.fleet import FleetConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import SECTIONS, RLConfig
-from arbor.inference.vllm.launch import dry_run_command
 from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
@@ -490,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     write_configs(cfg)
     if cfg.dry_run:
         print(f"resolved configs written to {run_dir.configs_dir(cfg.output_dir)}")
-        if cfg.inference.backend == "vllm":
-            print(f"vLLM server command: {dry_run_command(cfg.inference)}")
+        backend = cfg.inference.engine_backend()
+        command = backend.command(cfg.inference)
+        if command is not None:
+            print(f"{backend.title} server command: {command}")
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run as Ctrl-C does, but exits 143, not 130.
     signal.signal(signal.SIGTERM, on_sigterm)
