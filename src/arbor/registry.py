@@ -108,7 +108,8 @@ ADVANTAGES = Registry(
         rloo="arbor.orchestrator.advantages:rloo",
     ),
 )
-"""Group-relative advantages (arbor.orchestrator.advantages.AdvantageFn)."""
+"""Group-relative advantages (arbor.orchestrator.advantages.AdvantageFn): every member is a rollout's reward
+against a baseline from its own group, so config refuses each with group_size 1 and no teacher."""
 
 ENVIRONMENTS = Registry(
     "environment",

@@ -16,15 +16,15 @@ from pydantic import Strict
 from tomli_w import dumps
 
 from arbor.config.base import Config
-from arbor.config.env_args import ENV_ARGS, CodeArgs
+from arbor.config.env_args import CodeArgs
+from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import EvalConfig
 from arbor.config.loader import ConfigError, load_config, render_help
-from arbor.config.orchestrator import GROUP_RELATIVE, OrchestratorConfig
+from arbor.config.orchestrator import AdvantageConfig, OrchestratorConfig
 from arbor.config.rl import RLConfig
 from arbor.config.trainer import TrainerConfig
-from arbor.environments.protocol import BUILTINS
 from arbor.environments.sandbox import MAX_SLOTS
-from arbor.registry import ADVANTAGES, load_object
+from arbor.registry import ADVANTAGES, ENVIRONMENTS
 
 
 def _write(path, text):
@@ -481,6 +481,8 @@ BAD_CONFIGS = [
         "task_input",
     ),
     (["--orchestrator.environment.id", "verifiers", "--orchestrator.environment.args", "{ max_tasks = 3 }"], "env_id"),
+    # a name no registry lists, nor a dotted path
+    (["--orchestrator.advantage.name", "ppo"], "orchestrator.advantage.name: unknown advantage 'ppo'; use one of grpo"),
     # paths the filesystem cannot hold, malformed sources
     (["--output-dir", "/tmp/" + "x" * 300], "output_dir"),
     (["--output-dir", "/tmp/" + "a/" * 2100], "output_dir"),
@@ -576,9 +578,10 @@ def test_good_variations_still_load(argv):
 
 
 def test_environment_argument_models_match_the_constructors():
-    assert set(ENV_ARGS) == set(BUILTINS)
-    for name, model in ENV_ARGS.items():
-        params = inspect.signature(load_object(BUILTINS[name])).parameters.values()
+    for name in ENVIRONMENTS.names():
+        model = ENVIRONMENTS.load_args(name)
+        assert model is not None, f"{name} has no arguments model"
+        params = inspect.signature(ENVIRONMENTS.load(name)).parameters.values()
         taken = {p.name: p.default for p in params if p.name != "self"}
         fields = {
             k: (f.default if not f.is_required() else inspect.Parameter.empty) for k, f in model.model_fields.items()
@@ -614,7 +617,8 @@ def test_every_numeric_field_is_strict_and_bounded():
             out += [b for t in tables(f.annotation) for b in walk(t)]
         return out
 
-    assert walk(RLConfig) + walk(EvalConfig) + [b for m in ENV_ARGS.values() for b in walk(m)] == []
+    env_args = [ENVIRONMENTS.load_args(name) for name in ENVIRONMENTS.names()]
+    assert walk(RLConfig) + walk(EvalConfig) + [b for m in env_args for b in walk(m)] == []
 
 
 def test_dry_run_of_a_cluster_config_needs_no_file_and_no_torch(tmp_path):
@@ -693,6 +697,20 @@ def test_dry_run_into_an_unwritable_output_dir_is_one_line(tmp_path):
     )
 
 
-def test_every_builtin_advantage_is_refused_with_groups_of_one() -> None:
-    """The config's list of group-relative advantages (refused with group_size 1) covers every built-in one."""
-    assert set(GROUP_RELATIVE) == set(ADVANTAGES.names())
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_every_builtin_advantage_is_refused_with_groups_of_one(name) -> None:
+    """Every registered advantage is group-relative: with groups of one (and no teacher) nothing is learned."""
+    with pytest.raises(ValueError, match=f"group_size = 1 with advantage.name = '{name}'"):
+        OrchestratorConfig(batch_size=4, group_size=1, advantage={"name": name})
+    OrchestratorConfig(batch_size=4, group_size=1, advantage={"name": "mypkg.adv:baseline_free"})
+
+
+def test_the_docs_of_registry_fields_name_every_member() -> None:
+    """The `--help` text of a field that names a registry member lists every registered one."""
+    for field, registry in (
+        (EnvironmentConfig.model_fields["id"], ENVIRONMENTS),
+        (AdvantageConfig.model_fields["name"], ADVANTAGES),
+    ):
+        assert "arbor.registry" in field.description
+        missing = [n for n in registry.names() if n not in field.description]
+        assert missing == [], f"the doc of {registry.field} does not name {missing}"

@@ -50,7 +50,7 @@ def test_max_minutes_is_shared_with_the_trainer_and_bounded() -> None:
 
 
 def test_report_shows_the_wall_time_of_the_last_row(tmp_path) -> None:
-    from arbor.monitor.report import main
+    from arbor.launch.report import main
 
     rows = [{"step": i, "reward/mean": 0.1, "time": 1e9 + 60 * i, "elapsed_s": 60.0 * (i + 1)} for i in range(3)]
     metrics_path(tmp_path).write_text("".join(json.dumps(r) + "\n" for r in rows))

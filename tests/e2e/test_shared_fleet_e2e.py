@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from arbor.monitor.report import main as report
+from arbor.launch.report import main as report
 from arbor.transport.router_wire import parse_run_metrics
 
 TINY = ["--model.name", "qwen3-test", "--seq-len", "48"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from arbor.monitor.report import main
+from arbor.launch.report import main
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:

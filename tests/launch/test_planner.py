@@ -10,9 +10,9 @@ import pytest
 from arbor.config.hardware import HardwareConfig, PlanConfig
 from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
+from arbor.launch.report import planner_lines
 from arbor.launch.rl import main, write_configs
 from arbor.models.args import ModelArgs
-from arbor.monitor.report import planner_lines
 from arbor.planner import attended, balance, forward_flops, model_figures, plan, trainer_rate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from arbor.monitor.report import PLOTS, main
+from arbor.launch.report import PLOTS, main
 
 TINY = [
     "--model.name",

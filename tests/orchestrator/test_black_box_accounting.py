@@ -9,14 +9,24 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_gateway import TOK, FakeClient, Served, _openai, _post
+from test_gateway import TOK, FakeClient, Served, _openai, _post, _spec
 
 from arbor.config.orchestrator import GatewayConfig
-from arbor.environments.black_box import BlackBoxEnv
+from arbor.environments.black_box import AgentGateway, AgentGroup, AgentSample, AgentSession, BlackBoxEnv
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway.openai_wire import trim_at_stop
 from arbor.orchestrator.gateway.routes import TEMPERATURE_HEADER
 from arbor.orchestrator.gateway.service import Gateway
+from arbor.orchestrator.rollout import Rollout
+
+
+def test_the_orchestrator_drives_black_box_through_the_protocols_it_defines() -> None:
+    """arbor.environments.black_box imports nothing of the orchestrator: it types what it is given. The gateway, its
+    sessions, the group spec and the rollouts it records are what those Protocols ask for."""
+    gw = Gateway(FakeClient(), TOK, GatewayConfig(), temperature=1.0, top_p=1.0, max_tokens=16, seq_len=64)
+    assert isinstance(gw, AgentGateway) and isinstance(gw.open("s", task_id=0, group_id=3), AgentSession)
+    assert isinstance(_spec(), AgentGroup)
+    assert isinstance(Rollout(0, [1], [2], [0.0], [0], "x", "stop"), AgentSample)
 
 
 def test_refused_requests_are_counted_by_status_class() -> None:

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import tiny_chat_tokenizer
 
-from arbor.environments.tools import parse_tool_calls, tool_schema
+from arbor.environments.tools import tool_schema
 from arbor.models.tokenizer import ByteTokenizer, HFTokenizer
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.trajectory import Trajectory
+from arbor.tool_calls import parse_tool_calls
 
 
 def _hf(tmp_path, **kw) -> HFTokenizer:

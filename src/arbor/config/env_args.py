@@ -1,11 +1,13 @@
-"""Typed `[orchestrator.environment.args]` of the built-in environments, checked with the rest of the config.
+"""Typed `[orchestrator.environment.args]` of the registered environments, checked with the rest of the config.
 
-One model per built-in (`ENV_ARGS`), its fields the keyword arguments of the environment's constructor with the
-same defaults (tests/config/test_config.py holds the two together). `check_env_args` answers a misspelt argument with
-the closest known one, a wrong type or range with the argument's name, and contradictions (min_len > max_len,
-a black-box agent given twice) in one line, so none of them reaches a running orchestrator; an argument unlike
-any known one is refused by preflight (`strict`). Environments given by dotted path take whatever arguments
-their factory takes (checked when preflight calls it).
+Each environment of arbor.registry.ENVIRONMENTS names its arguments model (a subclass of `EnvArgs`) by dotted
+path: its fields are the keyword arguments of the environment's factory with the same defaults
+(tests/config/test_config.py holds the two together). The built-ins' models are here, so that validating a config
+imports no environment code; a new environment may keep its model in its own module. `check_env_args` answers a
+misspelt argument with the closest known one, a wrong type or range with the argument's name, and contradictions
+(min_len > max_len, a black-box agent given twice) in one line, so none of them reaches a running orchestrator;
+an argument unlike any known one is refused by preflight (`strict`). Environments given by dotted path take
+whatever arguments their factory takes (checked when preflight calls it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
 from arbor.config.base import Config, Count, Float, Int, Seconds, Seed
+from arbor.registry import ENVIRONMENTS
 
 
 class EnvArgsError(ValueError):
@@ -23,7 +26,7 @@ class EnvArgsError(ValueError):
 
 
 class EnvArgs(Config):
-    """The arguments of one built-in environment."""
+    """The arguments of one registered environment (arbor.registry.ENVIRONMENTS names it as the member's `args`)."""
 
 
 class ReverseTextArgs(EnvArgs):
@@ -128,26 +131,15 @@ class SweAgentArgs(EnvArgs):
     system_prompt: str | None = "Fix the repository. Tools: list_files, read_file, write_file, run_tests."
 
 
-ENV_ARGS: dict[str, type[EnvArgs]] = {
-    "reverse_text": ReverseTextArgs,
-    "math": MathArgs,
-    "tool_use": ToolUseArgs,
-    "code": CodeArgs,
-    "verifiers": VerifiersArgs,
-    "black_box": BlackBoxArgs,
-    "swe_agent": SweAgentArgs,
-}
-"""The built-ins' argument models, by environment id (arbor.environments.protocol.BUILTINS)."""
-
-
 def check_env_args(env_id: str, args: dict[str, Any], prefix: str = "", strict: bool = False) -> None:
-    """Raises ValueError (one line naming the argument, `prefix` before it) unless `args` suit the built-in
-    environment `env_id`; arguments of an environment given by dotted path pass.
+    """Raises ValueError (one line naming the argument, `prefix` before it) unless `args` suit the registered
+    environment `env_id` (its arguments model, arbor.registry.ENVIRONMENTS); arguments of an environment given by
+    dotted path pass.
 
     A misspelt argument (one close to a known name) always fails, with the name meant. One that resembles no
     argument fails only when `strict`: the config loader lets it through (free-form tables load as written) and
     preflight, which is strict, refuses it before any process starts."""
-    model = ENV_ARGS.get(env_id)
+    model: type[EnvArgs] | None = ENVIRONMENTS.load_args(env_id)
     if model is None:
         return
     for key in args:

@@ -32,11 +32,11 @@ class ContextConfig(Config):
 
 class EnvironmentConfig(Config):
     id: str = "reverse_text"
-    """A built-in environment name (one of arbor.registry.ENVIRONMENTS: reverse_text, math, tool_use, code,
-    verifiers, black_box, swe_agent) or a dotted path `package.module:function` returning an Environment or a
+    """A built-in environment (arbor.registry.ENVIRONMENTS): reverse_text, math, tool_use, code, verifiers,
+    black_box, swe_agent; or a dotted path `package.module:function` returning an Environment or a
     MultiTurnEnvironment."""
     args: dict[str, Any] = Field({}, validate_default=True)  # validated when absent too: black_box needs an agent
-    """Keyword arguments for the environment's constructor (a built-in's are checked against its arguments,
+    """Keyword arguments for the environment's constructor (a built-in's are checked against its arguments model,
     arbor.config.env_args)."""
     prompt_format: Literal["chat", "raw"] = "chat"
     """How a task's prompt becomes tokens. "chat": the environment's messages through the tokenizer's chat

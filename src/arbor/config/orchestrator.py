@@ -27,7 +27,7 @@ from arbor.config.environment import EnvironmentConfig
 from arbor.config.eval import OrchestratorEvalConfig
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
-from arbor.registry import MODES, PER_STEP_MODES
+from arbor.registry import ADVANTAGES, MODES, PER_STEP_MODES
 
 
 class SamplingConfig(Config):
@@ -65,15 +65,12 @@ class ClientConfig(Config):
     under `rl`: at least `inference_startup_timeout` plus the restart back-off."""
 
 
-GROUP_RELATIVE = ("grpo", "drgrpo", "rloo")
-"""The built-in advantages, each a rollout's reward against a baseline from its own group."""
-
-
 class AdvantageConfig(Config):
     name: str = "grpo"
-    """Advantage function: "grpo" (reward minus group mean; divided by the group std with std_normalize),
-    "drgrpo" (Dr. GRPO: mean baseline, never std-normalised), "rloo" (leave-one-out mean baseline), or a dotted
-    path `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
+    """Advantage function: a built-in (arbor.registry.ADVANTAGES, each a rollout's reward against a baseline from
+    its own group): "grpo" (reward minus group mean; divided by the group std with std_normalize), "drgrpo"
+    (Dr. GRPO: mean baseline, never std-normalised), "rloo" (leave-one-out mean baseline); or a dotted path
+    `module:function` implementing arbor.orchestrator.advantages.AdvantageFn."""
     std_normalize: bool = False
     """Divide by the group's reward standard deviation (GRPO); off is Dr. GRPO's unbiased choice."""
     std_ddof: Literal[0, 1] = 0
@@ -86,6 +83,15 @@ class AdvantageConfig(Config):
     """Composite reward: a rollout with positive reward gains up to this much for finishing faster than the other
     successful rollouts of its group (relative completion time: latency when measured, else completion tokens).
     With per-turn rewards the bonus is added to the last turn's reward (the episode's outcome)."""
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        try:
+            ADVANTAGES.check(name)
+        except ValueError as e:  # the registry names the field as `rl` spells it; the loader names where it is
+            raise ValueError(str(e).removeprefix(f"{ADVANTAGES.field}: ")) from None
+        return name
 
 
 class BatchingConfig(Config):
@@ -405,7 +411,8 @@ class OrchestratorConfig(Config):
     def _batch_is_whole_groups(self) -> "OrchestratorConfig":
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
-        if self.group_size == 1 and self.teacher is None and self.advantage.name in GROUP_RELATIVE:
+        # Every built-in advantage is group-relative (arbor.registry.ADVANTAGES); a plugin may need no group.
+        if self.group_size == 1 and self.teacher is None and self.advantage.name in ADVANTAGES.members:
             raise ValueError(
                 f"group_size = 1 with advantage.name = {self.advantage.name!r} gives every rollout an "
                 "advantage of 0 (its reward minus its own group's baseline): nothing would be learned; "

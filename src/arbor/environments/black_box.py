@@ -7,8 +7,11 @@ environment's prompt) on argv, stdin or in `ARBOR_TASK`. The agent is either a `
 rollout: the true black box) or a `function` (`module:fn(task, base_url, api_key) -> str`, called in a thread:
 the same agent code without a process start per rollout, which is what makes the CPU example fast), or, with
 `remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see
-arbor.orchestrator.gateway.service)
-and must POST the session's reward themselves.
+arbor.orchestrator.gateway.service) and must POST the session's reward themselves.
+
+The orchestrator drives this environment: it calls `run_group(gateway, group, ...)` with its gateway and the
+group to run. What is needed of them is typed here (`AgentGateway`, `AgentSession`, `AgentGroup`,
+`AgentSample`), so this module imports nothing of the orchestrator, which sits above environments.
 
 A subprocess agent also gets `ARBOR_REWARD_URL` (its session's reward route) and `ARBOR_SESSION_ID`; a function
 agent's reward route is its `base_url` with the trailing `/v1` replaced by `/reward`; a remote agent gets
@@ -36,21 +39,82 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from arbor.config.environment import EnvironmentConfig
+from arbor.config.orchestrator import GatewayConfig
 from arbor.environments.guard import reward_components
 from arbor.environments.protocol import Task, load_environment, total_reward
 from arbor.registry import load_object
 
-if TYPE_CHECKING:
-    from arbor.orchestrator.gateway.service import Gateway
-    from arbor.orchestrator.group import GroupSpec
-    from arbor.orchestrator.rollout import Rollout
-
 log = logging.getLogger("arbor.environments.black_box")
+
+
+@runtime_checkable
+class AgentSample(Protocol):
+    """One training sample recorded from an agent's chain of calls (the orchestrator's Rollout)."""
+
+    score_failed: bool
+    latency: float | None
+
+
+@runtime_checkable
+class AgentSession(Protocol):
+    """One gateway session, one agent run (arbor.orchestrator.gateway.sessions.Session)."""
+
+    id: str
+    reward: float | None
+    """The reward the agent posted, or None; the environment sets it when it scores the answer itself."""
+    components: dict[str, float]
+
+    def rollouts(self, episode_id: int = -1) -> Sequence[AgentSample]:
+        """One sample per chain of calls, with the session's reward; `episode_id`: the run's index in its group."""
+        ...
+
+
+@runtime_checkable
+class AgentGateway(Protocol):
+    """The gateway's session API for in-process users (arbor.orchestrator.gateway.service.Gateway)."""
+
+    cfg: GatewayConfig
+
+    def open(self, session_id: str | None = None, task_id: int | str = -1, group_id: int = -1) -> AgentSession: ...
+
+    async def finish(self, session_id: str, ended: str = "abandoned") -> AgentSession:
+        """Closes the session, waits for its calls still generating, forgets it; without a posted reward it is
+        counted under `ended`."""
+        ...
+
+    def abandon(self, session_id: str) -> None:
+        """Forgets a session whose run was cancelled, without waiting for its calls."""
+        ...
+
+    def offer(self, session_id: str, task: str) -> None:
+        """Queues the session for a remote agent to claim (pull mode)."""
+        ...
+
+    async def wait_reward(self, session_id: str, timeout: float) -> bool:
+        """Waits for the session's reward POST; False on timeout."""
+        ...
+
+    def base_url(self, session_id: str) -> str:
+        """The session's OPENAI_BASE_URL."""
+        ...
+
+    def reward_url(self, session_id: str) -> str:
+        """Where the session's agent POSTs its reward."""
+        ...
+
+
+@runtime_checkable
+class AgentGroup(Protocol):
+    """The group to run (the orchestrator's GroupSpec): its task and its id."""
+
+    task: Task
+    group_id: int
 
 
 class AgentFailed(Exception):
@@ -120,16 +184,16 @@ class BlackBoxEnv:
     # -- rollouts --
 
     async def run_group(
-        self, gateway: "Gateway", spec: "GroupSpec", group_size: int, weights: dict[str, float], score_timeout: float
-    ) -> list["Rollout"]:
+        self, gateway: AgentGateway, spec: AgentGroup, group_size: int, weights: dict[str, float], score_timeout: float
+    ) -> list[AgentSample]:
         groups = await asyncio.gather(
             *(self._rollout(gateway, spec, weights, score_timeout, k) for k in range(group_size))
         )
         return [r for g in groups for r in g]
 
     async def _rollout(
-        self, gateway: "Gateway", spec: "GroupSpec", weights: dict[str, float], score_timeout: float, episode: int
-    ) -> list["Rollout"]:
+        self, gateway: AgentGateway, spec: AgentGroup, weights: dict[str, float], score_timeout: float, episode: int
+    ) -> list[AgentSample]:
         text = self.task_text(spec.task)
         for attempt in range(self.retries + 1):
             session = gateway.open(task_id=spec.task.get("id", -1), group_id=spec.group_id)
@@ -157,13 +221,13 @@ class BlackBoxEnv:
                 except Exception as e:  # noqa: BLE001 - a failing scorer scores 0 and is counted, as in rollout.py
                     log.warning("scoring task %s failed: %r", spec.task.get("id"), e)
                     session.reward, session.components, failed = 0.0, {}, True
-            rollouts = session.rollouts(episode)  # a branched session is one episode for advantages
+            rollouts = list(session.rollouts(episode))  # a branched session is one episode for advantages
             for r in rollouts:
                 r.score_failed, r.latency = failed, time.monotonic() - t0
             return rollouts
         return []
 
-    async def _attempt(self, gateway: "Gateway", session_id: str, task: str) -> str:
+    async def _attempt(self, gateway: AgentGateway, session_id: str, task: str) -> str:
         """One agent run in the session; its answer. A cancelled run (its group cancelled) abandons the session."""
         try:
             if self.remote:
@@ -180,7 +244,7 @@ class BlackBoxEnv:
             gateway.abandon(session_id)
             raise
 
-    async def _remote_agent(self, gateway: "Gateway", session_id: str, task: str) -> str:
+    async def _remote_agent(self, gateway: AgentGateway, session_id: str, task: str) -> str:
         """Pull mode: a remote agent claims the task (POST /v1/work) and must POST the reward in time."""
         gateway.offer(session_id, task)
         if not await gateway.wait_reward(session_id, self.timeout):

@@ -1,7 +1,7 @@
 """`ToolEnv`: the base class of multi-turn tool-calling environments (implements MultiTurnEnvironment).
 
 After each assistant turn, `step` parses the Qwen3/Hermes `<tool_call>` blocks of its text
-(arbor.environments.tools.parse_tool_calls), runs each valid call (a tool gets `tool_timeout` seconds; sync tools
+(arbor.tool_calls.parse_tool_calls), runs each valid call (a tool gets `tool_timeout` seconds; sync tools
 run in a thread) and answers with one `tool` message per call, in order. A malformed block, an unknown tool, bad
 arguments, a tool that raises or times out all answer with an error message the model can read, and count in
 the episode state as invalid calls (`state.invalid_calls`), which subclasses turn into a process penalty. A
@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from arbor.environments.protocol import StepResult, Task
-from arbor.environments.tools import ToolCall, ToolError, call_tool, parse_tool_calls
+from arbor.environments.tools import ToolError, call_tool
+from arbor.tool_calls import ToolCall, parse_tool_calls
 
 
 @dataclasses.dataclass

@@ -1,9 +1,10 @@
 """The Environment protocols: tasks in, prompts out, completions (or whole episodes) scored into named reward
 components.
 
-An environment is built from `[orchestrator.environment]`: `id` names a built-in (`reverse_text`, `math`,
-`tool_use`) or a dotted path `package.module:factory`; `args` are the factory's keyword arguments. Every call is
-async so that verifiers, tools and sandboxes never block the orchestrator's event loop.
+An environment is built from `[orchestrator.environment]`: `id` names a built-in (one of
+arbor.registry.ENVIRONMENTS, which gives its factory and its arguments model) or a dotted path
+`package.module:factory`; `args` are the factory's keyword arguments. Every call is async so that verifiers,
+tools and sandboxes never block the orchestrator's event loop.
 
 Two shapes:
 - `Environment` (single turn): `prompt(task)` is completed once and `score(task, completion)` rewards it.
@@ -30,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 from arbor.config.base import ConfigError
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.tools import tool_schema
-from arbor.registry import load_object
+from arbor.registry import ENVIRONMENTS
 
 Task = dict[str, Any]
 """One dataset row. Built-ins keep the chat prompt under "prompt" and a reference answer under "answer"."""
@@ -157,19 +158,9 @@ def check_some_task_fits(
     )
 
 
-BUILTINS = {
-    "reverse_text": "arbor.environments.reverse_text:ReverseTextEnv",
-    "math": "arbor.environments.math_problems:MathEnv",
-    "tool_use": "arbor.environments.tool_use:ToolUseEnv",
-    "code": "arbor.environments.code:CodeEnv",
-    "verifiers": "arbor.environments.verifiers_adapter:load_verifiers_env",
-    "black_box": "arbor.environments.black_box:BlackBoxEnv",
-    "swe_agent": "arbor.environments.swe_agent:SweAgentEnv",
-}
-
-
 def load_environment(cfg: EnvironmentConfig) -> Environment | MultiTurnEnvironment:
-    factory = load_object(BUILTINS.get(cfg.id, cfg.id))
+    """Builds `cfg.id` (a built-in of arbor.registry.ENVIRONMENTS, or a factory by dotted path) with `cfg.args`."""
+    factory = ENVIRONMENTS.load(cfg.id)
     env = factory(**cfg.args)
     if not isinstance(env, (Environment, MultiTurnEnvironment)):
         raise TypeError(

@@ -1,21 +1,15 @@
-"""Tools as plain Python functions, their JSON schemas, and parsing of tool calls out of assistant text.
+"""Tools as plain Python functions: their JSON schemas, and running a parsed call.
 
 A tool is any sync or async function with type hints and a docstring: `tool_schema(fn)` gives the OpenAI-style
 schema that chat templates expose (`{"type": "function", "function": {"name", "description", "parameters"}}`),
 the description being the docstring's first paragraph and each parameter's description taken from a
-`name: text` line of the docstring's Args section when there is one.
-
-Tool calls are parsed in the Qwen3 / Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-anywhere in the assistant's text (`arguments` may also be a JSON-encoded string, as some templates emit). A
-block that is not valid JSON, lacks a string `name` or has non-object arguments, or a `<tool_call>` never closed,
-becomes a `ToolCallError` rather than being dropped, so environments can penalise invalid calls. Unlike Hermes'
-reference parser, text outside the blocks is kept as the message content.
+`name: text` line of the docstring's Args section when there is one. `call_tool` runs one call parsed from the
+assistant's text by arbor.tool_calls (the Qwen3 / Hermes `<tool_call>` format, shared with the OpenAI wire).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import json
 import re
@@ -24,7 +18,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from arbor.tool_calls import ToolCall
+
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 
 
@@ -85,51 +80,6 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
             "parameters": {"type": "object", "properties": props, "required": required},
         },
     }
-
-
-@dataclasses.dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclasses.dataclass
-class ToolCallError:
-    raw: str
-    """The text of the malformed block."""
-    reason: str
-
-
-def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
-    """Every `<tool_call>` block of `text`, in order: the valid calls and the malformed ones."""
-    calls: list[ToolCall] = []
-    errors: list[ToolCallError] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) >= 0:
-        end = text.find(CLOSE, start + len(OPEN))
-        if end < 0:
-            errors.append(ToolCallError(text[start:], "unterminated <tool_call>"))
-            break
-        raw = text[start + len(OPEN) : end]
-        pos = end + len(CLOSE)
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            errors.append(ToolCallError(raw, f"invalid JSON: {e.msg}"))
-            continue
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append(ToolCallError(raw, "a tool call needs a string 'name'"))
-        elif not isinstance(args, dict):
-            errors.append(ToolCallError(raw, "'arguments' must be a JSON object"))
-        else:
-            calls.append(ToolCall(obj["name"], args))
-    return calls, errors
 
 
 class ToolError(Exception):

@@ -37,8 +37,8 @@ from typing import Any
 
 from arbor.environments.multiturn import ToolEnv, ToolState
 from arbor.environments.protocol import Task
-from arbor.environments.tools import parse_tool_calls
 from arbor.registry import load_object
+from arbor.tool_calls import parse_tool_calls
 
 INSTALL_HINT = "the verifiers adapter needs the optional extra: uv sync --extra verifiers"
 

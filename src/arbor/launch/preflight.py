@@ -37,12 +37,13 @@ from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
-from arbor.environments.protocol import BUILTINS, check_some_task_fits, is_multi_turn, load_environment
+from arbor.environments.protocol import check_some_task_fits, is_multi_turn, load_environment
 from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import tokenizer_has_template
+from arbor.registry import ENVIRONMENTS
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Config values that name a trainer backend -> the module it needs (a key named `backend` or ending in `_backend`);
@@ -218,11 +219,12 @@ def check_environments(cfg: RLConfig) -> None:
 
 
 def check_environment(env_id: str, where: str = "orchestrator.environment") -> None:
-    path = BUILTINS.get(env_id, env_id)
+    """A registered environment (arbor.registry.ENVIRONMENTS) or a dotted path, whose module is importable."""
+    path = ENVIRONMENTS.members[env_id].path if env_id in ENVIRONMENTS.members else env_id
     module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
     if not module:
         raise PreflightError(
-            f"{where}.id {env_id!r} is neither a built-in ({', '.join(BUILTINS)}) nor a dotted path "
+            f"{where}.id {env_id!r} is neither a built-in ({', '.join(ENVIRONMENTS.names())}) nor a dotted path "
             f"'package.module:factory'"
         )
     if not _importable(module):

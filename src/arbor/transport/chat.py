@@ -5,7 +5,7 @@ rendering and the same `tool_calls` from either.
 Messages are normalised to what a chat template renders (`template_message`: text content, tool calls with
 mapping arguments); a reply's message goes through the same function, so that a reply an agent echoes back
 renders as the recorded one (token-exact extension in arbor.orchestrator.trajectory). Tool calls travel as
-`<tool_call>{json}</tool_call>` blocks in the text (the Hermes/Qwen convention, arbor.environments.tools) and as
+`<tool_call>{json}</tool_call>` blocks in the text (the Hermes/Qwen convention, arbor.tool_calls) and as
 OpenAI `tool_calls` on the wire. Malformed input is a 400 `HTTPError` naming the field.
 """
 
@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from arbor.environments.tools import parse_tool_calls
+from arbor.tool_calls import parse_tool_calls
 from arbor.transport.http import BadRequest, HTTPError, parse_json
 
 TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
@@ -109,7 +109,7 @@ def chat_tools(body: dict[str, Any]) -> tuple[list[dict] | None, bool]:
 
 
 def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.environments.tools) and the text
+    """OpenAI `tool_calls` from the completion's `<tool_call>` blocks (arbor.tool_calls) and the text
     outside them; with any malformed block the whole text stays content, so the agent sees what was sampled."""
     calls, errors = parse_tool_calls(text)
     if not calls or errors:

@@ -19,7 +19,7 @@ slime's proxies), sends token ids to the inference fleet (`InferenceClient.gener
 versions, routed experts), records them in the session's trajectory (arbor.orchestrator.trajectory: token-exact
 extension; a history that does not extend a recorded turn branches, never spliced) and answers with ordinary
 OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks (the Hermes/Qwen
-convention, arbor.environments.tools), usage. Streaming is generated whole, then sent as a role chunk, one
+convention, arbor.tool_calls), usage. Streaming is generated whole, then sent as a role chunk, one
 content chunk, a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns
 token ids only for whole completions. Errors, all in the JSON error shape of arbor.transport.http: malformed
 JSON, wrong types, out-of-range or non-finite values, nesting past its depth limit, lone surrogates or a bad gzip

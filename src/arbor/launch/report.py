@@ -17,6 +17,9 @@ pays for its share of the fleet instead: its seconds on it x its share of the sl
 
 `arbor-report FLEET_DIR` (a `fleet`'s output directory) writes the fleet's report instead: its $/Mtok generated,
 its utilisation, and each run's share and $/Mtok (arbor.monitor.fleet_cost).
+
+A command beside `rl`, not a part of arbor.monitor: it shows the planner's estimates (arbor.planner), which sit
+above the metrics code the processes import.
 """
 
 from __future__ import annotations
