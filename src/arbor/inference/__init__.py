@@ -1,10 +1,5 @@
-"""Inference: the local CPU engine (`arbor.inference.engine.core`) behind an OpenAI/vLLM-compatible HTTP server
-(`arbor.inference.server`, the `inference` entry point).
+"""Inference: the local CPU engine (`arbor.inference.engine`) and the vLLM backend (`arbor.inference.vllm`) behind
+one OpenAI/vLLM-compatible HTTP server (`arbor.inference.server`), and the router in front of N of them.
 
-Importing this package stays light (no torch) so the server can parse its config before loading anything heavy;
-import `arbor.inference.engine.core` for the engine itself.
+Importing this package loads nothing: config validation reads `arbor.inference.backend` without torch or aiohttp.
 """
-
-from arbor.inference.engine.params import InvalidRequest, SamplingParams, WeightUpdateError
-
-__all__ = ["InvalidRequest", "SamplingParams", "WeightUpdateError"]
