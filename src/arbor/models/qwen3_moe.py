@@ -39,8 +39,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     """`x [M, in]` whose rows are grouped by expert (`counts [E]` rows each) times `w [E, out, in]`^T per group.
 
     On CUDA in bf16 with sm90+ this is one `torch._grouped_mm` kernel; elsewhere (CPU, fp32) a loop over the
-    non-empty groups, which computes the same thing.
+    non-empty groups, which computes the same thing. The weights are cast to the activations' dtype: expert-parallel
+    experts stay outside FSDP2 (arbor.trainer.parallel), so its mixed-precision policy never casts their fp32 master
+    weights; this cast is that policy for them (bf16 compute, fp32 gradients into the masters).
     """
+    w = w.to(x.dtype)
     if (
         x.is_cuda
         and x.dtype == torch.bfloat16
