@@ -714,3 +714,23 @@ def test_the_docs_of_registry_fields_name_every_member() -> None:
         assert "arbor.registry" in field.description
         missing = [n for n in registry.names() if n not in field.description]
         assert missing == [], f"the doc of {registry.field} does not name {missing}"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.dtype", "float32"], r"ep_backend = 'deepep' needs model.dtype = 'bfloat16'.*got 'float32'"),
+        (
+            ["--trainer.parallel.ep-max-tokens-per-rank", "256"],
+            r"micro_batch_tokens \(512\) / trainer.parallel.cp \(1\) exceeds .*ep_max_tokens_per_rank \(256\)",
+        ),
+    ],
+)
+def test_deepep_is_refused_in_one_line_where_it_cannot_work(flags, message):
+    """DeepEP dispatches bf16 tokens only, into a buffer of `ep_max_tokens_per_rank` tokens: a config outside
+    either is one line naming the fields, before anything starts (it used to fail in the kernels)."""
+    base = ["@", "examples/moe_reverse_text/rl.toml", "--trainer.parallel.ep-backend", "deepep"]
+    base += ["--model.dtype", "bfloat16"]
+    with pytest.raises(ConfigError, match=message):
+        load_config(RLConfig, base + flags, env={})
+    load_config(RLConfig, base, env={})  # bf16 and a buffer that holds a row: accepted

@@ -19,7 +19,7 @@ from arbor.config.loader import ConfigError
 from arbor.inference.vllm import launch as vllm_launch
 from arbor.inference.vllm import model_dir as vllm_model
 from arbor.inference.vllm import proxy as vllm_adapter
-from arbor.inference.vllm.launch import dry_run_command, render_extra, serve_argv, serve_env
+from arbor.inference.vllm.launch import E8M0_ENV, dry_run_command, render_extra, serve_argv, serve_env
 from arbor.inference.vllm.proxy import VLLMProxy, render_request, rpc_request
 from arbor.models import PRESETS
 from arbor.models.hf import hf_config
@@ -477,3 +477,15 @@ def test_a_kept_preset_directory_gets_the_current_tokenizer_export(tmp_path, mon
     assert vllm_model.model_dir(cfg)[0] == str(out)
     assert config.read_text() == current
     assert weights and {p: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == weights
+
+
+def test_fp8_serving_holds_vllm_to_the_trainers_float_scales():
+    """vLLM's DeepGEMM path rounds FP8 scales to powers of two (UE8M0) unless told otherwise; the trainer's are
+    float32 (arbor.models.fp8). An FP8 server gets the setting explicitly, over an inherited environment's value,
+    and it shows in the dry run's command line; a bf16 server is left as it is."""
+    fp8 = InferenceConfig(backend="vllm", model={"name": "qwen3-tiny", "fp8": "block"})
+    assert serve_env({E8M0_ENV: "1"}, fp8)[E8M0_ENV] == "0"
+    assert f"{E8M0_ENV}=0" in dry_run_command(fp8)
+    plain = InferenceConfig(backend="vllm", model={"name": "qwen3-tiny"})
+    assert E8M0_ENV not in serve_env({}, plain)
+    assert serve_env({E8M0_ENV: "1"}, plain)[E8M0_ENV] == "1"

@@ -160,6 +160,7 @@ class RLConfig(Config):
                 f"the trainer's data-parallel ranks ({ranks} = parallel.nproc / parallel.cp); leave it unset"
             )
         self.orchestrator.batching.trainer_ranks = ranks
+        self._check_deepep_buffer()
         self.orchestrator.batching.min_micro_batches = max(
             self.orchestrator.batching.min_micro_batches, self.trainer.mini_batches
         )
@@ -186,6 +187,17 @@ class RLConfig(Config):
             )
         self.run_admin_token()
         return self
+
+    def _check_deepep_buffer(self) -> None:
+        """DeepEP's buffer holds `ep_max_tokens_per_rank` tokens: a rank's share of a micro-batch row (the row over
+        cp) must fit, or the first dispatch of a full row fails deep in its kernels."""
+        p, row = self.trainer.parallel, self.orchestrator.batching.micro_batch_tokens
+        if p.ep > 1 and p.ep_backend == "deepep" and -(-row // p.cp) > p.ep_max_tokens_per_rank:
+            raise ValueError(
+                f"orchestrator.batching.micro_batch_tokens ({row}) / trainer.parallel.cp ({p.cp}) exceeds "
+                f"trainer.parallel.ep_max_tokens_per_rank ({p.ep_max_tokens_per_rank}), DeepEP's buffer per rank: "
+                "raise ep_max_tokens_per_rank or lower micro_batch_tokens"
+            )
 
     def _check_teacher(self) -> None:
         """Distillation needs a teacher and a teacher needs the loss term; `[teacher]` fills in the orchestrator's."""

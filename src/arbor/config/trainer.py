@@ -229,6 +229,11 @@ class TrainerConfig(Config):
 
     @model_validator(mode="after")
     def _layout_fits_model(self) -> "TrainerConfig":
+        if self.parallel.ep > 1 and self.parallel.ep_backend == "deepep" and self.model.dtype != "bfloat16":
+            raise ValueError(
+                f"trainer.parallel.ep_backend = 'deepep' needs model.dtype = 'bfloat16' (DeepEP dispatches bf16 "
+                f"tokens only), got {self.model.dtype!r}; use ep_backend = 'all_to_all' for other dtypes"
+            )
         if self.parallel.cp == 1 and self.parallel.ep == 1:
             return self  # nothing to split: no need to read a checkpoint's config.json
         args = model_shape(self.model)

@@ -98,6 +98,11 @@ class DeepEPDispatcher:
         d.get_buffer(self.group, hidden=self.hidden, num_max_tokens_per_rank=self.max_tokens, num_topk=self.top_k)
         n = torch.tensor([x.shape[0]], device=x.device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)  # layout stride: the largest rank's tokens
+        if int(n.item()) > self.max_tokens:  # a standalone trainer's batch: rl refuses such configs up front
+            raise ValueError(
+                f"a rank dispatches {int(n.item())} tokens, more than trainer.parallel.ep_max_tokens_per_rank "
+                f"({self.max_tokens}), DeepEP's buffer: raise it or lower the micro-batch tokens"
+            )
         routed, counts, state = d.dispatch_tokens(
             x, indices, weights, self.local, self.num_experts, num_tokens_per_rank=int(n.item())
         )

@@ -37,6 +37,8 @@ ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
 PADDING_MASK = "arbor.inference.vllm.logits:PaddingRowsMask"
 """The logits processor that keeps vLLM off the head's padding rows (`--logits-processors`)."""
 VOCAB_ENV = "ARBOR_VLLM_VOCAB_SIZE"
+E8M0_ENV = "VLLM_USE_DEEP_GEMM_E8M0"
+"""vLLM's switch between power-of-two (UE8M0) and float32 FP8 scales on its DeepGEMM path (see `serve_env`)."""
 """Environment variable telling `PADDING_MASK` the tokenizer's id count (rows from it upwards are masked)."""
 
 
@@ -186,8 +188,13 @@ def serve_env(
 ) -> dict[str, str]:
     """The server's environment: vLLM's dev routes on, with the CPU build its KV space and thread binding, with
     `vocab` (the tokenizer's id count, below the head's rows) the bound of the padding mask, and the switch of
-    the fp32 router plugin (arbor.inference.vllm.fp32_router)."""
+    the fp32 router plugin (arbor.inference.vllm.fp32_router). With `model.fp8 = "block"`, vLLM's DeepGEMM path is
+    held to float32 scales (`VLLM_USE_DEEP_GEMM_E8M0=0`, whatever the inherited environment says): vLLM's default
+    rounds every scale up to a power of two (UE8M0) where DeepGEMM supports it, while the trainer quantises with
+    float scales (arbor.models.fp8), so the served policy would silently differ from the trained one."""
     env = dict(os.environ if base is None else base)
+    if cfg is not None and cfg.model.fp8 == "block":
+        env[E8M0_ENV] = "0"
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
     if vocab is not None:
         env[VOCAB_ENV] = str(vocab)
