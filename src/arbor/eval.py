@@ -57,7 +57,11 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     lora = cfg.model.lora
     if cfg.base_url:  # with [model.lora], the server's adapter of that name (it must be loaded there)
         async with InferenceClient(
-            [cfg.base_url], 600.0, 3, **({"model": lora.adapter_name()} if lora is not None else {})
+            [cfg.base_url],
+            600.0,
+            3,
+            vocab_size=tokenizer.vocab_size,
+            **({"model": lora.adapter_name()} if lora is not None else {}),
         ) as client:
             figures = await evaluate(client_generator(client, cfg), tokenizer, cfg, seq_len=cfg.seq_len)
     else:  # arbor's engine in this process, stopped when done

@@ -20,7 +20,7 @@ def _figures(**over) -> tuple[StepFigures, GenerationPool]:
 
 
 class Router:
-    retries, reconnects = 2, 1
+    retries, reconnects, out_of_vocab = 2, 1, 3
 
     async def router_stats(self) -> dict[str, int]:
         return {"requests": 9, "ejections": 1, "something_else": 4}
@@ -40,7 +40,7 @@ def test_a_steps_figures() -> None:
     assert out["staleness/max"] == 2 and out["staleness/hist_1"] == 2 and out["rollouts/s"] == 2.0
     assert out["dropped/stale"] == 2 and out["skipped/too_long"] == 1 and out["policy_version"] == 4
     assert out["router/requests"] == 9 and out["router/ejections"] == 1 and "router/something_else" not in out
-    assert out["client/retries"] == 2 and out["client/reconnects"] == 1
+    assert out["client/retries"] == 2 and out["client/reconnects"] == 1 and out["client/out_of_vocab"] == 3
     assert out["time/orchestrator_step"] == 3.0 and out["epoch"] == 0
     assert out["batch/prefix_merge_ratio"] == 16 and out["batch/easy_frac"] == 0.5  # 16 tokens, no packed rows
     assert out["accepted/frac"] == 4 / 6 and "throughput/consumed_rollouts_per_s" not in out  # the first write

@@ -41,6 +41,12 @@ RECONNECT_POLL = 0.5
 """Seconds between two /health checks of an unreachable server."""
 
 
+class OutOfVocabulary(InferenceError):
+    """A server sampled a token id outside the tokenizer's ids (a head wider than the tokenizer whose padding rows
+    were not masked, e.g. vLLM under speculative decoding): the trainer's logprobs have no row for it. The group
+    fails (skipped and counted like any failed generation) instead of reaching the trainer as an index error."""
+
+
 def unreachable(e: BaseException) -> bool:
     """True for a refused, reset or dropped connection (the server process is gone or restarting), not for a
     slow answer: a timeout is an ordinary failed attempt."""
@@ -72,6 +78,7 @@ class InferenceClient:
         admin_token: SecretStr | None = None,
         adapter: str | None = None,
         reconnect_timeout: float = 600.0,
+        vocab_size: int | None = None,
     ) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
@@ -86,6 +93,10 @@ class InferenceClient:
         self._session: aiohttp.ClientSession | None = None
         self.retries = 0
         self.reconnect_timeout = reconnect_timeout
+        self.vocab_size = vocab_size
+        """The tokenizer's id count: a sampled id at or beyond it is refused (`OutOfVocabulary`); None: unchecked."""
+        self.out_of_vocab = 0
+        """Completions refused for an out-of-vocabulary token, for the run's metrics."""
         self.reconnects = 0
         """Servers that came back after being unreachable (a restarted process), for the run's metrics."""
         self._down: dict[str, asyncio.Task[None]] = {}
@@ -115,6 +126,17 @@ class InferenceClient:
     ) -> dict[str, Any]:
         """POSTs to `url`, or to the next reachable server of `base_urls`, retrying as the module docstring says.
         `gate=False` (a recovery's own calls) neither waits for a recovery nor starts one."""
+        return (await self._post_to(path, body, url, headers, gate))[1]
+
+    async def _post_to(
+        self,
+        path: str,
+        body: dict[str, Any],
+        url: str | None = None,
+        headers: dict[str, str] | None = None,
+        gate: bool = True,
+    ) -> tuple[str, dict[str, Any]]:
+        """`_post`, with the server that answered."""
         assert self._session is not None, "use InferenceClient as an async context manager"
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
@@ -128,7 +150,7 @@ class InferenceClient:
                 async with self._session.post(base + path, json=body, headers=headers) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
-                        return data
+                        return base, data
                     message = (data.get("error") or {}).get("message", data) if isinstance(data, dict) else data
                     if resp.status < 500:
                         raise InferenceError(
@@ -235,10 +257,11 @@ class InferenceClient:
             body["request_id"] = request_id
         if stop:
             body["stop"] = stop
-        data = await self._post("/v1/completions", body, headers=self._headers)
+        server, data = await self._post_to("/v1/completions", body, headers=self._headers)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
             ids = choice["token_ids"]
+            self._check_vocab(ids, server, choice["index"], request_id)
             lps = choice["logprobs"]["token_logprobs"]
             versions = choice.get("policy_versions") or [-1] * len(ids)
             if self.adapter is not None and choice.get("adapter") not in (None, self.adapter):
@@ -271,6 +294,18 @@ class InferenceClient:
                 )
             )
         return out
+
+    def _check_vocab(self, ids: list[int], server: str, index: int, request_id: str | None) -> None:
+        if self.vocab_size is None:
+            return
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            self.out_of_vocab += 1
+            raise OutOfVocabulary(
+                f"{server} sampled token id {bad}, outside the tokenizer's {self.vocab_size} ids, in sample {index} "
+                f"of request {request_id or '(unnamed)'}: its group is dropped (a head wider than the tokenizer "
+                "whose padding rows the server did not mask)"
+            )
 
     async def update_weights(self, path: str, version: int, urls: list[str] | None = None, gate: bool = True) -> None:
         """Loads a published weights directory on every server (each pauses, swaps, resumes), or on `urls` only

@@ -158,6 +158,7 @@ class StepFigures:
             "weights/updates": weights.updates if weights is not None else 0,
             "client/retries": client.retries if client is not None else 0,
             "client/reconnects": client.reconnects if client is not None else 0,
+            "client/out_of_vocab": client.out_of_vocab if client is not None else 0,
             "time/generate": times.generate,
             "time/wait_weights": times.wait_weights,
             "time/orchestrator_step": times.step,

@@ -206,6 +206,7 @@ class Orchestrator:
             admin_token=cfg.client.admin_token,
             adapter=lora,
             reconnect_timeout=cfg.client.reconnect_timeout,
+            vocab_size=self.tokenizer.vocab_size,
         ) as client:
             weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout), lora_name=lora)
             client.policy_version = weights.loaded_version
