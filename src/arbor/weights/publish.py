@@ -18,6 +18,7 @@ transport's `Publication`, with the manifest, checksums and `STABLE` marker of e
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,12 @@ from arbor.models.hf import hf_state_dict
 from arbor.models.lora import lora_parameters
 from arbor.models.lora_peft import adapter_config, peft_tensors
 from arbor.weights.buckets import TensorSpec, nbytes, plan_buckets, spec_of
-from arbor.weights.transport import WeightTransport
+from arbor.weights.comm import WeightTransferError
+from arbor.weights.transport import Publication, WeightTransport
+
+HANDSHAKE_MARGIN_S = 60.0
+"""How much longer than `weights.timeout` the other trainer ranks wait for rank 0's handshake with the receivers."""
+_handshake_groups: dict[float, Any] = {}
 
 
 def publish_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -91,6 +97,43 @@ def plan(
     return params, groups, layout
 
 
+def _handshake_group(timeout: float) -> Any:
+    """A gloo group of the trainer ranks whose collectives wait `timeout` (made on first use, by every rank)."""
+    if timeout not in _handshake_groups:
+        _handshake_groups[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    return _handshake_groups[timeout]
+
+
+def _begin_together(
+    transport: WeightTransport,
+    output_dir: str | Path,
+    version: int,
+    layout: list[list[TensorSpec]],
+    rank: int,
+    world: int,
+    send: list[bool],
+) -> Publication:
+    """Starts the publication on every rank, and lets no rank gather a bucket before rank 0's has started.
+
+    The NCCL transport's rank 0 waits for the receivers to join (up to `weights.timeout`) inside `begin`; a rank
+    already in a bucket's all-gather meanwhile would sit in an NCCL collective whose watchdog (the trainer's
+    process-group timeout) fires first. So every rank waits here, in a gloo collective whose timeout covers rank
+    0's wait, and learns whether it succeeded: a failed handshake fails every rank in one line, none hangs."""
+    error: WeightTransferError | None = None
+    try:
+        pub = transport.begin(output_dir, version, layout, rank, world, send)
+    except WeightTransferError as e:
+        error = e
+    if world > 1:
+        failed = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=_handshake_group(transport.timeout + HANDSHAKE_MARGIN_S))
+        if failed.item() and error is None:
+            error = WeightTransferError(f"weight update {version}: trainer rank 0 could not start it (see its log)")
+    if error is not None:
+        raise error
+    return pub
+
+
 def stream_publish(
     model: nn.Module,
     transport: WeightTransport,
@@ -111,7 +154,7 @@ def stream_publish(
         transport.prepare(output_dir, version, model.args, tokenizer, fp8)
     if world > 1:
         dist.barrier()  # the staging directory exists before any rank writes into it
-    pub = transport.begin(output_dir, version, layout, rank, world, send)
+    pub = _begin_together(transport, output_dir, version, layout, rank, world, send)
     # One bucket is handed over (written, sent) in a helper thread while the next one is gathered and cast:
     # at most two buckets are alive at once.
     with ThreadPoolExecutor(1, thread_name_prefix="arbor-publish") as handover:
