@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from arbor.config.inference import InferenceConfig
 from arbor.config.model import ModelConfig
+from arbor.inference.vllm.model_dir import model_dir
 from arbor.models import build_model
+from arbor.models.args import ModelArgs
 from arbor.models.fp8 import (
     BLOCK,
     FP8,
@@ -254,7 +260,6 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path, name):
 def test_trainer_and_engine_builders_apply_fp8():
     """`parallelize` swaps first (here with activation checkpointing on one rank: same gradients as the plain FP8
     model) and the engine builder gives inference the same FP8 layers."""
-    from arbor.config.inference import InferenceConfig
     from arbor.config.trainer import TrainerConfig
     from arbor.inference.engine.core import build_engine
     from arbor.trainer.parallel import ParallelDims, parallelize
@@ -345,13 +350,9 @@ def test_gpu_gemm_matches_reference(backend):
 
 
 def test_config_and_vllm_checkpoint_dir(tmp_path, monkeypatch):
-    import tempfile
-
     from pydantic import ValidationError
 
-    from arbor.config.inference import InferenceConfig
     from arbor.config.rl import RLConfig
-    from arbor.inference.vllm.model_dir import model_dir
 
     with pytest.raises(ValidationError, match="fp8"):
         ModelConfig(fp8="e5m2")
@@ -368,10 +369,42 @@ def test_config_and_vllm_checkpoint_dir(tmp_path, monkeypatch):
         "quantization_config"
     ]
     assert load_file(path + "/model.safetensors")["model.layers.1.self_attn.o_proj.weight"].dtype == FP8
-    # ... a checkpoint already in that format is served as it is, and MoE models are refused.
+    # ... a checkpoint already in that format is served as it is.
     assert model_dir(InferenceConfig(backend="vllm", model={"name": path, "fp8": "block"}))[0] == path
-    with pytest.raises(ValueError, match="dense models only"):
-        model_dir(InferenceConfig(backend="vllm", model={"name": "qwen3-moe-test", "fp8": "block"}))
+
+
+def test_fp8_moe_checkpoints_keep_routers_and_experts_as_arbor_trains_them(tmp_path, monkeypatch):
+    """An MoE model's FP8 checkpoint for vLLM: attention and dense projections block-FP8, the routers and routed
+    experts in the model's dtype (arbor trains them so) and listed in `modules_to_not_convert`, which vLLM's fp8
+    method reads as the layers it serves unquantised (checked with vLLM's own config parser and layer matcher
+    where vLLM is installed). An FP8 MoE checkpoint whose experts are quantised is quantised again our way."""
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    path, _ = model_dir(InferenceConfig(backend="vllm", model={"name": "qwen3-moe-test", "fp8": "block"}))
+    quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    args = build_model(ModelConfig(name="qwen3-moe-test")).args
+    keep = quant["modules_to_not_convert"]
+    assert keep == [f"model.layers.{i}.mlp.{m}" for i in args.moe_layers for m in ("gate", "experts")]
+    tensors = load_file(path + "/model.safetensors")
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
+    assert tensors["model.layers.0.mlp.gate.weight"].dtype != FP8
+    assert tensors["model.layers.0.mlp.experts.0.up_proj.weight"].dtype != FP8
+    assert not any(k.startswith("model.layers.0.mlp.experts.") and k.endswith("weight_scale_inv") for k in tensors)
+    # served as it is: it is already in this form
+    assert model_dir(InferenceConfig(backend="vllm", model={"name": path, "fp8": "block"}))[0] == path
+    # an FP8 checkpoint that quantised its experts (no modules_to_not_convert) is re-quantised our way
+    other = tmp_path / "experts-fp8"
+    shutil.copytree(path, other)
+    cfg = json.loads((other / "config.json").read_text())
+    del cfg["quantization_config"]["modules_to_not_convert"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert model_dir(InferenceConfig(backend="vllm", model={"name": str(other), "fp8": "block"}))[0] != str(other)
+
+    fp8_config = pytest.importorskip("vllm.model_executor.layers.quantization.fp8").Fp8Config.from_config(quant)
+    skipped = pytest.importorskip("vllm.model_executor.layers.quantization.utils.quant_utils").is_layer_skipped
+    for i in args.moe_layers:
+        assert skipped(f"model.layers.{i}.mlp.experts", fp8_config.ignored_layers)
+        assert skipped(f"model.layers.{i}.mlp.gate", fp8_config.ignored_layers)
+    assert not skipped("model.layers.0.self_attn.o_proj", fp8_config.ignored_layers)
 
 
 def test_published_fp8_step_loads_everywhere(tmp_path):
@@ -390,33 +423,21 @@ def test_published_fp8_step_loads_everywhere(tmp_path):
     assert torch.equal(other.model.layers[0].self_attn.q_proj.weight, dequantize_blocks(*quantize_blocks(q), q.shape))
 
 
-@pytest.mark.gpu(reason="vLLM's block-FP8 linear kernels (DeepGEMM/CUTLASS) and arbor's FP8 GEMMs are CUDA only")
-def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
-    """`inference --backend vllm` with model.fp8 = "block" on a Qwen3 whose projections are multiples of 128
-    (vLLM's block-FP8 layers need that): the served checkpoint and an update are DeepSeek-format FP8, and the
-    completion's logprobs match arbor's FP8 forward of the trainer's weights (vLLM computes in bf16)."""
+def _serve_fp8_and_compare(tmp_path, args) -> None:
+    """Serves a checkpoint of `args` with vLLM in block FP8, loads an FP8 update, and compares a completion's
+    logprobs with arbor's FP8 forward of the update's weights (vLLM computes in bf16)."""
     pytest.importorskip("vllm")
 
-    from vllm_server import post_json, vllm_server
+    from vllm_server import post_json, vllm_server  # starts vLLM: only the GPU tests need it
 
-    from arbor.models.args import ModelArgs
     from arbor.models.hf import save_checkpoint_dir
     from arbor.models.qwen3 import Qwen3ForCausalLM
+    from arbor.models.qwen3_moe import Qwen3MoeForCausalLM
     from arbor.trainer.step import shifted_logprobs
     from arbor.weights.transport import FilesystemTransport
 
-    args = ModelArgs(
-        vocab_size=264,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        rope_theta=10_000.0,
-        max_position_embeddings=512,
-    )
-    base, new = Qwen3ForCausalLM(args), Qwen3ForCausalLM(args)
+    cls = Qwen3MoeForCausalLM if args.is_moe else Qwen3ForCausalLM
+    base, new = cls(args), cls(args)
     base.init_weights(0, std=0.05)
     new.init_weights(1, std=0.05)
     save_checkpoint_dir(base.state_dict(), args, tmp_path / "model")
@@ -434,3 +455,32 @@ def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
             ref, _ = shifted_logprobs(new(ids[None])[0], ids, temperature=1.0, with_entropy=False)
         got = torch.tensor(c["logprobs"]["token_logprobs"])
         assert (got - ref[len(prompt) :]).abs().max().item() < 0.1
+
+
+FP8_SERVED = dict(
+    vocab_size=264,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    rope_theta=10_000.0,
+    max_position_embeddings=512,
+)
+"""A Qwen3 whose projections are multiples of 128, as vLLM's block-FP8 layers need."""
+
+
+@pytest.mark.gpu(reason="vLLM's block-FP8 linear kernels (DeepGEMM/CUTLASS) and arbor's FP8 GEMMs are CUDA only")
+def test_real_vllm_serves_block_fp8_like_the_trainer(tmp_path):
+    """`inference --backend vllm` with model.fp8 = "block": the served checkpoint and an update are DeepSeek-format
+    FP8, and the completion's logprobs match arbor's FP8 forward of the trainer's weights."""
+    _serve_fp8_and_compare(tmp_path, ModelArgs(**FP8_SERVED))
+
+
+@pytest.mark.gpu(reason="vLLM's block-FP8 linear and fused-MoE kernels are CUDA only")
+def test_real_vllm_serves_block_fp8_moe_with_routers_and_experts_as_trained(tmp_path):
+    """The same for an MoE model (glm5_swe's layout): attention in block FP8, routers and routed experts in bf16
+    as arbor trains them (`modules_to_not_convert`), served by vLLM's unquantised fused-MoE method."""
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    _serve_fp8_and_compare(tmp_path, ModelArgs(**FP8_SERVED, **moe))

@@ -15,15 +15,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
-from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, quantize_state
+from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, high_precision_modules, quantize_state
 from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer, mtp_from_hf, mtp_to_hf
 
 
 def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
-    """config.json's contents; with `fp8`, the block-FP8 `quantization_config` vLLM and transformers read."""
+    """config.json's contents; with `fp8`, the block-FP8 `quantization_config` vLLM and transformers read (with
+    the layers arbor keeps in high precision, arbor.models.fp8.high_precision_modules)."""
     config = args.to_hf_config()
     if fp8:
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        if keep := high_precision_modules(args):
+            config["quantization_config"]["modules_to_not_convert"] = keep
     return config
 
 

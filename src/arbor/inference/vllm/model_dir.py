@@ -10,6 +10,7 @@ from pathlib import Path
 from arbor.config.inference import InferenceConfig
 from arbor.inference.vllm.launch import materialized_path
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
+from arbor.models.fp8 import high_precision_modules
 from arbor.models.hf import save_checkpoint_dir
 
 
@@ -42,17 +43,15 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
     """The checkpoint in DeepSeek's FP8 format (float8 weights + `weight_scale_inv`, `quantization_config` with
     `weight_block_size [128, 128]`), which vLLM serves with its block-FP8 linear method (DeepGEMM/CUTLASS on
     Hopper) and which the trainer publishes after every step. A checkpoint already in that format is used as
-    is; any other is quantised once into a temporary directory. Routed MoE experts are not FP8 in arbor, but
-    vLLM's fp8 method would quantise its fused experts too, so MoE models are refused here."""
-    if model_args(cfg.model).is_moe:
-        raise ValueError(
-            f"model.fp8 = 'block' with inference.backend = 'vllm' supports dense models only; "
-            f"{cfg.model.name} is an MoE model (use the local engine or model.fp8 = 'none')"
-        )
+    is; any other is quantised once into a temporary directory. Routed MoE experts and routers stay in high
+    precision, as arbor trains them: the checkpoint lists them in `modules_to_not_convert`, which vLLM's fp8 method
+    serves unquantised (arbor.models.fp8.high_precision_modules)."""
     path = Path(cfg.model.name)
     if (path / "config.json").exists():
         quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-        if quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]:
+        kept = set(quant.get("modules_to_not_convert") or quant.get("ignored_layers") or [])
+        block_fp8 = quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]
+        if block_fp8 and kept >= set(high_precision_modules(model_args(cfg.model))):
             return str(path)
     return _materialize(cfg, fp8=True)
 
