@@ -23,6 +23,8 @@ FAMILIES = [
     "LOSSES",
     "ADVANTAGES",
     "ENVIRONMENTS",
+    "BACKENDS",
+    "MODES",
 ]
 """The registries of src/arbor/registry.py whose names the prose lists, one line each."""
 
