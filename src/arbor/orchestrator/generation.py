@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from arbor.config.orchestrator import OrchestratorConfig
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.orchestrator.concurrency import IdleClock
 from arbor.orchestrator.counts import Counts
@@ -62,7 +63,7 @@ class GenerationPool:
         cfg: OrchestratorConfig,
         policy: SchedulePolicy,
         env: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         source: TaskSource,
         counts: Counts,
         env_stats: EpisodeStats,

@@ -25,6 +25,7 @@ from typing import Any
 
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt_ids
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.filters import CurriculumSampler
 from arbor.orchestrator.group import GroupSpec
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
@@ -37,7 +38,7 @@ WARNED_PROMPTS = 10
 class TaskSource:
     """Tasks for new groups (see the module docstring), resumed from `state`."""
 
-    def __init__(self, cfg: OrchestratorConfig, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
+    def __init__(self, cfg: OrchestratorConfig, env: Any, tokenizer: Tokenizer, state: OrchestratorState) -> None:
         self.cfg, self.env, self.tokenizer = cfg, env, tokenizer
         self.tasks: list[Task] = env.dataset(cfg.seed)
         # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.

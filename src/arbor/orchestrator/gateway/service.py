@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.gateway.openai_wire import RunSampling
 from arbor.orchestrator.gateway.routes import OpenAIRoutes, SessionRoutes, session_url
 from arbor.orchestrator.gateway.sessions import GatewayCounts, Session, SessionStore
@@ -110,7 +111,7 @@ class Gateway:
     def __init__(
         self,
         client: "InferenceClient",
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         cfg: "GatewayConfig",
         *,
         temperature: float,
