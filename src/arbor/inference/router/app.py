@@ -16,7 +16,10 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
   poisonous: it is not retried on a third, the client gets a 502 naming both failures, and their 5xx answers
   count against neither backend (counter `poisoned`).
 - errors: the router's own answers (a malformed body, a bad gzip stream, a header that is not UTF-8, no backend)
-  have the fleet's JSON error shape (arbor.transport.http), and so do aiohttp's.
+  have the fleet's JSON error shape (arbor.transport.http), and so do aiohttp's. A completion or chat request is
+  checked against the request schema (arbor.transport.fields: each field's type and bounds, as the inference
+  servers and the gateway check them) and refused with a 400 naming the field rather than forwarded; what a
+  backend implements (the local engine's sampling, its context length) is the backend's to refuse.
 - admin fan-out: POST /update_weights, /pause, /resume, /abort_requests go to every backend and answer
   per-backend results (an abort names request ids, and the router does not track which backend holds which,
   so every backend gets it; one that never saw an id remembers it as aborted, which is harmless). With an
@@ -27,7 +30,8 @@ Built-in router (`router @ router.toml` or started by `rl` when `inference.repli
   GET /health: 200 while any backend is in rotation, with the lowest policy version among them.
 
 It adds little latency: one pooled aiohttp ClientSession, bodies forwarded as bytes, responses streamed through
-chunk by chunk, and JSON parsed only for consistent_hash requests without a session header.
+chunk by chunk, and JSON parsed only for generation requests (their schema check, `n` and run) and for
+consistent_hash requests without a session header.
 
 `vllm-router` (when installed and `implementation` allows; see arbor.transport.router_wire) is exec'd instead. It does
 not implement arbor's admin routes, so `rl` then points the orchestrator's admin calls at the backends directly;
@@ -54,6 +58,7 @@ from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.router.backends import Backend, Fleet, post_json, rendezvous
 from arbor.inference.router.run_routes import RUN_KEY, RunRoutes
 from arbor.inference.router.tenants import FairShare, Meter, Run, Tenants, metric_lines
+from arbor.transport import fields
 from arbor.transport.admin import ADMIN_ROUTES, ADMIN_UNDER_V1, bearer_headers
 from arbor.transport.http import (
     BadRequest,
@@ -68,9 +73,10 @@ from arbor.transport.router_wire import METRIC_PREFIX, RUN_HEADER, use_vllm_rout
 
 log = logging.getLogger("arbor.inference.router.app")
 
-RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
-MAX_SLOTS_PER_REQUEST = 4096
-"""Slots one request is counted for at most (`n` beyond it is the backend's to refuse)."""
+RETRYABLE_POST = {"/v1/completions": fields.COMPLETIONS, "/v1/chat/completions": fields.CHAT}
+"""The generation routes (retried on another backend on failure) and their endpoint in the request schema."""
+MAX_SLOTS_PER_REQUEST = fields.MAX_N
+"""Slots one request is counted for at most."""
 ADMIN = ADMIN_ROUTES
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 POISON_AFTER = 2
@@ -214,20 +220,15 @@ class Router(RunRoutes):
         return await self._forward(request, body, None)
 
     def _owner(self, request: web.Request, body: bytes) -> tuple[Run, int, str | None]:
-        """The run a generation request belongs to, the slots it takes (`n`) and its request id."""
-        try:
-            data = parse_json(body)
-        except BadRequest:  # the backend answers the malformed body itself
-            data = None
-        data = data if isinstance(data, dict) else {}
-        n = data.get("n", 1)
-        slots = min(n, MAX_SLOTS_PER_REQUEST) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        request_id = data.get("request_id")
-        return (
-            self.tenants.owner(request.headers.get(RUN_HEADER), data.get("model")),
-            slots,
-            request_id if isinstance(request_id, str) else None,
-        )
+        """The run a generation request belongs to, the slots it takes (`n`) and its request id. The body is
+        checked against the request schema first (arbor.transport.fields: types and bounds, no backend's
+        capabilities): garbage is answered 400 here, naming the field, rather than forwarded."""
+        data = parse_json(body)
+        if not isinstance(data, dict):
+            raise BadRequest(f"the JSON body must be an object, got {type(data).__name__}")
+        fields.validate(data, RETRYABLE_POST[request.path])
+        slots = min(data.get("n") or 1, MAX_SLOTS_PER_REQUEST)
+        return self.tenants.owner(request.headers.get(RUN_HEADER), data.get("model")), slots, data.get("request_id")
 
     async def _forward(self, request: web.Request, body: bytes, run: Run | None) -> web.StreamResponse:
         retryable = request.method == "GET" or request.path in RETRYABLE_POST
