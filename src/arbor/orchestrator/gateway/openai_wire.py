@@ -22,6 +22,8 @@ from arbor.transport.http import BadRequest, HTTPError
 MAX_N = 16
 """Most choices one call may ask for (each is recorded as its own turn); the schema allows more (fields.MAX_N)."""
 GATEWAY = "the gateway (it samples with temperature and top_p, and answers text and tool calls only)"
+GATEWAY_FIELDS = {e: fields.serves(fields.GATEWAY, e) for e in fields.ENDPOINTS}
+"""The schema fields the gateway acts on, per endpoint."""
 
 
 def check_request(body: dict[str, Any], endpoint: str) -> None:
@@ -29,7 +31,7 @@ def check_request(body: dict[str, Any], endpoint: str) -> None:
     router's), and the refusal of the schema fields the gateway does not act on unless they hold a neutral value:
     a 400 naming the field."""
     fields.validate(body, endpoint)
-    fields.refuse_unsupported(body, endpoint, fields.serves(fields.GATEWAY, endpoint), GATEWAY)
+    fields.refuse_unsupported(body, endpoint, GATEWAY_FIELDS[endpoint], GATEWAY)
 
 
 # ---- requests ----
