@@ -96,6 +96,39 @@ def test_the_routers_own_errors_have_the_json_shape() -> None:
     asyncio.run(go())
 
 
+def test_the_router_refuses_what_the_request_schema_refuses_and_forwards_the_rest() -> None:
+    """The router checks a generation body against the request schema (arbor.transport.fields) and answers a
+    malformed field itself, with a 400 naming it in the fleet's error shape, sending it to no backend; a valid
+    body goes on as it is, whatever backend capability it asks for (the backend's to refuse)."""
+    refused = [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**19}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "return_token_ids": "yes"}, "return_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": [], "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [], "request_id": 5}, "request_id"),
+        ("/v1/chat/completions", {"messages": [], "temperature": -1}, "temperature"),
+        ("/v1/completions", [1, 2], None),
+        ("/v1/completions", "{not json", None),
+    ]
+
+    async def go() -> None:
+        backends, router, runner, url = await _fleet(2)
+        async with aiohttp.ClientSession() as s:
+            for path, body, param in refused:
+                raw = body.encode() if isinstance(body, str) else encode(body)
+                status, data = await send(s, url + path, raw, {})
+                assert status == 400 and data["error"]["param"] == param, (body, data)
+                assert set(data["error"]) == {"message", "type", "param"}
+            assert not any(b.seen for b in backends)
+            ok = {"prompt": [1], "top_k": 5, "logprobs": 2, "request_id": "r", "unknown_field": {"x": 1}}
+            status, data = await send(s, url + "/v1/completions", encode(ok), {})
+            assert status == 200 and data["echo"] == ok
+        await _stop(runner, backends)
+
+    asyncio.run(go())
+
+
 def test_fuzzed_requests_through_the_router_never_get_a_5xx_nor_eject_a_backend() -> None:
     rng = random.Random(7)
     valid = {

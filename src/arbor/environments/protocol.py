@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 from arbor.config.base import ConfigError
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.tools import tool_schema
+from arbor.models.tokenizer import Tokenizer
 from arbor.registry import ENVIRONMENTS
 
 Task = dict[str, Any]
@@ -112,7 +113,7 @@ def raw_prompt(messages: list[dict[str, Any]]) -> str:
     return "\n\n".join(m["content"] for m in messages if m.get("content"))
 
 
-def env_prompt_ids(env: Any, task: Task, tokenizer: Any, prompt_format: str = "chat") -> list[int]:
+def env_prompt_ids(env: Any, task: Task, tokenizer: Tokenizer, prompt_format: str = "chat") -> list[int]:
     """The first prompt's token ids: through the chat template, with the task's tool schemas for a multi-turn
     environment, or (`prompt_format = "raw"`) the raw prompt's text tokenised as it is."""
     if prompt_format == "raw":
@@ -133,7 +134,7 @@ class NoTaskFits(ConfigError):
 
 
 def check_some_task_fits(
-    env: Any, tasks: list[Task], tokenizer: Any, seq_len: int, max_tokens: int, prompt_format: str = "chat"
+    env: Any, tasks: list[Task], tokenizer: Tokenizer, seq_len: int, max_tokens: int, prompt_format: str = "chat"
 ) -> None:
     """Raises NoTaskFits unless some task's first prompt plus `max_tokens` fits in `seq_len` (stops at the first
     that does; when none does, the message names the shortest prompt). The orchestrator skips (and counts) the

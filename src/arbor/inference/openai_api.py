@@ -1,8 +1,9 @@
 """The OpenAI/vLLM wire format of the local `inference` server (arbor.inference.server): reading a completion or
-chat request's prompt, sampling fields and client request id (every field checked, a bad one a `BadRequest`
-naming it; messages, tools and tool calls are read and written as the gateway does, by arbor.transport.chat),
-and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server does (token strings, or
-`token_id:N` with `return_tokens_as_token_ids`)."""
+chat request's prompt, sampling fields and client request id (every field checked against the request schema,
+arbor.transport.fields, a bad one a `BadRequest` naming it, and the schema's fields this engine does not implement
+refused unless neutral; messages, tools and tool calls are read and written as the gateway does, by
+arbor.transport.chat), and writing a choice's logprobs and prompt logprobs the way vLLM's OpenAI server does
+(token strings, or `token_id:N` with `return_tokens_as_token_ids`)."""
 
 from __future__ import annotations
 
@@ -11,60 +12,45 @@ from typing import Any
 from aiohttp import web
 
 from arbor.inference.engine.params import PromptLogprobs, SamplingParams
+from arbor.models.tokenizer import Tokenizer
+from arbor.transport import fields
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
-from arbor.transport.http import BadRequest, get_field
+from arbor.transport.http import BadRequest
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
-MAX_REQUEST_ID_CHARS = 256
-NEUTRAL_SAMPLING = {
-    "top_k": (-1, 0),
-    "min_p": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
-    "bad_words": ([],),
-    "allowed_token_ids": (),
-    "use_beam_search": (False,),
-    "logits_processors": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
-    "response_format": ({"type": "text"},),
+LOCAL_UNSERVED = frozenset(f.name for f in fields.FIELDS if f.meaning in (fields.VLLM_SAMPLING, fields.VLLM_STRUCTURED))
+"""The schema's vLLM fields the local engine does not implement (it samples with temperature and top-p only, and
+does not constrain decoding): only their neutral values are taken, since a silently ignored field would return
+samples (and logprobs) of another distribution than the one asked for."""
+LOCAL_FIELDS = {
+    fields.COMPLETIONS: fields.serves(fields.INFERENCE, fields.COMPLETIONS) - LOCAL_UNSERVED - {"echo", "suffix"},
+    fields.CHAT: fields.serves(fields.INFERENCE, fields.CHAT) - LOCAL_UNSERVED - {"prompt_logprobs"},
 }
-"""vLLM sampling fields the local engine does not implement (it samples with temperature and top-p only), with
-the values that leave sampling unchanged. Any other value is refused, naming the field: a silently ignored
-field would return samples (and logprobs) of another distribution than the one asked for."""
+"""The schema fields the local server acts on, per endpoint (arbor.transport.fields)."""
+LOCAL_BACKEND = "the local backend (serve with the vLLM backend for it)"
+
+
+def check_request(body: dict[str, Any], endpoint: str) -> None:
+    """The schema's checks of a completions or chat body (arbor.transport.fields), and the refusal of the fields
+    the local engine does not implement: a 400 naming the field."""
+    fields.validate(body, endpoint)
+    fields.refuse_unsupported(body, endpoint, LOCAL_FIELDS[endpoint], LOCAL_BACKEND)
 
 
 # ---- request parsing ----
 
 
 def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:
-    n = get_field(body, "n", (int,), 1)
-    if not 1 <= n <= max_batch_size:
+    """The engine's sampling of a body that `check_request` passed."""
+    n = body.get("n") or 1
+    if n > max_batch_size:
         raise BadRequest(f"n must be in [1, {max_batch_size}] (the server's max_batch_size), got {n}", "n")
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if get_field(body, "stream", (bool,), False):
+    if body.get("stream"):
         raise BadRequest(STREAM_UNSUPPORTED, "stream")
-    if get_field(body, "best_of", (int,), n) != n:
+    if body.get("best_of") not in (None, n):
         raise BadRequest(
             f"best_of is not supported by the local backend: leave it unset or equal to n ({n})", "best_of"
         )
-    for name, neutral in NEUTRAL_SAMPLING.items():
-        value = body.get(name)
-        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
-            raise BadRequest(
-                f"{name} is not supported by the local backend (it samples with temperature and top_p "
-                f"only): leave it unset{' or ' + repr(neutral[0]) if neutral else ''}, or serve with "
-                "the vLLM backend",
-                name,
-            )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=read_temperature(body, 1.0),
@@ -73,11 +59,11 @@ def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, ma
         stop=read_stop(body),
         seed=read_seed(body),
         top_logprobs=top_logprobs,
-        skip_special_tokens=get_field(body, "skip_special_tokens", (bool,), True),
+        skip_special_tokens=body.get("skip_special_tokens", True) is not False,
     )
 
 
-def prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+def prompts(body: dict[str, Any], tokenizer: Tokenizer) -> list[list[int]]:
     """`prompt` as a string, a list of token ids, or a list of either (several prompts)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -92,23 +78,9 @@ def prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
     raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
 
 
-def completion_fields(body: dict[str, Any]) -> None:
-    """Refuses the legacy completions fields that change the response and that the local backend does not
-    implement (`echo`, `suffix`), naming the field, rather than answering without them."""
-    if get_field(body, "echo", (bool,), False):
-        raise BadRequest(
-            "echo is not supported by the local backend: leave it unset or false, or serve with the vLLM backend",
-            "echo",
-        )
-    if get_field(body, "suffix", (str,), None):
-        raise BadRequest("suffix is not supported by the local backend: leave it unset", "suffix")
-
-
 def request_id(request: web.Request, body: dict[str, Any]) -> str | None:
     """The client-chosen request id: vLLM's body field `request_id`, else the `X-Request-Id` header."""
-    rid = get_field(body, "request_id", (str,), None)
-    if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
-        raise BadRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}", "request_id")
+    rid = body.get("request_id")  # checked by the schema
     return rid if rid is not None else request.headers.get("X-Request-Id")
 
 
@@ -125,11 +97,11 @@ def abort_ids(body: dict[str, Any]) -> list[str] | None:
 # ---- response building ----
 
 
-def token_str(tokenizer: Any, token_id: int, as_ids: bool) -> str:
+def token_str(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
+def completion_logprobs(tokenizer: Tokenizer, c: Any, as_ids: bool) -> dict[str, Any]:
     tokens = [token_str(tokenizer, t, as_ids) for t in c.token_ids]
     offsets, at = [], 0
     for s in tokens:
@@ -143,7 +115,7 @@ def completion_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def prompt_logprobs(tokenizer: Any, entries: PromptLogprobs) -> list[dict[str, Any] | None]:
+def prompt_logprobs(tokenizer: Tokenizer, entries: PromptLogprobs) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or {token id: Logprob}."""
 
     def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
@@ -152,14 +124,14 @@ def prompt_logprobs(tokenizer: Any, entries: PromptLogprobs) -> list[dict[str, A
     return [None if e is None else {str(i): logprob(i, *v) for i, v in e.items()} for e in entries]
 
 
-def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> list[int]:
     # The byte tokenizer's ids below 256 are raw bytes: a lone UTF-8 continuation byte has no text of its own.
     if getattr(tokenizer, "name", None) == "byte" and token_id < 256:
         return [token_id]
     return list(tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
 
 
-def chat_logprobs(tokenizer: Any, c: Any, as_ids: bool) -> dict[str, Any]:
+def chat_logprobs(tokenizer: Tokenizer, c: Any, as_ids: bool) -> dict[str, Any]:
     def item(token_id: int, lp: float) -> dict[str, Any]:
         s = token_str(tokenizer, token_id, as_ids)
         return {"token": s, "logprob": lp, "bytes": token_bytes(tokenizer, token_id)}

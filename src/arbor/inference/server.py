@@ -23,7 +23,9 @@ a forced call (`tool_choice` "required" or a named function) and the completions
 refused, naming the field.
 
 Every field is checked at the edge (type, range, finiteness, token ids within the vocabulary, lengths; the body's
-size, nesting and encoding in arbor.transport.http; the sampling fields in arbor.transport.fields): bad input gets
+size, nesting and encoding in arbor.transport.http; every request field against the request schema of
+arbor.transport.fields, which the gateway and the router check too, and a schema field the local engine does not
+implement refused unless neutral, arbor.inference.openai_api.LOCAL_FIELDS): bad input gets
 a 4xx `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field, and the server never
 dies on it. A failure inside a handler is a 500 of the same shape naming the request; one request failing inside
 the engine fails that request only. A stopped or dead engine answers 503, and `/health` is then non-200.
@@ -56,24 +58,23 @@ from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.inference import openai_api as api
 from arbor.inference.engine.params import (
-    MAX_TOP_LOGPROBS,
     EngineUnavailable,
     InvalidRequest,
     SamplingParams,
     WeightUpdateError,
 )
+from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat, install
 from arbor.transport import chat
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.expert_routes import encode_routes
+from arbor.transport.fields import CHAT, COMPLETIONS
 from arbor.transport.http import (
     BadRequest,
     Handler,
     HTTPError,
     error_middleware,
-    get_field,
-    get_int,
     read_json_object,
     start_site,
     write_ready_file,
@@ -110,7 +111,7 @@ class InferenceServer:
     def __init__(
         self,
         engine: "Engine",
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         model_name: str,
         admin_token: SecretStr | None = None,
         weights: WeightUpdates | None = None,
@@ -163,19 +164,13 @@ class InferenceServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
+        api.check_request(body, COMPLETIONS)
         prompts = api.prompts(body, self.tokenizer)
-        api.completion_fields(body)
-        logprobs = get_field(body, "logprobs", (int,), None)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-        params = api.sampling_params(
-            body, get_field(body, "max_tokens", (int,), 16), logprobs or 0, self.engine.max_batch_size
-        )
-        prompt_lps = get_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        logprobs = body.get("logprobs")
+        params = api.sampling_params(body, body.get("max_tokens") or 16, logprobs or 0, self.engine.max_batch_size)
+        prompt_lps = body.get("prompt_logprobs")
         params = dataclasses.replace(params, prompt_logprobs=prompt_lps)
-        return_ids = get_field(body, "return_token_ids", (bool,), False)
-        as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
-        get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
+        return_ids, as_ids = bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))
         adapter = requested_adapter(body, self.engine.adapters)
         outputs = await self._generate(prompts, params, "prompt", api.request_id(request, body), adapter)
         choices = []
@@ -211,24 +206,19 @@ class InferenceServer:
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
+        api.check_request(body, CHAT)
         messages = chat.parse_messages(body)
         tools, parse_calls = chat.chat_tools(body)
-        want_logprobs = get_field(body, "logprobs", (bool,), False)
-        top = get_field(body, "top_logprobs", (int,), 0)
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+        want_logprobs, top = bool(body.get("logprobs")), body.get("top_logprobs") or 0
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except Exception as e:  # a template that rejects these messages is the client's problem
             raise BadRequest(f"messages could not be rendered with the chat template: {e}", "messages") from None
-        max_tokens = get_field(body, "max_completion_tokens", (int,), None)
-        max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if max_tokens is None:  # as vLLM: fill the rest of the context
             max_tokens = max(1, self.engine.seq_len - len(prompt))
         params = api.sampling_params(body, max_tokens, top if want_logprobs else 0, self.engine.max_batch_size)
-        return_ids = get_field(body, "return_token_ids", (bool,), False)
-        as_ids = get_field(body, "return_tokens_as_token_ids", (bool,), False)
-        get_field(body, "cache_salt", (str,), None)  # accepted, validated; no prefix cache here to salt
+        return_ids, as_ids = bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))
         adapter = requested_adapter(body, self.engine.adapters)
         (out,) = await self._generate([prompt], params, "messages", api.request_id(request, body), adapter)
         choices = []
@@ -372,7 +362,7 @@ class BackgroundServer:
     def __init__(
         self,
         engine: "Engine",
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         model_name: str = "arbor",
         host: str = "127.0.0.1",
         port: int = 0,
@@ -405,7 +395,7 @@ class BackgroundServer:
         self.close()
 
 
-async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Any) -> int:
+async def serve(cfg: InferenceConfig, engine: "Engine", tokenizer: Tokenizer) -> int:
     """Serves until SIGTERM or SIGINT (returns 0) or until the engine loop dies (returns 1, so that the launcher
     restarts this server)."""
     loop = asyncio.get_running_loop()

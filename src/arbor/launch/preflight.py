@@ -42,7 +42,7 @@ from arbor.models import build_tokenizer
 from arbor.models.args import ModelArgs
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
-from arbor.models.tokenizer import tokenizer_has_template
+from arbor.models.tokenizer import Tokenizer, tokenizer_has_template
 from arbor.registry import ENVIRONMENTS
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -290,7 +290,7 @@ def check_tasks_fit(cfg: RLConfig) -> None:
     check_some_task_fits(env, tasks, tokenizer, orch.seq_len, orch.sampling.max_tokens, orch.environment.prompt_format)
 
 
-def check_prompt_format(cfg: EnvironmentConfig, env: Any, tokenizer: Any, where: str) -> None:
+def check_prompt_format(cfg: EnvironmentConfig, env: Any, tokenizer: Tokenizer, where: str) -> None:
     """A chat prompt needs the tokenizer's chat template; a raw prompt, a single-turn environment."""
     if cfg.prompt_format == "chat" and not tokenizer_has_template(tokenizer):
         raise PreflightError(

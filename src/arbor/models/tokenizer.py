@@ -12,13 +12,21 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
+    """What arbor's code asks of a tokenizer (every `tokenizer: Tokenizer` parameter); `ByteTokenizer` and
+    `HFTokenizer` implement it (tests/models/test_tokenizer_protocol.py)."""
+
+    name: str
+    """"byte" for the byte tokenizer, else where it was loaded from."""
     vocab_size: int
     eos_token_id: int
     pad_token_id: int
+    has_chat_template: bool
+    """Whether `apply_chat_template` can render chat messages (a base model's tokenizer often cannot)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -33,6 +41,10 @@ class Tokenizer(Protocol):
     ) -> str: ...
 
     def encode_rendered(self, text: str) -> list[int]: ...
+
+    def save(self, path: str | Path) -> None:
+        """Writes the tokenizer into the directory `path` (a Hugging Face tokenizer's files, which servers load)."""
+        ...
 
 
 TOOL_INSTRUCTION = 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'

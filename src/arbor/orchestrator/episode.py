@@ -19,6 +19,7 @@ from arbor.environments.context import ContextPolicy
 from arbor.environments.guard import EnvFailure, EnvStats, guarded, reward_components, step_result
 from arbor.environments.protocol import MultiTurnEnvironment, Task, env_prompt_ids, total_reward
 from arbor.environments.tools import tool_schema
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.trajectory import Trajectory
 
@@ -66,7 +67,7 @@ async def run_episode(
     generate: GenerateFn,
     env: MultiTurnEnvironment,
     task: Task,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     settings: EpisodeSettings,
     seed: int | None = None,
     group_id: int = -1,
@@ -161,7 +162,7 @@ async def run_group_episodes(
     generate: GenerateFn,
     env: MultiTurnEnvironment,
     task: Task,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     settings: EpisodeSettings,
     group_size: int,
     seed: int,

@@ -22,6 +22,7 @@ from typing import Any
 from arbor.config.eval import EvalSettings
 from arbor.environments import env_prompt_ids, is_multi_turn, load_environment, total_reward
 from arbor.environments.guard import EnvFailure, guarded, reward_components
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes
 
 log = logging.getLogger("arbor.eval")
@@ -32,7 +33,11 @@ Generate = Callable[..., Awaitable[list[Any]]]
 
 
 async def evaluate(
-    generate: Generate, tokenizer: Any, cfg: EvalSettings, max_prompt: int | None = None, seq_len: int | None = None
+    generate: Generate,
+    tokenizer: Tokenizer,
+    cfg: EvalSettings,
+    max_prompt: int | None = None,
+    seq_len: int | None = None,
 ) -> dict[str, float]:
     """avg@k / pass@k / pass@1 per environment, as `eval/<env id>/<figure>`. A multi-turn environment plays `k`
     whole episodes per task (tools run, context managed, as in training; `seq_len` bounds a branch) and each
@@ -91,7 +96,15 @@ async def evaluate(
 
 
 async def _episodes(
-    generate: Generate, env, env_cfg, task: dict, tokenizer: Any, cfg: EvalSettings, seq_len: int, seed: int, i: int
+    generate: Generate,
+    env,
+    env_cfg,
+    task: dict,
+    tokenizer: Tokenizer,
+    cfg: EvalSettings,
+    seq_len: int,
+    seed: int,
+    i: int,
 ) -> tuple[list[float | None], list[int]]:
     """`k` episodes of one multi-turn task: per episode its reward (shared by its branches; None when its
     environment failed for good) and its text length."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.orchestrator import GatewayConfig, SamplingConfig
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.orchestrator.concurrency import IdleClock
 from arbor.orchestrator.counts import Counts
@@ -76,7 +77,7 @@ class GenerationPool:
         settings: GenerationSettings,
         mode: SchedulingMode,
         env: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         source: TaskSource,
         counts: Counts,
         env_stats: EpisodeStats,

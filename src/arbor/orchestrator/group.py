@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments import Environment, Task, is_multi_turn, total_reward
 from arbor.environments.guard import EnvFailure, guarded, reward_components
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import InferenceClient
 from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes
 from arbor.orchestrator.rollout import Rollout
@@ -47,7 +48,7 @@ async def generate_group(
     *,
     generate: Callable[..., Awaitable[list[Any]]] | None = None,
     env_cfg: EnvironmentConfig | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     seq_len: int | None = None,
     stats: Any = None,
 ) -> list[Rollout]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from arbor.config.orchestrator import CurriculumConfig
 from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt_ids
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.filters import CurriculumSampler
 from arbor.orchestrator.group import GroupSpec
 from arbor.orchestrator.state import OrchestratorState, TaskSampler
@@ -54,7 +55,7 @@ class TaskSettings:
 class TaskSource:
     """Tasks for new groups (see the module docstring), resumed from `state`."""
 
-    def __init__(self, settings: TaskSettings, env: Any, tokenizer: Any, state: OrchestratorState) -> None:
+    def __init__(self, settings: TaskSettings, env: Any, tokenizer: Tokenizer, state: OrchestratorState) -> None:
         self.settings, self.env, self.tokenizer = settings, env, tokenizer
         self.tasks: list[Task] = env.dataset(settings.seed)
         # Before any fleet is waited for: if no task fits, the skip loop of next_spec would never end.

@@ -89,14 +89,20 @@ def parse_tools(body: dict[str, Any]) -> list[dict] | None:
 
 def chat_tools(body: dict[str, Any]) -> tuple[list[dict] | None, bool]:
     """A chat request's `tools` (rendered by the chat template, as vLLM does) and whether the server parses tool
-    calls out of the reply: with `tool_choice` "auto" (the default with tools) yes, "none" no. Forcing a call
-    ("required", a named function) needs constrained decoding, which arbor's servers do not do: refused."""
-    tools = parse_tools(body)
+    calls out of the reply (`parses_tool_calls`)."""
+    tools, parse = parse_tools(body), parses_tool_calls(body)
+    return tools, parse and tools is not None
+
+
+def parses_tool_calls(body: dict[str, Any]) -> bool:
+    """Whether a request's `tool_choice` lets the server parse tool calls out of the reply: "auto" (the default)
+    yes, "none" no. Forcing a call ("required", a named function) needs constrained decoding, which arbor's
+    servers do not do: refused, naming the field."""
     choice = body.get("tool_choice")
     if choice is None or choice == "auto":
-        return tools, tools is not None
+        return True
     if choice == "none":
-        return tools, False
+        return False
     if choice == "required" or isinstance(choice, dict):
         raise BadRequest(
             "tool_choice that forces a call ('required' or a named function) is not supported (arbor's "

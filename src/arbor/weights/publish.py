@@ -29,6 +29,7 @@ from torch import nn
 from arbor.models.hf import hf_state_dict
 from arbor.models.lora import lora_parameters
 from arbor.models.lora_peft import adapter_config, peft_tensors
+from arbor.models.tokenizer import Tokenizer
 from arbor.weights.buckets import TensorSpec, nbytes, plan_buckets, spec_of
 from arbor.weights.comm import WeightTransferError
 from arbor.weights.transport import Publication, WeightTransport
@@ -141,7 +142,7 @@ def stream_publish(
     version: int,
     dtype: torch.dtype,
     fp8: bool,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     tracker: DeltaTracker,
     device: torch.device,
 ) -> dict[str, float]:

@@ -22,6 +22,7 @@ from arbor.config.transport import WeightTransportConfig
 from arbor.models.args import ModelArgs
 from arbor.models.hf import hf_config, hf_state_dict
 from arbor.models.lora_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from arbor.models.tokenizer import Tokenizer
 from arbor.run_dir import STABLE, broadcast_dir, broadcast_staging_dir, prune_published
 from arbor.weights.buckets import (
     TensorSpec,
@@ -65,7 +66,7 @@ def split_buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[d
     return [dict(items[i] for i in g) for g in groups]
 
 
-def _stage(output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any, fp8: bool) -> Path:
+def _stage(output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Tokenizer | None, fp8: bool) -> Path:
     """A fresh staging directory holding config.json (and the tokenizer)."""
     tmp = broadcast_staging_dir(output_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -118,7 +119,9 @@ class Publication(ABC):
         return []
 
     @abstractmethod
-    def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
+    def finish(
+        self, records: list[Any], args: ModelArgs, tokenizer: Tokenizer | None = None, fp8: bool = False
+    ) -> Path:
         """Rank 0: completes the version (STABLE, receivers' confirmation), prunes old ones; the step directory."""
 
 
@@ -131,7 +134,7 @@ class WeightTransport(ABC):
 
     @abstractmethod
     def prepare(
-        self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any = None, fp8: bool = False
+        self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Tokenizer | None = None, fp8: bool = False
     ) -> None:
         """Rank 0, before any rank's `begin`: creates what every rank writes into."""
 
@@ -154,7 +157,7 @@ class WeightTransport(ABC):
         step: int,
         state: dict[str, torch.Tensor],
         args: ModelArgs,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         fp8: bool = False,
     ) -> Path:
         """Publishes a whole state dict from one process: `broadcasts/step_{step}/` atomically, old steps pruned.
@@ -248,7 +251,9 @@ class FilePublication(Publication):
     def records(self) -> list[Any]:
         return [(i, *v) for i, v in sorted(self._done.items())]
 
-    def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
+    def finish(
+        self, records: list[Any], args: ModelArgs, tokenizer: Tokenizer | None = None, fp8: bool = False
+    ) -> Path:
         done = sorted(records)
         if [r[0] for r in done] != list(range(len(self.names))):
             raise WeightTransferError(
@@ -293,7 +298,7 @@ class FilesystemTransport(WeightTransport):
             list(pool.map(lambda i: pub.put(i, groups[i]), range(len(groups))))
 
     def prepare(
-        self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any = None, fp8: bool = False
+        self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Tokenizer | None = None, fp8: bool = False
     ) -> None:
         _stage(output_dir, step, args, tokenizer, fp8)
 
@@ -357,7 +362,9 @@ class NCCLPublication(Publication):
         assert self.comm is not None, "NCCL buckets are sent by trainer rank 0"
         self.bytes_moved += send_buckets(self.comm, [list(tensors.values())], self.transport.device())
 
-    def finish(self, records: list[Any], args: ModelArgs, tokenizer: Any = None, fp8: bool = False) -> Path:
+    def finish(
+        self, records: list[Any], args: ModelArgs, tokenizer: Tokenizer | None = None, fp8: bool = False
+    ) -> Path:
         assert self.comm is not None, "NCCL updates are finished by trainer rank 0"
         self.comm.barrier(f"weight update {self.step}: the receivers' confirmation")
         self.transport.group().finish(self.step)
@@ -397,7 +404,7 @@ class NCCLTransport(WeightTransport):
         return self._group
 
     def prepare(
-        self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Any = None, fp8: bool = False
+        self, output_dir: str | Path, step: int, args: ModelArgs, tokenizer: Tokenizer | None = None, fp8: bool = False
     ) -> None:
         _stage(output_dir, step, args, tokenizer, fp8)
 
@@ -426,7 +433,7 @@ class NCCLTransport(WeightTransport):
         step: int,
         state: dict[str, torch.Tensor],
         args: ModelArgs,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         fp8: bool = False,
     ) -> Path:
         tensors = hf_state_dict(state, args, fp8)
@@ -470,7 +477,7 @@ def publish_weights(
     step: int,
     state: dict[str, torch.Tensor],
     args: ModelArgs,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     keep: int = 3,
 ) -> Path:
     """Filesystem publish with default settings (tests, tools)."""

@@ -27,6 +27,7 @@ from arbor.inference.engine.slots import SlotScheduler
 from arbor.inference.engine.speculative import SpeculativeDecoder
 from arbor.models import build_model, build_tokenizer
 from arbor.models.fp8 import apply_fp8
+from arbor.models.tokenizer import Tokenizer
 from arbor.weights.transport import FilesystemTransport
 
 __all__ = ["ABORT_MEMORY", "Completion", "Engine", "EngineStats", "RequestOutput", "build_engine"]
@@ -48,7 +49,7 @@ class Engine:
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         seq_len: int,
         max_batch_size: int,

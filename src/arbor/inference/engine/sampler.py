@@ -24,11 +24,11 @@ likely ids), since per-row work cost more than a small model's forward and a 151
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from arbor.inference.engine.requests import Seq
+from arbor.models.tokenizer import Tokenizer
 
 
 def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
@@ -170,7 +170,7 @@ def choose(seqs: Sequence[Seq], logprobs: torch.Tensor, keep: torch.Tensor | Non
 class Sampler:
     """Appends one sampled token to each sequence and marks the ones that finished (their `finish_reason`)."""
 
-    def __init__(self, tokenizer: Any, nucleus_logprobs: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, nucleus_logprobs: bool = False) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id: int = tokenizer.eos_token_id
         self.vocab_size: int = tokenizer.vocab_size

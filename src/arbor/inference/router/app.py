@@ -1,10 +1,11 @@
-"""The router in front of N inference servers: arbor's built-in aiohttp router, or the `vllm-router` console script.
+"""The router in front of N inference servers: the built-in aiohttp router, or the `vllm-router` console script.
 
 One address for the fleet: picking policies (round_robin, least_outstanding, consistent_hash on a session id),
 health checks with ejection and re-admission (replaying the current weights first), failover of failed requests
-to another backend, fan-out of the admin routes, the fleet's JSON error shape and Prometheus `/metrics`; with
-little added latency (bodies forwarded as bytes, responses streamed). The rules: docs/inference.md, "Replicas
-and the router"."""
+to another backend, fan-out of the admin routes, the fleet's JSON error shape and Prometheus `/metrics`.
+Generation requests are checked against the request schema (arbor.transport.fields) and refused with a 400 naming
+the field rather than forwarded. Little added latency: bodies forwarded as bytes, responses streamed. The rules:
+docs/inference.md, "Replicas and the router"."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.router.backends import Backend, Fleet, post_json, rendezvous
 from arbor.inference.router.run_routes import RUN_KEY, RunRoutes
 from arbor.inference.router.tenants import FairShare, Meter, Run, Tenants, metric_lines
+from arbor.transport import fields
 from arbor.transport.admin import ADMIN_ROUTES, ADMIN_UNDER_V1, bearer_headers
 from arbor.transport.http import (
     BadRequest,
@@ -40,9 +42,10 @@ from arbor.transport.router_wire import METRIC_PREFIX, RUN_HEADER, use_vllm_rout
 
 log = logging.getLogger("arbor.inference.router.app")
 
-RETRYABLE_POST = frozenset({"/v1/completions", "/v1/chat/completions"})
-MAX_SLOTS_PER_REQUEST = 4096
-"""Slots one request is counted for at most (`n` beyond it is the backend's to refuse)."""
+RETRYABLE_POST = {"/v1/completions": fields.COMPLETIONS, "/v1/chat/completions": fields.CHAT}
+"""The generation routes (retried on another backend on failure) and their endpoint in the request schema."""
+MAX_SLOTS_PER_REQUEST = fields.MAX_N
+"""Slots one request is counted for at most."""
 ADMIN = ADMIN_ROUTES
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 POISON_AFTER = 2
@@ -186,20 +189,15 @@ class Router(RunRoutes):
         return await self._forward(request, body, None)
 
     def _owner(self, request: web.Request, body: bytes) -> tuple[Run, int, str | None]:
-        """The run a generation request belongs to, the slots it takes (`n`) and its request id."""
-        try:
-            data = parse_json(body)
-        except BadRequest:  # the backend answers the malformed body itself
-            data = None
-        data = data if isinstance(data, dict) else {}
-        n = data.get("n", 1)
-        slots = min(n, MAX_SLOTS_PER_REQUEST) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        request_id = data.get("request_id")
-        return (
-            self.tenants.owner(request.headers.get(RUN_HEADER), data.get("model")),
-            slots,
-            request_id if isinstance(request_id, str) else None,
-        )
+        """The run a generation request belongs to, the slots it takes (`n`) and its request id. The body is
+        checked against the request schema first (arbor.transport.fields: types and bounds, no backend's
+        capabilities): garbage is answered 400 here, naming the field, rather than forwarded."""
+        data = parse_json(body)
+        if not isinstance(data, dict):
+            raise BadRequest(f"the JSON body must be an object, got {type(data).__name__}")
+        fields.validate(data, RETRYABLE_POST[request.path])
+        slots = min(data.get("n") or 1, MAX_SLOTS_PER_REQUEST)
+        return self.tenants.owner(request.headers.get(RUN_HEADER), data.get("model")), slots, data.get("request_id")
 
     async def _forward(self, request: web.Request, body: bytes, run: Run | None) -> web.StreamResponse:
         retryable = request.method == "GET" or request.path in RETRYABLE_POST

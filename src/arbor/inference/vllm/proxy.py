@@ -28,9 +28,11 @@ from arbor.config.loader import ConfigError
 from arbor.inference.vllm.launch import cpu_head_size_error, padding_bound, serve_argv, serve_env, vllm_build
 from arbor.inference.vllm.model_dir import model_dir, served_head_dim
 from arbor.orphans import die_with_parent
+from arbor.transport import fields
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
 from arbor.transport.chat import assistant_message, chat_tools
+from arbor.transport.fields import CHAT, COMPLETIONS
 from arbor.transport.http import (
     HTTPError,
     error_middleware,
@@ -249,6 +251,7 @@ class VLLMProxy:
         assert self._session is not None
         chat = request.path.endswith("/chat/completions")
         body = await read_json_object(request)  # malformed, too deep, surrogates, NaN: a 400 before vLLM sees it
+        fields.validate(body, CHAT if chat else COMPLETIONS)  # the request schema, as the local server and the router
         if get_field(body, "stream", (bool,), False):
             raise HTTPError(
                 400,

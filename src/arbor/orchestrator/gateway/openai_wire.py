@@ -1,8 +1,9 @@
 """OpenAI wire format for the gateway: requests parsed into what the chat template and the backend take, and
 completions turned back into OpenAI JSON (plain and as stream chunks).
 
-Pure translation, no I/O: the gateway's routes (arbor.orchestrator.gateway.routes) call it. Malformed input is a
-400 `HTTPError` naming the field. Messages, tools and tool calls are read and written by arbor.transport.chat, which
+Pure translation, no I/O: the gateway's routes (arbor.orchestrator.gateway.routes) call it. Every request is first
+checked against the request schema (`check_request`, arbor.transport.fields); malformed input is a 400 `HTTPError`
+naming the field. Messages, tools and tool calls are read and written by arbor.transport.chat, which
 the inference server's chat route shares.
 """
 
@@ -11,18 +12,32 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import Completion
+from arbor.transport import fields
 from arbor.transport.chat import assistant_message
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
-from arbor.transport.http import HTTPError, get_field, get_int
+from arbor.transport.http import BadRequest, HTTPError
 
 MAX_N = 16
+"""Most choices one call may ask for (each is recorded as its own turn); the schema allows more (fields.MAX_N)."""
+GATEWAY = "the gateway (it samples with temperature and top_p, and answers text and tool calls only)"
+GATEWAY_FIELDS = {e: fields.serves(fields.GATEWAY, e) for e in fields.ENDPOINTS}
+"""The schema fields the gateway acts on, per endpoint."""
+
+
+def check_request(body: dict[str, Any], endpoint: str) -> None:
+    """The schema's checks of a request body (arbor.transport.fields: the same as the inference server's and the
+    router's), and the refusal of the schema fields the gateway does not act on unless they hold a neutral value:
+    a 400 naming the field."""
+    fields.validate(body, endpoint)
+    fields.refuse_unsupported(body, endpoint, GATEWAY_FIELDS[endpoint], GATEWAY)
 
 
 # ---- requests ----
 
 
-def parse_token_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def parse_token_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     """The legacy completions `prompt`: one string (encoded here) or one list of token ids in the vocabulary."""
     raw = body.get("prompt")
     if isinstance(raw, str):
@@ -49,14 +64,13 @@ class RunSampling:
 
     def parse(self, body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
         """The backend's sampling arguments (`InferenceClient.generate`) for a request with `prompt_len` tokens."""
-        max_tokens = get_field(body, "max_completion_tokens", (int,), None)
-        max_tokens = get_field(body, "max_tokens", (int,), None) if max_tokens is None else max_tokens
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # checked by `check_request`
         # Checked even where the run's sampling replaces them: a request the backend would refuse is refused here.
         temperature = read_temperature(body, self.temperature)
         top_p = read_top_p(body, self.top_p)
-        n = get_int(body, "n", 1, 1, MAX_N)
-        if max_tokens is not None and max_tokens < 1:
-            raise HTTPError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        n = body.get("n") or 1
+        if n > MAX_N:
+            raise BadRequest(f"n must be in [1, {MAX_N}] (the gateway's most choices per call), got {n}", "n")
         if self.override:
             temperature, top_p = self.temperature, self.top_p
             max_tokens = min(max_tokens or self.max_tokens, self.max_tokens)
@@ -86,7 +100,7 @@ class RunSampling:
         return f"{float(asked):g}->{self.temperature:g}"
 
 
-def trim_at_stop(c: Completion, tokenizer: Any) -> tuple[Completion, str | None]:
+def trim_at_stop(c: Completion, tokenizer: Tokenizer) -> tuple[Completion, str | None]:
     """A completion cut at a stop string holds the stop string's tokens, which the agent never sees (its text
     ends before the stop string). Returns the completion without them and "trimmed" when they are exactly the
     tokens after the text (the stop string starts at a token boundary): what is trained and extended is then

@@ -30,7 +30,7 @@ from typing import Any
 
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway.openai_wire import chat_choices
-from arbor.transport.chat import template_message
+from arbor.transport.chat import parses_tool_calls, template_message
 from arbor.transport.http import HTTPError, get_field
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -119,7 +119,9 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
 
 
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Flat function tools (`{type: "function", name, description, parameters}`) in chat's nested form."""
+    """Flat function tools (`{type: "function", name, description, parameters}`) in chat's nested form; a
+    `tool_choice` that forces a call is refused, as on chat (arbor.transport.chat.parses_tool_calls)."""
+    parses_tool_calls(body)
     tools = body.get("tools")
     if tools is None:
         return None
@@ -143,13 +145,10 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's sampling fields under the chat names that RunSampling.parse reads."""
+    """The request's sampling fields (checked by the schema) under the chat names that RunSampling.parse reads."""
     out = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
-    limit = get_field(body, "max_output_tokens", (int,), None)
-    if limit is not None:
-        if limit < 1:
-            raise HTTPError(400, f"max_output_tokens must be at least 1, got {limit}", "max_output_tokens")
-        out["max_tokens"] = limit
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
     return out
 
 

@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import Completion, InferenceError
 from arbor.orchestrator.gateway.openai_wire import (
     RunSampling,
     chat_choices,
     chat_chunks,
+    check_request,
     completion_choices,
     parse_token_prompt,
     token_usage,
@@ -44,6 +46,7 @@ from arbor.orchestrator.gateway.responses import parse_tools as response_tools
 from arbor.orchestrator.gateway.sessions import Session, SessionStore
 from arbor.orchestrator.trajectory import Prompt
 from arbor.transport.chat import chat_tools, parse_messages, template_message
+from arbor.transport.fields import CHAT, COMPLETIONS, RESPONSES
 from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
 
 if TYPE_CHECKING:
@@ -132,7 +135,12 @@ class OpenAIRoutes:
     its session."""
 
     def __init__(
-        self, client: "InferenceClient", tokenizer: Any, store: SessionStore, sampling: RunSampling, model_name: str
+        self,
+        client: "InferenceClient",
+        tokenizer: Tokenizer,
+        store: SessionStore,
+        sampling: RunSampling,
+        model_name: str,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -163,6 +171,7 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
         body = await read_json_object(request)
+        check_request(body, CHAT)
         # A forced call is refused as on the servers; the reply's calls are parsed whatever tool_choice says
         # (an agent's loop reads tool_calls, and an echoed reply renders alike either way)
         messages, (tools, _) = parse_messages(body), chat_tools(body)
@@ -192,7 +201,8 @@ class OpenAIRoutes:
         as a chat call, one reply per request."""
         s = self._session(request)
         body = await read_json_object(request)
-        previous = get_field(body, "previous_response_id", (str,), None)
+        check_request(body, RESPONSES)
+        previous = body.get("previous_response_id")
         if previous is not None and previous not in s.responses:
             raise HTTPError(
                 400,
@@ -219,6 +229,7 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
         body = await read_json_object(request)
+        check_request(body, COMPLETIONS)
         prompt = parse_token_prompt(body, self.tokenizer)
         stream = get_field(body, "stream", (bool,), False)
         sampling = self.sampling.parse(body, len(prompt))

@@ -23,7 +23,10 @@ convention, arbor.tool_calls), usage. Streaming is generated whole, then sent as
 content chunk, a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns
 token ids only for whole completions. Errors, all in the JSON error shape of arbor.transport.http: malformed
 JSON, wrong types, out-of-range or non-finite values, nesting past its depth limit, lone surrogates or a bad gzip
-body 400 (sampling fields checked as the inference server checks them, arbor.transport.fields), bad or missing
+body 400 (every request field checked against the request schema that the inference server and the router check
+too, arbor.transport.fields; a field the gateway does not act on, e.g. `return_token_ids`, `logprobs` or a vLLM
+sampling field, is refused unless it holds a neutral value, and ids such as `request_id` are passed over), bad or
+missing
 key 401, unknown session 404, closed session 409, body over `max_request_bytes` 413, too many sessions 429, the
 backend refusing the request 400, backend failure 502; never a 500 for client input (a failure inside a handler
 is a 500 naming the request). There is no global lock: each call awaits its own backend request.
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.gateway.openai_wire import RunSampling
 from arbor.orchestrator.gateway.routes import OpenAIRoutes, SessionRoutes, session_url
 from arbor.orchestrator.gateway.sessions import GatewayCounts, Session, SessionStore
@@ -110,7 +114,7 @@ class Gateway:
     def __init__(
         self,
         client: "InferenceClient",
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         cfg: "GatewayConfig",
         *,
         temperature: float,

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.trajectory import Trajectory, Turn
 from arbor.transport.http import HTTPError
 
@@ -92,7 +93,7 @@ class GatewayCounts:
 class SessionStore:
     """The open sessions by id, with the events their waiters need; lives on the caller's event loop."""
 
-    def __init__(self, tokenizer: Any, max_open_sessions: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_open_sessions: int) -> None:
         self.tokenizer = tokenizer
         self.max_open_sessions = max_open_sessions
         # Mutated in place, never rebound: the gateway hands this same dict out as `Gateway.sessions`.
