@@ -1,12 +1,29 @@
-"""examples/distill end to end, shortened: the teacher (qwen3-tiny) is fine-tuned on reverse_text and scored as
-the example does, then `rl` serves it beside the student (qwen3-test, from its random initialisation) and distils
-it with the pure reverse-KL loss for 32 of the example's 40 steps. The student's reverse KL to the teacher (the
-step's mean k1 estimate) falls by at least 40%, and its reward moves towards the teacher's.
+"""examples/distill end to end: the teacher (qwen3-tiny) is fine-tuned on reverse_text and scored as the example
+does, then `rl` serves it beside the student (qwen3-test, from its random initialisation) and distils it with the
+pure reverse-KL loss for the example's 40 steps. The student's reverse KL to the teacher (the step's mean k1
+estimate; mean of the last 5 steps against the first 3) falls by at least 30%, and its reward (same windows) closes
+at least a tenth of its gap to the teacher's without overshooting it.
 
-The figures depend on the processor (float results differ between CPU kernels, and so do the SFT teacher and
-every sampled token after it; each machine's run is deterministic): where this test was written the KL fell from
-9.5 to 2.4 (75%); on a later 2-core machine without AVX-512 it falls 7.55 -> 4.02 over the last three steps (47%),
-the reward 0.014 -> 0.17 towards the teacher's 0.66, with this code and with the code before it alike."""
+Each machine's run is deterministic, but float results differ between CPU kernels, so a processor change acts like
+a seed change, and the seed matters most through the teacher: its 100 SFT steps sometimes leave the loss plateau
+at ~1.65 (seed 0: loss 0.82, reward 0.64) and mostly do not (seeds 1-4: ~1.65, reward 0.26-0.29). A strong
+teacher is the hard case: the student (~0.1M parameters) cannot learn the reversal, and its KL levels off near 4.
+Measured on a 2-core AMD EPYC without AVX-512, `--seed s --model.init-seed s` on SFT, eval (seed only) and `rl`;
+drop = 1 - mean(kl[-5:]) / mean(kl[:3]), reward = mean of the first 3 -> the last 5 steps:
+
+    seed  teacher  kl[0]  first 3  last 5  drop  reward         | at 32 steps, last 3 vs kl[0] (the old test)
+    0     0.644    7.61   7.71     3.99    48%   0.017 -> 0.204 | 47%
+    1     0.282    6.54   6.53     1.99    69%   0.016 -> 0.212 | 66%
+    2     0.258    8.54   8.42     1.73    79%   0.020 -> 0.215 | 77%
+    3     0.258   10.02  10.05     1.52    85%   0.014 -> 0.209 | 83%
+    4     0.288    8.04   8.09     1.88    77%   0.023 -> 0.216 | 71%
+
+and with seed 0's strong teacher, student seeds 1-4: drop 49%, 51%, 48%, 45%; reward 0.015-0.021 -> 0.168-0.201,
+a quarter of the gap to 0.644 (at 32 steps, last 3 vs kl[0]: 39%, 43%, 46%, 43%). An AMD EPYC with AVX-512 fell
+6.63 -> 4.52 (32%) at 32 steps, still falling. Hence the full 40 steps (some strong-teacher runs are still
+falling at step 32; all level off by 40) and a 30% bound: the worst run here clears it by 15 points, and the
+reward's worst (24% of the gap) clears its 10% by 14. A 30% fall (7.6 -> 5.3 nats/token) is far outside the
+step-to-step noise of the barely trained student (its first 5 steps stay within 6% of kl[0] on every run)."""
 
 from __future__ import annotations
 
@@ -21,7 +38,7 @@ from arbor.monitor.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "distill"
-STUDENT_STEPS = 32
+STUDENT_STEPS = 40  # rl.toml's max_steps
 
 
 def _run(module: str, *args: str) -> None:
@@ -53,8 +70,6 @@ def test_distillation_example_cuts_the_reverse_kl_and_moves_the_reward_towards_t
         str(student_dir),
         "--teacher.model.name",
         teacher_model,
-        "--max-steps",
-        str(STUDENT_STEPS),
     )
 
     rows = read_jsonl(student_dir / "metrics.jsonl")
@@ -62,8 +77,9 @@ def test_distillation_example_cuts_the_reverse_kl_and_moves_the_reward_towards_t
     kl = [r["distill/reverse_kl"] for r in rows]
     reward = [r["reward/mean"] for r in rows]
     figures = f"reverse KL {kl}, reward {reward}, teacher's reward {teacher_reward}"
-    assert kl[0] > 0 and sum(kl[-3:]) / 3 <= 0.6 * kl[0], figures
-    start, end = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
+    assert kl[0] > 0 and sum(kl[-5:]) / 5 <= 0.7 * sum(kl[:3]) / 3, figures
+    start, end = sum(reward[:3]) / 3, sum(reward[-5:]) / 5
+    assert end - start >= 0.1 * (teacher_reward - start) > 0, figures
     assert abs(teacher_reward - end) < abs(teacher_reward - start), figures
     assert all(r["time/teacher"] > 0 for r in rows)
 
