@@ -131,3 +131,16 @@ model of their `[orchestrator.environment.args]`."""
 # --- scheduling modes ---
 
 # --- model families ---
+
+MODEL_FAMILIES = Registry(
+    "model family",
+    "model.name",
+    _members(
+        Qwen3ForCausalLM="arbor.models.families.qwen3:QWEN3",
+        Qwen3MoeForCausalLM="arbor.models.families.qwen3_moe:QWEN3_MOE",
+        DeepseekV32ForCausalLM="arbor.models.families.deepseek_v32:DSA",
+        GlmMoeDsaForCausalLM="arbor.models.families.deepseek_v32:DSA",
+    ),
+    plugins=False,
+)
+"""Model families (arbor.models.family.ModelFamily) by the `config.json` architecture name they serve."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.models.args import DSAArgs, ModelArgs, check_cp_style
+from arbor.models.family import UnsupportedArchitecture
 from arbor.models.hub import cached_config
 from arbor.models.presets import PRESETS
 
@@ -28,6 +29,8 @@ def model_shape(model: ModelConfig) -> ModelArgs | DSAArgs | None:
         return None
     try:
         return ModelArgs.from_dir(config.parent)
+    except UnsupportedArchitecture:
+        raise  # already one line naming model.name
     except (ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors; a missing field a KeyError
         raise ValueError(f"model.name {model.name}: its config.json cannot be read ({type(e).__name__}: {e})") from None
 
