@@ -14,7 +14,7 @@ from __future__ import annotations
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.models.args import DSAArgs, ModelArgs, check_cp_style
-from arbor.models.family import UnsupportedArchitecture
+from arbor.models.family import UnsupportedArchitecture, family_of
 from arbor.models.hub import cached_config
 from arbor.models.presets import PRESETS
 
@@ -37,7 +37,7 @@ def model_shape(model: ModelConfig) -> ModelArgs | DSAArgs | None:
 
 def check_model_split(parallel: ParallelConfig, args: ModelArgs | DSAArgs, name: str) -> None:
     """Raises ValueError unless the model divides as `parallel` asks (keys named relative to the trainer)."""
-    dsa = getattr(args, "is_dsa", False)
+    dsa = family_of(args).dsa
     if parallel.cp > 1:
         check_cp_style(parallel.cp_style, dsa)
         ulysses = parallel.cp_style == "ulysses" or (parallel.cp_style == "auto" and not dsa)

@@ -35,7 +35,7 @@ them). So every function here takes `vocab`, the number of real ids, and reads o
 rows: the softmax, the nucleus and the entropy are over the real ids, exactly the distribution the engines
 sample from and report, and the padding rows' gradients are exactly 0 (were they in the softmax, nothing would
 ever push their mass down, since they are never sampled). `vocab = 0`, or one covering every row, is the whole
-head, unchanged. The trainer records it on the model once (`policy_vocab`).
+head, unchanged. The trainer keeps it in the model's `ParallelState.vocab` (arbor.trainer.state).
 """
 
 from __future__ import annotations
@@ -50,24 +50,6 @@ each chunk's matmul runs at full speed, small enough that the few buffers of a c
 def default_chunk(vocab_size: int) -> int:
     """Rows per chunk when `trainer.logprob_chunk_tokens` is 0: one chunk's fp32 logits take `CHUNK_BYTES`."""
     return max(1, CHUNK_BYTES // (4 * vocab_size))
-
-
-def logprob_chunk(model: torch.nn.Module) -> int:
-    """Rows per chunk for `model`'s logprobs: `trainer.logprob_chunk_tokens` as `parallelize` set it on the
-    model (`_arbor_logprob_chunk`), 0 (the default from V) on a model the trainer did not prepare."""
-    return getattr(model, "_arbor_logprob_chunk", 0)
-
-
-def set_policy_vocab(model: torch.nn.Module, vocab: int) -> None:
-    """Records on `model` the ids its policy spans, its tokenizer's `vocab_size` (`parallelize` and the SFT
-    trainer call it once, when they prepare the model)."""
-    model._arbor_vocab = vocab
-
-
-def policy_vocab(model: torch.nn.Module) -> int:
-    """The head rows `model`'s policy spans (`set_policy_vocab`), 0 (every row) on a model the trainer did not
-    prepare."""
-    return getattr(model, "_arbor_vocab", 0)
 
 
 def real_rows(weight: torch.Tensor, vocab: int) -> torch.Tensor:
