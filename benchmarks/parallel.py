@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
     dims = ParallelDims.from_config(cfg.parallel)
     if not dims.fsdp_enabled:
         model.to(device)
-    model = parallelize(model, dims, cfg, device.type)
+    state = parallelize(model, dims, cfg, device.type)
     optimizer = build_optimizer(model, cfg.optim)
     batch = synthetic_batch(cfg.model, a.micro_batches, a.row_tokens)
     tokens = sum(int(mb.seq_lens.sum()) for mb in batch.micro_batches)
@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
             device,
             dims.dp_size,
             forward_context(dims, cfg, device.type),
+            state=state,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -54,7 +54,7 @@ def check(out: Path, name: str, extra: list[str], device: torch.device) -> dict:
     cfg = load_config(
         TrainerConfig, ["--output-dir", str(out / name), "--parallel.nproc", "2", "--model.dtype", "bfloat16", *extra]
     )
-    model, _, _ = build_training(cfg, device)
+    model, *_ = build_training(cfg, device)
     fp8 = cfg.model.fp8 == "block"
     transport = FilesystemTransport(keep=5, bucket_mb=0.01)  # several buckets: both ranks write shards
     tracker = DeltaTracker(name == "dense")

@@ -156,3 +156,16 @@ PER_STEP_MODES = frozenset({"sync", "one_step_off"})
 `scheduler.lag` is the continuous modes' knob. The modes' contract test holds the classes to this list."""
 
 # --- model families ---
+
+MODEL_FAMILIES = Registry(
+    "model family",
+    "model.name",
+    _members(
+        Qwen3ForCausalLM="arbor.models.families.qwen3:QWEN3",
+        Qwen3MoeForCausalLM="arbor.models.families.qwen3_moe:QWEN3_MOE",
+        DeepseekV32ForCausalLM="arbor.models.families.deepseek_v32:DSA",
+        GlmMoeDsaForCausalLM="arbor.models.families.deepseek_v32:DSA",
+    ),
+    plugins=False,
+)
+"""Model families (arbor.models.family.ModelFamily) by the `config.json` architecture name they serve."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_distill import TOK, make_model
+from test_distill import STATE, TOK, make_model
 from test_distill_topk import topk_step
 
 from arbor.config.model import ModelConfig
@@ -16,8 +16,8 @@ from arbor.config.trainer import LossConfig
 from arbor.inference.engine.core import Engine
 from arbor.inference.engine.params import SamplingParams
 from arbor.models import build_model
-from arbor.trainer.logprobs import policy_vocab, set_policy_vocab
 from arbor.trainer.loss import build_loss
+from arbor.trainer.state import ParallelState
 from arbor.trainer.step import micro_batch_logprobs, packed_logprobs, train_step
 
 CPU = torch.device("cpu")
@@ -39,9 +39,9 @@ def test_trainer_logprobs_and_entropy_are_a_softmax_over_the_tokenizers_ids(pref
     the padding rows of the head get exactly 0."""
     (mb,) = topk_step(2, prefix_merge).micro_batches
     model = make_model(1).double()
-    model._arbor_logprob_chunk = 3
-    assert policy_vocab(model) == V < model.lm_head.weight.shape[0]
-    lp, ent = micro_batch_logprobs(model, mb, 0.9, CPU)
+    state = ParallelState(logprob_chunk=3, vocab=V)
+    assert STATE.vocab == V < model.lm_head.weight.shape[0]
+    lp, ent = micro_batch_logprobs(model, mb, 0.9, CPU, state=state)
     w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0), dtype=F64) * mb.loss_mask
     (lp * w).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -69,10 +69,9 @@ def test_a_head_with_no_padding_rows_is_scored_bit_for_bit_as_before():
     model = make_model(1)
     ids = torch.tensor(TOK.encode("same as before"))
     pos = torch.arange(len(ids))
-    set_policy_vocab(model, 0)
-    before = packed_logprobs(model, ids, pos, [len(ids)], 0.7, CPU)
-    set_policy_vocab(model, model.lm_head.weight.shape[0])
-    after = packed_logprobs(model, ids, pos, [len(ids)], 0.7, CPU)
+    before = packed_logprobs(model, ids, pos, [len(ids)], 0.7, CPU, state=ParallelState(vocab=0))
+    every_row = ParallelState(vocab=model.lm_head.weight.shape[0])
+    after = packed_logprobs(model, ids, pos, [len(ids)], 0.7, CPU, state=every_row)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
@@ -85,7 +84,15 @@ def _engine_vs_trainer(model, params: SamplingParams, prompt: list[int], **engin
         ids = torch.tensor(prompt + c.token_ids)
         with torch.no_grad():
             lp, _ = packed_logprobs(
-                model, ids, torch.arange(len(ids)), [len(ids)], params.temperature, CPU, False, top_p=params.top_p
+                model,
+                ids,
+                torch.arange(len(ids)),
+                [len(ids)],
+                params.temperature,
+                CPU,
+                False,
+                top_p=params.top_p,
+                state=STATE,
             )
         worst = max(worst, float((lp[len(prompt) :] - torch.tensor(c.logprobs)).abs().max()))
         assert all(t < V for t in c.token_ids)
@@ -122,7 +129,6 @@ def test_speculative_decoding_records_the_trainers_logprobs():
     """Drafted and verified tokens (qwen3-test-mtp, 3 drafts a step) carry the trainer's logprobs."""
     torch.set_num_threads(1)
     model = build_model(ModelConfig(name="qwen3-test-mtp"))
-    set_policy_vocab(model, V)
     model.eval()
     params = SamplingParams(max_tokens=40, temperature=1.0, n=2, seed=5)
     worst, _ = _engine_vs_trainer(model, params, TOK.encode("draft me"), draft_tokens=3)
@@ -151,7 +157,7 @@ def test_distillation_reports_the_full_reverse_kl_and_leaves_the_padding_rows_al
                         row = logp[t - start - 1, ids]
                         brute.append(float((row.exp() * (row - t_lp)).sum()))
                 start += n
-        figures = train_step(student, opt, batch, build_loss(loss_cfg), loss_cfg, 1e9, CPU)
+        figures = train_step(student, opt, batch, build_loss(loss_cfg), loss_cfg, 1e9, CPU, state=STATE)
         assert figures["distill/reverse_kl"] == pytest.approx(sum(brute) / len(brute), abs=1e-5)
         assert figures["distill/student_topk_mass"] == pytest.approx(1.0, abs=1e-5)  # no mass off the real ids
         kls.append(figures["distill/reverse_kl"])

@@ -28,7 +28,8 @@ from arbor.inference.engine.sampler import (
     scaled_logprobs,
 )
 from arbor.models import build_model, build_tokenizer
-from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask, set_policy_vocab
+from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask
+from arbor.trainer.state import ParallelState
 from arbor.trainer.step import packed_logprobs, shifted_logprobs
 from arbor.transport.batch import StepBatch
 
@@ -227,7 +228,7 @@ def test_local_engine_and_trainer_agree_on_truncated_logprobs() -> None:
     model = build_model(CFG)
     model.init_weights(0, std=0.3)
     model.eval()
-    set_policy_vocab(model, TOK.vocab_size)  # as the trainer prepares it: 259 of the head's 264 rows
+    state = ParallelState(vocab=TOK.vocab_size)  # as the trainer prepares it: 259 of the head's 264 rows
     prompt = TOK.encode("sample me")
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.5, n=3, seed=11)
     engine = Engine(model, TOK, seq_len=64, max_batch_size=4, seed=0, nucleus_logprobs=True).start()
@@ -240,8 +241,10 @@ def test_local_engine_and_trainer_agree_on_truncated_logprobs() -> None:
         ids = torch.tensor(prompt + comp.token_ids)
         pos = torch.arange(len(ids))
         with torch.no_grad():
-            trunc, _ = packed_logprobs(model, ids, pos, [len(ids)], 0.8, torch.device("cpu"), False, top_p=0.5)
-            full, _ = packed_logprobs(model, ids, pos, [len(ids)], 0.8, torch.device("cpu"), False)
+            trunc, _ = packed_logprobs(
+                model, ids, pos, [len(ids)], 0.8, torch.device("cpu"), False, top_p=0.5, state=state
+            )
+            full, _ = packed_logprobs(model, ids, pos, [len(ids)], 0.8, torch.device("cpu"), False, state=state)
         n = len(comp.token_ids)
         torch.testing.assert_close(torch.tensor(comp.logprobs), trunc[-n:], atol=1e-5, rtol=0)
         differs = max(differs, float((trunc[-n:] - full[-n:]).abs().max()))

@@ -294,6 +294,7 @@ def _dsa_cp_worker(rank: int, world: int, name: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from arbor.trainer.dsa_cp import apply_dsa_cp
+    from arbor.trainer.state import ParallelState
 
     ref = build_model(ModelConfig(name=name))
     ref.init_weights(5, std=0.2)
@@ -306,11 +307,11 @@ def _dsa_cp_worker(rank: int, world: int, name: str) -> None:
     lp_ref, ent_ref = packed_logprobs(ref, ids, pos, LENS, 1.0, torch.device("cpu"))
     (lp_ref * w).sum().backward()
 
-    apply_dsa_cp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
-    lp, ent = packed_logprobs(model, ids, pos, LENS, 1.0, torch.device("cpu"))
+    cp = apply_dsa_cp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    lp, ent = packed_logprobs(model, ids, pos, LENS, 1.0, torch.device("cpu"), state=ParallelState(cp=cp))
     assert_close(lp, lp_ref.detach(), "dsa cp logprobs")
     assert_close(ent, ent_ref, "dsa cp entropy")
-    local = model._arbor_cp.local_indices
+    local = cp.local_indices
     real = local < T
     for layer, layer_ref in zip(model.model.layers, ref.model.layers):
         mine = _selected(layer.self_attn.last_topk[0][real])

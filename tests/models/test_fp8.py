@@ -217,14 +217,14 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path, name):
     from arbor.models.attention import position_ids_for
     from arbor.models.hf import save_checkpoint_dir
     from arbor.models.tokenizer import ByteTokenizer
-    from arbor.trainer.logprobs import set_policy_vocab
+    from arbor.trainer.state import ParallelState
     from arbor.trainer.step import packed_logprobs
 
     cfg = ModelConfig(name=name, fp8="block")
     tok = ByteTokenizer()
     trainer = build_model(cfg)
     trainer.init_weights(0, std=0.3)
-    set_policy_vocab(trainer, tok.vocab_size)  # as `parallelize` does: the policy spans the tokenizer's ids
+    state = ParallelState(vocab=tok.vocab_size)  # as `parallelize` prepares it: the policy spans the tokenizer's ids
     assert apply_fp8(trainer, cfg)
     save_checkpoint_dir(trainer.state_dict(), trainer.args, tmp_path / "step_1", fp8=True)
     served = build_model(cfg)
@@ -241,7 +241,9 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path, name):
     ids = torch.tensor([t for r in rows for t in r])
     lens = [len(r) for r in rows]
     with torch.no_grad():
-        lp, _ = packed_logprobs(trainer, ids, position_ids_for(lens)[0], lens, 1.0, torch.device("cpu"), False)
+        lp, _ = packed_logprobs(
+            trainer, ids, position_ids_for(lens)[0], lens, 1.0, torch.device("cpu"), False, state=state
+        )
     at = 0
     worst = 0.0
     for p, c, n in zip(prompts, completions, lens):
@@ -265,7 +267,8 @@ def test_trainer_and_engine_builders_apply_fp8():
     from arbor.trainer.parallel import ParallelDims, parallelize
 
     cfg = TrainerConfig(model=FP8_CFG, parallel={"activation_checkpointing": True})
-    model = parallelize(build_model(FP8_CFG), ParallelDims(1, 1, 1, 1, 1), cfg, "cpu")
+    model = build_model(FP8_CFG)
+    parallelize(model, ParallelDims(1, 1, 1, 1, 1), cfg, "cpu")
     plain = build_model(FP8_CFG)
     apply_fp8(plain, FP8_CFG)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -285,7 +288,8 @@ def _fsdp_worker(rank: int, world: int, out_path: str) -> None:
     from arbor.trainer.parallel import ParallelDims, parallelize
 
     cfg = TrainerConfig(model=FP8_CFG)
-    model = parallelize(build_model(FP8_CFG), ParallelDims.from_world(), cfg, "cpu")
+    model = build_model(FP8_CFG)
+    parallelize(model, ParallelDims.from_world(), cfg, "cpu")
     assert isinstance(model.model.layers[0].self_attn.q_proj, FP8Linear)
     ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
     # Each rank one row of 128 tokens: the wgrad's 128-token tiles are the same as on one rank with both rows.

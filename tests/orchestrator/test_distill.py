@@ -32,8 +32,8 @@ from arbor.models import build_model, build_tokenizer
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.teacher import Teacher, TeacherError
-from arbor.trainer.logprobs import set_policy_vocab
 from arbor.trainer.loss import LossContext, build_loss
+from arbor.trainer.state import ParallelState
 from arbor.trainer.step import train_step
 from arbor.transport.batch import MicroBatch, StepBatch
 from arbor.transport.http import start_site
@@ -43,12 +43,14 @@ TOK = build_tokenizer(CFG)
 F64 = torch.float64
 
 
+STATE = ParallelState(vocab=TOK.vocab_size)
+"""How the trainer prepares `make_model`'s model: its policy spans the tokenizer's ids."""
+
+
 def make_model(seed: int = 0) -> torch.nn.Module:
-    """qwen3-test (264 head rows, 259 byte-tokenizer ids), prepared as the trainer prepares it: its policy spans
-    the tokenizer's ids."""
+    """qwen3-test (264 head rows, 259 byte-tokenizer ids); run it with `STATE`."""
     model = build_model(CFG)
     model.init_weights(seed, std=0.3)
-    set_policy_vocab(model, TOK.vocab_size)
     return model.eval()
 
 
@@ -405,7 +407,14 @@ def test_a_train_step_reports_the_reverse_kl_and_moves_towards_the_teacher():
     before = k1()
     student.train()
     figures = train_step(
-        student, opt, StepBatch(0, [mb], int(mask.sum()), 2, 1.0), build_loss(cfg), cfg, 1e9, torch.device("cpu")
+        student,
+        opt,
+        StepBatch(0, [mb], int(mask.sum()), 2, 1.0),
+        build_loss(cfg),
+        cfg,
+        1e9,
+        torch.device("cpu"),
+        state=STATE,
     )
     assert abs(figures["distill/reverse_kl"] - before.mean().item()) < 1e-4
     assert "distill/reverse_kl_k3" in figures and "loss/distill/reverse_kl_mean" not in figures

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from test_distill import TOK, fake_teacher, local_server, make_model, raw_logprobs, rollout, vllm_reply
+from test_distill import STATE, TOK, fake_teacher, local_server, make_model, raw_logprobs, rollout, vllm_reply
 
 from arbor.config.orchestrator import TeacherConfig
 from arbor.config.trainer import LossConfig
@@ -224,9 +224,9 @@ def test_the_students_topk_logprobs_match_a_full_forward_with_gradients(prefix_m
     batch = topk_step(4, prefix_merge)
     (mb,) = batch.micro_batches
     model = make_model(1).double()
-    model._arbor_logprob_chunk = 3
     ids = mb.teacher_topk_ids.long()
-    _, _, extra = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), False, extra_ids=ids)
+    state = dataclasses.replace(STATE, logprob_chunk=3)
+    _, _, extra = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), False, extra_ids=ids, state=state)
     # the loss tokens' rows (a packed row's sample start is read from the sample before it, and masked)
     w = torch.randn(extra.shape, generator=torch.Generator().manual_seed(0), dtype=F64) * mb.loss_mask[:, None]
     extra = extra * mb.loss_mask[:, None]
@@ -267,7 +267,7 @@ def test_a_train_step_reports_the_topk_reverse_kl_of_a_hand_computation():
                 hand.append(float(exact) + tail)
             start += n
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    figures = train_step(model, opt, batch, build_loss(DISTILL), DISTILL, 1.0, torch.device("cpu"))
+    figures = train_step(model, opt, batch, build_loss(DISTILL), DISTILL, 1.0, torch.device("cpu"), state=STATE)
     assert figures["distill/reverse_kl"] == pytest.approx(sum(hand) / len(hand), abs=1e-6)
     assert 0 < figures["distill/student_topk_mass"] <= 1 and 0 < figures["distill/teacher_topk_mass"] <= 1
 
@@ -288,4 +288,5 @@ def test_a_nucleus_batch_with_the_topk_is_refused():
             DISTILL,
             1.0,
             torch.device("cpu"),
+            state=STATE,
         )

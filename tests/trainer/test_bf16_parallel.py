@@ -37,7 +37,8 @@ def _fsdp_ep_bf16_worker(rank: int, world: int, seed: int) -> None:
         model=ModelConfig(name="qwen3-moe-test", dtype="bfloat16"), parallel=ParallelConfig(nproc=world, ep=world)
     )
     ref = build_model(ModelConfig(name="qwen3-moe-test"))  # fp32, as the trainer builds its masters
-    model = parallelize(copy.deepcopy(ref), ParallelDims.from_config(cfg.parallel, world), cfg, "cpu")
+    model = copy.deepcopy(ref)
+    parallelize(model, ParallelDims.from_config(cfg.parallel, world), cfg, "cpu")  # in place
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (world, 24), generator=gen)  # rank r trains on row r
     w = torch.randn(world, 24, ref.args.vocab_size, generator=gen)

@@ -15,6 +15,7 @@ from arbor.config.rl import RLConfig
 from arbor.models import build_model
 from arbor.models.attention import packed_causal_mask, position_ids_for
 from arbor.trainer.logprobs import CHUNK_BYTES, default_chunk, shifted_chunked_logprobs
+from arbor.trainer.state import ParallelState
 from arbor.trainer.step import packed_logprobs, shifted_logprobs, unmerged_logprobs
 
 T, H, V = 37, 24, 101
@@ -153,8 +154,7 @@ def test_model_gradients_equal_the_full_logits_path(preset):
             )
         )
 
-    model._arbor_logprob_chunk = 5
-    lp, ent = packed_logprobs(model, ids, pos, lens, 0.8, torch.device("cpu"))
+    lp, ent = packed_logprobs(model, ids, pos, lens, 0.8, torch.device("cpu"), state=ParallelState(logprob_chunk=5))
     got = grads((lp * upstream).sum())
     logits = model(ids[None], pos[None], packed_causal_mask(torch.tensor(lens), len(ids)))[0]
     ref, ref_ent = shifted_logprobs(logits, ids, 0.8)

@@ -123,7 +123,7 @@ def test_draft_training_leaves_the_policy_loss_gradients_and_update_unchanged():
 def test_draft_gradients_reach_only_the_mtp_modules():
     model = build_model(MTP)
     mb = _batch(model).micro_batches[0]
-    model.draft_fn = make_draft_fn(subtree_end_for(mb.seq_lens, 26), 1.0, 8, 0)
+    model.draft_fn = make_draft_fn(subtree_end_for(mb.seq_lens, 26), 1.0, 8)
     try:
         model(mb.input_ids[None], mb.position_ids[None])
         out = model.draft_out
@@ -170,7 +170,7 @@ def _draft_kl(model: torch.nn.Module, ids: torch.Tensor, lens: list[int]) -> flo
     """The mean draft KL of `model`'s MTP module to its policy on one packed row."""
     end = subtree_end_for(lens, ids.shape[0])
     with torch.no_grad():
-        model.draft_fn = make_draft_fn(end, 1.0, 16, 0)
+        model.draft_fn = make_draft_fn(end, 1.0, 16)
         packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, CPU, False)
         out, model.draft_fn, model.draft_out = model.draft_out, None, None
     return float(out.kl_sum / out.positions)

@@ -5,6 +5,7 @@ rows of unequal lengths, through the attention function and through the trainer'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 import sys
@@ -180,22 +181,22 @@ def _cp_model_worker(rank: int, world: int, style: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from arbor.trainer.context_parallel import apply_cp
-    from arbor.trainer.logprobs import set_policy_vocab
+    from arbor.trainer.state import ParallelState
     from arbor.trainer.step import packed_logprobs
 
     ref = build_model(ModelConfig(name="qwen3-moe-test"))
-    set_policy_vocab(ref, 259)  # the byte tokenizer's ids of the head's 264 rows, on both (deepcopy keeps it)
+    state = ParallelState(vocab=259)  # the byte tokenizer's ids of the head's 264 rows, on both
     model = copy.deepcopy(ref)
     gen = torch.Generator().manual_seed(2)
     T = sum(LENS) + 3  # trailing padding as the batcher leaves it
     ids = torch.randint(0, 256, (T,), generator=gen)
     pos = position_ids_for(LENS, T)[0]
     w = torch.randn(T, generator=gen)
-    lp_ref, ent_ref = packed_logprobs(ref, ids, pos, LENS, 1.0, torch.device("cpu"))
+    lp_ref, ent_ref = packed_logprobs(ref, ids, pos, LENS, 1.0, torch.device("cpu"), state=state)
     (lp_ref * w).sum().backward()
 
-    apply_cp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)), style)
-    lp, ent = packed_logprobs(model, ids, pos, LENS, 1.0, torch.device("cpu"))
+    cp = apply_cp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)), style)
+    lp, ent = packed_logprobs(model, ids, pos, LENS, 1.0, torch.device("cpu"), state=dataclasses.replace(state, cp=cp))
     assert_close(lp, lp_ref.detach(), f"{style} logprobs")
     assert_close(ent, ent_ref, f"{style} entropy")
     (lp * w).sum().backward()

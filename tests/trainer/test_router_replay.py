@@ -17,7 +17,7 @@ from arbor.models import build_model
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
-from arbor.trainer.logprobs import set_policy_vocab
+from arbor.trainer.state import ParallelState
 from arbor.trainer.step import micro_batch_logprobs
 from arbor.transport.batch import StepBatch
 from arbor.transport.expert_routes import decode_routes, encode_routes
@@ -50,11 +50,11 @@ def _generate(model, prompts, n=3, max_tokens=12):
     return rollouts
 
 
-def _mismatch_kl(model, batch: StepBatch, replay: bool) -> tuple[float, list[torch.Tensor]]:
+def _mismatch_kl(model, batch: StepBatch, replay: bool, state: ParallelState) -> tuple[float, list[torch.Tensor]]:
     total, tokens, routes = 0.0, 0, []
     with torch.no_grad():
         for mb in batch.micro_batches:
-            lp, _ = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), False, router_replay=replay)
+            lp, _ = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), False, router_replay=replay, state=state)
             d = (lp - mb.inference_logprobs).double()[mb.loss_mask]
             total += float((torch.expm1(d) - d).sum())
             tokens += int(mb.loss_mask.sum())
@@ -82,14 +82,14 @@ def test_engine_routes_replayed_by_trainer_and_mismatch_not_larger():
 
     # A trainer whose router differs slightly from inference's (as bf16 kernels vs fp32 would make it).
     trainer = copy.deepcopy(model)
-    set_policy_vocab(trainer, tok.vocab_size)  # as `parallelize` does: scored over the ids the engine samples
+    state = ParallelState(vocab=tok.vocab_size)  # as `parallelize` prepares it: scored over the ids sampled
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in trainer.model.layers:
             w = layer.mlp.gate.weight
             w.add_(0.5 * w.std() * torch.randn(w.shape, generator=gen))
-    kl_free, routes_free = _mismatch_kl(trainer, batch, replay=False)
-    kl_replay, routes_replay = _mismatch_kl(trainer, batch, replay=True)
+    kl_free, routes_free = _mismatch_kl(trainer, batch, False, state)
+    kl_replay, routes_replay = _mismatch_kl(trainer, batch, True, state)
     for mb, got in zip(batch.micro_batches, routes_replay, strict=True):
         assert torch.equal(got.to(torch.long), mb.routed_experts.to(torch.long))  # every token, every MoE layer
     flipped = sum(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm.launch import dry_run_command, serve_argv, speculative_config
-from arbor.models.hf import hf_state_dict
+from arbor.models.hf import split_experts
 from arbor.models.tokenizer import ByteTokenizer
 
 
@@ -118,7 +117,7 @@ def tiny_deepseek_mtp_checkpoint(path: Path) -> Path:
             f"model.layers.{L}.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
         }
     )
-    state = hf_state_dict(state, SimpleNamespace(tie_word_embeddings=False))  # per-expert names, as vLLM reads
+    state = {k: v.contiguous() for k, v in split_experts(state).items()}  # per-expert names, as vLLM reads
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(cfg.to_json_string())

@@ -176,7 +176,7 @@ def test_worker_extension_nccl_path_takes_three_updates_over_one_group(tmp_path)
     worker = WeightUpdateExtension()
     worker.model_runner = _RecordingRunner(served)
     worker.device = CPU
-    worker._arbor_local_rank = lambda: 0  # one worker: vLLM's world group is not there to ask
+    worker._server_worker_rank = lambda: 0  # one worker: vLLM's world group is not there to ask
     transport = NCCLTransport("127.0.0.1", port, 1, timeout=60, bucket_mb=0.02, backend="gloo")
     for v in range(1, 4):
         trained = _model("qwen3-test", seed=v)
@@ -192,5 +192,5 @@ def test_worker_extension_nccl_path_takes_three_updates_over_one_group(tmp_path)
         assert loaded and loaded[0] == len(worker.model_runner.loads[-1])
         for (name, a), b in zip(served.named_parameters(), trained.parameters()):
             assert torch.equal(a, b), (v, name)
-    assert worker._arbor_group.generation.endswith(".1")  # joined once, reused for updates 2 and 3
+    assert worker.weight_receiver.generation.endswith(".1")  # joined once, reused for updates 2 and 3
     assert transport.group().generations_formed == 1

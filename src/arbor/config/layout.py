@@ -14,6 +14,7 @@ from __future__ import annotations
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.models.args import DSAArgs, ModelArgs, check_cp_style
+from arbor.models.family import UnsupportedArchitecture, family_of
 from arbor.models.hub import cached_config
 from arbor.models.presets import PRESETS
 
@@ -28,13 +29,15 @@ def model_shape(model: ModelConfig) -> ModelArgs | DSAArgs | None:
         return None
     try:
         return ModelArgs.from_dir(config.parent)
+    except UnsupportedArchitecture:
+        raise  # already one line naming model.name
     except (ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors; a missing field a KeyError
         raise ValueError(f"model.name {model.name}: its config.json cannot be read ({type(e).__name__}: {e})") from None
 
 
 def check_model_split(parallel: ParallelConfig, args: ModelArgs | DSAArgs, name: str) -> None:
     """Raises ValueError unless the model divides as `parallel` asks (keys named relative to the trainer)."""
-    dsa = getattr(args, "is_dsa", False)
+    dsa = family_of(args).dsa
     if parallel.cp > 1:
         check_cp_style(parallel.cp_style, dsa)
         ulysses = parallel.cp_style == "ulysses" or (parallel.cp_style == "auto" and not dsa)

@@ -39,7 +39,8 @@ from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.environments.protocol import check_some_task_fits, is_multi_turn, load_environment
 from arbor.models import build_tokenizer
-from arbor.models.args import ModelArgs
+from arbor.models.args import DSAArgs, ModelArgs
+from arbor.models.family import UnsupportedArchitecture
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import Tokenizer, tokenizer_has_template
@@ -112,9 +113,15 @@ def estimate_run_bytes(cfg: RLConfig) -> int:
     return ckpt + broadcasts + sft
 
 
-def model_args(model: ModelConfig) -> ModelArgs:
-    """The preset's, or the checkpoint's config.json read as arbor reads it."""
-    return PRESETS.get(model.name) or ModelArgs.from_dir(resolve_dir(model.name))
+def model_args(model: ModelConfig) -> ModelArgs | DSAArgs:
+    """The preset's, or the checkpoint's config.json read as arbor reads it (by the family serving its
+    architecture: one that none serves fails in one line)."""
+    if model.name in PRESETS:
+        return PRESETS[model.name]
+    try:
+        return ModelArgs.from_dir(resolve_dir(model.name))
+    except UnsupportedArchitecture as e:
+        raise PreflightError(str(e)) from None
 
 
 def model_params(model: ModelConfig) -> int:
@@ -179,6 +186,7 @@ def check_model_files(model: ModelConfig) -> None:
         )
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
+    model_args(model)  # an architecture arbor builds
 
 
 def check_lora_head(cfg: RLConfig) -> None:

@@ -5,9 +5,10 @@ the launcher's preflight and the config validation read presets and checkpoint c
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
+
+from arbor.models.family import args_from_dir
 
 
 @dataclasses.dataclass
@@ -68,10 +69,10 @@ class ModelArgs:
             )
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict[str, Any], moe: bool = False) -> "ModelArgs":
+        """A Qwen3-style `config.json` (the family serving its architecture chose this class: arbor.models.family);
+        `moe` reads the routed experts (Qwen3-MoE), else the model is dense."""
         arch = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; arbor loads {sorted(SUPPORTED_ARCHITECTURES)}")
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -86,9 +87,7 @@ class ModelArgs:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             architecture=arch,
-            num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            if arch == "Qwen3MoeForCausalLM"
-            else 0,
+            num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=cfg.get("norm_topk_prob", False),
@@ -138,15 +137,13 @@ class ModelArgs:
             "torch_dtype": "float32",
         }
 
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelArgs":
-        """The checkpoint's architecture: DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) get their own
-        `DSAArgs`, which the rest of arbor reads through the same attribute names."""
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        arch = (cfg.get("architectures") or [""])[0]
-        if arch in DSA_ARCHITECTURES or cfg.get("model_type") in DSA_ARCHITECTURES.values():
-            return DSAArgs.from_hf_config(cfg)  # type: ignore[return-value]
-        return cls.from_hf_config(cfg)
+    @staticmethod
+    def from_dir(path: str | Path) -> "ModelArgs | DSAArgs":
+        """The checkpoint's architecture, read by the model family serving its `config.json` architecture
+        (arbor.registry.MODEL_FAMILIES): DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) get their own
+        `DSAArgs`, which the rest of arbor reads through the same attribute names. An architecture no family
+        serves is an `UnsupportedArchitecture` in one line naming `model.name`."""
+        return args_from_dir(path)
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
@@ -160,9 +157,6 @@ class ModelArgs:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         mtp = self.mtp_depth * (attn + 3 * h * i + 2 * h * h + 3 * h)  # block, eh_proj, enorm, hnorm, its norm
         return L * attn + n_moe * moe + (L - n_moe) * 3 * h * i + emb + h + mtp
-
-
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -15,14 +15,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
+from arbor.models.family import family_of
 from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, high_precision_modules, quantize_state
-from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer, mtp_from_hf, mtp_to_hf
+from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer
 
 
 def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
-    """config.json's contents; with `fp8`, the block-FP8 `quantization_config` vLLM and transformers read (with
-    the layers arbor keeps in high precision, arbor.models.fp8.high_precision_modules)."""
-    config = args.to_hf_config()
+    """config.json's contents as the model's family writes them (arbor.models.family); with `fp8`, the
+    block-FP8 `quantization_config` vLLM and transformers read (with the layers arbor keeps in high precision,
+    arbor.models.fp8.high_precision_modules)."""
+    config = family_of(args).to_hf_config(args)
     if fp8:
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
         if keep := high_precision_modules(args):
@@ -31,37 +33,43 @@ def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs, fp8: bool = False) -> dict[str, torch.Tensor]:
-    """The state dict as a Hugging Face checkpoint stores it: tied heads are written once, tensors contiguous,
-    fused MoE expert tensors split into per-expert `experts.{e}.{gate,up,down}_proj.weight` (the on-disk names
-    transformers and vLLM read), MTP modules as the layers after the decoder's (arbor.models.mtp); `fp8`
-    quantises the FP8 layers' weights (arbor.models.fp8.quantize_state)."""
+    """The state dict as a Hugging Face checkpoint stores it: the family's names and layouts (`to_hf_state`:
+    fused MoE expert tensors split into per-expert `experts.{e}.{gate,up,down}_proj.weight`, the on-disk names
+    transformers and vLLM read; MTP modules as the layers after the decoder's, arbor.models.mtp), tied heads
+    written once, tensors contiguous; `fp8` quantises the FP8 layers' weights (arbor.models.fp8.quantize_state)."""
+    state = family_of(args).to_hf_state({k: v.detach() for k, v in state.items()}, args)
+    out = {k: v.contiguous() for k, v in state.items()}
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return quantize_state(out) if fp8 else out
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's fused `[E, 2I, H]` / `[E, H, I]` expert tensors -> per-expert checkpoint tensors (the MoE
+    families' `to_hf_state`); other tensors unchanged."""
     out = {}
-    if getattr(args, "mtp_depth", 0):
-        state = mtp_to_hf(state, args.num_hidden_layers)
     for k, v in state.items():
-        v = v.detach()
         if k.endswith(".mlp.experts.gate_up_proj"):
             prefix = k[: -len("gate_up_proj")]
             for e in range(v.shape[0]):
                 gate, up = v[e].chunk(2, dim=0)
-                out[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+                out[f"{prefix}{e}.gate_proj.weight"] = gate
+                out[f"{prefix}{e}.up_proj.weight"] = up
         elif k.endswith(".mlp.experts.down_proj"):
             prefix = k[: -len("down_proj")]
             for e in range(v.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = v[e].contiguous()
+                out[f"{prefix}{e}.down_proj.weight"] = v[e]
         else:
-            out[k] = v.contiguous()
-    if args.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return quantize_state(out) if fp8 else out
+            out[k] = v
+    return out
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> the fused `[E, 2I, H]` / `[E, H, I]` tensors the model holds."""
+    """Per-expert checkpoint tensors -> the fused `[E, 2I, H]` / `[E, H, I]` tensors the model holds (the MoE
+    families' `from_hf_state`)."""
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out = {}
     for k, v in state.items():
@@ -95,20 +103,17 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Copies a checkpoint directory's tensors into `model` in place (shapes and names must match exactly);
-    FP8 weights are dequantised with their `weight_scale_inv`. A model with MTP modules loads them from the
-    checkpoint when it has them, else starts them from its last decoder layer."""
-    state = read_safetensors_dir(path)
-    if getattr(model.args, "num_nextn_predict_layers", 0):
-        state = drop_mtp_layers(state, model.args.num_hidden_layers)
-    state = fuse_experts(dequantize_state(state))
+    """Copies a checkpoint directory's tensors into `model` in place (names, mapped by the model's family, and
+    shapes must match exactly); FP8 weights are dequantised with their `weight_scale_inv`. A model with MTP
+    modules loads them from the checkpoint when it has them, else starts them from its last decoder layer."""
+    state = family_of(model.args).from_hf_state(dequantize_state(read_safetensors_dir(path)), model.args)
     mtp = getattr(model, "mtp", None)
-    if mtp is not None and len(mtp) and not has_mtp_weights(mtp_from_hf(state, model.args.num_hidden_layers)):
+    if mtp is not None and len(mtp) and not has_mtp_weights(state):
         own = {k: v for k, v in model.state_dict().items() if k.startswith("mtp.")}
-        copy_state_into(model, {**state, **own}, path)
+        copy_model_state(model, {**state, **own}, path)
         init_mtp_from_last_layer(model)
         return
-    copy_state_into(model, state, path)
+    copy_model_state(model, state, path)
 
 
 def drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -122,13 +127,16 @@ def drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str
 
 
 def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
-    """Checks every tensor of `state` against `model` before copying any, so a mismatched checkpoint leaves the
-    model untouched (the inference engine keeps serving its old weights)."""
-    args: ModelArgs = model.args
-    if getattr(args, "mtp_depth", 0):
-        state = mtp_from_hf(state, args.num_hidden_layers)
+    """Copies checkpoint tensors (Hugging Face names, dequantised) into `model`, mapped by its family. Checks
+    every tensor against `model` before copying any, so a mismatched checkpoint leaves the model untouched (the
+    inference engine keeps serving its old weights)."""
+    copy_model_state(model, family_of(model.args).from_hf_state(state, model.args), source)
+
+
+def copy_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
+    """`copy_checked` of tensors already under arbor's names; a tied head is the embedding's."""
     own = dict(model.named_parameters())
-    if args.tie_word_embeddings:
+    if model.args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         own.pop("lm_head.weight", None)
     copy_checked(own, state, f"checkpoint {source}", "the model")

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.trainer.logprobs import chunked_token_logprobs, logprob_chunk, policy_vocab
+from arbor.trainer.logprobs import chunked_token_logprobs
+from arbor.trainer.state import ParallelState
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -184,8 +185,9 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out, lse
 
 
-def apply_cp(model: nn.Module, cp_mesh: "DeviceMesh", style: str) -> None:
-    """Installs context-parallel attention in every attention module; the trainer lays out each row."""
+def apply_cp(model: nn.Module, cp_mesh: "DeviceMesh", style: str) -> ContextParallel:
+    """Installs context-parallel attention in every attention module and returns its state, which the trainer
+    keeps (`ParallelState.cp`) to lay out each row."""
     ctx = ContextParallel(cp_mesh.get_group(), style)
     H = model.args.num_attention_heads
     if style == "ulysses" and H % ctx.cp:
@@ -195,7 +197,7 @@ def apply_cp(model: nn.Module, cp_mesh: "DeviceMesh", style: str) -> None:
         )
     for layer in model.model.layers:
         layer.self_attn.cp = ctx
-    model._arbor_cp = ctx
+    return ctx
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -226,6 +228,7 @@ def gather_tokens(ctx: ContextParallel, local: torch.Tensor) -> torch.Tensor:
 
 def packed_logprobs_cp(
     model: nn.Module,
+    state: ParallelState,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     seq_lens,
@@ -238,7 +241,9 @@ def packed_logprobs_cp(
     """`packed_logprobs` under context parallelism: this rank forwards its slice of the row; each local token
     scores the token after it; the per-token results are all-gathered so every cp rank returns the whole row's
     (logprobs, entropy) `[T]`, identical to the single-rank result."""
-    ctx: ContextParallel = model._arbor_cp
+    ctx = state.cp
+    if ctx is None:
+        raise ValueError("packed_logprobs_cp needs the model's context-parallel state (ParallelState.cp)")
     T = input_ids.shape[0]
     Tp = ctx.set_row([int(n) for n in seq_lens], T, device)
     ids = F.pad(input_ids.to(device), (0, Tp - T))
@@ -253,7 +258,7 @@ def packed_logprobs_cp(
         model.aux_valid, model.aux_group = idx < T, ctx.group
     nxt = ids[(idx + 1).clamp(max=Tp - 1)]
     rows = torch.arange(idx.shape[0], device=device)
-    chunk, vocab = logprob_chunk(model), policy_vocab(model)
+    chunk, vocab = state.logprob_chunk, state.vocab
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk, top_p, vocab)

@@ -5,7 +5,7 @@ states), MTP depth d at position i reads the previous depth's hidden state there
 i + d + 1, and is fitted to the policy's next-token distribution at position i + d + 1 (the one that predicts
 token i + d + 2): a top-K KL over K + 1 outcomes, the policy's K most likely tokens and "any other token",
 `sum_k p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest)`, with `p` the policy's probabilities
-(detached) and `q` the module's, both over the tokenizer's ids (the head's first `policy_vocab` rows, as the
+(detached) and `q` the module's, both over the tokenizer's ids (the head's first `ParallelState.vocab` rows, as the
 policy's logprobs, arbor.trainer.logprobs) at the training temperature. The tail term keeps
 the module from piling the policy's whole mass onto its top K: acceptance is 1 - TV(p, q), and a draft fitted to
 a renormalised top K would be over-confident wherever the policy is spread out. Positions count where tokens i + 1 .. i
@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from arbor.models.qwen3 import linear_weight
-from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk, policy_vocab, real_rows
+from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk, real_rows
 from arbor.trainer.parallel import clip_grad_norm
+from arbor.trainer.state import UNPREPARED, ParallelState
 
 
 @dataclasses.dataclass
@@ -41,12 +42,12 @@ class DraftOut:
     positions: torch.Tensor
 
 
-def draft_modules(model: nn.Module) -> nn.ModuleList | None:
+def draft_modules(model: nn.Module, state: ParallelState = UNPREPARED) -> nn.ModuleList | None:
     """The model's MTP modules when it has any and can train them here: not under context parallelism (which
     splits the row the MTP block would have to attend over), nor when they are frozen (a LoRA run, whose drafts
-    stay the base model's: it publishes its adapter only)."""
+    stay the base model's: it publishes its adapter only). `state`: how the trainer prepared the model."""
     mtp = getattr(model, "mtp", None)
-    if mtp is None or not len(mtp) or getattr(model, "_arbor_cp", None) is not None:
+    if mtp is None or not len(mtp) or state.cp is not None:
         return None
     if not any(p.requires_grad for p in mtp.parameters()):
         return None
@@ -62,12 +63,23 @@ def path_steps(subtree_end: torch.Tensor) -> torch.Tensor:
     return nxt
 
 
-def make_draft_fn(subtree_end: torch.Tensor, temperature: float, top_k: int, chunk: int):
-    """The `DraftFn` for one row with tree/packing structure `subtree_end [T]`."""
+def make_draft_fn(subtree_end: torch.Tensor, temperature: float, top_k: int, state: ParallelState = UNPREPARED):
+    """The `DraftFn` for one row with tree/packing structure `subtree_end [T]` (logprob chunk and policy ids
+    from the model's `state`)."""
 
     def draft_fn(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, rope, position_ids, attn_mask):
         return draft_loss(
-            model, hidden, input_ids, rope, position_ids, attn_mask, subtree_end, temperature, top_k, chunk
+            model,
+            hidden,
+            input_ids,
+            rope,
+            position_ids,
+            attn_mask,
+            subtree_end,
+            temperature,
+            top_k,
+            state.logprob_chunk,
+            state.vocab,
         )
 
     return draft_fn
@@ -102,10 +114,12 @@ def draft_loss(
     temperature: float,
     top_k: int,
     chunk: int,
+    vocab: int = 0,
 ) -> DraftOut:
-    """The top-K KL of every MTP depth against the policy (module docstring), for one row `[1, T]`."""
+    """The top-K KL of every MTP depth against the policy (module docstring), for one row `[1, T]`; `vocab`:
+    the policy's ids (`ParallelState.vocab`)."""
     h = hidden.detach()
-    weight = real_rows(linear_weight(model.lm_head).detach(), policy_vocab(model))  # the policy's ids only
+    weight = real_rows(linear_weight(model.lm_head).detach(), vocab)  # the policy's ids only
     emb_weight = model.model.embed_tokens.weight.detach()
     ids = input_ids[0]
 
@@ -147,17 +161,17 @@ def draft_loss(
     return DraftOut(total / len(model.mtp), kl_sum, count)
 
 
-def clip_grad_norm_split(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_split(model: nn.Module, max_norm: float, state: ParallelState = UNPREPARED) -> torch.Tensor:
     """Clips the policy's gradients by their own global norm (returned, what the step reports) and the MTP
     modules' by theirs, so that training the drafts leaves the policy's update exactly as it would be."""
     mtp = getattr(model, "mtp", None)
     if mtp is None or not len(mtp):
-        return clip_grad_norm(model, max_norm)
+        return clip_grad_norm(model, max_norm, state.expert_replicas)
     params = list(mtp.parameters())
     held = [p.grad for p in params]
     for p in params:
         p.grad = None
-    norm = clip_grad_norm(model, max_norm)
+    norm = clip_grad_norm(model, max_norm, state.expert_replicas)
     for p, g in zip(params, held):
         p.grad = g
     clip_grad_norm(mtp, max_norm)

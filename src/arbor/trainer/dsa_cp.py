@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from arbor.models.args import check_cp_style
+from arbor.models.family import family_of
 from arbor.trainer.context_parallel import ContextParallel, gather_tokens
 
 if TYPE_CHECKING:
@@ -52,19 +53,20 @@ class DSAContextParallel(ContextParallel):
         return self.mask(self.local_indices, torch.arange(self.T, device=self.local_indices.device))[None]
 
 
-def apply_dsa_cp(model: nn.Module, cp_mesh: "DeviceMesh") -> None:
-    """Installs DSA context parallelism in every attention module; the trainer lays out each row."""
-    if not getattr(model.args, "is_dsa", False):
+def apply_dsa_cp(model: nn.Module, cp_mesh: "DeviceMesh") -> DSAContextParallel:
+    """Installs DSA context parallelism in every attention module and returns its state, which the trainer
+    keeps (`ParallelState.cp`) to lay out each row."""
+    if not family_of(model.args).dsa:
         raise ValueError("trainer.parallel.cp_style = 'dsa' needs a DeepSeek sparse attention model (e.g. dsa-tiny)")
     ctx = DSAContextParallel(cp_mesh.get_group())
     for layer in model.model.layers:
         layer.self_attn.cp = ctx
-    model._arbor_cp = ctx
+    return ctx
 
 
 def resolve_cp_style(style: str, model: nn.Module) -> str:
     """ "auto" -> "dsa" for DSA models, "ulysses" otherwise; a style that cannot run the model is an error."""
-    dsa = getattr(model.args, "is_dsa", False)
+    dsa = family_of(model.args).dsa
     check_cp_style(style, dsa)
     if style == "auto":
         return "dsa" if dsa else "ulysses"

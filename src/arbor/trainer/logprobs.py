@@ -3,8 +3,8 @@ time, so that `[T, V]` logits never exist at once.
 
 `VocabChunkedLogprobs` recomputes each chunk in an exact custom backward; the same pass reads a distillation
 teacher's top-k ids, scores the top-p nucleus the engines sampled from, and covers only the tokenizer's ids
-(`vocab`), never the head's padding rows. Details: docs/training.md, "Logprobs without `[tokens, vocab]`
-logits".
+(`vocab`, kept in the trainer's ParallelState, arbor.trainer.state), never the head's padding rows. Details:
+docs/training.md, "Logprobs without `[tokens, vocab]` logits".
 """
 
 from __future__ import annotations
@@ -19,24 +19,6 @@ each chunk's matmul runs at full speed, small enough that the few buffers of a c
 def default_chunk(vocab_size: int) -> int:
     """Rows per chunk when `trainer.logprob_chunk_tokens` is 0: one chunk's fp32 logits take `CHUNK_BYTES`."""
     return max(1, CHUNK_BYTES // (4 * vocab_size))
-
-
-def logprob_chunk(model: torch.nn.Module) -> int:
-    """Rows per chunk for `model`'s logprobs: `trainer.logprob_chunk_tokens` as `parallelize` set it on the
-    model (`_arbor_logprob_chunk`), 0 (the default from V) on a model the trainer did not prepare."""
-    return getattr(model, "_arbor_logprob_chunk", 0)
-
-
-def set_policy_vocab(model: torch.nn.Module, vocab: int) -> None:
-    """Records on `model` the ids its policy spans, its tokenizer's `vocab_size` (`parallelize` and the SFT
-    trainer call it once, when they prepare the model)."""
-    model._arbor_vocab = vocab
-
-
-def policy_vocab(model: torch.nn.Module) -> int:
-    """The head rows `model`'s policy spans (`set_policy_vocab`), 0 (every row) on a model the trainer did not
-    prepare."""
-    return getattr(model, "_arbor_vocab", 0)
 
 
 def real_rows(weight: torch.Tensor, vocab: int) -> torch.Tensor:

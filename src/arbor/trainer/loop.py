@@ -28,6 +28,7 @@ from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
+from arbor.trainer.state import UNPREPARED, ParallelState
 from arbor.trainer.step import train_step
 from arbor.transport.files import wait_for_step
 from arbor.weights.publish import DeltaTracker, stream_publish, stream_publish_adapter
@@ -65,8 +66,11 @@ def run(cfg: TrainerConfig) -> int:
     return 0
 
 
-def build_training(cfg: TrainerConfig, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """The parallelised fp32 model and its optimizer (AdamW or Muon + AdamW), plus the ParallelDims in use."""
+def build_training(
+    cfg: TrainerConfig, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer, ParallelDims, ParallelState]:
+    """The parallelised fp32 model and its optimizer (AdamW or Muon + AdamW), plus the ParallelDims in use and
+    the model's ParallelState (what the step is handed)."""
     # Master weights are always fp32; a lower model.dtype is the compute dtype (see parallel.py).
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
     try:
@@ -76,18 +80,18 @@ def build_training(cfg: TrainerConfig, device: torch.device) -> tuple[nn.Module,
     if not dims.fsdp_enabled:
         model.to(device)  # before EP: its DTensors live on the mesh's device
     try:
-        model = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
+        state = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
     except ValueError as e:  # e.g. ep on a dense model, experts or heads not divisible: a config error
         raise ConfigError(str(e)) from None
-    return model, build_optimizer(model, cfg.optim), dims
+    return model, build_optimizer(model, cfg.optim), dims, state
 
 
 def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     rank = dist.get_rank()
     beat("building the model")  # the entry point installed this rank's heartbeat
-    model, optimizer, dims = build_training(cfg, device)
+    model, optimizer, dims, state = build_training(cfg, device)
     data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
-    reference = build_reference(cfg, device, dims)
+    reference, ref_state = build_reference(cfg, device, dims) or (None, UNPREPARED)
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
     publish = Publisher(cfg, tokenizer, device)
     start = 0
@@ -127,6 +131,8 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
             mini_batches=cfg.mini_batches,
             epochs=cfg.epochs,
             draft=cfg.draft,
+            state=state,
+            ref_state=ref_state,
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -197,10 +203,12 @@ def stop_for_time(cfg: TrainerConfig, rank: int, step: int, clock: RunClock) -> 
     )
 
 
-def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.Module | None:
+def build_reference(
+    cfg: TrainerConfig, device: torch.device, dims: ParallelDims
+) -> tuple[nn.Module, ParallelState] | None:
     """The KL penalty's reference: the initial weights (built as `build_training` builds the policy, before any
-    checkpoint is loaded), frozen and sharded like the policy (under FSDP2 its forward is a collective too).
-    None when `loss.kl_coef` is 0."""
+    checkpoint is loaded), frozen and sharded like the policy (under FSDP2 its forward is a collective too),
+    with its own ParallelState. None when `loss.kl_coef` is 0."""
     if cfg.loss.kl_coef <= 0:
         return None
     with torch.random.fork_rng():  # the same initial weights as the policy's, without moving the global RNG
@@ -209,8 +217,8 @@ def build_reference(cfg: TrainerConfig, device: torch.device, dims: Any) -> nn.M
     ref.requires_grad_(False).eval()
     # LoRA: the reference is the base model, which a zero adapter leaves unchanged: none is added
     ref_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
-    ref = parallelize(ref, dims, ref_cfg, device.type)
-    return ref if dims.fsdp_enabled else ref.to(device)
+    state = parallelize(ref, dims, ref_cfg, device.type)
+    return (ref if dims.fsdp_enabled else ref.to(device)), state
 
 
 class Publisher:

@@ -29,7 +29,7 @@ from arbor.models.lora_peft import load_adapter
 from arbor.trainer.context_parallel import apply_cp
 from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
 from arbor.trainer.expert_parallel import apply_ep, expert_params, sync_expert_grads
-from arbor.trainer.logprobs import set_policy_vocab
+from arbor.trainer.state import ParallelState
 
 
 def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
@@ -162,8 +162,9 @@ class Meshes:
 
 def parallelize(
     model: nn.Module, parallel_dims: ParallelDims, config: TrainerConfig, device_type: str = "cpu"
-) -> nn.Module:
-    """Applies the model transforms in a fixed order and returns the model (changed in place).
+) -> ParallelState:
+    """Applies the model transforms in a fixed order (the model changes in place) and returns the
+    `ParallelState` whatever runs the model is handed (arbor.trainer.state).
 
     Order: FP8 swap -> LoRA -> AC -> EP -> CP -> FSDP2, as torchtitan's llama3/qwen3 (whose float8 model converter
     also runs before `parallelize`):
@@ -180,13 +181,12 @@ def parallelize(
     3. context parallel installs the CP attention in every attention module (no parameters change);
     4. FSDP2 last: it replaces the remaining parameters with DTensors sharded over dp_shard x cp (HSDP with
        dp_replicate) and registers its hooks around the already-rewritten modules.
-    With one rank nothing is sharded and the model stays a plain module. The model also records
-    `trainer.logprob_chunk_tokens` and its tokenizer's `vocab_size` (the ids the policy spans, fewer than the
-    head's rows when the head is padded) for the chunked logprobs (arbor.trainer.logprobs).
+    With one rank nothing is sharded and the model stays a plain module. The state records
+    `trainer.logprob_chunk_tokens` and the tokenizer's `vocab_size` (the ids the policy spans, fewer than the
+    head's rows when the head is padded) for the chunked logprobs (arbor.trainer.logprobs), the context-parallel
+    state and the expert replicas.
     """
     pc = config.parallel
-    model._arbor_logprob_chunk = config.logprob_chunk_tokens  # read by arbor.trainer.logprobs.logprob_chunk
-    set_policy_vocab(model, build_tokenizer(config.model).vocab_size)
     meshes = parallel_dims.build_meshes(device_type) if parallel_dims.world_size > 1 else None
     apply_fp8(model, config.model)
     if config.model.lora is not None:  # after the FP8 swap: the adapter wraps the FP8 forward
@@ -196,6 +196,7 @@ def parallelize(
     if pc.activation_checkpointing:
         apply_ac(model)
     ignored: set[nn.Parameter] = set()
+    expert_replicas = None
     if parallel_dims.ep_enabled:
         if not getattr(model.args, "is_moe", False):
             raise ValueError(
@@ -203,16 +204,19 @@ def parallelize(
             )
         apply_ep(model, meshes.ep, pc.ep_backend, pc.ep_max_tokens_per_rank)
         ignored = set(expert_params(model))
-        model._arbor_expert_replicas = meshes.expert_replicas
+        expert_replicas = meshes.expert_replicas
+    cp = None
     if parallel_dims.cp_enabled:
         style = resolve_cp_style(pc.cp_style, model)
-        if style == "dsa":
-            apply_dsa_cp(model, meshes.cp)
-        else:
-            apply_cp(model, meshes.cp, style)
+        cp = apply_dsa_cp(model, meshes.cp) if style == "dsa" else apply_cp(model, meshes.cp, style)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(model, meshes.fsdp, compute_dtype(config), ignored)
-    return model
+    return ParallelState(
+        logprob_chunk=config.logprob_chunk_tokens,
+        vocab=build_tokenizer(config.model).vocab_size,
+        cp=cp,
+        expert_replicas=expert_replicas,
+    )
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -253,18 +257,18 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, expert_replicas: DeviceMesh | None = None) -> torch.Tensor:
     """Clips by the global gradient norm over parameters that may be DTensors on different meshes (FSDP2 over
     dp_shard x cp, experts over ep), which `torch.nn.utils.clip_grad_norm_` rejects. Each parameter's squared
     norm is its local shard's, summed over the mesh dimensions it is sharded on; replicated dimensions count once.
-    Expert gradients are first averaged over their replicas (see arbor.trainer.expert_parallel)."""
+    Expert gradients are first averaged over their `expert_replicas` (`ParallelState.expert_replicas`, see
+    arbor.trainer.expert_parallel)."""
     # torch.distributed.tensor imports sympy (seconds): loaded after start-up, when the trainer is already
     # waiting for (and heartbeating about) its first rollouts.
     from torch.distributed.tensor import DTensor, Shard
 
-    replicas = getattr(model, "_arbor_expert_replicas", None)
-    if replicas is not None:
-        sync_expert_grads(model, replicas.get_group())
+    if expert_replicas is not None:
+        sync_expert_grads(model, expert_replicas.get_group())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())

@@ -31,8 +31,8 @@ from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
-from arbor.trainer.logprobs import logprob_chunk, set_policy_vocab
 from arbor.trainer.sft_data import Example, batches, load_examples
+from arbor.trainer.state import UNPREPARED, ParallelState
 from arbor.trainer.step import packed_logprobs
 
 
@@ -61,7 +61,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     examples = load_examples(cfg, tokenizer)
     beat("building the model")
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device=str(device))
-    set_policy_vocab(model, tokenizer.vocab_size)  # as `parallelize` does for RL training
+    state = ParallelState(vocab=tokenizer.vocab_size)  # the policy's ids, as `parallelize` records for RL training
     apply_fp8(model, cfg.model)  # fp32 masters, FP8 compute as in RL training
     lora = cfg.model.lora if cfg.adapter else None
     if lora is not None:  # after the FP8 swap, as the RL trainer does (arbor.trainer.parallel)
@@ -87,7 +87,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         draft_kl = torch.zeros((), device=device)
         for ids, mask, lens in rows:
             with autocast:
-                logprobs, drafted = row_logprobs(model, ids, lens, device, cfg.draft if trains_drafts else None)
+                logprobs, drafted = row_logprobs(model, ids, lens, device, cfg.draft if trains_drafts else None, state)
             nll = -(logprobs * mask.to(device)).sum() / targets
             if drafted is not None:  # reaches the MTP modules only (arbor.trainer.draft)
                 (nll + cfg.draft.weight * drafted.loss / len(rows)).backward()
@@ -95,7 +95,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
             else:
                 nll.backward()
             total += nll.detach()
-        clip_grad_norm_split(model, cfg.max_norm)
+        clip_grad_norm_split(model, cfg.max_norm, state)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -121,15 +121,20 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
 
 
 def row_logprobs(
-    model: torch.nn.Module, ids: torch.Tensor, lens: list[int], device: torch.device, draft: DraftConfig | None
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    lens: list[int],
+    device: torch.device,
+    draft: DraftConfig | None,
+    state: ParallelState = UNPREPARED,
 ) -> tuple[torch.Tensor, DraftOut | None]:
     """One packed row's token logprobs and, with `draft`, the MTP modules' draft loss on it (the draft function
     the model's forward calls, as in RL steps)."""
     if draft is not None:
         end = subtree_end_for(torch.tensor(lens), ids.shape[0]).to(device)
-        model.draft_fn = make_draft_fn(end, 1.0, draft.top_k, logprob_chunk(model))
+        model.draft_fn = make_draft_fn(end, 1.0, draft.top_k, state)
     try:
-        logprobs, _ = packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, device, False)
+        logprobs, _ = packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, device, False, state=state)
         return logprobs, model.draft_out if draft is not None else None
     finally:
         if draft is not None:

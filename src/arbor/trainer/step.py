@@ -4,9 +4,9 @@ functions, so what is measured is what trains.
 
 Logprobs never materialise `[T, V]` logits: the model's forward hands its final hidden states and lm_head weight
 to arbor.trainer.logprobs, which applies the head a chunk of tokens at a time with an exact custom backward
-(chunk: `trainer.logprob_chunk_tokens`, set on the model by `parallelize`) and over the tokenizer's ids only
-(the head's first `policy_vocab(model)` rows, also set by `parallelize`). `shifted_logprobs` is the
-full-logits reference it equals (given logits cut to those ids).
+(chunk: `trainer.logprob_chunk_tokens`) and over the tokenizer's ids only (the head's first `vocab` rows), both
+from the model's `ParallelState` (arbor.trainer.state), which `parallelize` returns and the caller passes in.
+`shifted_logprobs` is the full-logits reference it equals (given logits cut to those ids).
 
 Prefix-tree merged rows (their wire format is arbor.transport.batch's) forward the trie's nodes once under
 their tree mask and unmerge: each original sample token's logprob is read from the distribution of the node
@@ -38,12 +38,11 @@ from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, m
 from arbor.trainer.logprobs import (
     chunked_extra_logprobs,
     effective_top_p,
-    logprob_chunk,
     nucleus_mask,
-    policy_vocab,
     shifted_chunked_logprobs,
 )
 from arbor.trainer.loss import LossContext, LossFn
+from arbor.trainer.state import UNPREPARED, ParallelState
 from arbor.transport.batch import MicroBatch, StepBatch
 
 log = logging.getLogger(__name__)
@@ -91,24 +90,25 @@ def packed_logprobs(
     routed_experts: torch.Tensor | None = None,
     top_p: float = 1.0,
     extra_ids: torch.Tensor | None = None,
+    state: ParallelState = UNPREPARED,
 ) -> tuple[torch.Tensor, ...]:
     """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`.
     `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models); `top_p < 1` scores
     the nucleus-truncated distribution (arbor.trainer.logprobs); `extra_ids [T, k]` adds a third result, the
     logprobs `[T, k]` of those ids where token t is predicted. Under context parallelism the row is split over
-    the cp ranks (arbor.trainer.context_parallel) with the same result."""
-    if getattr(model, "_arbor_cp", None) is not None:
+    the cp ranks (arbor.trainer.context_parallel) with the same result. `state`: how the model was prepared."""
+    if state.cp is not None:
         if extra_ids is not None:
             raise ValueError(
                 "orchestrator.teacher.top_k > 0 is not supported with trainer.parallel.cp > 1: set "
                 "orchestrator.teacher.top_k = 0 or trainer.parallel.cp = 1"
             )
         return packed_logprobs_cp(
-            model, input_ids, position_ids, seq_lens, temperature, device, with_entropy, routed_experts, top_p
+            model, state, input_ids, position_ids, seq_lens, temperature, device, with_entropy, routed_experts, top_p
         )
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
-    chunk, vocab = logprob_chunk(model), policy_vocab(model)
+    chunk, vocab = state.logprob_chunk, state.vocab
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return shifted_chunked_logprobs(
@@ -145,6 +145,7 @@ def tree_logprobs(
     routed_experts: torch.Tensor | None = None,
     top_p: float = 1.0,
     extra_ids: torch.Tensor | None = None,
+    state: ParallelState = UNPREPARED,
 ) -> tuple[torch.Tensor, ...]:
     """Forward a prefix-tree merged row once over its M nodes; (logprobs, entropy) `[N]` per ORIGINAL sample
     token (0 at each sample's first token), equal to the unmerged samples' within float rounding; with
@@ -152,7 +153,7 @@ def tree_logprobs(
 
     An MoE model's load-balancing loss counts each node as many times as samples pass through it (the
     per-token weights `aux_valid`), so it equals the unmerged row's too."""
-    if getattr(model, "_arbor_cp", None) is not None:
+    if state.cp is not None:
         raise ValueError(
             "a prefix-tree merged micro-batch reached a context-parallel trainer: set "
             "orchestrator.batching.prefix_merge = false or trainer.parallel.cp = 1"
@@ -160,7 +161,7 @@ def tree_logprobs(
     nodes = mb.token_nodes.to(device, torch.long)
     input_ids = mb.input_ids.to(device)
     predictors = mb.predictor_nodes().to(device)
-    chunk, vocab = logprob_chunk(model), policy_vocab(model)
+    chunk, vocab = state.logprob_chunk, state.vocab
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return unmerged_logprobs(
@@ -217,15 +218,26 @@ def micro_batch_logprobs(
     router_replay: bool = False,
     top_p: float = 1.0,
     extra_ids: torch.Tensor | None = None,
+    state: ParallelState = UNPREPARED,
 ) -> tuple[torch.Tensor, ...]:
     """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged), of
     the distribution the tokens were sampled from (`top_p`: its nucleus; see arbor.trainer.logprobs); with
     `extra_ids [N, k]` (a teacher's top-k ids) a third result, their logprobs `[N, k]` (`packed_logprobs`)."""
     replay = mb.routed_experts if router_replay else None
     if mb.merged:
-        return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p, extra_ids)
+        return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p, extra_ids, state)
     return packed_logprobs(
-        model, mb.input_ids, mb.position_ids, mb.seq_lens, temperature, device, with_entropy, replay, top_p, extra_ids
+        model,
+        mb.input_ids,
+        mb.position_ids,
+        mb.seq_lens,
+        temperature,
+        device,
+        with_entropy,
+        replay,
+        top_p,
+        extra_ids,
+        state,
     )
 
 
@@ -280,6 +292,8 @@ def train_step(
     mini_batches: int = 1,
     epochs: int = 1,
     draft: DraftConfig | None = None,
+    state: ParallelState = UNPREPARED,
+    ref_state: ParallelState = UNPREPARED,
 ) -> dict[str, float]:
     """Trains on this rank's micro-batches, `mini_batches` optimizer steps per pass over them and `epochs`
     passes; returns the step's global figures.
@@ -292,9 +306,10 @@ def train_step(
     logprobs (arbor.trainer.loss) are computed first, with no gradient; the token figures (mismatch_kl,
     entropy, staleness) are counted in the first epoch and the loss figures averaged over the epochs. With
     `draft` enabled and MTP modules in the model, each micro-batch's forward also trains them
-    (arbor.trainer.draft; `draft/kl` in the figures).
+    (arbor.trainer.draft; `draft/kl` in the figures). `state` and `ref_state`: how `parallelize` prepared the
+    model and the reference (arbor.trainer.state).
     """
-    cp_ctx = getattr(model, "_arbor_cp", None)
+    cp_ctx = state.cp
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
     groups = split_mini_batches(len(batch.micro_batches), mini_batches, batch.step)
     normalisers = mini_batch_normalisers(batch, groups, acc.weight)
@@ -303,7 +318,9 @@ def train_step(
     if mini_batches * epochs > 1:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
             proximal = [
-                micro_batch_logprobs(model, mb, batch.temperature, device, False, router_replay, batch.top_p)[0]
+                micro_batch_logprobs(
+                    model, mb, batch.temperature, device, False, router_replay, batch.top_p, state=state
+                )[0]
                 for mb in batch.micro_batches
             ]
     for epoch in range(epochs):
@@ -325,11 +342,13 @@ def train_step(
                     acc,
                     epochs,
                     draft,
+                    state,
+                    ref_state,
                 )
                 if epoch == 0:
                     seen = logprobs if proximal[i] is None else proximal[i]  # the policy before any update
                     _account(acc, batch.micro_batches[i], mask, seen, entropy, batch.step, device)
-            grad_norm = clip_grad_norm_split(model, max_norm)
+            grad_norm = clip_grad_norm_split(model, max_norm, state)
             skipped += _update(optimizer, grad_norm, batch.step)
             acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
     return {**_figures(acc, dp_size, max(batch.loss_tokens_total, 1)), "skipped_updates": skipped}
@@ -405,18 +424,20 @@ def _micro_batch_backward(
     acc: _Accumulator,
     epochs: int,
     draft: DraftConfig | None = None,
+    state: ParallelState = UNPREPARED,
+    ref_state: ParallelState = UNPREPARED,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (its loss times `scale`); adds the loss figures to `acc`
     (each epoch's share 1/epochs). Returns the detached logprobs, the entropy and the loss mask."""
-    trains_drafts = draft is not None and draft.enabled and draft_modules(model) is not None
+    trains_drafts = draft is not None and draft.enabled and draft_modules(model, state) is not None
     if trains_drafts:
         end = mb.subtree_end if mb.merged else subtree_end_for(mb.seq_lens, mb.input_ids.shape[0])
-        model.draft_fn = make_draft_fn(end.to(device), batch.temperature, draft.top_k, logprob_chunk(model))
+        model.draft_fn = make_draft_fn(end.to(device), batch.temperature, draft.top_k, state)
     topk_ids = teacher_topk_ids(mb, batch, device)
     try:
         with forward_ctx if forward_ctx is not None else contextlib.nullcontext():
             logprobs, entropy, *student_topk = micro_batch_logprobs(
-                model, mb, batch.temperature, device, router_replay=router_replay, top_p=batch.top_p, extra_ids=topk_ids
+                model, mb, batch.temperature, device, True, router_replay, batch.top_p, topk_ids, state
             )
         drafted: DraftOut | None = model.draft_out if trains_drafts else None
     finally:
@@ -439,7 +460,7 @@ def _micro_batch_backward(
     if ref_model is not None:
         with torch.no_grad(), forward_ctx if forward_ctx is not None else contextlib.nullcontext():
             ctx.ref_logprobs, _ = micro_batch_logprobs(
-                ref_model, mb, batch.temperature, device, False, router_replay, batch.top_p
+                ref_model, mb, batch.temperature, device, False, router_replay, batch.top_p, state=ref_state
             )
     out = loss_fn(
         logprobs,

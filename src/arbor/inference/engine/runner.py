@@ -19,7 +19,7 @@ from arbor.inference.engine.adapters import AdapterSlots
 from arbor.inference.engine.params import PromptLogprobs
 from arbor.inference.engine.requests import Request, Seq
 from arbor.models.fp8 import dequantize_state
-from arbor.models.hf import copy_state_into, fuse_experts
+from arbor.models.hf import copy_state_into
 from arbor.models.lora_peft import arbor_tensors
 from arbor.models.qwen3 import lm_logits
 
@@ -209,8 +209,9 @@ class ModelRunner:
         if not path.is_dir():
             raise FileNotFoundError(f"weights directory {path} does not exist")
         # verified against the publish manifest; FP8 weights (model.fp8 = "block") dequantised: the FP8 layers
-        # requantise them to the same values; MoE experts fused; checked in full before any copy
-        copy_state_into(self.model, fuse_experts(dequantize_state(self.weights.load(path))), path)
+        # requantise them to the same values; names mapped by the model's family (MoE experts fused); checked in
+        # full before any copy
+        copy_state_into(self.model, dequantize_state(self.weights.load(path)), path)
 
     def load_adapter(self, name: str, path: Path, version: int) -> int:
         """Loads the PEFT directory at `path` (checked by the weight transport: manifest checksums when it has

@@ -40,11 +40,15 @@ def register() -> None:
     fp32_gate_defaults(GateLinear, torch.float32)
 
 
+_PATCHED: set[type] = set()
+"""The classes `fp32_gate_defaults` patched in this process (each once)."""
+
+
 def fp32_gate_defaults(cls: type, fp32: object) -> None:
     """Makes `cls.__init__` default `out_dtype` to `fp32` (torch.float32) and `force_fp32_compute` to True where
     the caller passed neither (module docstring). Idempotent: vLLM may load a plugin more than once in a
     process."""
-    if getattr(cls, "_arbor_fp32_router", False):
+    if cls in _PATCHED:
         return
     init = cls.__init__
     signature = inspect.signature(init)
@@ -65,4 +69,4 @@ def fp32_gate_defaults(cls: type, fp32: object) -> None:
         init(self, **named)
 
     cls.__init__ = __init__
-    cls._arbor_fp32_router = True
+    _PATCHED.add(cls)

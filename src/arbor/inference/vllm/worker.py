@@ -54,11 +54,14 @@ def _repack_cpu(model: torch.nn.Module, head: torch.nn.Module) -> None:
 
 
 class WeightUpdateExtension:
-    """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's."""
+    """Methods vLLM adds to its Worker; `self.model_runner` and `self.device` are the worker's. Its own names
+    (`arbor_*` RPCs, `weight_receiver`, the helpers) are ones vLLM's Worker does not use."""
 
-    _arbor_group: ReceiverGroup | None = None
+    weight_receiver: ReceiverGroup | None = None
+    """This worker's place in the run's weight group (the NCCL path), kept across updates until the trainer's
+    rendezvous names another group."""
 
-    def _arbor_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _reload_checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
         model = self.model_runner.model  # type: ignore[attr-defined]
         head = getattr(model, "lm_head", None)
@@ -69,7 +72,7 @@ class WeightUpdateExtension:
     def arbor_load_dir(self, path: str, verify: bool = True, timeout: float = 600.0) -> int:
         """Loads a published step directory (checksummed shards, bf16/fp32 or block-FP8); returns the tensors loaded."""
         state = read_verified(wait_stable(path, timeout), verify)
-        self._arbor_reload(list(state.items()))
+        self._reload_checkpoint_weights(list(state.items()))
         return len(state)
 
     def arbor_load_nccl(
@@ -79,25 +82,25 @@ class WeightUpdateExtension:
         (NCCL on a CUDA worker, its gloo twin on a CPU one); joins, or rejoins after a restart, as told at the
         update's rendezvous (arbor.weights.comm)."""
         version, buckets = read_nccl_layout(wait_stable(path, timeout))
-        group = self._arbor_group
+        group = self.weight_receiver
         if group is None or (group.host, group.port, group.world) != (host, port, world_size):
             # Ranks: trainer 0, then this server's workers from rank_offset, data-parallel rank major.
             device = torch.device(self.device)  # type: ignore[attr-defined]
             group = ReceiverGroup(
                 host,
                 port,
-                rank_offset + self._arbor_local_rank(),
+                rank_offset + self._server_worker_rank(),
                 world_size,
                 "nccl" if device.type == "cuda" else "gloo",
                 timeout,
                 device,
             )
-            self._arbor_group = group
+            self.weight_receiver = group
         comm = group.join(version)
-        self._arbor_reload(receive_buckets(comm, buckets, group.device))
+        self._reload_checkpoint_weights(receive_buckets(comm, buckets, group.device))
         return sum(len(b) for b in buckets)
 
-    def _arbor_local_rank(self) -> int:
+    def _server_worker_rank(self) -> int:
         """This worker's rank among its server's workers (data-parallel rank major)."""
         # vLLM's parallel state exists only inside a running worker (this method runs there).
         from vllm.distributed.parallel_state import get_world_group

@@ -1,0 +1,113 @@
+"""Model families: what arbor needs to know about one kind of checkpoint, found by its `config.json` architecture.
+
+A family (`ModelFamily`) names the architectures it serves, reads and writes their Hugging Face `config.json`
+into its args class, builds the model, and maps parameter names between arbor's model and the checkpoint.
+`arbor.registry.MODEL_FAMILIES` lists the built-ins by architecture name; `build_model`, `model_args`,
+`ModelArgs.from_dir` and arbor.models.hf dispatch through `family_for`. Adding a family is one new file (an
+object satisfying `ModelFamily`) and one line in arbor/registry.py. No torch here (nor in a family's module):
+the launcher's preflight and the config validation read checkpoint configs through it; a family imports its
+model class and tensors when it builds or maps one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from arbor.registry import MODEL_FAMILIES
+
+if TYPE_CHECKING:  # annotations only: importing them would load torch
+    import torch
+    from torch import nn
+
+DEFAULT_ARCHITECTURE = "Qwen3ForCausalLM"
+"""What a `config.json` without `architectures` (and without a known `model_type`) is read as."""
+
+
+class UnsupportedArchitecture(ValueError):
+    """A checkpoint whose architecture no registered family serves; the message is one line naming `model.name`."""
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """One kind of model arbor builds, trains and serves."""
+
+    architectures: tuple[str, ...]
+    """The `config.json` `architectures[0]` names it serves (its keys in MODEL_FAMILIES)."""
+    model_types: tuple[str, ...]
+    """The `config.json` `model_type`s it serves, for a config without `architectures`."""
+    args_class: type
+    """Its hyper-parameters (Hugging Face field names; an `architecture` field; `num_params()`; no torch)."""
+    supports_mtp: bool
+    """Whether `model.mtp_depth` can add multi-token-prediction draft modules (arbor.models.mtp)."""
+    supports_moe: bool
+    """Whether its checkpoints may hold routed experts (expert parallelism, router replay)."""
+    dsa: bool
+    """DeepSeek sparse attention (its own context-parallel style, arbor.trainer.dsa_cp)."""
+
+    def from_hf_config(self, config: dict[str, Any]) -> Any:
+        """`config.json`'s contents -> an `args_class` instance (a ValueError in one line when unsupported)."""
+        ...
+
+    def to_hf_config(self, args: Any) -> dict[str, Any]:
+        """The `config.json` transformers and vLLM read for `args`."""
+        ...
+
+    def build(self, args: Any) -> "nn.Module":
+        """The model (CPU, default dtype, weights uninitialised); `model.args` is `args`, and
+        `model.init_weights(seed)` draws a preset's deterministic initial weights."""
+        ...
+
+    def to_hf_state(self, state: dict[str, "torch.Tensor"], args: Any) -> dict[str, "torch.Tensor"]:
+        """arbor's parameter names and layouts -> the checkpoint's (identity where they agree); any subset of
+        the model's tensors (a published bucket) maps on its own."""
+        ...
+
+    def from_hf_state(self, state: dict[str, "torch.Tensor"], args: Any) -> dict[str, "torch.Tensor"]:
+        """A checkpoint's tensors (dequantised) -> arbor's names and layouts; tensors arbor does not hold are
+        dropped here."""
+        ...
+
+
+def _refusal(arch: str, source: str) -> UnsupportedArchitecture:
+    return UnsupportedArchitecture(
+        f"model.name: {source} is a {arch!r} checkpoint; arbor builds {', '.join(MODEL_FAMILIES.names())} "
+        "(another family is one file and one line in arbor/registry.py)"
+    )
+
+
+def family_for(arch: str, source: str = "the model") -> ModelFamily:
+    """The family serving architecture `arch`; `source` (the checkpoint) names it in the one-line refusal."""
+    if arch not in MODEL_FAMILIES.members:
+        raise _refusal(arch, source)
+    return MODEL_FAMILIES.load(arch)
+
+
+def family_of(args: Any) -> ModelFamily:
+    """The family of built args (a preset's or a checkpoint's), by their `architecture`."""
+    return family_for(args.architecture, f"a {type(args).__name__}")
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    """`config.json`'s architecture: `architectures[0]`, else the family serving its `model_type`, else
+    DEFAULT_ARCHITECTURE."""
+    names = config.get("architectures") or []
+    if names:
+        return names[0]
+    model_type = config.get("model_type")
+    for arch in MODEL_FAMILIES.names():
+        if model_type in MODEL_FAMILIES.load(arch).model_types:
+            return arch
+    return DEFAULT_ARCHITECTURE
+
+
+def args_from_config(config: dict[str, Any], source: str = "the model") -> Any:
+    """A `config.json`'s contents read by the family serving it."""
+    arch = architecture_of(config)
+    return family_for(arch, source).from_hf_config({**config, "architectures": [arch]})
+
+
+def args_from_dir(path: str | Path) -> Any:
+    """A checkpoint directory's architecture (its `config.json`), read by the family serving it."""
+    return args_from_config(json.loads((Path(path) / "config.json").read_text()), str(path))
