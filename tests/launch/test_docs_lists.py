@@ -25,6 +25,7 @@ FAMILIES = [
     "ENVIRONMENTS",
     "BACKENDS",
     "MODES",
+    "MODEL_FAMILIES",
 ]
 """The registries of src/arbor/registry.py whose names the prose lists, one line each."""
 
