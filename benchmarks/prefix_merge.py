@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.config.trainer import LossConfig
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--row-tokens", type=int, default=3072, help="micro_batch_tokens of both arms")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = parse_args(ap, model="qwen3-test", repeats=1, row_tokens=1024, threads=1)
     torch.set_num_threads(args.threads)
 
     cfg = ModelConfig(name=args.model)

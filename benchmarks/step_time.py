@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.environments.protocol import env_prompt_ids
@@ -193,7 +194,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per arm and round")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps per arm and round, not timed")
     p.add_argument("--cores", type=int, default=2, help="threads of the plain loop (all cores)")
-    a = p.parse_args()
+    a = parse_args(p, repeats=1, steps=1, skip=1)
     res: dict[str, list[float]] = {k: [] for k in ("plain_all", "plain_1t", "generate_1t", "train_1t", "lag1", "lag0")}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from smoke import parse_args
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from weights import raw_copy  # benchmarks/weights.py: the raw write+read baseline (this script's directory)
 
@@ -131,7 +132,7 @@ def main() -> None:
     ap.add_argument("--skip-full", action="store_true", help="do not measure the whole-state-dict path")
     ap.add_argument("--child", choices=["streamed", "full"])
     ap.add_argument("--root", type=Path)
-    a = ap.parse_args()
+    a = parse_args(ap, layers=1, bucket_mb=4.0, repeats=1)
     if a.child:
         print(json.dumps(child(a.child, a.layers, a.bucket_mb, a.repeats, a.root)))
         return
