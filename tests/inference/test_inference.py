@@ -497,6 +497,7 @@ def test_bad_config_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
     assert "port" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_server_process_ready_file_and_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     proc = subprocess.Popen(

@@ -235,6 +235,7 @@ def test_no_task_fits_fails_naming_seq_len_max_tokens_and_the_shortest_prompt(tm
     ), line
 
 
+@pytest.mark.slow
 def test_rl_check_runs_the_whole_preflight_and_starts_nothing(tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(tmp_path / "run"), *TINY, "--check"],

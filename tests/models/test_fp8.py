@@ -294,6 +294,7 @@ def _fsdp_worker(rank: int, world: int, out_path: str) -> None:
         torch.save({"loss": torch.stack(losses).mean(), "grads": grads}, out_path)
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_fp8_matches_one_rank(tmp_path):
     from test_parallel import _spawn
 

@@ -57,6 +57,7 @@ def test_a_hub_id_resolves_from_the_cache_and_builds_the_same_model(tmp_path, mo
     preflight.run_checks(rl)  # the hub id passes the model checks and builds the orchestrator's tokenizer
 
 
+@pytest.mark.slow
 def test_a_missing_hub_id_offline_fails_in_one_line(tmp_path, monkeypatch):
     use_cache(monkeypatch, tmp_path / "hf")
     with pytest.raises(HubError, match="not in the Hugging Face cache .* HF_HUB_OFFLINE is set"):

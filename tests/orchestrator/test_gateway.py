@@ -492,6 +492,7 @@ def _run_group(env, client: FakeClient, group_size: int = 2, cfg: GatewayConfig 
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_black_box_env_runs_the_example_agent_as_a_subprocess() -> None:
     from arbor.environments.black_box import BlackBoxEnv
 
@@ -505,6 +506,7 @@ def test_black_box_env_runs_the_example_agent_as_a_subprocess() -> None:
     assert rollouts[0].completion_ids == TOK.encode("cba") + [TOK.eos_token_id]
 
 
+@pytest.mark.slow
 def test_black_box_env_counts_failing_and_hanging_agents_and_takes_posted_rewards(tmp_path: Path) -> None:
     from arbor.environments.black_box import BlackBoxEnv
 

@@ -336,6 +336,7 @@ def test_one_trainer_step_merged_equals_unmerged(tmp_path: Path):
     _assert_same_step(merged, plain)
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_merged_equals_one_rank_unmerged(tmp_path: Path):
     from test_trainer_dist import run_torchrun
 
