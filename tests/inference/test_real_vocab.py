@@ -31,6 +31,7 @@ def real_logp(model: torch.nn.Module, ids: list[int], temperature: float = 1.0) 
     return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_merge", [False, True])
 def test_trainer_logprobs_and_entropy_are_a_softmax_over_the_tokenizers_ids(prefix_merge):
     """Packed and prefix-merged rows (chunks of 3 rows), float64 model: logprobs and entropy equal the brute force

@@ -158,6 +158,7 @@ def _train(fp8: bool, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_with_fp8_and_tracks_fp32(capsys):
     torch.set_num_threads(1)
     steps = 40

@@ -386,6 +386,7 @@ def test_errors_are_4xx_and_fuzzed_requests_never_break_the_server() -> None:
         assert _post(f"{srv.gw.url}/v1/sessions/s3/v1/chat/completions", ok, key)[0] == 200
 
 
+@pytest.mark.slow
 def test_64_concurrent_sessions_against_the_cpu_engine_are_recorded_without_loss() -> None:
     import torch
     from openai import AsyncOpenAI
