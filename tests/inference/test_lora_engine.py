@@ -81,6 +81,7 @@ def test_adapter_rows_match_merged_weights_in_one_batch(tmp_path: Path, name: st
     assert outs["a"].completions[0].token_ids != outs[None].completions[0].token_ids  # the adapter does something
 
 
+@pytest.mark.slow
 def test_new_adapter_version_recomputes_only_its_requests(tmp_path: Path) -> None:
     name = "qwen3-test"
     _, dir_1 = random_adapter(name, tmp_path / "v1", seed=1)

@@ -93,6 +93,7 @@ def _engine_vs_trainer(model, params: SamplingParams, prompt: list[int], **engin
     return worst, [out, *out.completions]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(0.8, 1.0), (0.0, 1.0), (1.0, 0.7)])
 def test_engine_reports_the_trainers_logprobs_over_the_real_ids(temperature, top_p):
     """Sampled, greedy and nucleus tokens, their top alternatives and the prompt logprobs: the engine's numbers

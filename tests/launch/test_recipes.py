@@ -119,6 +119,7 @@ def test_gsm8k_cpu_twin_learns(tmp_path):
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > GSM8K_RISE, rewards
 
 
+@pytest.mark.slow
 def test_swe_agent_tasks_fail_as_shipped_and_pass_with_their_solution(monkeypatch):
     """Every shipped repository has a failing test, its solution passes them all, and a `run_tests` call in an
     episode runs them in the sandbox on that episode's own files."""

@@ -19,6 +19,7 @@ from arbor.orchestrator.gateway.routes import TEMPERATURE_HEADER
 from arbor.orchestrator.gateway.service import Gateway
 
 
+@pytest.mark.slow
 def test_refused_requests_are_counted_by_status_class() -> None:
     with Served(FakeClient(), GatewayConfig(api_key="k")) as srv:
         srv.open("a")

@@ -612,6 +612,7 @@ def test_black_box_branched_sessions_count_once_in_group_advantages(tmp_path: Pa
         assert r.advantage == pytest.approx(0.5 if r.reward == 1.0 else -0.5)
 
 
+@pytest.mark.slow
 def test_remote_agents_pull_work_and_post_rewards() -> None:
     """Pull mode: agents elsewhere claim tasks with POST /v1/work, call their session, POST the reward; a task
     nobody finishes in time is retried, then dropped and counted."""
