@@ -109,6 +109,8 @@ import tomllib
 from collections import Counter
 from pathlib import Path
 
+from smoke import parse_args
+
 from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import trainer_metrics_path
 
@@ -399,7 +401,7 @@ def main() -> None:
         help="calibration stops once generation is within this fraction of training",
     )
     p.add_argument("--keep", default=None, help="write the runs here (kept) instead of a temporary directory")
-    a = p.parse_args()
+    a = parse_args(p, steps=2, repeats=1, tail=1, median_s=0.01)
     arms: dict[str, list[dict]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.keep or tmp)

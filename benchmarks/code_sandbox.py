@@ -15,6 +15,8 @@ import json
 import statistics
 import time
 
+from smoke import parse_args
+
 from arbor.environments.code import CodeEnv
 from arbor.environments.sandbox import detect_isolation
 
@@ -60,4 +62,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=4)
-    print(json.dumps(asyncio.run(main(parser.parse_args()))))
+    print(json.dumps(asyncio.run(main(parse_args(parser, tasks=4, concurrency=2)))))

@@ -26,10 +26,12 @@ import json
 import time
 
 import torch
+from smoke import parse_args
 
 from arbor.models.dsa import causal_mask, dense_mla, indexer_topk, mla_scale, sparse_mla
 
 LENGTHS = (1024, 2048, 4096)
+"""Sequence lengths timed by default; growth is t(last) / t(first)."""
 
 
 def make_inputs(T: int, a: argparse.Namespace, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -83,6 +85,7 @@ def run_case(kind: str, x: dict[str, torch.Tensor], a: argparse.Namespace, backw
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="sequence lengths, shortest first")
     p.add_argument("--topk", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-lora-rank", type=int, default=128)
@@ -93,19 +96,21 @@ def main() -> None:
     p.add_argument("--index-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    a = p.parse_args()
+    tiny = {"kv_lora_rank": 32, "nope": 16, "rope": 8, "v": 16, "index_heads": 2, "index_dim": 16}
+    a = parse_args(p, lengths=[64, 128, 256], topk=16, heads=2, repeats=1, **tiny)
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
     times: dict[str, dict[int, float]] = {}
-    for T in LENGTHS:
+    first, last = a.lengths[0], a.lengths[-1]
+    for T in a.lengths:
         x = make_inputs(T, a, gen)
         for kind in ("dense", "dsa-sparse", "dsa"):
             for backward in (False, True):
                 key = f"{kind} {'fwd+bwd' if backward else 'fwd'}"
                 times.setdefault(key, {})[T] = run_case(kind, x, a, backward)
                 print(f"T={T:5d}  {key:18s} {times[key][T] * 1e3:9.1f} ms CPU", flush=True)
-    growth = {k: v[LENGTHS[-1]] / v[LENGTHS[0]] for k, v in times.items()}
-    print(f"\ngrowth t({LENGTHS[-1]})/t({LENGTHS[0]}): linear = 4, quadratic = 16")
+    growth = {k: v[last] / v[first] for k, v in times.items()}
+    print(f"\ngrowth t({last})/t({first}): linear = {last / first:g}, quadratic = {(last / first) ** 2:g}")
     for k, g in growth.items():
         print(f"  {k:18s} {g:6.2f}")
     value = growth["dsa fwd+bwd"]
@@ -120,10 +125,9 @@ def main() -> None:
                 "linear, 16 = quadratic",
                 "growth": {k: round(g, 3) for k, g in growth.items()},
                 "dense_growth_over_dsa_growth_fwd_bwd": round(growth["dense fwd+bwd"] / value, 3),
-                "dense_over_dsa_at_4k_fwd_bwd": round(
-                    times["dense fwd+bwd"][LENGTHS[-1]] / times["dsa fwd+bwd"][LENGTHS[-1]], 3
-                ),
+                "dense_over_dsa_at_4k_fwd_bwd": round(times["dense fwd+bwd"][last] / times["dsa fwd+bwd"][last], 3),
                 "ms": {k: {str(T): round(t * 1e3, 2) for T, t in v.items()} for k, v in times.items()},
+                "lengths": a.lengths,
                 "topk": a.topk,
                 "heads": a.heads,
                 "kv_lora_rank": a.kv_lora_rank,

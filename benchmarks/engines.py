@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.models import build_model
@@ -142,7 +143,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    args = ap.parse_args()
+    args = parse_args(ap, requests=2, max_tokens=4, seq_len=64)
     model = build_model(ModelConfig(name=args.model))
     with tempfile.TemporaryDirectory() as tmp:
         results = {backend: measure(backend, args, model, Path(tmp)) for backend in ("local", "vllm")}
@@ -167,6 +168,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "benchmark": "engines",
                 "model": args.model,
                 **{b: {k: v for k, v in r.items() if k != "greedy"} for b, r in results.items()},
                 "greedy_identical": int(same),

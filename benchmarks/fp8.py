@@ -20,6 +20,7 @@ import json
 import time
 
 import torch
+from smoke import parse_args
 
 from arbor.models.fp8 import FP8Linear, block_gemm, quantize_blocks, quantize_tiles, select_backend
 
@@ -74,7 +75,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--inter", type=int, default=1536)
-    a = p.parse_args()
+    a = parse_args(p, tokens=128, hidden=128, inter=256)
     fp32, fp8 = cpu_overhead(a.tokens, a.hidden, a.inter)
     ratio = fp8 / fp32
     print(

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import aiohttp
+from smoke import parse_args
 
 from arbor.config.orchestrator import GatewayConfig
 from arbor.models.tokenizer import ByteTokenizer
@@ -61,7 +62,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=4)
-    a = p.parse_args()
+    a = parse_args(p, sessions=4, turns=2)
     out = asyncio.run(run(a.sessions, a.turns))
     lat = sorted(out["latencies"])
     median, p95 = statistics.median(lat) * 1e3, lat[int(0.95 * (len(lat) - 1))] * 1e3

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from smoke import parse_args
 
 from arbor.trainer.logprobs import shifted_chunked_logprobs
 from arbor.trainer.step import shifted_logprobs
@@ -173,7 +174,7 @@ def main() -> None:
     )
     p.add_argument("--arm", choices=("full", "chunked"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = parse_args(p, tokens=64, vocab=1000, hidden=32)
     if a.threads:  # one thread: on a shared CPU box, several threads make timings swing with others' load
         torch.set_num_threads(a.threads)
     if a.arm:

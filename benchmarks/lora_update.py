@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from smoke import parse_args
 
 from arbor.config.model import LoRAConfig
 from arbor.inference.engine.runner import ModelRunner
@@ -70,7 +71,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU configs run one per process)")
-    a = ap.parse_args()
+    a = parse_args(ap, rank=4, layers=1, repeats=1)
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     trainer = build(a.layers)

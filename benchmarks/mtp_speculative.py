@@ -71,6 +71,7 @@ import tomllib
 from pathlib import Path
 
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.environments.protocol import env_prompt_ids
@@ -219,7 +220,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64, help="requests per speed measurement, --batch at a time")
     ap.add_argument("--repeats", type=int, default=7, help="paired speed measurements (plain and speculative)")
     ap.add_argument("--output-dir", default=None, help="where the runs go (default: a temporary directory)")
-    args = ap.parse_args()
+    args = parse_args(
+        ap, model="qwen3-test-mtp", steps=2, window=1, sft_steps=0, draft_tokens=2, batch=2, requests=2, repeats=1
+    )
     root = Path(args.output_dir or tempfile.mkdtemp(prefix="arbor-mtp-bench-"))
     rates = rl_runs(root, args.model, args.steps, args.draft_tokens, args.sft_steps)
     w = args.window

@@ -26,7 +26,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from arbor.config.model import ModelConfig
+from arbor.config.parallel import ParallelConfig
+from arbor.config.trainer import LossConfig, TrainerConfig
+from arbor.models import build_model
+from arbor.trainer.loss import ppo_clip
+from arbor.trainer.optim import build_optimizer
+from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
+from arbor.trainer.step import train_step
+
 sys.path.insert(0, str(Path(__file__).parent))
+from smoke import parse_args  # noqa: E402
 from trainer_throughput import synthetic_batch  # noqa: E402
 
 
@@ -46,15 +56,6 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(a.threads)
-    from arbor.config.model import ModelConfig
-    from arbor.config.parallel import ParallelConfig
-    from arbor.config.trainer import LossConfig, TrainerConfig
-    from arbor.models import build_model
-    from arbor.trainer.loss import ppo_clip
-    from arbor.trainer.optim import build_optimizer
-    from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
-    from arbor.trainer.step import train_step
-
     use_cuda = torch.cuda.device_count() >= world
     device, _ = init_distributed("auto" if use_cuda else "gloo")
     cfg = TrainerConfig(
@@ -130,7 +131,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
-    a = p.parse_args()
+    a = parse_args(p, model="qwen3-test", micro_batches=2, row_tokens=256, repeats=1, warmup=0)
     one, two = run(1, a), run(2, a)
     for world, r in ((1, one), (2, two)):
         print(

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.config.trainer import LossConfig
@@ -90,14 +91,16 @@ def agent_rollouts(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-tiny")
+    ap.add_argument("--rollouts", type=int, default=8, help="rollouts of the task's group")
+    ap.add_argument("--turns", type=int, default=8, help="turns per rollout (those past the 4th branch some)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--row-tokens", type=int, default=3072, help="micro_batch_tokens of both arms")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = parse_args(ap, model="qwen3-test", rollouts=4, turns=5, repeats=1, row_tokens=1024, threads=1)
     torch.set_num_threads(args.threads)
 
     cfg = ModelConfig(name=args.model)
-    rollouts = agent_rollouts(model_args(cfg).vocab_size)
+    rollouts = agent_rollouts(model_args(cfg).vocab_size, rollouts=args.rollouts, turns=args.turns)
     tokens = sum(r.num_tokens for r in rollouts)
     ideal = tokens / trie_size([sample_arrays(r) for r in rollouts])
     batches = {

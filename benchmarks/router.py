@@ -17,6 +17,14 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
+import urllib.request
+
+import aiohttp
+from aiohttp import web
+from smoke import parse_args
+
+from arbor.config.inference import RouterConfig
+from arbor.inference.router.app import serve
 
 TARGET_MS = 1.0
 
@@ -28,8 +36,6 @@ def _free_port() -> int:
 
 
 def _backend(port: int) -> None:
-    from aiohttp import web
-
     body = json.dumps(
         {"choices": [{"index": 0, "text": "x" * 200, "token_ids": list(range(100)), "policy_versions": [0] * 100}]}
     )
@@ -47,15 +53,10 @@ def _backend(port: int) -> None:
 
 
 def _router(port: int, backend: str) -> None:
-    from arbor.config.inference import RouterConfig
-    from arbor.inference.router.app import serve
-
     asyncio.run(serve(RouterConfig(backends=[backend], port=port, policy="least_outstanding")))
 
 
 async def _measure(url: str, n: int) -> list[float]:
-    import aiohttp
-
     body = json.dumps({"prompt": list(range(50)), "max_tokens": 100}).encode()
     out = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -71,8 +72,6 @@ async def _measure(url: str, n: int) -> list[float]:
 
 
 def _wait(url: str) -> None:
-    import urllib.request
-
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -93,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+    a = parse_args(ap, requests=40, rounds=1)
     bport, rport = _free_port(), _free_port()
     backend, router = f"http://127.0.0.1:{bport}", f"http://127.0.0.1:{rport}"
     ctx = mp.get_context("spawn")

@@ -66,6 +66,7 @@ import math
 import random
 
 import numpy as np
+from smoke import parse_args
 
 from arbor.orchestrator.scheduler import RolloutQueue
 
@@ -275,7 +276,7 @@ def main() -> None:
         help="a straggler continues at the tail with its tokens, or its task is sampled afresh there",
     )
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
+    a = parse_args(p, steps=20, batch=8, concurrency=32, window=16)
     results = {m: simulate(m, a) for m in ("sync", "async", "greedy", "windowed_fifo")}
     results["windowed_no_partial"] = simulate("windowed_fifo", a, partial=False)
     base = results["sync"]["steps_per_time"]

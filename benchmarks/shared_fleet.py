@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from smoke import parse_args
+
 from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import fleet_url_path, fleet_usage_path, metrics_path
 
@@ -201,7 +203,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tail", type=int, default=4, help="last steps whose reward/mean is averaged")
     p.add_argument("--repeats", type=int, default=1)
-    args = p.parse_args()
+    args = parse_args(p, max_tokens=4, steps=2, tail=1)
     if args.replicas < 2 or args.replicas % 2:
         raise SystemExit("--replicas must be even and at least 2 (the separate arm gives each run half)")
     results: dict[str, list[dict]] = {"separate": [], "shared": []}

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from smoke import parse_args
+
 PROCESSES = 3
 """Python processes that import torch under `rl` with one inference replica: inference, trainer, orchestrator."""
 
@@ -81,7 +83,7 @@ def first_step(out: Path) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per arm; medians are reported")
-    a = p.parse_args()
+    a = parse_args(p, repeats=1)
     bare, rl = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):

@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.environments.protocol import env_prompt_ids
@@ -77,7 +78,8 @@ ENV_ARGS = {"min_len": 2, "max_len": 5, "alphabet": "abcdefgh"}
 class PlainLoop:
     """A sequential GRPO loop on one model: generate, score, one optimizer step."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, prompts: int = PROMPTS, seed: int = 0) -> None:
+        self.prompts = prompts
         cfg = ModelConfig(name="qwen3-tiny")
         self.model = build_model(cfg)
         self.tok = build_tokenizer(cfg)
@@ -135,15 +137,15 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
 
     def step(self) -> dict[str, float]:
-        tasks = [self.tasks[(self.next_task + i) % len(self.tasks)] for i in range(PROMPTS)]
-        self.next_task += PROMPTS
+        tasks = [self.tasks[(self.next_task + i) % len(self.tasks)] for i in range(self.prompts)]
+        self.next_task += self.prompts
         prompts = [env_prompt_ids(self.env, t, self.tok) for t in tasks]
         t0 = time.perf_counter()
         completions = self.generate(prompts)
         t1 = time.perf_counter()
         texts = [self.tok.decode(c) for c in completions]
         scores = asyncio.run(score_all(self.env, tasks, texts))
-        reward = torch.tensor(scores).view(PROMPTS, GROUP)
+        reward = torch.tensor(scores).view(self.prompts, GROUP)
         adv = (reward - reward.mean(1, keepdim=True)).flatten()
         t2 = time.perf_counter()
         self.train(prompts, completions, adv)
@@ -156,10 +158,10 @@ async def score_all(env: ReverseTextEnv, tasks: list[dict], texts: list[str]) ->
     return [g["similarity"] for g in got]
 
 
-def plain_arm(steps: int, skip: int, threads: int) -> dict[str, float]:
+def plain_arm(steps: int, skip: int, threads: int, prompts: int = PROMPTS) -> dict[str, float]:
     """Medians over `steps` steps after `skip` warm-up ones, on `threads` threads."""
     torch.set_num_threads(threads)
-    loop = PlainLoop()
+    loop = PlainLoop(prompts)
     rows = [loop.step() for _ in range(skip + steps)][skip:]
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
@@ -193,12 +195,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per arm and round")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps per arm and round, not timed")
     p.add_argument("--cores", type=int, default=2, help="threads of the plain loop (all cores)")
-    a = p.parse_args()
+    p.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step of the plain loop (the example's)")
+    a = parse_args(p, repeats=1, steps=1, skip=1, cores=1, prompts=2)
     res: dict[str, list[float]] = {k: [] for k in ("plain_all", "plain_1t", "generate_1t", "train_1t", "lag1", "lag0")}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
-            res["plain_all"].append(plain_arm(a.steps, a.skip, a.cores)["step"])
-            one = plain_arm(a.steps, a.skip, 1)
+            res["plain_all"].append(plain_arm(a.steps, a.skip, a.cores, a.prompts)["step"])
+            one = plain_arm(a.steps, a.skip, 1, a.prompts)
             res["plain_1t"].append(one["step"])
             res["generate_1t"].append(one["generate"])
             res["train_1t"].append(one["train"])

@@ -24,10 +24,11 @@ import statistics
 import time
 
 import torch
+from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.config.trainer import LossConfig, TrainerConfig
-from arbor.models import build_model, model_args
+from arbor.models import build_model, build_tokenizer
 from arbor.models.attention import packed_causal_mask, position_ids_for
 from arbor.trainer.loss import ppo_clip
 from arbor.trainer.parallel import ParallelDims, forward_context
@@ -36,9 +37,11 @@ from arbor.transport.batch import MicroBatch, StepBatch
 
 
 def synthetic_batch(model_cfg: ModelConfig, micro_batches: int, row_tokens: int, seed: int = 0) -> StepBatch:
-    """Rows packed with samples of 96..320 tokens (a 32-token prompt each), the last one padded to the row."""
+    """Rows packed with samples of 96..320 tokens (a 32-token prompt each), the last one padded to the row. Ids are
+    drawn below the tokenizer's vocabulary size, the ids a policy spans: a padded head has more rows than that, and
+    the trainer's chunked logprobs cover only the real ones (`arbor.trainer.logprobs.policy_vocab`)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = model_args(model_cfg).vocab_size
+    vocab = build_tokenizer(model_cfg).vocab_size
     mbs = []
     for _ in range(micro_batches):
         lens: list[int] = []
@@ -139,7 +142,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads; 0 = torch's default")
-    a = p.parse_args()
+    a = parse_args(p, model="qwen3-test", micro_batches=1, row_tokens=256, repeats=1, warmup=0)
     if a.threads:  # one thread: on a shared CPU box, several threads make timings swing with others' load
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)

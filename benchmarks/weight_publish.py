@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from smoke import parse_args
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from weights import raw_copy  # benchmarks/weights.py: the raw write+read baseline (this script's directory)
 
@@ -42,17 +43,17 @@ from arbor.weights.transport import FilesystemTransport, read_verified
 MEMORY_TARGET, THROUGHPUT_TARGET = 0.25, 0.7
 
 
-def build(layers: int) -> Qwen3ForCausalLM:
-    """~0.1 GB per layer in bf16 plus a 131 MB tied embedding; fp32 parameters."""
+def build(layers: int, hidden: int = 2048) -> Qwen3ForCausalLM:
+    """At the default width ~0.1 GB per layer in bf16 plus a 131 MB tied embedding; fp32 parameters."""
     args = dataclasses.replace(
         PRESETS["qwen3-small"],
         vocab_size=32_000,
-        hidden_size=2048,
-        intermediate_size=5632,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
         num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=16,
-        head_dim=128,
+        head_dim=hidden // 16,
     )
     model = Qwen3ForCausalLM(args)
     model.init_weights(0)
@@ -67,11 +68,11 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def child(mode: str, layers: int, bucket_mb: float, repeats: int, root: Path) -> dict:
+def child(mode: str, layers: int, hidden: int, bucket_mb: float, repeats: int, root: Path) -> dict:
     """One measurement process: memory from the first publish, the fastest of `repeats` for the times (a raw
     copy after each publish+load, so machine load favours neither)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = build(layers)
+    model = build(layers, hidden)
     nbytes = sum(v.numel() * 2 for k, v in model.state_dict().items() if k != "lm_head.weight")
     transport = FilesystemTransport(keep=1, bucket_mb=bucket_mb)
     out: dict = {"mode": mode, "bytes": nbytes, "publish_seconds": [], "load_seconds": [], "raw_seconds": []}
@@ -110,6 +111,8 @@ def run_child(mode: str, a: argparse.Namespace) -> dict:
             mode,
             "--layers",
             str(a.layers),
+            "--hidden",
+            str(a.hidden),
             "--bucket-mb",
             str(a.bucket_mb),
             "--repeats",
@@ -126,14 +129,15 @@ def run_child(mode: str, a: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=10)  # ~1.1 GB in bf16
+    ap.add_argument("--hidden", type=int, default=2048, help="model width (a multiple of 16)")
     ap.add_argument("--bucket-mb", type=float, default=64.0)  # the config default (weights.bucket_mb)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-full", action="store_true", help="do not measure the whole-state-dict path")
     ap.add_argument("--child", choices=["streamed", "full"])
     ap.add_argument("--root", type=Path)
-    a = ap.parse_args()
+    a = parse_args(ap, layers=1, hidden=256, bucket_mb=1.0, repeats=1)
     if a.child:
-        print(json.dumps(child(a.child, a.layers, a.bucket_mb, a.repeats, a.root)))
+        print(json.dumps(child(a.child, a.layers, a.hidden, a.bucket_mb, a.repeats, a.root)))
         return
     s = run_child("streamed", a)
     memory = s["extra_rss"] / s["bytes"]

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import parse_args
 
 from arbor.models.presets import PRESETS
 from arbor.weights.transport import FilesystemTransport
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--shard-gb", type=float, default=0.5)  # the config default (weights.max_shard_gb)
     ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args()
+    a = parse_args(ap, gb=0.02, shard_gb=0.01, repeats=1)
     state = synthetic_state(a.gb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(tempfile.mkdtemp(prefix="arbor-bench-weights-", dir="/tmp"))

@@ -88,7 +88,7 @@ def qwen_bpe(tmp_path_factory):
     return HFTokenizer(qwen_bpe_tokenizer.build(tmp_path_factory.mktemp("qwen_bpe")))
 
 
-@pytest.fixture(params=["byte", "qwen_bpe"])
+@pytest.fixture(params=["byte", pytest.param("qwen_bpe", marks=pytest.mark.slow)])  # its set-up takes seconds
 def chat_tokenizer(request):
     """The byte tokenizer (one token per byte, no merges) and the real 151k BPE vocabulary, for the multi-turn,
     tool-use, gateway and truncation tests: BPE re-tokenises rendered histories differently from what was

@@ -44,13 +44,13 @@ def engine_generator(engine: Any, cfg: EvalSettings) -> Generate:
 
 async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     # Loaded once `main` has parsed the config: these bring torch, and a bad config must fail before it.
-    import torch
+    import torch  # after the config check, see above
 
-    from arbor.inference.engine.core import Engine
-    from arbor.models import build_model, build_tokenizer
-    from arbor.models.fp8 import apply_fp8
-    from arbor.orchestrator.client import InferenceClient
-    from arbor.orchestrator.evaluator import client_generator, evaluate
+    from arbor.inference.engine.core import Engine  # after the config check, see above
+    from arbor.models import build_model, build_tokenizer  # after the config check, see above
+    from arbor.models.fp8 import apply_fp8  # after the config check, see above
+    from arbor.orchestrator.client import InferenceClient  # after the config check, see above
+    from arbor.orchestrator.evaluator import client_generator, evaluate  # after the config check, see above
 
     tokenizer = build_tokenizer(cfg.model)
     t0 = time.perf_counter()

@@ -225,6 +225,7 @@ def test_resolved_config_roundtrips_through_toml(tmp_path):
     assert again == cfg
 
 
+@pytest.mark.slow
 def test_rl_dry_run_is_fast_and_writes_configs(tmp_path):
     out = tmp_path / "out"
     t0 = time.monotonic()
@@ -250,6 +251,7 @@ def test_rl_dry_run_is_fast_and_writes_configs(tmp_path):
     assert not (out / "logs").exists()  # nothing was started
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, field",
     [
@@ -621,6 +623,7 @@ def test_every_numeric_field_is_strict_and_bounded():
     assert walk(RLConfig) + walk(EvalConfig) + [b for m in env_args for b in walk(m)] == []
 
 
+@pytest.mark.slow
 def test_dry_run_of_a_cluster_config_needs_no_file_and_no_torch(tmp_path):
     """--dry-run reads no model file (a checkpoint path that exists only on the cluster passes) and imports no torch,
     also with context parallelism (which checks the model's heads)."""
@@ -653,6 +656,7 @@ def test_dry_run_of_a_cluster_config_needs_no_file_and_no_torch(tmp_path):
     assert time.monotonic() - t0 < 3.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [
@@ -675,6 +679,7 @@ def test_rl_exits_in_one_line_before_any_process(tmp_path, argv):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_dry_run_into_an_unwritable_output_dir_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     res = subprocess.run(

@@ -68,6 +68,7 @@ def test_every_example_is_layered_on_configs_and_resolves(example, tmp_path, mon
     assert rl_main(["@", str(example.relative_to(ROOT)), "--dry-run", "--output-dir", str(tmp_path / "run")]) == 0
 
 
+@pytest.mark.slow
 def test_every_layer_is_a_few_commented_lines_and_composes_with_the_others(monkeypatch):
     monkeypatch.chdir(ROOT)
     for path in itertools.chain(*LAYERS.values()):

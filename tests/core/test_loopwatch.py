@@ -7,6 +7,8 @@ import asyncio
 import logging
 import time
 
+import pytest
+
 from arbor.loopwatch import LoopWatch
 
 
@@ -15,6 +17,7 @@ async def blocking_score() -> float:
     return 1.0
 
 
+@pytest.mark.slow
 def test_blocking_code_is_named_once_per_place_and_every_stall_counts(caplog) -> None:
     async def scenario() -> tuple[float, float]:
         async with LoopWatch(threshold=0.3) as watch:

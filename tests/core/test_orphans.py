@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PARENT = """
 import subprocess, sys, time
 from arbor.orphans import die_with_parent

@@ -49,6 +49,7 @@ def test_max_minutes_is_shared_with_the_trainer_and_bounded() -> None:
         load_config(RLConfig, ["--max-minutes", "2", "--trainer.max-minutes", "3"], prog="rl")
 
 
+@pytest.mark.slow
 def test_report_shows_the_wall_time_of_the_last_row(tmp_path) -> None:
     from arbor.launch.report import main
 

@@ -113,6 +113,7 @@ def test_clear_after_removes_what_a_restart_redoes(tmp_path):
     assert run_dir.rollout_steps(tmp_path) == [] and run_dir.published_steps(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_stays_light():
     code = "import sys, arbor.run_dir; assert 'torch' not in sys.modules and 'arbor.trainer' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,6 +10,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from arbor import runloop
 
 SCRIPT = """
@@ -42,6 +44,7 @@ def run_script(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_a_stuck_worker_thread_does_not_keep_the_process_from_ending():
     proc, seconds = run_script("stuck", "ok")
     assert proc.returncode == 0, proc.stderr
@@ -50,6 +53,7 @@ def test_a_stuck_worker_thread_does_not_keep_the_process_from_ending():
     assert seconds < 60  # the stuck call sleeps for 600 s
 
 
+@pytest.mark.slow
 def test_a_failing_run_with_a_stuck_thread_exits_1_with_its_traceback():
     proc, _ = run_script("stuck", "fail")
     assert proc.returncode == 1
@@ -57,6 +61,7 @@ def test_a_failing_run_with_a_stuck_thread_exits_1_with_its_traceback():
     assert "worker thread(s) still running" in proc.stderr
 
 
+@pytest.mark.slow
 def test_without_stuck_threads_the_process_goes_on_as_usual():
     proc, _ = run_script("free", "ok")
     assert proc.returncode == 0, proc.stderr

@@ -92,6 +92,7 @@ async def _reversed(prompt_ids, n, max_tokens, temperature, top_p, seed=None):
     return [Completion([65, TOK.eos_token_id], [0.0, 0.0], [0, 0], text[::-1][:4], "stop") for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_failure", ["score_zero", "skip"])
 def test_training_rollouts_of_a_poisoned_scorer_score_0_or_are_skipped_and_counted(on_failure):
     env, stats = Poisoned(), EnvStats()

@@ -136,6 +136,7 @@ def test_program_runs_in_fresh_dir_that_is_removed(clean):
     assert not Path(cwd).exists()
 
 
+@pytest.mark.slow
 def test_sandbox_dies_with_its_orchestrator():
     """SIGKILL the process that started a run: the run's processes die too (no orphan keeps sleeping)."""
     forks = detect_isolation().mode != "rlimits"  # the audit hook of that mode refuses fork
@@ -167,6 +168,7 @@ def test_sandbox_dies_with_its_orchestrator():
             assert not list(Path(parent).glob(f"{CGROUP_PREFIX}{owner.pid}-*"))
 
 
+@pytest.mark.slow
 def test_hostile_programs_contained(clean):
     sandbox = Sandbox(LIMITS, max_concurrency=4)
     programs = {
@@ -316,6 +318,7 @@ def forced(mode: str) -> Isolation:
     return Isolation("rlimits", (), _python_for(True) if drop else sys.executable, drop, cgroup)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["userns", "rlimits"])
 def test_weaker_modes_still_contain(mode, clean):
     sandbox = Sandbox(LIMITS, isolation=forced(mode))
@@ -393,6 +396,7 @@ def test_code_env_resists_reward_hacks():
     assert [s["pass"] for s in asyncio.run(main())] == [0.0] * len(hacks)
 
 
+@pytest.mark.slow
 def test_code_env_hostile_completions_score_zero_and_the_run_goes_on(clean):
     """The acceptance test: a fork bomb, an infinite loop, 10 GB and a 1 GB write, scored concurrently with
     correct answers, each score 0 without raising, and correct answers (during and after) still score 1."""

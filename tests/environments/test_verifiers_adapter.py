@@ -109,6 +109,7 @@ def test_factory_chat_prompt_and_rebuilt_tasks():
     assert asyncio.run(fresh.score(other.dataset(0)[0], "0"))["correct"] == 1.0
 
 
+@pytest.mark.slow
 def test_installed_taskset_id_loads_through_verifiers(monkeypatch):
     """A bare id goes through verifiers' own loader (an installed package exporting its Taskset via __all__)."""
     module = type(sys)("arbor_test_sum_taskset")

@@ -190,6 +190,7 @@ def test_racing_updates_never_regress_the_served_version(tmp_path: Path) -> None
         assert engine.version == 2 and statuses.count(409) <= 1 and all(s in (200, 409) for s in statuses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module, extra",
     [("arbor.inference.server", []), ("arbor.inference.router.app", ["--backends", '["http://127.0.0.1:9"]'])],

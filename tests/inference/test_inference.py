@@ -177,6 +177,7 @@ def test_seeded_sampling_and_scaled_logprobs() -> None:
             assert float(row[row > row[tok]].sum()) < 0.5
 
 
+@pytest.mark.slow
 def test_weight_update_mid_generation(tmp_path: Path) -> None:
     model, old = make_model(), make_model()
     new = copy.deepcopy(old)
@@ -497,6 +498,7 @@ def test_bad_config_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
     assert "port" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_server_process_ready_file_and_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     proc = subprocess.Popen(

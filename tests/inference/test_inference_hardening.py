@@ -127,6 +127,7 @@ def test_the_server_process_exits_1_when_its_engine_loop_dies() -> None:
         assert asyncio.run(go()) == 1
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_never_get_a_5xx_nor_kill_the_engine() -> None:
     rng = random.Random(13)
     valid = {

@@ -50,6 +50,7 @@ def engine(model: torch.nn.Module, name: str) -> Engine:
     return Engine(model, build_tokenizer(ModelConfig(name=name)), seq_len=64, max_batch_size=8).start()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-test", "qwen3-moe-test", "dsa-test"])
 def test_adapter_rows_match_merged_weights_in_one_batch(tmp_path: Path, name: str) -> None:
     """Requests for adapter a, adapter b and the base model decode together; each equals its own merged model."""
@@ -80,6 +81,7 @@ def test_adapter_rows_match_merged_weights_in_one_batch(tmp_path: Path, name: st
     assert outs["a"].completions[0].token_ids != outs[None].completions[0].token_ids  # the adapter does something
 
 
+@pytest.mark.slow
 def test_new_adapter_version_recomputes_only_its_requests(tmp_path: Path) -> None:
     name = "qwen3-test"
     _, dir_1 = random_adapter(name, tmp_path / "v1", seed=1)

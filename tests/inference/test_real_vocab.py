@@ -31,6 +31,7 @@ def real_logp(model: torch.nn.Module, ids: list[int], temperature: float = 1.0) 
     return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_merge", [False, True])
 def test_trainer_logprobs_and_entropy_are_a_softmax_over_the_tokenizers_ids(prefix_merge):
     """Packed and prefix-merged rows (chunks of 3 rows), float64 model: logprobs and entropy equal the brute force
@@ -99,6 +100,7 @@ def _engine_vs_trainer(model, params: SamplingParams, prompt: list[int], **engin
     return worst, [out, *out.completions]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(0.8, 1.0), (0.0, 1.0), (1.0, 0.7)])
 def test_engine_reports_the_trainers_logprobs_over_the_real_ids(temperature, top_p):
     """Sampled, greedy and nucleus tokens, their top alternatives and the prompt logprobs: the engine's numbers

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import aiohttp
+import pytest
 from fuzz_requests import check_answer, encode, malformed, raw_http, send
 from test_inference import TOK, make_model, running_engine
 from test_inference_hardening import _kill_loop
@@ -129,6 +130,7 @@ def test_the_router_refuses_what_the_request_schema_refuses_and_forwards_the_res
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_through_the_router_never_get_a_5xx_nor_eject_a_backend() -> None:
     rng = random.Random(7)
     valid = {

@@ -101,6 +101,7 @@ def exact_joint(model, prompt: list[int], steps: int, temperature: float, top_p:
     return seqs, torch.tensor(probs, dtype=torch.float64), logprobs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p,nucleus", [(1.0, 1.0, False), (0.8, 0.7, False), (0.8, 0.7, True)])
 def test_sampled_tokens_follow_the_target_distribution(temperature, top_p, nucleus):
     """`nucleus`: the engine reports the nucleus' renormalised logprobs (`nucleus_logprobs`, as `build_engine`

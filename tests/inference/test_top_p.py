@@ -144,6 +144,7 @@ def test_sampler_reports_the_nucleus_renormalised_logprob_and_alternatives() -> 
         assert seqs[2].logprobs[-1] == float(full[2, seqs[2].tokens[-1]])
 
 
+@pytest.mark.slow
 def test_batched_draws_follow_each_rows_processed_distribution_and_its_own_seed() -> None:
     """`choose` draws every sampled row in one pass: a row's frequencies match its distribution (top-p
     truncated and renormalised, a probability-0 token never drawn), a greedy row takes the argmax, and a

@@ -59,6 +59,7 @@ def test_fleet_report_prices_the_fleet_and_shares_it_between_runs_by_slot_second
     assert "utilisation" in text and "| a | 300 | 60.0% |" in text
 
 
+@pytest.mark.slow
 def test_a_run_on_a_fleet_pays_its_share_of_the_fleets_hours(tmp_path: Path) -> None:
     out = tmp_path / "run"
     rows = [{"step": i, "reward/mean": 0.1 * i, "time/step": 1.0, "num_tokens": 1000.0} for i in range(4)]

@@ -73,18 +73,21 @@ def _hf_dir(path: Path, hidden: int = 32, layers: int = 2, weights: bool = True)
     return path
 
 
+@pytest.mark.slow
 def test_output_dir_not_writable(tmp_path):
     (tmp_path / "file").write_text("")
     line = _fails(tmp_path / "file" / "run")
     assert "output_dir" in line and "not writable" in line
 
 
+@pytest.mark.slow
 def test_output_dir_without_room_for_checkpoints(tmp_path):
     model = _hf_dir(tmp_path / "huge", hidden=16384, layers=2000)  # ~6T parameters: no disk here holds that
     line = _fails(tmp_path / "run", "--model.name", str(model))
     assert "free but the run keeps up to" in line and "trainer.ckpt.keep" in line
 
 
+@pytest.mark.slow
 def test_inference_port_taken(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,6 +97,7 @@ def test_inference_port_taken(tmp_path):
     assert f"inference.port {port}" in line and "not free" in line
 
 
+@pytest.mark.slow
 def test_model_directory_without_config_or_weights(tmp_path):
     (tmp_path / "empty").mkdir()
     assert "config.json is missing" in _fails(tmp_path / "run", "--model.name", str(tmp_path / "empty"))
@@ -102,6 +106,7 @@ def test_model_directory_without_config_or_weights(tmp_path):
     assert "neither a preset" in _fails(tmp_path / "run3", "--model.name", str(tmp_path / "missing"))
 
 
+@pytest.mark.slow
 def test_requested_gpus_missing(tmp_path):
     line = _fails(tmp_path / "run", "--trainer.parallel.backend", "nccl", "--trainer.parallel.nproc", "64")
     assert "needs 64 CUDA GPU(s)" in line
@@ -146,6 +151,7 @@ def test_a_model_vllms_cpu_build_cannot_serve_fails_before_vllm_starts(tmp_path,
     preflight.check_backends(cfg)
 
 
+@pytest.mark.slow
 def test_sft_dataset_unreadable_or_not_jsonl(tmp_path):
     line = _fails(tmp_path / "run", "--sft.steps", "2", "--sft.data", str(tmp_path / "missing.jsonl"))
     assert "sft.data" in line and "not readable" in line
@@ -154,11 +160,13 @@ def test_sft_dataset_unreadable_or_not_jsonl(tmp_path):
     assert "not JSON" in _fails(tmp_path / "run2", "--sft.steps", "2", "--sft.data", str(bad))
 
 
+@pytest.mark.slow
 def test_environment_not_importable(tmp_path):
     line = _fails(tmp_path / "run", "--orchestrator.environment.id", "no_such_pkg.envs:make")
     assert "orchestrator.environment.id" in line and "not importable" in line
 
 
+@pytest.mark.slow
 def test_loss_or_advantage_module_not_importable(tmp_path):
     line = _fails(tmp_path / "run", "--trainer.loss.name", "no_such_pkg.losses:mine")
     assert "trainer.loss.name" in line and "not importable" in line
@@ -200,11 +208,13 @@ def test_context_summariser_not_importable(tmp_path):
         load_config(RLConfig, [*TINY, "--orchestrator.environment.context.trigger-tokens", "100"])
 
 
+@pytest.mark.slow
 def test_tokenizer_path_is_checked_with_a_preset_model(tmp_path):
     line = _fails(tmp_path / "run", "--model.tokenizer", str(tmp_path / "nonexistent"))
     assert "model.tokenizer" in line and "not a directory" in line
 
 
+@pytest.mark.slow
 def test_black_box_agent_file_or_program_missing(tmp_path):
     bb = ["--orchestrator.environment.id", "black_box"]
     line = _fails(
@@ -223,11 +233,13 @@ def test_black_box_agent_file_or_program_missing(tmp_path):
     assert "'no-such-agent-program' is not found" in line
 
 
+@pytest.mark.slow
 def test_an_argument_unlike_any_the_environment_takes_fails_preflight(tmp_path):
     line = _fails(tmp_path / "run", "--orchestrator.environment.args", "{ anything_goes = true }")
     assert "orchestrator.environment.args" in line and "unknown argument 'anything_goes'" in line
 
 
+@pytest.mark.slow
 def test_no_task_fits_fails_naming_seq_len_max_tokens_and_the_shortest_prompt(tmp_path):
     # reverse_text's shortest prompt (byte tokenizer, chat template) is far longer than seq_len - max_tokens = 8.
     line = _fails(tmp_path / "run", "--seq-len", "16", "--orchestrator.sampling.max-tokens", "8")
@@ -236,6 +248,7 @@ def test_no_task_fits_fails_naming_seq_len_max_tokens_and_the_shortest_prompt(tm
     ), line
 
 
+@pytest.mark.slow
 def test_rl_check_runs_the_whole_preflight_and_starts_nothing(tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "--output-dir", str(tmp_path / "run"), *TINY, "--check"],

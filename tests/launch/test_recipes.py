@@ -47,6 +47,7 @@ def _run_recipe(recipe: str, out: Path) -> list[dict]:
     return read_jsonl(out / "metrics.jsonl")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(LARGE))
 def test_large_recipe_renders_its_multi_node_sbatch_script(recipe, tmp_path):
     nodes, inference, trainer, ranks = LARGE[recipe]
@@ -60,6 +61,7 @@ def test_large_recipe_renders_its_multi_node_sbatch_script(recipe, tmp_path):
     assert subprocess.run(["bash", "-n", str(out / "rl.sbatch")]).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(LARGE))
 def test_large_recipe_passes_check_on_a_laptop_with_gpu_checks_skipped(recipe, tmp_path):
     """No GPU, an empty offline Hugging Face cache: what only the job's nodes have is reported, nothing fails
@@ -117,6 +119,7 @@ def test_gsm8k_cpu_twin_learns(tmp_path):
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > GSM8K_RISE, rewards
 
 
+@pytest.mark.slow
 def test_swe_agent_tasks_fail_as_shipped_and_pass_with_their_solution(monkeypatch):
     """Every shipped repository has a failing test, its solution passes them all, and a `run_tests` call in an
     episode runs them in the sandbox on that episode's own files."""

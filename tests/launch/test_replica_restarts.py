@@ -21,6 +21,8 @@ from arbor.launch.rl import replica_servers, resolve, teacher_servers
 from arbor.launch.servers import Servers
 from arbor.run_dir import configs_dir
 
+pytestmark = pytest.mark.slow
+
 DIE = [sys.executable, "-c", "import sys; sys.exit(3)"]
 LIVE = [sys.executable, "-c", "import time; time.sleep(60)"]
 

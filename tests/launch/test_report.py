@@ -85,6 +85,7 @@ def test_report_of_a_finished_cpu_run(tmp_path):
     assert cost["usd_per_m_trained"] == pytest.approx(cost["usd"] / (cost["trained_tokens"] / 1e6))
 
 
+@pytest.mark.slow
 def test_report_of_synthetic_metrics_without_timings(tmp_path):
     rows = [
         {

@@ -11,6 +11,8 @@ import pytest
 
 from arbor.monitor.metrics import read_jsonl
 
+pytestmark = pytest.mark.slow
+
 TINY = [
     "--model.name",
     "qwen3-test",

@@ -41,6 +41,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_each_process_without_a_stack_is_named_with_the_reason(tmp_path, monkeypatch, deaf):
     monkeypatch.setenv("PATH", "/nonexistent")  # no py-spy: the SIGUSR1/faulthandler path
     empty = tmp_path / "empty.txt"
@@ -66,6 +67,7 @@ def _pid_of(out: Path, name: str) -> int:
     return json.loads((heartbeats_dir(out) / name).read_text())["pid"]
 
 
+@pytest.mark.slow
 def test_a_failing_py_spy_is_part_of_the_reason(tmp_path, monkeypatch, deaf):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 
+import pytest
 import qwen_bpe_tokenizer
 import tiktoken
 import torch
@@ -26,6 +27,8 @@ from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway.openai_wire import trim_at_stop
 from arbor.orchestrator.trajectory import Trajectory
 from arbor.tool_calls import parse_tool_calls
+
+pytestmark = pytest.mark.slow
 
 TEXTS = [
     "Hello world! The answer is 42.\n\n  def f(x):\n\treturn x**2  # squared",

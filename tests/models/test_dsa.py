@@ -327,6 +327,7 @@ def _dsa_cp_worker(rank: int, world: int, name: str) -> None:
         assert_close(g / world, p_ref.grad, f"dsa cp grad {n}")
 
 
+@pytest.mark.slow
 def test_dsa_moe_expert_parallel_matches_one_process():
     """EP=2 on the DSA MoE preset (DeepSeek router, shared experts): forward and gradients as one process."""
     from test_parallel import _ep_worker
@@ -334,11 +335,13 @@ def test_dsa_moe_expert_parallel_matches_one_process():
     _spawn(_ep_worker, "dsa-moe-test")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dsa-test", "dsa-moe-test"])
 def test_dsa_context_parallel_matches_one_process(name):
     _spawn(_dsa_cp_worker, name)
 
 
+@pytest.mark.slow
 def test_dsa_context_parallel_trainer_matches_one_rank(tmp_path: Path):
     """`trainer` under torchrun with cp = 2 on dsa-test (cp_style auto -> dsa, FSDP2 over the cp ranks, activation
     checkpointing) trains exactly as one rank: loss figures and published weights after each step."""

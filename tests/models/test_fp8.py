@@ -164,6 +164,7 @@ def _train(fp8: bool, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_with_fp8_and_tracks_fp32(capsys):
     torch.set_num_threads(1)
     steps = 40
@@ -303,6 +304,7 @@ def _fsdp_worker(rank: int, world: int, out_path: str) -> None:
         torch.save({"loss": torch.stack(losses).mean(), "grads": grads}, out_path)
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_fp8_matches_one_rank(tmp_path):
     from test_parallel import _spawn
 

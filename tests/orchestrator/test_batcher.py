@@ -100,6 +100,7 @@ def test_metrics_merge_in_step_order_and_truncate(tmp_path):
     assert again.poll() == [1]
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_receives_merged_steps(tmp_path, monkeypatch):
     from arbor.config.monitor import WandbConfig
     from arbor.monitor.metrics import init_wandb

@@ -29,6 +29,7 @@ def test_the_orchestrator_drives_black_box_through_the_protocols_it_defines() ->
     assert isinstance(Rollout(0, [1], [2], [0.0], [0], "x", "stop"), AgentSample)
 
 
+@pytest.mark.slow
 def test_refused_requests_are_counted_by_status_class() -> None:
     with Served(FakeClient(), GatewayConfig(api_key="k")) as srv:
         srv.open("a")
@@ -110,6 +111,7 @@ REWARDING_AGENT = (
 )
 
 
+@pytest.mark.slow
 def test_a_subprocess_agent_posts_to_arbor_reward_url_and_its_closed_session_is_not_open(tmp_path: Path) -> None:
     agent = tmp_path / "agent.py"
     agent.write_text(REWARDING_AGENT)
@@ -137,6 +139,7 @@ def test_a_subprocess_agent_posts_to_arbor_reward_url_and_its_closed_session_is_
     )
 
 
+@pytest.mark.slow
 def test_sessions_without_a_reward_are_counted_by_why_they_ended() -> None:
     quiet = BlackBoxEnv(command=[sys.executable, "-c", "print('cba')"])  # exits cleanly, never posts
     failing = BlackBoxEnv(command=[sys.executable, "-c", "import sys; sys.exit(3)"], retries=1)
@@ -165,6 +168,7 @@ def test_sessions_without_a_reward_are_counted_by_why_they_ended() -> None:
     assert scored == []  # no call was made through the gateway: nothing to train on
 
 
+@pytest.mark.slow
 def test_a_cancelled_group_abandons_its_sessions() -> None:
     hanging = BlackBoxEnv(command=[sys.executable, "-c", "import time; time.sleep(60)"], timeout=30)
 

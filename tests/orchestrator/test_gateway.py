@@ -386,6 +386,7 @@ def test_errors_are_4xx_and_fuzzed_requests_never_break_the_server() -> None:
         assert _post(f"{srv.gw.url}/v1/sessions/s3/v1/chat/completions", ok, key)[0] == 200
 
 
+@pytest.mark.slow
 def test_64_concurrent_sessions_against_the_cpu_engine_are_recorded_without_loss() -> None:
     import torch
     from openai import AsyncOpenAI
@@ -492,6 +493,7 @@ def _run_group(env, client: FakeClient, group_size: int = 2, cfg: GatewayConfig 
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_black_box_env_runs_the_example_agent_as_a_subprocess() -> None:
     from arbor.environments.black_box import BlackBoxEnv
 
@@ -505,6 +507,7 @@ def test_black_box_env_runs_the_example_agent_as_a_subprocess() -> None:
     assert rollouts[0].completion_ids == TOK.encode("cba") + [TOK.eos_token_id]
 
 
+@pytest.mark.slow
 def test_black_box_env_counts_failing_and_hanging_agents_and_takes_posted_rewards(tmp_path: Path) -> None:
     from arbor.environments.black_box import BlackBoxEnv
 
@@ -609,6 +612,7 @@ def test_black_box_branched_sessions_count_once_in_group_advantages(tmp_path: Pa
         assert r.advantage == pytest.approx(0.5 if r.reward == 1.0 else -0.5)
 
 
+@pytest.mark.slow
 def test_remote_agents_pull_work_and_post_rewards() -> None:
     """Pull mode: agents elsewhere claim tasks with POST /v1/work, call their session, POST the reward; a task
     nobody finishes in time is retried, then dropped and counted."""

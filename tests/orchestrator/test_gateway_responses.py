@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from test_gateway import FakeClient, Served, _openai, _post
 
 from arbor.config.orchestrator import GatewayConfig
@@ -63,6 +64,7 @@ def test_function_calls_and_previous_response_id_extend_the_session_token_exactl
     assert sum(sample.completion_mask) == sum(len(t.completion_ids) for t in s.turns)
 
 
+@pytest.mark.slow
 def test_streamed_events_build_the_same_response_and_a_cut_reply_is_incomplete() -> None:
     replies = iter([f"adding{CALL}", "y" * 50])
     with Served(FakeClient(lambda p: next(replies)), max_tokens=200) as srv:

@@ -47,7 +47,7 @@ def _tools():
     return [tool_schema(calculator)]
 
 
-@pytest.mark.parametrize("kind", ["byte", "hf", "qwen_bpe"])
+@pytest.mark.parametrize("kind", ["byte", "hf", pytest.param("qwen_bpe", marks=pytest.mark.slow)])
 def test_each_turn_extends_the_previous_tokens_exactly(kind, tmp_path, request):
     tok = _tokenizer(kind, tmp_path, request)
     traj = Trajectory(tok, tools=_tools())
@@ -102,7 +102,7 @@ def test_per_char_tokens_differ_from_a_retokenisation(tmp_path):
     assert tok.decode(exact, skip_special_tokens=False) == tok.render_chat(messages)  # ...from the same text
 
 
-@pytest.mark.parametrize("kind", ["byte", "hf", "qwen_bpe"])
+@pytest.mark.parametrize("kind", ["byte", "hf", pytest.param("qwen_bpe", marks=pytest.mark.slow)])
 def test_truncated_history_branches_with_exact_tokens(kind, tmp_path, request):
     tok = _tokenizer(kind, tmp_path, request)
     traj = Trajectory(tok)

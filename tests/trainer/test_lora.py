@@ -148,6 +148,7 @@ def test_trainer_publishes_adapters_and_checkpoints_adapters_only(tmp_path: Path
     assert not any("lora_" not in k for k in keys if k.startswith("optim.state."))
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_lora_step_matches_one_rank(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     write_rollouts({1: one, 2: two}, steps=2)
@@ -166,6 +167,7 @@ def test_two_rank_fsdp_lora_step_matches_one_rank(tmp_path: Path) -> None:
         assert any("lm_head.lora_B" in k for k in a)
 
 
+@pytest.mark.slow
 def test_expert_parallel_lora_step_matches_one_rank(tmp_path: Path) -> None:
     """MoE experts' adapters are ep-sharded with their experts (FSDP2 + EP=2) and train as on one rank."""
     one, two = tmp_path / "one", tmp_path / "two"

@@ -143,6 +143,7 @@ def test_gspo_defaults_to_sequence_normalisation_under_rl_and_can_be_overridden(
     assert load_config(RLConfig, [], env={}).orchestrator.batching.normalization == "token"
 
 
+@pytest.mark.slow
 def test_two_rank_mini_batches_match_one_rank(tmp_path) -> None:
     """2 FSDP ranks with 2 mini-batches each equal 1 rank holding the same mini-batches: the per-mini-batch
         normaliser is summed over ranks. Rank r holds micro-batches (r, r + 2), so mini-batch j is micro-batches

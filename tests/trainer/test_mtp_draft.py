@@ -176,6 +176,7 @@ def _draft_kl(model: torch.nn.Module, ids: torch.Tensor, lens: list[int]) -> flo
     return float(out.kl_sum / out.positions)
 
 
+@pytest.mark.slow
 def test_sft_warm_up_fits_the_drafts_and_rl_loads_them(tmp_path):
     """The SFT warm-up trains the MTP module towards the policy it fine-tunes and writes it into `sft/`, where RL
     (a model built from that directory) finds it instead of re-initialising it: on the fine-tuned policy its

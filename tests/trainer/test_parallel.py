@@ -20,6 +20,8 @@ from arbor.config.model import ModelConfig
 from arbor.models import build_model
 from arbor.models.attention import packed_causal_mask, position_ids_for
 
+pytestmark = pytest.mark.slow
+
 REL = 1e-5
 
 

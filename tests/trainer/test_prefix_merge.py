@@ -116,6 +116,7 @@ def test_flex_mask_mod_gives_the_sdpa_mask():
     assert torch.equal(dense.reshape(M, M), tree_mask(mb.subtree_end)[0, 0])
 
 
+@pytest.mark.slow
 def test_flex_block_mask_forward_matches_dense_sdpa_on_cpu():
     """FlexAttention runs forward only on CPU (eager): the block mask built from the mask_mod gives SDPA's output."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -336,6 +337,7 @@ def test_one_trainer_step_merged_equals_unmerged(tmp_path: Path):
     _assert_same_step(merged, plain)
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_merged_equals_one_rank_unmerged(tmp_path: Path):
     from test_trainer_dist import run_torchrun
 

@@ -207,6 +207,7 @@ def test_trainer_process_with_user_loss(tmp_path: Path):
     assert latest_checkpoint(tmp_path) == 2  # the last step is always checkpointed
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     write_rollouts({1: full}, steps=3)

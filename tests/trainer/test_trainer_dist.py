@@ -16,6 +16,8 @@ from arbor.models.hf import read_safetensors_dir
 from arbor.run_dir import STABLE, broadcast_dir, checkpoint_dir, latest_checkpoint
 from arbor.trainer.main import main as trainer_main
 
+pytestmark = pytest.mark.slow
+
 
 def run_torchrun(nproc: int, args: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

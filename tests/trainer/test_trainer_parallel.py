@@ -17,6 +17,8 @@ from test_trainer_dist import assert_same_weights, run_torchrun
 from arbor.run_dir import broadcast_dir, checkpoint_dir
 from arbor.trainer.main import main as trainer_main
 
+pytestmark = pytest.mark.slow
+
 
 def moe_args(output_dir: Path, max_steps: int, *extra: str) -> list[str]:
     return [

@@ -180,6 +180,7 @@ def vllm_lora_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)  # the module's server starts inside this test's budget: minutes on busy CPU cores
 def test_vllm_cpu_hot_swaps_adapters_with_merged_model_logprobs(vllm_lora_url: str, tmp_path: Path) -> None:
@@ -187,6 +188,7 @@ def test_vllm_cpu_hot_swaps_adapters_with_merged_model_logprobs(vllm_lora_url: s
     check_hot_swap(vllm_lora_url, tmp_path, 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 def test_vllm_cpu_serves_an_adapter_on_the_tied_head(vllm_lora_url: str, tmp_path: Path) -> None:

@@ -170,6 +170,7 @@ def test_request_rendering() -> None:
     }
 
 
+@pytest.mark.slow
 def test_missing_vllm_fails_with_one_line(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(vllm_adapter.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="uv sync --extra gpu"):

@@ -36,7 +36,7 @@ from arbor.transport.chat import parse_messages
 from arbor.transport.http import start_site
 from arbor.weights.transport import FilesystemTransport
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MODEL = "qwen3-tiny"
 SEQ_LEN = 512  # room for a greedy request long enough (~490 tokens) that an abort lands mid-decode

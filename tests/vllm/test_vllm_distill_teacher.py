@@ -27,7 +27,7 @@ from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.teacher import Teacher, TeacherError
 from arbor.weights.transport import FilesystemTransport
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MODEL = "qwen3-tiny"
 SEQ_LEN = 128

@@ -23,7 +23,7 @@ from arbor.models import build_model
 from arbor.orchestrator.client import Completion, InferenceClient
 from arbor.weights.transport import FilesystemTransport
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MODEL = "qwen3-moe-tiny"
 NO_ROUTES_ON_CPU = (

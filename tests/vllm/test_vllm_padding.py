@@ -17,7 +17,7 @@ from arbor.models.hf import save_checkpoint_dir
 from arbor.models.qwen3 import Qwen3ForCausalLM
 from arbor.models.tokenizer import ByteTokenizer
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TOK = ByteTokenizer()
 PROMPTS = [TOK.encode(t) for t in ("reverse: abcdef", "hello vllm", "x")]

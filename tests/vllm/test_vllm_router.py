@@ -40,6 +40,7 @@ def _gates(dtype: str, plugin: bool) -> list[dict]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_a_bf16_moe_served_by_vllm_gets_the_trainers_fp32_router_logits():
     for gate in _gates("bfloat16", plugin=True):
@@ -50,6 +51,7 @@ def test_a_bf16_moe_served_by_vllm_gets_the_trainers_fp32_router_logits():
         assert gate["out_dtype"] == "torch.bfloat16" and gate["max_diff"] > 1e-3, gate
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.gpu(reason="vLLM's CUDA router GEMMs (bf16 in, fp32 out on Hopper and Blackwell)")
 def test_vllm_cuda_router_gemms_return_fp32_logits_of_the_served_weights():

@@ -59,6 +59,7 @@ def _writer(out: str, rounds: int) -> None:
         write_step(out, 0, [_batch(0, 200_000 + i, i % 7)])
 
 
+@pytest.mark.slow
 def test_reader_never_sees_a_partial_file(tmp_path):
     """A writer rewrites a ~5 MB rank file over and over; every read that finds the file gets a whole batch."""
     proc = mp.get_context("spawn").Process(target=_writer, args=(str(tmp_path), 15))

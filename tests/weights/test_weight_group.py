@@ -128,6 +128,7 @@ def test_five_updates_two_receivers_one_restarted_over_one_long_lived_group(tmp_
     assert transport.group().generations_formed == 2
 
 
+@pytest.mark.slow
 def test_a_receiver_that_never_arrives_fails_the_update_naming_it(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

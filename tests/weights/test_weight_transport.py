@@ -130,6 +130,7 @@ def test_nccl_without_vllm_or_cuda_fails_with_one_clear_error(tmp_path):
         t.publish(tmp_path, 1, model.state_dict(), model.args)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu(reason="NCCL broadcast between two CUDA devices")
 def test_nccl_broadcast_between_two_processes_matches_the_sender(tmp_path):
     """Trainer rank 0 sends over PyNccl; a receiver process (as a vLLM worker would) gets identical tensors."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils._triton import has_triton
 
 
 def packed_causal_mask(seq_lens: torch.Tensor | list[int], total_len: int | None = None) -> torch.Tensor:
@@ -59,8 +61,6 @@ def tree_mask_mod(subtree_end: torch.Tensor):
 
 def tree_block_mask(subtree_end: torch.Tensor):
     """FlexAttention `BlockMask` of a row (CUDA): blocks wholly outside the tree mask are skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     T = subtree_end.shape[0]
     return create_block_mask(tree_mask_mod(subtree_end), None, None, T, T, device=subtree_end.device)
 
@@ -69,7 +69,7 @@ def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, bl
     """What the model's attention takes for one row: a FlexAttention block mask on CUDA (when `block_mask`: the
     model's attention goes through `attend`), else the dense mask."""
     end = subtree_end.to(device, non_blocking=True)
-    if block_mask and end.is_cuda and _flex_available():
+    if block_mask and end.is_cuda:
         return tree_block_mask(end)
     return tree_mask(end)
 
@@ -96,20 +96,9 @@ _FLEX = None
 def _flex():
     global _FLEX
     if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        from torch.utils._triton import has_triton
-
         # Compiled, flex_attention runs fused Triton kernels; eager it materialises the scores (correct, slow).
         _FLEX = torch.compile(flex_attention, dynamic=True) if has_triton() else flex_attention
     return _FLEX
-
-
-def _flex_available() -> bool:
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def position_ids_for(seq_lens: torch.Tensor | list[int], total_len: int | None = None) -> torch.Tensor:

@@ -99,13 +99,13 @@ def _deep_gemm():
 
     Returns (function, extra kwargs keeping our fp32 scales as they are) or None."""
     try:  # optional GPU kernels (scripts/install_deep_kernels.sh); the fallbacks below cover their absence
-        import deep_gemm
+        import deep_gemm  # optional, see above
 
         return deep_gemm.fp8_gemm_nt, {"disable_ue8m0_cast": True}
     except ImportError:
         pass
     try:
-        from vllm.utils import deep_gemm as vdg
+        from vllm.utils import deep_gemm as vdg  # optional: vLLM is an extra
     except ImportError:
         return None
     if not vdg.is_deep_gemm_supported():  # vLLM's check: its bundled or an installed DeepGEMM, on Hopper+

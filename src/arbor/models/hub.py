@@ -40,8 +40,8 @@ def resolve_dir(name: str, key: str = "model.name") -> Path:
     if not is_hub_id(name):
         return Path(name)
     # huggingface_hub takes most of a second to import: only hub ids pay for it, never presets or directories.
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub import constants, snapshot_download  # see above
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError  # see above
 
     try:  # the cache first: no network round trip for a model already there
         return Path(snapshot_download(name, allow_patterns=FILES, local_files_only=True))

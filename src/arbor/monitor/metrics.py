@@ -146,7 +146,7 @@ def init_wandb(cfg, output_dir: str | Path, run_config: dict[str, Any]):
     if cfg is None:
         return None
     try:  # optional: the `wandb` extra, needed only when a [wandb] table is given
-        import wandb
+        import wandb  # optional extra, see above
     except ImportError:
         raise RuntimeError(
             "[wandb] logging needs the wandb package: install arbor with the `wandb` extra "

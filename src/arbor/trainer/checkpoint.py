@@ -56,7 +56,7 @@ def save_checkpoint(
 def load_checkpoint(output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed)."""
     import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # see above
 
     path = checkpoint_dir(output_dir, step)
     if not (path / DONE).exists():

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import _AlltoAllSingle
 
 from arbor.trainer.logprobs import chunked_token_logprobs
 from arbor.trainer.state import ParallelState
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    from torch.distributed.nn.functional import _AlltoAllSingle
-
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     return _AlltoAllSingle.apply(group, out, out_splits, in_splits, x.contiguous())
 

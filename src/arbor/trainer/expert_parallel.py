@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import _AlltoAllSingle
 
 from arbor.models.qwen3_moe import GroupedExperts, MoE, combine, sort_by_expert
 
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all-to-all of rows."""
-    from torch.distributed.nn.functional import _AlltoAllSingle
-
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     return _AlltoAllSingle.apply(group, out, out_splits, in_splits, x.contiguous())
 
@@ -81,7 +80,7 @@ class DeepEPDispatcher:
 
     def __init__(self, group, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int) -> None:
         try:  # optional: torchtitan is in the `gpu` extra, DeepEP (deep_ep) is installed on its own
-            from torchtitan.distributed.deepep import deepep
+            from torchtitan.distributed.deepep import deepep  # optional GPU extra, see above
         except ImportError as e:
             raise ImportError(
                 "trainer.parallel.ep_backend = 'deepep' needs DeepEP v2 (deep_ep) and torchtitan (the "
@@ -113,7 +112,7 @@ class DeepEPDispatcher:
 
 def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", backend: str = "all_to_all", max_tokens: int = 8192) -> None:
     """Shards every MoE layer's experts over `ep_mesh` (dim 0, DTensor) and installs the dispatcher."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor  # imports sympy (seconds): only EP runs pay
 
     group = ep_mesh.get_group()
     ep = ep_mesh.size()

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from arbor.config.parallel import ParallelConfig
@@ -130,8 +130,6 @@ class ParallelDims:
 
     def build_meshes(self, device_type: str) -> "Meshes":
         """The device meshes every transform uses (device_type "cpu" puts them on gloo)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         r, s, c = self.dp_replicate, self.dp_shard, self.cp
         main = init_device_mesh(device_type, (r, s, c), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
         fsdp = init_device_mesh(device_type, (r, s * c), mesh_dim_names=("dp_replicate", "dp_shard_cp"))
@@ -265,7 +263,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, expert_replicas: DeviceMes
     arbor.trainer.expert_parallel)."""
     # torch.distributed.tensor imports sympy (seconds): loaded after start-up, when the trainer is already
     # waiting for (and heartbeating about) its first rollouts.
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard  # sympy: after start-up, see above
 
     if expert_replicas is not None:
         sync_expert_grads(model, expert_replicas.get_group())

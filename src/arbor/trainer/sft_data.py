@@ -70,7 +70,7 @@ def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         raise FileNotFoundError(f"SFT data file {path} does not exist")
     if path.suffix == ".parquet":
         try:  # optional: the `parquet` extra, needed for parquet data only
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional extra, see above
         except ImportError:
             raise ValueError(f"reading {path} needs pyarrow: install arbor with the `parquet` extra") from None
 

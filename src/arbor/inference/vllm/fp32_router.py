@@ -34,8 +34,8 @@ def register() -> None:
     if os.environ.get(FP32_ROUTER_ENV) != "1":
         return
     # Imported only now: vLLM loads this plugin in every process of every server in the environment.
-    import torch
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    import torch  # see above
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear  # see above
 
     fp32_gate_defaults(GateLinear, torch.float32)
 

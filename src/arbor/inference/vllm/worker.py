@@ -103,7 +103,7 @@ class WeightUpdateExtension:
     def _server_worker_rank(self) -> int:
         """This worker's rank among its server's workers (data-parallel rank major)."""
         # vLLM's parallel state exists only inside a running worker (this method runs there).
-        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed.parallel_state import get_world_group  # worker-only state, see above
 
         pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         return pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group

@@ -1,0 +1,70 @@
+"""Every benchmark's `--smoke` run (tiny sizes, one repeat, the same code path; benchmarks/smoke.py) in a process
+of its own: it exits 0 and its last line is the JSON it promises, with the keys its readers use. A benchmark that
+a change elsewhere broke (an API it calls, a config field it passes) fails here, not when someone next wants its
+figure. The figures of a smoke run measure nothing, so only their presence is checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+SCORED = {"benchmark", "value", "target", "ok"}
+"""The keys of every benchmark that scores itself against a target."""
+
+EXPECTED: dict[str, set[str]] = {
+    "async_vs_sync": SCORED | {"sync_wall_s", "async_wall_s", "sync_reward", "async_reward", "cpu_ceiling"},
+    "code_sandbox": SCORED | {"median_latency_s", "hostile_wall_s", "isolation"},
+    "dsa": SCORED | {"growth", "ms", "dense_over_dsa_at_4k_fwd_bwd"},
+    "engines": {"benchmark", "model", "local", "vllm", "greedy_identical", "greedy_max_logprob_diff"},
+    "fp8": SCORED | {"cpu_fp32_ms", "cpu_fp8_ms"},
+    "gateway": SCORED | {"median_ms", "p95_ms", "recorded", "calls"},
+    "logprobs_memory": SCORED | {"time_ratio", "max_abs_difference", "full_peak_bytes", "chunked_peak_bytes"},
+    "lora_update": SCORED | {"full_seconds", "adapter_seconds", "full_mib", "adapter_mib"},
+    "mtp_speculative": SCORED | {"online_ratio", "frozen_ratio", "decode_tokens_per_s", "acceptance_at_speed"},
+    "parallel": SCORED | {"tokens_per_s_1_rank", "tokens_per_s_2_ranks", "speedup_2_ranks", "one_rank_fraction"},
+    "prefix_merge": SCORED | {"ideal_ratio", "row_ratio", "speedup", "step_s_unmerged", "step_s_merged"},
+    "router": SCORED | {"added_p99_ms", "direct_p50_ms", "routed_p50_ms", "requests"},
+    "scheduler_sim": SCORED | {"windowed_vs_greedy_throughput", "windowed_vs_greedy_mix_shift", "params"},
+    "shared_fleet": SCORED | {"separate_samples_per_s", "shared_samples_per_s", "shared_slow_reward"},
+    "startup": SCORED | {"rl_first_step_s", "import_torch_s"},
+    "step_time": SCORED | {"lag1_over_bound", "lag0_over_plain", "seconds"},
+    "trainer_throughput": SCORED | {"arbor_tokens_per_s", "plain_tokens_per_s", "tokens_per_step"},
+    "weight_publish": SCORED | {"throughput_ratio", "publish_load_seconds", "full_path_memory"},
+    "weights": SCORED | {"raw_seconds", "publish_load_seconds", "sha256_ratio"},
+}
+"""Benchmark (benchmarks/NAME.py) -> keys its last-line JSON must hold."""
+
+HELPERS = {"smoke"}
+"""Modules in benchmarks/ that are not benchmarks."""
+
+
+def _extra_args(name: str, tmp: Path) -> list[str]:
+    """Arguments beyond `--smoke`: where a benchmark keeps its runs by default (a temporary directory it leaves)."""
+    return ["--output-dir", str(tmp)] if name == "mtp_speculative" else []
+
+
+def test_every_benchmark_has_a_smoke_test():
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")} - HELPERS
+    assert scripts == set(EXPECTED), "benchmarks/ and EXPECTED list different benchmarks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.vllm) if n == "engines" else n for n in sorted(EXPECTED)]
+)
+def test_smoke_run_prints_its_json(name: str, tmp_path: Path):
+    argv = [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", *_extra_args(name, tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, f"{name} --smoke exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"{name} --smoke printed nothing:\n{proc.stderr[-2000:]}"
+    result = json.loads(lines[-1])
+    assert result["benchmark"] == name
+    missing = EXPECTED[name] - result.keys()
+    assert not missing, f"{name}'s JSON lacks {sorted(missing)}: {lines[-1][:1000]}"
