@@ -152,6 +152,7 @@ def test_an_unsupported_architecture_is_one_line_naming_model_name(llama_dir):
     assert line.startswith(f"model.name: {llama_dir} is a 'LlamaForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM")
 
 
+@pytest.mark.slow  # starts `rl --check`
 def test_rl_check_refuses_an_unsupported_checkpoint_in_one_line_without_a_traceback(tmp_path, llama_dir):
     out = tmp_path / "run"
     res = subprocess.run(

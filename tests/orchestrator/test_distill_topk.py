@@ -170,7 +170,7 @@ def test_a_reply_without_the_topk_names_the_sample_and_a_refused_k_names_the_fie
         asyncio.run(score(url, 3))
     with local_server(make_model()) as url, pytest.raises(TeacherError) as e:
         asyncio.run(score(url, 21))
-    assert "\n" not in str(e.value) and "prompt_logprobs must be in [0, 20], got 21" in str(e.value)
+    assert "\n" not in str(e.value) and "prompt_logprobs must be an integer in [0, 20], got 21" in str(e.value)
     assert str(e.value).endswith("(orchestrator.teacher.top_k = 21)")
 
 
