@@ -74,6 +74,11 @@ class Registry:
         """The implementing object of `name` (imported now)."""
         return load_object(self.path(name))
 
+    def instance(self, name: str) -> Any:
+        """`load(name)`, built with no arguments when it is a class (a family whose members are objects)."""
+        obj = self.load(name)
+        return obj() if isinstance(obj, type) else obj
+
     def load_args(self, name: str) -> Any | None:
         """The arguments model of a registered member, or None (unregistered, or a family without one)."""
         member = self.members.get(name)
@@ -134,7 +139,7 @@ BACKENDS = Registry(
     _members(local="arbor.inference.local_backend:LOCAL", vllm="arbor.inference.vllm.backend:VLLM"),
     plugins=True,
 )
-"""Engines an `inference` server runs (arbor.inference.backend.InferenceBackend objects); `teacher.backend` too."""
+"""Engines an `inference` server runs (arbor.config.inference.InferenceBackend objects); `teacher.backend` too."""
 
 # --- scheduling modes ---
 

@@ -1,6 +1,6 @@
-"""The inference backend seam (arbor.inference.backend): a user's backend is one module and one registry entry, and
-the server, the launcher, preflight, the planner, the core split, `fleet` and config validation pick it up with no
-other change; the built-ins (`local`, `vllm`) satisfy the same contract."""
+"""The inference backend seam (arbor.config.inference.InferenceBackend): a user's backend is one module and one
+registry entry, and the server, the launcher, preflight, the planner, the core split, `fleet` and config
+validation pick it up with no other change; the built-ins (`local`, `vllm`) satisfy the same contract."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from typing import get_args
 import pytest
 
 from arbor.config.fleet import FleetConfig
-from arbor.config.inference import InferenceConfig
+from arbor.config.inference import InferenceBackend, InferenceConfig, KVPolicy, WeightKind, engine_backend
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
 from arbor.inference import server
-from arbor.inference.backend import InferenceBackend, KVPolicy, WeightKind, load_backend
 from arbor.launch import preflight
 from arbor.launch import rl as rl_launch
 from arbor.launch.cores import split_cores
@@ -80,7 +79,7 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> InferenceBackend:
     (tmp_path / "toy_backend.py").write_text(textwrap.dedent(TOY))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(BACKENDS.members, "toy", Member("toy_backend:TOY"))  # type: ignore[index]
-    return load_backend("toy")
+    return engine_backend("toy")
 
 
 def _rl(tmp_path: Path, *args: str) -> RLConfig:
@@ -172,7 +171,7 @@ def test_a_backend_by_dotted_path_needs_no_registry_line(tmp_path, monkeypatch):
         (
             ["--inference.backend", "arbor.registry:LOSSES"],
             "inference.backend: 'arbor.registry:LOSSES' is not an inference backend "
-            "(arbor.inference.backend.InferenceBackend): it lacks title, weight_kinds",
+            "(arbor.config.inference.InferenceBackend): it lacks title, weight_kinds",
         ),
     ],
 )
@@ -187,7 +186,7 @@ def test_a_bad_backend_is_one_line_naming_the_field(tmp_path, argv, line):
 
 @pytest.mark.parametrize("name", BACKENDS.names())
 def test_builtin_backends_satisfy_the_interface(name):
-    backend = load_backend(name)
+    backend = engine_backend(name)
     assert isinstance(backend, InferenceBackend)
     for method in ("serves_on_cpu_here", "memory_share", "batch_slots", "max_logprobs", "preflight", "command"):
         ours = inspect.signature(getattr(InferenceBackend, method)).parameters
@@ -208,7 +207,7 @@ def test_builtin_backends_satisfy_the_interface(name):
 
 
 def test_builtin_capabilities_are_the_ones_the_config_used_to_hard_code():
-    local, vllm = load_backend("local"), load_backend("vllm")
+    local, vllm = engine_backend("local"), engine_backend("vllm")
     assert local.kv_policies == {"recompute", "keep"} and vllm.kv_policies == {"keep"}
     assert local.weight_kinds == {"filesystem"} and vllm.weight_kinds == {"filesystem", "nccl"}
     assert (local.required_module, vllm.required_module) == (None, "vllm")
@@ -220,8 +219,8 @@ def test_builtin_capabilities_are_the_ones_the_config_used_to_hard_code():
 
 def test_loading_the_builtins_imports_neither_torch_nor_vllm():
     code = (
-        "import sys; from arbor.inference.backend import load_backend; from arbor.registry import BACKENDS; "
-        "[load_backend(n) for n in BACKENDS.names()]; "
+        "import sys; from arbor.config.inference import engine_backend; from arbor.registry import BACKENDS; "
+        "[engine_backend(n) for n in BACKENDS.names()]; "
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; assert not heavy, heavy"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

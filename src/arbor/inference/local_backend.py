@@ -13,8 +13,7 @@ import asyncio
 import logging
 
 from arbor.config.base import MAX_TOP_LOGPROBS
-from arbor.config.inference import InferenceConfig
-from arbor.inference.backend import KVPolicy, WeightKind
+from arbor.config.inference import InferenceConfig, KVPolicy, WeightKind
 
 log = logging.getLogger("arbor.inference")
 
@@ -23,7 +22,7 @@ LOCAL_MEMORY_SHARE = 0.9
 
 
 class LocalBackend:
-    """arbor's continuous-batching engine in the server's own process (arbor.inference.backend.InferenceBackend)."""
+    """arbor's continuous-batching engine in the server's own process (arbor.config.inference.InferenceBackend)."""
 
     title = "the local engine"
     weight_kinds: frozenset[WeightKind] = frozenset({"filesystem"})

@@ -33,8 +33,8 @@ the engine fails that request only. A stopped or dead engine answers 503, and `/
 Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
 writes its base URL to `ready_file` (atomically) and logs "inference ready at URL"; SIGTERM/SIGINT exit 0. If the
 engine loop dies the process exits 1, so that `rl` restarts it. `main` hands the validated config to the backend
-`inference.backend` names (arbor.inference.backend): the local one serves its engine here (`serve`), vLLM's is
-arbor.inference.vllm.proxy in front of a vLLM subprocess.
+`inference.backend` names (arbor.config.inference.InferenceBackend): the local one serves its engine here
+(`serve`), vLLM's is arbor.inference.vllm.proxy in front of a vLLM subprocess.
 """
 
 from __future__ import annotations

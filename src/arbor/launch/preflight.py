@@ -4,7 +4,7 @@ Each check answers in one line naming what to fix, so that a run that cannot wor
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
 port free (when set explicitly), model and tokenizer files present (a Hugging Face hub id is fetched into the
 cache once, here), the GPUs a config asks for present, requested backends importable (an inference server's
-backend, arbor.inference.backend, says which module it needs and adds its own checks; DeepEP), the SFT
+backend, arbor.config.inference.InferenceBackend, says which module it needs and adds its own checks; DeepEP), the SFT
 dataset readable, the environment importable with arguments its built-in takes and the black-box agent it names
 present, any loss or advantage function given by dotted path importable, and, last, the orchestrator's tokenizer
 and environment built as the orchestrator builds them, with the chat template a chat prompt needs
@@ -48,7 +48,7 @@ from arbor.registry import ENVIRONMENTS
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Config values that name a trainer backend -> the module it needs (a key named `backend` or ending in `_backend`);
-# an inference server's `backend` is its backend object's to say (arbor.inference.backend).
+# an inference server's `backend` is its backend object's to say (arbor.config.inference.InferenceBackend).
 BACKEND_MODULES = {"deepep": "deep_ep", "deep_ep": "deep_ep"}
 BACKEND_NEEDS_GPU = {"nccl", "deepep", "deep_ep"}
 

@@ -33,7 +33,6 @@ from torch import nn
 from torch.distributed.nn.functional import _AlltoAllSingle
 
 from arbor.trainer.logprobs import chunked_token_logprobs
-from arbor.trainer.state import ParallelState
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -227,7 +226,9 @@ def gather_tokens(ctx: ContextParallel, local: torch.Tensor) -> torch.Tensor:
 
 def packed_logprobs_cp(
     model: nn.Module,
-    state: ParallelState,
+    ctx: ContextParallel,
+    chunk: int,
+    vocab: int,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     seq_lens,
@@ -239,10 +240,8 @@ def packed_logprobs_cp(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`packed_logprobs` under context parallelism: this rank forwards its slice of the row; each local token
     scores the token after it; the per-token results are all-gathered so every cp rank returns the whole row's
-    (logprobs, entropy) `[T]`, identical to the single-rank result."""
-    ctx = state.cp
-    if ctx is None:
-        raise ValueError("packed_logprobs_cp needs the model's context-parallel state (ParallelState.cp)")
+    (logprobs, entropy) `[T]`, identical to the single-rank result. `ctx` is the model's context-parallel state,
+    `chunk` and `vocab` its chunked logprobs' (arbor.trainer.state.ParallelState)."""
     T = input_ids.shape[0]
     Tp = ctx.set_row([int(n) for n in seq_lens], T, device)
     ids = F.pad(input_ids.to(device), (0, Tp - T))
@@ -257,7 +256,6 @@ def packed_logprobs_cp(
         model.aux_valid, model.aux_group = idx < T, ctx.group
     nxt = ids[(idx + 1).clamp(max=Tp - 1)]
     rows = torch.arange(idx.shape[0], device=device)
-    chunk, vocab = state.logprob_chunk, state.vocab
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return chunked_token_logprobs(hidden[0], weight, rows, nxt, temperature, with_entropy, chunk, top_p, vocab)

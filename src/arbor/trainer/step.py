@@ -104,7 +104,18 @@ def packed_logprobs(
                 "orchestrator.teacher.top_k = 0 or trainer.parallel.cp = 1"
             )
         return packed_logprobs_cp(
-            model, state, input_ids, position_ids, seq_lens, temperature, device, with_entropy, routed_experts, top_p
+            model,
+            state.cp,
+            state.logprob_chunk,
+            state.vocab,
+            input_ids,
+            position_ids,
+            seq_lens,
+            temperature,
+            device,
+            with_entropy,
+            routed_experts,
+            top_p,
         )
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])

@@ -11,8 +11,7 @@ vLLM nor torch: the proxy loads inside `serve`.
 from __future__ import annotations
 
 from arbor.config.base import MAX_TOP_LOGPROBS
-from arbor.config.inference import InferenceConfig
-from arbor.inference.backend import KVPolicy, WeightKind
+from arbor.config.inference import InferenceConfig, KVPolicy, WeightKind
 from arbor.inference.vllm.launch import cpu_head_size_error, dry_run_command, vllm_build
 from arbor.models.args import ModelArgs
 from arbor.models.hub import resolve_dir
@@ -23,7 +22,7 @@ VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 class VLLMBackend:
-    """vLLM behind arbor's proxy (arbor.inference.backend.InferenceBackend)."""
+    """vLLM behind arbor's proxy (arbor.config.inference.InferenceBackend)."""
 
     title = "vLLM"
     weight_kinds: frozenset[WeightKind] = frozenset({"filesystem", "nccl"})
