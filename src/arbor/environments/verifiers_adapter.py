@@ -84,7 +84,7 @@ class VerifiersEnv:
         messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         if isinstance(data.prompt, str):
             return messages + [{"role": "user", "content": data.prompt}]
-        from verifiers.v1.types import content_text
+        from verifiers.v1.types import content_text  # the optional `verifiers` extra, loaded with the taskset
 
         if bad := [m.role for m in data.prompt or [] if m.role not in ("system", "user", "assistant")]:
             raise ValueError(f"verifiers task {task['id']}: prompt roles {bad} (tool calls) are not supported here")
@@ -94,7 +94,7 @@ class VerifiersEnv:
         """A verifiers trace of `messages`: one chain of nodes; assistant turns are the sampled ones, with their
         `<tool_call>` blocks as verifiers tool calls whose ids the following tool results answer."""
         vf = self.vf
-        from verifiers.v1.state import state_cls
+        from verifiers.v1.state import state_cls  # the optional `verifiers` extra, loaded with the taskset
 
         nodes, pending = [], []
         for i, m in enumerate(messages):
@@ -170,7 +170,9 @@ def toolsets_of(taskset: Any) -> list[Any]:
 
 def tool_functions(vf: Any, toolsets: list[Any]) -> list[Callable[..., Any]]:
     """The toolsets' `@vf.tool` methods as plain functions named as the model calls them."""
-    from verifiers.v1.utils.decorators import discover_decorated
+    from verifiers.v1.utils.decorators import (
+        discover_decorated,
+    )  # the optional `verifiers` extra, loaded with the taskset
 
     fns = []
     for toolset in toolsets:
@@ -194,7 +196,7 @@ def load_taskset(vf: Any, env_id: str, config: dict[str, Any]) -> Any:
         return vf.load_taskset(cfg_type.model_validate({**config, "id": env_id}))
     obj = load_object(env_id)
     if isinstance(obj, type) and issubclass(obj, vf.Taskset):
-        from verifiers.v1.utils.generic import concrete_type
+        from verifiers.v1.utils.generic import concrete_type  # the optional `verifiers` extra, loaded with the taskset
 
         cfg_type = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
         obj = obj(cfg_type.model_validate(config))

@@ -84,7 +84,7 @@ def build_model(cfg: ModelSpec, device: str = "cpu", load: bool = True) -> "nn.M
     # Building loads torch; the package itself stays without it for the launcher and config checks (presets, args).
     import torch
 
-    from arbor.models.hf import load_weights
+    from arbor.models.hf import load_weights  # safetensors and torch: as above
 
     args = model_args(cfg)
     model = family_of(args).build(args)
