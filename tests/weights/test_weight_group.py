@@ -7,8 +7,11 @@ within the timeout and naming it; the vLLM worker extension's NCCL load path aga
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -195,3 +198,45 @@ def test_worker_extension_nccl_path_takes_three_updates_over_one_group(tmp_path)
             assert torch.equal(a, b), (v, name)
     assert worker.weight_receiver.generation.endswith(".1")  # joined once, reused for updates 2 and 3
     assert transport.group().generations_formed == 1
+
+
+DP_RANKS = """
+import json
+from types import SimpleNamespace
+
+import vllm.distributed.parallel_state as ps
+from vllm.config.parallel import ParallelConfig
+
+from arbor.inference.vllm.worker import WeightUpdateExtension
+
+DP, TP = 2, 2
+ranks = {}
+for moe in (False, True):
+    got = []
+    for replica in range(DP):
+        pc = ParallelConfig(data_parallel_size=DP, tensor_parallel_size=TP, data_parallel_rank=replica)
+        if not moe:  # what vLLM's engine core does for a dense model's replicas
+            pc.reconfigure_for_independent_dp_rank()
+        worker = WeightUpdateExtension()
+        worker.vllm_config = SimpleNamespace(parallel_config=pc)
+        for r in range(TP):  # a dense replica's world is its own workers; an MoE model's spans every replica
+            world_rank = replica * TP + r if moe else r
+            ps.get_world_group = lambda world_rank=world_rank: SimpleNamespace(rank_in_group=world_rank)
+            got.append(worker._server_worker_rank())
+    ranks["moe" if moe else "dense"] = got
+print(json.dumps(ranks))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_every_worker_of_a_data_parallel_vllm_server_gets_its_own_weight_group_rank():
+    """A vLLM server with data_parallel_size 2 x tensor_parallel_size 2: its four workers take ranks 0-3 of the
+    server's block of the weight group, replica major, for a dense model (vLLM runs its replicas as independent
+    engines, each with data_parallel_rank 0) and an MoE one (one world over the replicas), with vLLM's own
+    ParallelConfig doing what its engine core does. The old rank collided (dense: 0, 1, 0, 1) or overflowed the
+    block (MoE: 0, 1, 4, 5). In a process of its own: importing vLLM here would change what later tests see."""
+    res = subprocess.run([sys.executable, "-c", DP_RANKS], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ranks = json.loads(res.stdout.strip().splitlines()[-1])
+    assert ranks == {"dense": [0, 1, 2, 3], "moe": [0, 1, 2, 3]}

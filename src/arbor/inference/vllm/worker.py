@@ -101,14 +101,29 @@ class WeightUpdateExtension:
         return sum(len(b) for b in buckets)
 
     def _server_worker_rank(self) -> int:
-        """This worker's rank among its server's workers (data-parallel rank major)."""
+        """This worker's rank among its server's workers (data-parallel rank major): see `server_worker_rank`."""
         # vLLM's parallel state exists only inside a running worker (this method runs there).
         from vllm.distributed.parallel_state import get_world_group  # worker-only state, see above
 
         pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
-        return pc.data_parallel_rank * pc.world_size + get_world_group().rank_in_group
+        return server_worker_rank(pc, get_world_group().rank_in_group)
 
     def arbor_weight_checksum(self) -> float:
         """Sum of every parameter (float64): lets a test see that an update reached every worker."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+def server_worker_rank(parallel_config, rank_in_world_group: int) -> int:
+    """A vLLM worker's rank among its server's `data_parallel_size x world_size` workers: data-parallel replica
+    major, then its rank within the replica's `world_size` (tensor x pipeline parallel) workers.
+
+    vLLM runs a dense model's data-parallel replicas as independent engines: it resets each one's
+    `data_parallel_rank` to 0 and its world group spans that replica's workers only. It runs an MoE model's as one
+    world: `data_parallel_rank` is the replica and the world group spans every replica, so `rank_in_group` already
+    counts the replica. `data_parallel_index` keeps the replica's index in both cases, and the world rank modulo
+    `world_size` is the rank within the replica; `data_parallel_rank * world_size + rank_in_group` collided for dense
+    models (every replica 0) and counted the replica twice for MoE ones."""
+    pc = parallel_config
+    replica = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
+    return replica * pc.world_size + rank_in_world_group % pc.world_size
