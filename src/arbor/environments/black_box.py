@@ -1,31 +1,13 @@
 """black_box: trains an unmodified agent program through the gateway, one gateway session per rollout.
 
-The tasks, the warm-up references and the scorer come from an inner environment (`tasks`, e.g. reverse_text).
-For each rollout of a group the environment opens a gateway session and runs the agent with
-`OPENAI_BASE_URL` / `OPENAI_API_KEY` pointing at it, giving it the task text (the last user message of the inner
-environment's prompt) on argv, stdin or in `ARBOR_TASK`. The agent is either a `command` (a subprocess per
-rollout: the true black box) or a `function` (`module:fn(task, base_url, api_key) -> str`, called in a thread:
-the same agent code without a process start per rollout, which is what makes the CPU example fast), or, with
-`remote = true`, agents elsewhere that pull work from the gateway (POST /v1/work, see
-arbor.orchestrator.gateway.service) and must POST the session's reward themselves.
+An inner environment (`tasks`) supplies the tasks and the scorer. Each rollout runs the agent (a `command`
+subprocess, an in-process `function`, or `remote` agents pulling work from the gateway) against its own session;
+its reward is the one it posts, else the inner environment's score of its output. Failed agents are retried,
+then dropped and counted; every wait is bounded. The orchestrator calls `run_group(gateway, group, ...)`; what
+that needs of them is typed here (`AgentGateway`, `AgentSession`, `AgentGroup`, `AgentSample`), so this module
+imports nothing of the orchestrator, which sits above environments.
 
-The orchestrator drives this environment: it calls `run_group(gateway, group, ...)` with its gateway and the
-group to run. What is needed of them is typed here (`AgentGateway`, `AgentSession`, `AgentGroup`,
-`AgentSample`), so this module imports nothing of the orchestrator, which sits above environments.
-
-A subprocess agent also gets `ARBOR_REWARD_URL` (its session's reward route) and `ARBOR_SESSION_ID`; a function
-agent's reward route is its `base_url` with the trailing `/v1` replaced by `/reward`; a remote agent gets
-`reward_url` with its work. The reward is the one the agent (or its harness) POSTs there when it does; otherwise
-the inner environment scores what the agent printed (its stdout, stripped; or the function's return value).
-An agent that exits non-zero, raises or outlives `timeout` is retried `retries` times with a fresh session;
-after that its rollout is dropped and counted (`failed`), and a group left with no sample is replaced by the
-orchestrator. Every session that ends without a posted reward is counted by the gateway under why it ended
-(`gateway/unrewarded/...`: scored_by_env, timed_out, agent_failed, abandoned when its group was cancelled).
-Nothing here can hang the run: every wait is bounded.
-
-A group is `group_size` agent runs (episodes); one run yields one sample per chain of calls (an agent that
-branches its history yields several, sharing the episode's reward and counted once in the group's advantages),
-and a failed run yields none. So `batch_size` counts episodes here, not samples.
+Details: docs/agents.md, "The black_box environment".
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """Run untrusted, model-written Python in a confined subprocess, asynchronously and many at a time.
 
-Each run gets a fresh temporary directory (its cwd, HOME and TMPDIR, removed afterwards), a scrubbed environment,
-rlimits (RLIMIT_CPU plus a wall-clock timeout, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE, no core
-files) and capped stdout/stderr. On a timeout the whole process group is SIGKILLed. Stronger containment is
-chosen once per process from what the host offers, strongest first (`detect_isolation`, logged in one line):
+Each run gets a fresh work directory, a scrubbed environment, rlimits, capped output and a wall-clock kill of its
+process group; on top, the strongest isolation the host offers is chosen once per process (`detect_isolation`:
+pid/network/mount namespaces with a per-slot unprivileged uid, the same in a user namespace, or rlimits plus an
+audit hook), plus per-run pids and cpu cgroups where they can be made (and then a whole-run memory watchdog).
+Local on purpose: no container service, about one interpreter start per run.
 
-- `namespaces` (root + util-linux `unshare`): new pid, network, mount, ipc and uts namespaces. The pid namespace
-  means no process outlives the run (when its first process exits the kernel kills the rest); the network
-  namespace has only a loopback that is down, so no connection can be made; in the mount namespace the work
-  directory is a tmpfs of `disk_mb` (bounding what all files together can fill) and every other mount is
-  remounted read-only. The child then drops to an unprivileged uid/gid unique to its
-  concurrency slot, so RLIMIT_NPROC (which the kernel does not enforce for root) holds, drops every capability and sets
-  no_new_privs.
-- `userns` (not root, user namespaces allowed): the same namespaces inside a user namespace (`unshare -U -r`).
-- `rlimits` (neither works): rlimits only, plus an audit hook in the child that refuses sockets, process
-  creation, ctypes and writes outside the work directory. This is best effort: native code can bypass it. The
-  work directory's total size is polled (no tmpfs bounds it). As root, the uid drop still applies.
-
-In every mode, when a pids cgroup can be created under this process's own cgroup, each run is put in its own
-one with `pids.max` = `max_processes`, which bounds a fork bomb regardless of uid; likewise a cpu cgroup with a
-quota of one CPU, so a run with many busy processes cannot take the other cores from the trainer. Memory is
-bounded per process by RLIMIT_AS and, when there is a per-run cgroup to list its processes, for the run as a
-whole by a watchdog that polls their resident memory every 20 ms (without a cgroup: `max_processes` x
-`memory_mb`). A memory cgroup would be exact but is deliberately not used: it would be nested in the host's
-(the container's) memory hierarchy, and one left behind by a crash would stop the host removing its own. If
-this process dies, `setpriv --pdeathsig` kills `unshare` and so the namespace; the next process's first run
-removes the work directories and cgroups left behind.
-
-The interpreter is this process's Python when the sandbox uid can read it, else a system `python3`: model
-code gets the standard library, not the orchestrator's packages. Departure from prime-rl/verifiers, which run code
-in remote sandboxes (containers): this is local, needs no service and costs about one interpreter start per run.
+Details: docs/agents.md, "The sandbox".
 """
 
 from __future__ import annotations

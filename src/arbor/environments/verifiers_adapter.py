@@ -1,30 +1,12 @@
 """Run a `verifiers` (v0.4, the `verifiers.v1` API) taskset as an arbor environment, as-is.
 
-`[orchestrator.environment] id = "verifiers"`, `args = {env_id = "...", config = {...}}`: `env_id` is a
-verifiers taskset id (an installed taskset package, as `vf eval <id>` takes it, loaded with verifiers' own
-`load_taskset`) or a dotted path `package.module:attr` to a `Taskset` subclass, a factory returning a taskset,
-or a taskset instance (the colon is required); `config` holds the taskset's config fields (its
-`TasksetConfig` subclass). Other args: `max_tasks`, `name`, and for tool tasksets `max_turns`, `tool_timeout`.
-
-The mapping: each task the taskset yields is one arbor task (its `TaskData` dumped as JSON under "data"); the
-prompt is the task's `system_prompt` plus its `prompt` (a string becomes one user message, a message list is
-kept, text parts joined); scoring builds a verifiers `Trace` of those messages and the completion as the sampled
-assistant reply, and awaits the task's own `score(trace)`, so its `@vf.reward` methods and config-plugged reward
-functions run unchanged. Each reward becomes one arbor component, valued `score x weight` (verifiers'
-`Reward.value`) so that arbor's default sum equals verifiers' `trace.reward`; a reward that failed (None) is 0.
-`reference` is the task data's `answer` field when it is a string.
-
-Multi-turn with tools: when the taskset or its task type declares `toolsets(config)`, the environment is an
-arbor `MultiTurnEnvironment` (a `ToolEnv`): the toolsets' `@vf.tool` methods are called in-process as arbor
-tools (Qwen3/Hermes tool-call markup, `max_turns` from args), and the finished episode (assistant turns with
-their parsed tool calls, tool results) becomes the trace that the task's rewards score.
-
-Not covered (verifiers' agentic side): harnesses and runtimes (agents that run as programs in a box: the
-route for those is an OpenAI-compatible endpoint in front of arbor's inference, not this adapter), toolsets
-served remotely or whose tools rely on synced per-rollout `State`, user simulators, rewards that require a
-`runtime` (skipped, verifiers logs which), `@vf.metric`s (recorded by verifiers, not summed, so not reward
-components here) and infinite tasksets beyond `max_tasks`. verifiers is imported lazily: without it, one line
+`[orchestrator.environment] id = "verifiers"`, `args = {env_id = "...", config = {...}}`. Each task becomes an
+arbor task, each verifiers reward an arbor reward component (so arbor's sum equals verifiers' `trace.reward`), and
+a taskset with toolsets a multi-turn `ToolEnv` whose tools run in-process. verifiers' agentic side (harnesses,
+runtimes, remote toolsets, user simulators) is not covered. verifiers is imported lazily: without it, one line
 names the extra.
+
+Details: docs/agents.md, "verifiers tasksets".
 """
 
 from __future__ import annotations

@@ -1,40 +1,12 @@
 """The `inference` process: an OpenAI/vLLM-compatible HTTP server (aiohttp) in front of the local engine.
 
-Endpoints: POST /v1/completions (with vLLM's `prompt_logprobs`: the raw model's logprob of every prompt token,
-what a distillation teacher serves), POST /v1/chat/completions (vLLM field names, plus `return_token_ids` and the
-arbor extensions `policy_versions`: one int per generated token, and for MoE models `routed_experts`: the experts
-of every prompt and completion token in every MoE layer, base64 of a `[tokens, moe_layers, top_k]` uint8/int16
-array with its dtype and shape, see arbor.transport.expert_routes.encode_routes), GET /health, GET /v1/models, GET
-/metrics
-(Prometheus text), and the admin routes POST /update_weights {"path", "version"}, POST /pause, POST /resume,
-POST /abort_requests {"request_ids": [...] | "all"} (partial rollouts), which need `Authorization: Bearer
-<admin_token>` when the config sets one, and vLLM's dynamic-LoRA routes POST /v1/load_lora_adapter and
-POST /v1/unload_lora_adapter (arbor.transport.adapter_admin: a completion whose `model` names a loaded adapter is
-generated with it; its choices carry `"adapter"` and that adapter's versions) (required beyond loopback; see
-arbor.transport.admin, which also holds
-the weight-update policy: allowed roots, symlinks resolved, versions only upwards). A generation request may carry a
-client-chosen id (vLLM's body field `request_id`, or the header `X-Request-Id`); aborting it finishes it at once
-with `finish_reason: "abort"`, and its pending response returns the tokens, logprobs and policy versions produced
-so far. An id aborted before its request arrives is remembered, so that request ends at once (empty). The vLLM
-request field `cache_salt` is accepted (and type-checked) but has no effect: this engine keeps no prefix cache.
-A chat request's `tools` are rendered by the chat template and, with `tool_choice` "auto" (the default), the
-reply's `<tool_call>` blocks come back as OpenAI `tool_calls`, exactly as the gateway answers (arbor.transport.chat);
-a forced call (`tool_choice` "required" or a named function) and the completions fields `echo` and `suffix` are
-refused, naming the field.
+It serves completions and chat completions with arbor's extensions (per-token policy versions, routed experts,
+prompt logprobs for a distillation teacher), the admin routes (weight updates, pause/resume, aborts, LoRA
+adapters) and /health, /v1/models, /metrics. Every field is checked at the edge: bad input gets a 4xx naming the
+field and never kills the server; a dead engine makes /health non-200 and the process exit 1, so that `rl`
+restarts it. `main` hands the config to the backend `inference.backend` names (this server, or the vLLM proxy).
 
-Every field is checked at the edge (type, range, finiteness, token ids within the vocabulary, lengths; the body's
-size, nesting and encoding in arbor.transport.http; every request field against the request schema of
-arbor.transport.fields, which the gateway and the router check too, and a schema field the local engine does not
-implement refused unless neutral, arbor.inference.openai_api.LOCAL_FIELDS): bad input gets
-a 4xx `{"error": {"message", "type": "invalid_request_error", "param"}}` naming the field, and the server never
-dies on it. A failure inside a handler is a 500 of the same shape naming the request; one request failing inside
-the engine fails that request only. A stopped or dead engine answers 503, and `/health` is then non-200.
-
-Run it as `uv run inference @ cfg.toml --port 8001` or `python -m arbor.inference.server ...`. Once bound it
-writes its base URL to `ready_file` (atomically) and logs "inference ready at URL"; SIGTERM/SIGINT exit 0. If the
-engine loop dies the process exits 1, so that `rl` restarts it. `main` hands the validated config to the backend
-`inference.backend` names (arbor.config.inference.InferenceBackend): the local one serves its engine here
-(`serve`), vLLM's is arbor.inference.vllm.proxy in front of a vLLM subprocess.
+Details: docs/inference.md, "The HTTP API".
 """
 
 from __future__ import annotations

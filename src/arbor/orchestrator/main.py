@@ -1,38 +1,12 @@
 """The orchestrator: tasks -> rollouts -> rewards -> advantages -> packed batches, one training step at a time.
 
-Each step waits until the inference fleet serves a policy at most `lag(step)` versions behind the step (the
-scheduling mode's, arbor.orchestrator.modes: 0 = synchronous on-policy; 1 = batch N+1 is generated while the
-trainer trains on batch N), collects `batch_size / group_size` kept groups, writes the state a resume would start
-from and then the packed batch to `rollouts/step_N/`, and records the step's figures. Weight updates run in the
-background (`WeightSync`) and metrics are merged with the trainer's as they arrive (`MetricsWriter`).
+Each step waits for a recent enough policy, collects its groups, writes the resume state and then the packed
+batch to `rollouts/step_N/`, and records the step's figures; weight updates and metrics merging run in the
+background. The work is split into parts with one job each (tasks, modes, generation, assembler, teacher,
+step_writer, figures, concurrency); `Orchestrator` is the one holder of the whole `OrchestratorConfig`, and
+`slice_config` cuts it into each part's small typed settings, so the parts see only what they read.
 
-The parts, one job each:
-- arbor.orchestrator.tasks: which task each new group gets (sampler or curriculum, retries, relaunch of a
-  resumed run's pending tasks, prompts too long for seq_len skipped).
-- arbor.orchestrator.modes: the scheduling mode (`[orchestrator.scheduler] mode`, arbor.registry.MODES): lag,
-  window, launch rule, in-flight bounds.
-- arbor.orchestrator.generation: the groups generating in the scheduler's queue (the mode's window and launch
-  rule, oversampling, waits), with arbor.orchestrator.parking for partial rollouts (parked surplus, straggler
-  resume/retry).
-- arbor.orchestrator.assembler: a step's groups (staleness drops, advantages, filters, the experience buffer,
-  train-only from the buffer).
-- arbor.orchestrator.teacher: with `[orchestrator.teacher]`, the teacher's logprobs of each kept sample's
-  completion (on-policy distillation), fetched once the step's groups are in and shipped in the batch.
-- arbor.orchestrator.step_writer: the resume state before the batch, then the batch.
-- arbor.orchestrator.figures: the per-step figures and the metrics plumbing.
-- arbor.orchestrator.concurrency: after each step, the in-flight limit from the trainer's newest wait fraction
-  and the queue left waiting (live throughput matching).
-
-`Orchestrator` is the one holder of the whole `OrchestratorConfig`: `slice_config` cuts it into each part's
-settings (a small typed dataclass of the sub-tables and fields that part reads), and the parts see only those.
-
-Groups still in flight (or parked, or finished but not taken) when a run stops lose their generation, but not
-their tasks: the saved state lists them and a resumed run launches them first, so no task is skipped.
-
-A run stopped by the trainer's `max_minutes` (arbor.run_dir.stopped_path names the checkpoint S it wrote last) is
-stopped here too: the step being produced (>= S: the trainer has trained S - 1) is cancelled, the figures of steps
->= S are dropped (no trainer half will come) and the orchestrator exits 0 once the rows before S are written.
-Each row of orchestrator.jsonl carries `time` and `elapsed_s` (arbor.monitor.metrics.RunClock).
+Details: docs/architecture.md, "4. Data flow"; docs/async.md; docs/operations.md, "Stopping and resuming".
 """
 
 from __future__ import annotations

@@ -1,51 +1,13 @@
 """The gateway: an OpenAI-compatible server that records a black-box agent's model calls as training samples.
 
-An agent that only knows the `openai` package is pointed at a session:
+An agent that only knows the `openai` package is pointed at a session. The gateway renders each call with the
+chat template itself, generates on the inference fleet, records the tokens token-exactly in the session's
+trajectory and answers with ordinary OpenAI JSON (chat, Responses and completions APIs, streamed or not). Sampling
+follows the run, not the agent, because the trainer's importance ratios assume the run's distribution.
 
-    OPENAI_BASE_URL = {gateway}/v1/sessions/{session_id}/v1     (or base_url {gateway}/v1 + X-Session-Id header)
-    OPENAI_API_KEY  = the gateway's api_key (any string when none is set)
-
-Routes (under the session prefix `/v1/sessions/{id}` or with the header): POST /v1/chat/completions (with
-`stream: true` as server-sent events in OpenAI's chunk format), POST /v1/responses (the Responses API, plain and
-streamed, arbor.orchestrator.gateway.responses), POST /v1/completions, GET /v1/models. Session
-management: POST /v1/sessions (open; body `{"id"?, "task_id"?}`), GET /v1/sessions/{id},
-POST /v1/sessions/{id}/reward `{"reward": float, "components": {name: float}}` (closes it), GET /health.
-Pull mode (agents on other machines, the black_box environment with `remote = true`): POST /v1/work
-`{"wait": seconds}` claims the next task as `{"session_id", "base_url", "task", "reward_url"}` (204: none yet);
-the agent runs against `base_url` and POSTs its reward to `reward_url`.
-
-For every call the gateway renders the messages with the chat template itself (tools included; like AReaL's and
-slime's proxies), sends token ids to the inference fleet (`InferenceClient.generate`: logprobs, per-token policy
-versions, routed experts), records them in the session's trajectory (arbor.orchestrator.trajectory: token-exact
-extension; a history that does not extend a recorded turn branches, never spliced) and answers with ordinary
-OpenAI JSON: the text, `tool_calls` parsed from `<tool_call>{json}</tool_call>` blocks (the Hermes/Qwen
-convention, arbor.tool_calls), usage. Streaming is generated whole, then sent as a role chunk, one
-content chunk, a finish chunk (and a usage chunk when `stream_options.include_usage`): the backend API returns
-token ids only for whole completions. Errors, all in the JSON error shape of arbor.transport.http: malformed
-JSON, wrong types, out-of-range or non-finite values, nesting past its depth limit, lone surrogates or a bad gzip
-body 400 (every request field checked against the request schema that the inference server and the router check
-too, arbor.transport.fields; a field the gateway does not act on, e.g. `return_token_ids`, `logprobs` or a vLLM
-sampling field, is refused unless it holds a neutral value, and ids such as `request_id` are passed over), bad or
-missing
-key 401, unknown session 404, closed session 409, body over `max_request_bytes` 413, too many sessions 429, the
-backend refusing the request 400, backend failure 502; never a 500 for client input (a failure inside a handler
-is a 500 naming the request). There is no global lock: each call awaits its own backend request.
-
-Departures from OpenAI: sampling follows the run (`override_sampling`), not the agent's temperature, because
-the trainer's importance ratios assume the run's distribution; a response whose request asked for another
-temperature carries `X-Arbor-Temperature-Override: <agent's>-><used>` and is counted. `n` > 1 records each choice
-as its own turn. A completion cut at a `stop` string is recorded (trained, and extended by the next call)
-without the stop string's tokens when they start at a token boundary, so it holds exactly what the agent saw;
-a stop string that starts inside a token leaves the whole completion recorded (counted as `stop_untrimmed`).
-
-Accounting (`Gateway.figures()`, the `gateway/...` columns of metrics.jsonl): calls answered, sessions still
-open (one closed by its reward no longer counts), refused requests by status class (`rejected_4xx`: the agent's
-mistakes; `rejected_5xx`), sessions finished without a posted reward by why they ended (`unrewarded/...`, see
-arbor.orchestrator.gateway.sessions), temperature overrides and stop-string trims.
-
-Parts: the session store (arbor.orchestrator.gateway.sessions), the OpenAI request/response translation
-(arbor.orchestrator.gateway.openai_wire), the handlers (arbor.orchestrator.gateway.routes), and here the server that
-composes them: the route table, auth and the body limit, start/stop, and the session API for in-process users.
+Parts: the session store (.sessions), the OpenAI translation (.openai_wire), the handlers (.routes), and here the
+server that composes them: the route table, auth and the body limit, start/stop, the session API for in-process use.
+Details: docs/agents.md, "The gateway for black-box agents" and its subsections.
 """
 
 from __future__ import annotations
