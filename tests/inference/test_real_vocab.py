@@ -17,7 +17,7 @@ from arbor.inference.engine.core import Engine
 from arbor.inference.engine.params import SamplingParams
 from arbor.models import build_model
 from arbor.trainer.loss import build_loss
-from arbor.trainer.state import ParallelState
+from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import micro_batch_logprobs, packed_logprobs, train_step
 
 CPU = torch.device("cpu")

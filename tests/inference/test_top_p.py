@@ -29,7 +29,7 @@ from arbor.inference.engine.sampler import (
 )
 from arbor.models import build_model, build_tokenizer
 from arbor.trainer.logprobs import chunked_token_logprobs, nucleus_mask
-from arbor.trainer.state import ParallelState
+from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import packed_logprobs, shifted_logprobs
 from arbor.transport.batch import StepBatch
 

@@ -294,7 +294,7 @@ def _dsa_cp_worker(rank: int, world: int, name: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from arbor.trainer.dsa_cp import apply_dsa_cp
-    from arbor.trainer.state import ParallelState
+    from arbor.trainer.parallel_state import ParallelState
 
     ref = build_model(ModelConfig(name=name))
     ref.init_weights(5, std=0.2)

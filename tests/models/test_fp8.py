@@ -221,7 +221,7 @@ def test_engine_fp8_logprobs_match_trainer(tmp_path, name):
     from arbor.models.attention import position_ids_for
     from arbor.models.hf import save_checkpoint_dir
     from arbor.models.tokenizer import ByteTokenizer
-    from arbor.trainer.state import ParallelState
+    from arbor.trainer.parallel_state import ParallelState
     from arbor.trainer.step import packed_logprobs
 
     cfg = ModelConfig(name=name, fp8="block")

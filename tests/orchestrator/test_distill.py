@@ -33,7 +33,7 @@ from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.teacher import Teacher, TeacherError
 from arbor.trainer.loss import LossContext, build_loss
-from arbor.trainer.state import ParallelState
+from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import train_step
 from arbor.transport.batch import MicroBatch, StepBatch
 from arbor.transport.http import start_site

@@ -15,7 +15,7 @@ from arbor.config.rl import RLConfig
 from arbor.models import build_model
 from arbor.models.attention import packed_causal_mask, position_ids_for
 from arbor.trainer.logprobs import CHUNK_BYTES, default_chunk, shifted_chunked_logprobs
-from arbor.trainer.state import ParallelState
+from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import packed_logprobs, shifted_logprobs, unmerged_logprobs
 
 T, H, V = 37, 24, 101

@@ -183,7 +183,7 @@ def _cp_model_worker(rank: int, world: int, style: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from arbor.trainer.context_parallel import apply_cp
-    from arbor.trainer.state import ParallelState
+    from arbor.trainer.parallel_state import ParallelState
     from arbor.trainer.step import packed_logprobs
 
     ref = build_model(ModelConfig(name="qwen3-moe-test"))

@@ -17,7 +17,7 @@ from arbor.models import build_model
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
-from arbor.trainer.state import ParallelState
+from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import micro_batch_logprobs
 from arbor.transport.batch import StepBatch
 from arbor.transport.expert_routes import decode_routes, encode_routes

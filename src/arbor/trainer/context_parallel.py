@@ -241,7 +241,7 @@ def packed_logprobs_cp(
     """`packed_logprobs` under context parallelism: this rank forwards its slice of the row; each local token
     scores the token after it; the per-token results are all-gathered so every cp rank returns the whole row's
     (logprobs, entropy) `[T]`, identical to the single-rank result. `ctx` is the model's context-parallel state,
-    `chunk` and `vocab` its chunked logprobs' (arbor.trainer.state.ParallelState)."""
+    `chunk` and `vocab` its chunked logprobs' (arbor.trainer.parallel_state.ParallelState)."""
     T = input_ids.shape[0]
     Tp = ctx.set_row([int(n) for n in seq_lens], T, device)
     ids = F.pad(input_ids.to(device), (0, Tp - T))

@@ -29,7 +29,7 @@ from torch import nn
 from arbor.models.qwen3 import linear_weight
 from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk, real_rows
 from arbor.trainer.parallel import clip_grad_norm
-from arbor.trainer.state import UNPREPARED, ParallelState
+from arbor.trainer.parallel_state import UNPREPARED, ParallelState
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@ time, so that `[T, V]` logits never exist at once.
 
 `VocabChunkedLogprobs` recomputes each chunk in an exact custom backward; the same pass reads a distillation
 teacher's top-k ids, scores the top-p nucleus the engines sampled from, and covers only the tokenizer's ids
-(`vocab`, kept in the trainer's ParallelState, arbor.trainer.state), never the head's padding rows. Details:
+(`vocab`, kept in the trainer's ParallelState, arbor.trainer.parallel_state), never the head's padding rows. Details:
 docs/training.md, "Logprobs without `[tokens, vocab]` logits".
 """
 

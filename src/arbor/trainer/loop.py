@@ -28,7 +28,7 @@ from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
-from arbor.trainer.state import UNPREPARED, ParallelState
+from arbor.trainer.parallel_state import UNPREPARED, ParallelState
 from arbor.trainer.step import train_step
 from arbor.transport.files import wait_for_step
 from arbor.weights.publish import DeltaTracker, stream_publish, stream_publish_adapter

@@ -29,7 +29,7 @@ from arbor.models.lora_peft import load_adapter
 from arbor.trainer.context_parallel import apply_cp
 from arbor.trainer.dsa_cp import apply_dsa_cp, resolve_cp_style
 from arbor.trainer.expert_parallel import apply_ep, expert_params, sync_expert_grads
-from arbor.trainer.state import ParallelState
+from arbor.trainer.parallel_state import ParallelState
 
 
 def init_distributed(backend: str = "auto") -> tuple[torch.device, str]:
@@ -162,7 +162,7 @@ def parallelize(
     model: nn.Module, parallel_dims: ParallelDims, config: TrainerConfig, device_type: str = "cpu"
 ) -> ParallelState:
     """Applies the model transforms in a fixed order (the model changes in place) and returns the
-    `ParallelState` whatever runs the model is handed (arbor.trainer.state).
+    `ParallelState` whatever runs the model is handed (arbor.trainer.parallel_state).
 
     Order: FP8 swap -> LoRA -> AC -> EP -> CP -> FSDP2, as torchtitan's llama3/qwen3 (whose float8 model converter
     also runs before `parallelize`):

@@ -31,8 +31,8 @@ from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.run_dir import process_metrics_path, sft_model_dir
 from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
+from arbor.trainer.parallel_state import UNPREPARED, ParallelState
 from arbor.trainer.sft_data import Example, batches, load_examples
-from arbor.trainer.state import UNPREPARED, ParallelState
 from arbor.trainer.step import packed_logprobs
 
 

@@ -5,7 +5,7 @@ functions, so what is measured is what trains.
 Logprobs never materialise `[T, V]` logits: the model's forward hands its final hidden states and lm_head weight
 to arbor.trainer.logprobs, which applies the head a chunk of tokens at a time with an exact custom backward
 (chunk: `trainer.logprob_chunk_tokens`) and over the tokenizer's ids only (the head's first `vocab` rows), both
-from the model's `ParallelState` (arbor.trainer.state), which `parallelize` returns and the caller passes in.
+from the model's `ParallelState` (arbor.trainer.parallel_state), which `parallelize` returns and the caller passes in.
 `shifted_logprobs` is the full-logits reference it equals (given logits cut to those ids).
 
 Prefix-tree merged rows (their wire format is arbor.transport.batch's) forward the trie's nodes once under
@@ -42,7 +42,7 @@ from arbor.trainer.logprobs import (
     shifted_chunked_logprobs,
 )
 from arbor.trainer.loss import LossContext, LossFn
-from arbor.trainer.state import UNPREPARED, ParallelState
+from arbor.trainer.parallel_state import UNPREPARED, ParallelState
 from arbor.transport.batch import MicroBatch, StepBatch
 
 log = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ def train_step(
     entropy, staleness) are counted in the first epoch and the loss figures averaged over the epochs. With
     `draft` enabled and MTP modules in the model, each micro-batch's forward also trains them
     (arbor.trainer.draft; `draft/kl` in the figures). `state` and `ref_state`: how `parallelize` prepared the
-    model and the reference (arbor.trainer.state).
+    model and the reference (arbor.trainer.parallel_state).
     """
     cp_ctx = state.cp
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
