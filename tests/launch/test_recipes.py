@@ -138,8 +138,10 @@ def test_swe_agent_tasks_fail_as_shipped_and_pass_with_their_solution(monkeypatc
 
     async def episode(task):
         state = await env.setup(task)
-        call = '<tool_call>{"name": "write_file", "arguments": {"path": "stats.py", "content": "def mean(xs):\\n '
-        '   return 0\\n"}}</tool_call>'
+        call = (
+            '<tool_call>{"name": "write_file", "arguments": {"path": "stats.py", "content": "def mean(xs):\\n '
+            '   return 0\\n"}}</tool_call>'
+        )
         await env.step(task, state, env.prompt(task) + [{"role": "assistant", "content": call}])
         run = '<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>'
         result = await env.step(task, state, env.prompt(task) + [{"role": "assistant", "content": run}])
