@@ -156,6 +156,7 @@ def _cp_attention_worker(rank: int, world: int, style: str) -> None:
     H, Hkv, D = 4, 2, 8
     T = sum(LENS)
     ctx = ContextParallel(dist.group.WORLD, style)
+    ctx.block = 3  # ring: several query blocks per chunk, some seeing no key of it
     Tp = ctx.set_row(LENS, T, torch.device("cpu"))
     q = torch.randn(1, H, Tp, D, generator=gen, requires_grad=True)
     k = torch.randn(1, Hkv, Tp, D, generator=gen, requires_grad=True)

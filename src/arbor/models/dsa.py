@@ -24,6 +24,7 @@ Departures from DeepSeek-V3.2-Exp's reference (`inference/model.py`):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,16 +49,24 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, mask: torch.
     return score.masked_fill_(~mask, float("-inf"))
 
 
+MaskRows = Callable[[int, int], torch.Tensor]
+"""Rows `[s, e)` of a `[B, Tq, Tk]` mask, built when asked: context parallelism passes one, so that no
+`[Tq, Tk]` mask of the whole row exists (arbor.trainer.dsa_cp)."""
+
+
 @torch.no_grad()
 def indexer_topk(
-    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, topk: int
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | MaskRows, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_topk(index_scores(...))` one block of queries at a time, so the `[Tq, Tk]` scores are never all
-    in memory: (indices, valid) `[B, Tq, min(topk, Tk)]`."""
+    """`select_topk(index_scores(...))` one block of queries at a time, so the `[Tq, Tk]` scores (and, with a
+    `MaskRows`, the mask) are never all in memory: (indices, valid) `[B, Tq, min(topk, Tk)]`."""
+
+    def rows(s: int) -> torch.Tensor:
+        e = min(s + QUERY_CHUNK, q.shape[1])
+        return mask(s, e) if callable(mask) else mask[:, s:e]
+
     parts = [
-        select_topk(
-            index_scores(q[:, s : s + QUERY_CHUNK], w[:, s : s + QUERY_CHUNK], k, mask[:, s : s + QUERY_CHUNK]), topk
-        )
+        select_topk(index_scores(q[:, s : s + QUERY_CHUNK], w[:, s : s + QUERY_CHUNK], k, rows(s)), topk)
         for s in range(0, q.shape[1], QUERY_CHUNK)
     ]
     if len(parts) == 1:

@@ -10,6 +10,11 @@ the whole row with its block-diagonal causal mask) in forward and backward:
   order on global token indices. Rows are split zig-zag (rank r holds chunks r and 2cp-1-r of 2cp), which
   balances causal work; chunks entirely in a query chunk's future are skipped.
 
+No mask quadratic in the row's length exists on either path: Ulysses runs causal attention one document at
+a time (a flash kernel, no mask), and ring attention scores `QUERY_BLOCK` queries at a time against a key
+chunk, building the mask of that block from document ids and global indices, and recomputes the block in the
+backward (`_BlockAttention`): what stays alive is linear in the row (`benchmarks/cp_memory.py`).
+
 Departures from torchtitan/PyTorch's `context_parallel` (which shards SDPA through DTensor and supports only
 plain causal masks, CUDA kernels and contiguous buffers): we need document masks on packed rows and gloo, so
 the collectives are `all_to_all_single` through `torch.distributed.nn.functional` (autograd sends gradients
@@ -74,6 +79,8 @@ class ContextParallel:
         self.indices: list[torch.Tensor] = []
         self.doc = torch.zeros(0, dtype=torch.long)
         self.T = 0
+        self.block = QUERY_BLOCK
+        """Queries per block of ring attention's scores (tests set it small to cross block edges)."""
 
     def padded_len(self, T: int) -> int:
         m = 2 * self.cp
@@ -91,7 +98,15 @@ class ContextParallel:
         return self.indices[self.rank]
 
     def mask(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+        """`[len(q_idx), len(k_idx)]`: same document, causal order (callers pass blocks, never the whole row)."""
         return (self.doc[q_idx][:, None] == self.doc[k_idx][None, :]) & (k_idx[None, :] <= q_idx[:, None])
+
+    def sees_any(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+        """`[len(q_idx)]`: whether each query sees at least one of the keys (its document's first key among
+        them comes no later than it), in memory linear in the row."""
+        first = torch.full((self.T,), self.T, dtype=torch.long, device=k_idx.device)
+        first = first.scatter_reduce(0, self.doc[k_idx], k_idx, "amin")
+        return first[self.doc[q_idx]] <= q_idx
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`q [1, H, Tl, D]`, `k, v [1, Hkv, Tl, D]` of this rank's tokens -> attention output `[1, H, Tl, D]`."""
@@ -128,12 +143,15 @@ class ContextParallel:
             Hkv = H
         Tl = q.shape[2]
         qh, kh, vh = (self._seq_to_heads(t[0]) for t in (q, k, v))
-        gidx = torch.cat(self.indices)
-        mask = self.mask(gidx, gidx)
-        out = F.scaled_dot_product_attention(
-            qh[None], kh[None], vh[None], attn_mask=mask[None, None], enable_gqa=H != Hkv
-        )
-        return self._heads_to_seq(out[0], Tl)[None]
+        if Hkv != H:  # whole groups per rank; expanded so that SDPA keeps its flash kernel
+            kh, vh = kh.repeat_interleave(H // Hkv, dim=0), vh.repeat_interleave(H // Hkv, dim=0)
+        # Rows are split contiguously, so the gathered tokens are in row order and each document is one run.
+        sizes = torch.unique_consecutive(self.doc, return_counts=True)[1].tolist()
+        parts = [
+            F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True)[0] if n > 1 else vd
+            for n, qd, kd, vd in zip(sizes, qh.split(sizes, 1), kh.split(sizes, 1), vh.split(sizes, 1))
+        ]  # a one-token document (padding, or a sample of one token) attends to itself: its value
+        return self._heads_to_seq(torch.cat(parts, dim=1), Tl)[None]
 
     # -- Ring --------------------------------------------------------------------------------------------
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -149,38 +167,89 @@ class ContextParallel:
                 send = [Tl if j == (r + 1) % P else 0 for j in range(P)]
                 recv = [Tl if j == (r - 1) % P else 0 for j in range(P)]
                 kv = _a2a(kv, recv, send, self.group)
-            mask = self.mask(q_idx, self.indices[src])
-            if not bool(mask.any()):
+            k_idx = self.indices[src]
+            if not bool(self.sees_any(q_idx, k_idx).any()):
                 continue  # this chunk is entirely in every query's future or other documents
             kk, vv = kv.reshape(Tl, 2 * Hkv, D).transpose(0, 1).split(Hkv, dim=0)
             if Hkv != H:
                 kk, vv = kk.repeat_interleave(H // Hkv, dim=0), vv.repeat_interleave(H // Hkv, dim=0)
-            b_out, b_lse = _block_attention(q[0], kk, vv, mask, scale)
+            b_out, b_lse = _BlockAttention.apply(q[0], kk, vv, self, k_idx, scale)
             if out is None:
                 out, lse = b_out, b_lse
             else:
                 new = torch.logaddexp(lse, b_lse)
                 out = out * torch.exp(lse - new)[..., None] + b_out * torch.exp(b_lse - new)[..., None]
                 lse = new
-        return out[None]
+        return out.to(q.dtype)[None]
 
+
+QUERY_BLOCK = 512
+"""Queries per block in ring attention: a block's fp32 scores are `[H, QUERY_BLOCK, Tl]`, linear in the row."""
 
 _NEG = -1e30  # log-sum-exp of a row with no key in a block: finite, so merges and their gradients stay finite
 
 
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-    """Softmax attention of `q [H, Tq, D]` over one key block; (normalised output, log-sum-exp `[H, Tq]`)."""
+def _block_scores(ctx: ContextParallel, q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx, scale: float):
+    """Scaled fp32 scores `[H, b, Tk]` of a query block against a key chunk, -inf where the mask forbids."""
     s = torch.einsum("hqd,hkd->hqk", q.float(), k.float()) * scale
-    s = s.masked_fill(~mask[None], float("-inf"))
-    m = s.amax(-1)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
-    e = torch.exp(s - m[..., None])
-    denom = e.sum(-1)
-    empty = denom == 0
-    safe = torch.where(empty, torch.ones_like(denom), denom)
-    out = torch.einsum("hqk,hkd->hqd", e / safe[..., None], v.float()).to(q.dtype)
-    lse = torch.where(empty, torch.full_like(denom, _NEG), torch.log(safe) + m)
-    return out, lse
+    return s.masked_fill_(~ctx.mask(q_idx, k_idx)[None], float("-inf"))
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Softmax attention of `q [H, Tq, D]` over one key chunk `k, v [H, Tk, D]` under the context's document +
+    causal mask: (output normalised within the chunk, log-sum-exp `[H, Tq]`), both differentiable, the
+    log-sum-exp being what the ring's online-softmax merge weighs chunks by. Scores exist one block of
+    `ctx.block` queries at a time, and the backward recomputes them from the saved output and log-sum-exp (as
+    flash attention does), so memory is linear in the row. Both results are fp32 whatever the input dtype. A
+    query that sees no key of the chunk gets output 0 and log-sum-exp `_NEG`."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, ctx: ContextParallel, k_idx: torch.Tensor, scale: float):
+        H, Tq, _ = q.shape
+        q_idx = ctx.indices[ctx.rank]
+        out = q.new_zeros((H, Tq, v.shape[-1]), dtype=torch.float32)
+        lse = q.new_full((H, Tq), _NEG, dtype=torch.float32)
+        vf = v.float()
+        for s in range(0, Tq, ctx.block):
+            e = min(s + ctx.block, Tq)
+            if not bool(ctx.sees_any(q_idx[s:e], k_idx).any()):
+                continue
+            sc = _block_scores(ctx, q[:, s:e], k, q_idx[s:e], k_idx, scale)
+            m = sc.amax(-1, keepdim=True)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp(sc - m)
+            denom = p.sum(-1)
+            safe = torch.where(denom == 0, torch.ones_like(denom), denom)
+            out[:, s:e] = torch.einsum("hqk,hkd->hqd", p / safe[..., None], vf)
+            lse[:, s:e] = torch.where(denom == 0, torch.full_like(denom, _NEG), torch.log(safe) + m[..., 0])
+        fctx.save_for_backward(q, k, v, k_idx, out, lse)
+        fctx.ctx, fctx.scale = ctx, scale
+        return out, lse  # fp32: the ring merges blocks in fp32 and casts once
+
+    @staticmethod
+    def backward(fctx, d_out, d_lse):
+        q, k, v, k_idx, out, lse = fctx.saved_tensors
+        ctx, scale = fctx.ctx, fctx.scale
+        q_idx = ctx.indices[ctx.rank]
+        kf, vf = k.float(), v.float()
+        dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(kf), torch.zeros_like(vf)
+        d_out = torch.zeros_like(out) if d_out is None else d_out.float()
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.float()
+        for s in range(0, q.shape[1], ctx.block):
+            e = min(s + ctx.block, q.shape[1])
+            if not bool(ctx.sees_any(q_idx[s:e], k_idx).any()):
+                continue
+            sc = _block_scores(ctx, q[:, s:e], k, q_idx[s:e], k_idx, scale)
+            p = torch.exp(sc - lse[:, s:e, None])  # the block's softmax: 0 where masked
+            do = d_out[:, s:e]
+            dv += torch.einsum("hqk,hqd->hkd", p, do)
+            dp = torch.einsum("hqd,hkd->hqk", do, vf)
+            # d lse / d score = p, so the log-sum-exp's gradient joins the softmax's: dS = p (dP - D + d_lse)
+            delta = (do * out[:, s:e]).sum(-1) - d_lse[:, s:e]
+            ds = p * (dp - delta[..., None]) * scale
+            dq[:, s:e] = torch.einsum("hqk,hkd->hqd", ds, kf)
+            dk += torch.einsum("hqk,hqd->hkd", ds, q[:, s:e].float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def apply_cp(model: nn.Module, cp_mesh: "DeviceMesh", style: str) -> ContextParallel:

@@ -6,7 +6,8 @@ shared latent per token has no heads to split) nor ring attention (online softma
 a per-query top-k chosen over all chunks) fits DSA. What does: per layer, each rank projects only its own
 tokens (queries, latent KV, rope key, index key: sequence-sharded projections), then ONE all-gather of the
 small per-token row `[kv_lora_rank + qk_rope_head_dim + index_head_dim]` gives every rank the global keys;
-the indexer scores them for the local queries under the global document + causal mask, the top-k is taken
+the indexer scores them for the local queries under the global document + causal mask (built per query block,
+never `[Tl, T]` at once), the top-k is taken
 over the global row, and sparse MLA runs for the local queries. Backward: the all-gather's gradient is summed
 over the ranks and each keeps its own tokens' part (a reduce-scatter; gloo lacks one, so all-reduce + slice,
 see `context_parallel._AllGatherRows`). The result equals the single-rank forward: same scores, same top-k,
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from arbor.models.args import check_cp_style
+from arbor.models.dsa import MaskRows
 from arbor.models.family import family_of
 from arbor.trainer.context_parallel import ContextParallel, gather_tokens
 
@@ -48,9 +50,11 @@ class DSAContextParallel(ContextParallel):
             raise ValueError("DSA context parallel takes one packed row at a time")
         return gather_tokens(self, local[0])[None]
 
-    def local_mask(self) -> torch.Tensor:
-        """`[1, Tl, T]`: the local queries against the global keys (same document, causal order)."""
-        return self.mask(self.local_indices, torch.arange(self.T, device=self.local_indices.device))[None]
+    def local_mask(self) -> MaskRows:
+        """Rows of the `[1, Tl, T]` mask of the local queries against the global keys (same document, causal
+        order), built a block of queries at a time by the indexer: the whole mask never exists."""
+        local, keys = self.local_indices, torch.arange(self.T, device=self.local_indices.device)
+        return lambda s, e: self.mask(local[s:e], keys)[None]
 
 
 def apply_dsa_cp(model: nn.Module, cp_mesh: "DeviceMesh") -> DSAContextParallel:

@@ -1,0 +1,134 @@
+"""Context-parallel memory: peak memory of one forward + backward of the trainer's packed logprobs under cp = 2
+(gloo, 2 CPU ranks) at several sequence lengths, for each cp style (Ulysses, ring, DSA), on a tiny preset model.
+
+What it shows: no buffer quadratic in the sequence. Ulysses attends one document at a time through a flash
+kernel (no mask), ring attention scores a block of queries at a time and recomputes it in the backward, and
+DSA-CP builds the indexer's mask one query block at a time (arbor.trainer.context_parallel, arbor.trainer.dsa_cp).
+The score is the growth exponent between the two longest lengths, `log2(peak(2T) / peak(T))` per doubling,
+the worst over the styles: 1 is linear, 2 quadratic; target <= 1.15 (the model's own activations are linear).
+
+Each (style, length) runs in fresh processes (2 ranks, one row of one document filling the sequence, as a long
+sample does); rank 0 reports the peak of the bytes torch's allocator holds over the forward and backward, from
+the profiler's memory events (every tensor allocation and free, summed in time order): the tensors that exist
+at once, which is what grows with the sequence (the resident set adds the C allocator's caching and the
+profiler's own buffers, too noisy at these sizes to score).
+
+    uv run python benchmarks/cp_memory.py [--lengths 2048,4096,8192,16384] [--styles ulysses,ring,dsa]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from smoke import parse_args
+from torch.profiler import ProfilerActivity, profile
+
+from arbor.config.model import ModelConfig
+from arbor.models import build_model
+from arbor.models.attention import position_ids_for
+from arbor.trainer.context_parallel import apply_cp
+from arbor.trainer.dsa_cp import apply_dsa_cp
+from arbor.trainer.parallel_state import ParallelState
+from arbor.trainer.step import packed_logprobs
+
+TARGET = 1.15
+MODELS = {"ulysses": "qwen3-test", "ring": "qwen3-test", "dsa": "dsa-test"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, style: str, T: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh  # DTensor imports sympy: only the ranks need it
+
+    model = build_model(ModelConfig(name=MODELS[style]))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    cp = apply_dsa_cp(model, mesh) if style == "dsa" else apply_cp(model, mesh, style)
+    state = dataclasses.replace(ParallelState(vocab=259), cp=cp)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (T,), generator=gen)
+    pos = position_ids_for([T], T)[0]
+    cpu = torch.device("cpu")
+    warm = 64  # the kernels' first-call allocations are not the sequence's
+    lp, _ = packed_logprobs(model, ids[:warm], pos[:warm], [warm], 1.0, cpu, state=state)
+    lp.sum().backward()
+    model.zero_grad(set_to_none=False)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        lp, _ = packed_logprobs(model, ids, pos, [T], 1.0, cpu, state=state)
+        lp.sum().backward()
+        del lp
+    dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"peak_bytes": allocator_peak(prof)}))
+    dist.destroy_process_group()
+
+
+def allocator_peak(prof: profile) -> int:
+    """The most bytes torch's allocator held at once during the profile, above what it held when it began."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    return max(itertools.accumulate(b for _, b in events), default=0)
+
+
+def measure(style: str, T: int) -> int:
+    """Rank 0's peak allocated bytes over one forward + backward of a `T`-token row under cp = 2."""
+    with tempfile.TemporaryDirectory(prefix="arbor-cp-memory-") as tmp:
+        out = str(Path(tmp) / "peak.json")
+        mp.start_processes(_rank, args=(_free_port(), style, T, out), nprocs=2, join=True, start_method="spawn")
+        return json.loads(Path(out).read_text())["peak_bytes"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="2048,4096,8192,16384", help="sequence lengths, each twice the one before")
+    p.add_argument("--styles", default="ulysses,ring,dsa")
+    a = parse_args(p, lengths="128,256")
+    # the ranks inherit these: the profiler's start/stop lines and the allocator's note on blocks allocated
+    # before profiling began say nothing about the figures
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    lengths = [int(x) for x in a.lengths.split(",")]
+    peaks: dict[str, dict[int, int]] = {}
+    growth: dict[str, float] = {}
+    for style in a.styles.split(","):
+        peaks[style] = {}
+        for T in lengths:
+            peaks[style][T] = measure(style, T)
+            print(f"{style:8s} T = {T:6d}: peak {peaks[style][T] / 2**20:8.1f} MiB allocated", flush=True)
+        lo, hi = lengths[-2], lengths[-1]
+        growth[style] = math.log2(max(peaks[style][hi], 1) / max(peaks[style][lo], 1)) / math.log2(hi / lo)
+        print(f"{style:8s} growth exponent {lo} -> {hi}: {growth[style]:.2f} (1 linear, 2 quadratic)", flush=True)
+    worst = max(growth.values())
+    print(
+        json.dumps(
+            {
+                "benchmark": "cp_memory",
+                "value": round(worst, 3),
+                "target": TARGET,
+                "ok": worst <= TARGET,
+                "growth": {k: round(v, 3) for k, v in growth.items()},
+                "peak_bytes": {k: {str(T): b for T, b in v.items()} for k, v in peaks.items()},
+                "models": {k: MODELS[k] for k in peaks},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
