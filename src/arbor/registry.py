@@ -170,6 +170,11 @@ MODEL_FAMILIES = Registry(
         Qwen3MoeForCausalLM="arbor.models.families.qwen3_moe:QWEN3_MOE",
         DeepseekV32ForCausalLM="arbor.models.families.deepseek_v32:DSA",
         GlmMoeDsaForCausalLM="arbor.models.families.deepseek_v32:DSA",
+        LlamaForCausalLM="arbor.models.families.llama:LLAMA",
+        Qwen2ForCausalLM="arbor.models.families.llama:LLAMA",
+        MistralForCausalLM="arbor.models.families.llama:LLAMA",
+        Glm4MoeForCausalLM="arbor.models.families.glm4_moe:GLM4_MOE",
+        MiniMaxM2ForCausalLM="arbor.models.families.minimax_m2:MINIMAX_M2",
     ),
     plugins=False,
 )

@@ -1,6 +1,7 @@
 """Expert and context parallelism on 2 CPU ranks (gloo, torch.multiprocessing) against one process on the same
-data in fp32: EP=2 forward output and gradients; CP=2 Ulysses and ring attention forward and backward on packed
-rows of unequal lengths, through the attention function and through the trainer's packed logprobs."""
+data in fp32: EP=2 forward output and gradients (every MoE family's test preset); CP=2 Ulysses and ring attention
+forward and backward on packed rows of unequal lengths, through the attention function and through the trainer's
+packed logprobs."""
 
 from __future__ import annotations
 
@@ -100,8 +101,11 @@ def _ep_worker(rank: int, world: int, name: str = "qwen3-moe-test") -> None:
             assert_close(g, ref_params[name].grad, f"EP grad {name}")
 
 
-def test_expert_parallel_two_ranks_matches_one_process():
-    _spawn(_ep_worker)
+@pytest.mark.parametrize("name", ["qwen3-moe-test", "glm4-moe-test", "minimax-m2-test"])
+def test_expert_parallel_two_ranks_matches_one_process(name):
+    """Qwen3-MoE's softmax router, and the DeepSeek-routed GLM-4.5 (group-limited, shared experts, a dense first
+    layer) and MiniMax-M2 models: the same grouped experts and dispatch."""
+    _spawn(_ep_worker, name)
 
 
 def test_deepep_backend_without_deep_ep_fails_with_one_line():

@@ -1,6 +1,6 @@
 """Router replay (R3): the engine reports the experts it routed every token to; the payload travels through
 the wire encoding, the rollout and the batcher unchanged; the trainer routes exactly as the engine did, and
-its mismatch against the inference logprobs is no larger than without replay."""
+its mismatch against the inference logprobs is no larger than without replay (every MoE family's test preset)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,12 @@ def _mismatch_kl(model, batch: StepBatch, replay: bool, state: ParallelState) ->
     return total / tokens, routes
 
 
-def test_engine_routes_replayed_by_trainer_and_mismatch_not_larger():
-    model = build_model(ModelConfig(name="qwen3-moe-test"))
+MOE_PRESETS = ["qwen3-moe-test", "glm4-moe-test", "minimax-m2-test"]
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_engine_routes_replayed_by_trainer_and_mismatch_not_larger(name):
+    model = build_model(ModelConfig(name=name))
     tok = ByteTokenizer()
     prompts = [tok.encode("reverse: abcdef"), tok.encode("hello world, moe")]
     rollouts = _generate(model, prompts)
@@ -85,7 +89,7 @@ def test_engine_routes_replayed_by_trainer_and_mismatch_not_larger():
     state = ParallelState(vocab=tok.vocab_size)  # as `parallelize` prepares it: scored over the ids sampled
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for layer in trainer.model.layers:
+        for layer in (layer for layer in trainer.model.layers if layer.is_moe):
             w = layer.mlp.gate.weight
             w.add_(0.5 * w.std() * torch.randn(w.shape, generator=gen))
     kl_free, routes_free = _mismatch_kl(trainer, batch, False, state)
@@ -108,11 +112,12 @@ def test_routes_payload_roundtrip_and_errors():
         decode_routes({"dtype": "float32", "shape": [1], "data": ""})
 
 
-def test_engine_loads_published_moe_weights(tmp_path):
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_engine_loads_published_moe_weights(tmp_path, name):
     from arbor.models.hf import save_checkpoint_dir
 
-    model = build_model(ModelConfig(name="qwen3-moe-test"))
-    other = build_model(ModelConfig(name="qwen3-moe-test", init_seed=5))
+    model = build_model(ModelConfig(name=name))
+    other = build_model(ModelConfig(name=name, init_seed=5))
     save_checkpoint_dir(other.state_dict(), other.args, tmp_path, ByteTokenizer())  # per-expert names on disk
     with Engine(model, ByteTokenizer(), seq_len=32, max_batch_size=2) as engine:
         assert engine.update_weights(tmp_path, 1).result(timeout=60) == 1

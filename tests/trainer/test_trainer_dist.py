@@ -12,7 +12,9 @@ import pytest
 import torch
 from test_trainer import read_metrics, trainer_args, write_rollouts
 
+from arbor.models.args import ModelArgs
 from arbor.models.hf import read_safetensors_dir
+from arbor.models.presets import PRESETS
 from arbor.run_dir import STABLE, broadcast_dir, checkpoint_dir, latest_checkpoint
 from arbor.trainer.main import main as trainer_main
 
@@ -69,3 +71,19 @@ def test_two_rank_fsdp_matches_one_rank_and_reshards_on_resume(tmp_path: Path):
     assert (broadcast_dir(resumed, 1) / STABLE).exists()
     assert_same_weights(broadcast_dir(resumed, 1), broadcast_dir(two, 1), atol=0.0)
     assert_same_weights(broadcast_dir(resumed, 2), broadcast_dir(one, 2), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-test", "glm4-moe-test", "minimax-m2-test"])
+def test_two_rank_fsdp_matches_one_rank_for_each_native_family(tmp_path: Path, name: str):
+    """The native families beside Qwen3 (Llama-style, and the DeepSeek-routed MoE ones) under FSDP2: one step on 2
+    ranks gives 1 rank's loss, gradient norm and published weights (fp32)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    write_rollouts({1: one, 2: two}, steps=1)
+    model = ("--model.name", name)
+    assert trainer_main(trainer_args(one, 1, *model)) == 0
+    run_torchrun(2, trainer_args(two, 1, "--parallel.nproc", "2", *model))
+    (r1,), (r2,) = read_metrics(one), read_metrics(two)
+    assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
+    assert r1["grad_norm"] == pytest.approx(r2["grad_norm"], rel=1e-5)
+    assert_same_weights(broadcast_dir(one, 1), broadcast_dir(two, 1), atol=1e-5)
+    assert ModelArgs.from_dir(broadcast_dir(two, 1)) == PRESETS[name]

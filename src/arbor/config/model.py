@@ -72,8 +72,9 @@ class ModelConfig(Config):
     name: str = "qwen3-tiny"
     """A built-in preset (qwen3-test, qwen3-tiny, qwen3-small; with one MTP draft module: qwen3-test-mtp,
     qwen3-tiny-mtp, qwen3-deep-mtp; qwen3-moe-test, qwen3-moe-tiny; DeepSeek sparse attention: dsa-test,
-    dsa-tiny, dsa-moe-test), a local Hugging Face checkpoint directory, or a Hugging Face hub
-    id such as "Qwen/Qwen3-4B" (Qwen3, Qwen3-MoE, DeepSeek-V3.2, GLM-5): taken from the Hugging Face cache
+    dsa-tiny, dsa-moe-test; llama-test, glm4-moe-test, minimax-m2-test), a local Hugging Face checkpoint directory,
+    or a Hugging Face hub id such as "Qwen/Qwen3-4B" (the architectures of arbor.registry.MODEL_FAMILIES: Qwen3,
+    Qwen3-MoE, DeepSeek-V3.2, GLM-5, Llama, Qwen2/2.5, Mistral, GLM-4.5/4.6-MoE, MiniMax-M2): taken from the cache
     (HF_HOME), downloaded into it by preflight when missing and the hub is reachable (HF_HUB_OFFLINE unset)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id, or "byte"; default: the checkpoint's own, or the built-in byte tokenizer for

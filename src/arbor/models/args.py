@@ -40,6 +40,20 @@ class ModelArgs:
     mtp_depth: int = 0
     """Multi-token-prediction draft modules (DeepSeek-V3 style, arbor.models.mtp); stored in Hugging Face
     checkpoints as `num_nextn_predict_layers` layers after the decoder's. Dense models only."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2 always; Llama, Qwen3 and GLM-4.5 with `attention_bias`)."""
+    o_proj_bias: bool = False
+    """A bias on the attention's output projection (Llama and Qwen3 with `attention_bias`)."""
+    mlp_bias: bool = False
+    """Biases on the SwiGLU projections (Llama's `mlp_bias`)."""
+    qk_norm: str = "head"
+    """RMSNorm of queries and keys before RoPE (QK_NORMS): "head" (per head: Qwen3, GLM-4.5 with `use_qk_norm`),
+    "projection" (over the whole projection, all heads at once: MiniMax-M2) or "none" (Llama, Qwen2)."""
+    rope_scaling: dict[str, Any] | None = None
+    """None (plain RoPE) or the checkpoint's `rope_parameters` other than `rope_theta`, with a `rope_type` of
+    ROPE_TYPES (arbor.models.rope)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dimensions RoPE rotates (the first ones; GLM-4.5: 0.5)."""
 
     @property
     def is_moe(self) -> bool:
@@ -52,7 +66,19 @@ class ModelArgs:
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {self.qk_norm!r} must be one of {QK_NORMS}")
+        check_rope(self.rope_scaling)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} must give an even "
+                "number of rotated dimensions, at most head_dim"
+            )
         if self.mtp_depth < 0 or (self.mtp_depth and self.is_moe):
             raise ValueError(
                 f"mtp_depth ({self.mtp_depth}) must be >= 0, and 0 for MoE models (dense MTP modules only)"
@@ -74,6 +100,9 @@ class ModelArgs:
         `moe` reads the routed experts (Qwen3-MoE), else the model is dense."""
         arch = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r}: arbor's decoders implement silu (SwiGLU)")
+        theta, scaling, partial = read_rope(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -83,7 +112,11 @@ class ModelArgs:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=partial,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            o_proj_bias=bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             architecture=arch,
@@ -129,13 +162,20 @@ class ModelArgs:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self.rope_parameters(),
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "torch_dtype": "float32",
         }
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """`config.json`'s `rope_parameters` (transformers 5's layout: type, theta, scaling and partial factor)."""
+        out = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.partial_rotary_factor != 1.0:
+            out["partial_rotary_factor"] = self.partial_rotary_factor
+        return out
 
     @staticmethod
     def from_dir(path: str | Path) -> "ModelArgs | DSAArgs":
@@ -149,22 +189,80 @@ class ModelArgs:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        attn = h * (q + 2 * kv) + q * h + 2 * h + 2 * self.head_dim
+        norm = {"head": 2 * self.head_dim, "projection": q + kv, "none": 0}[self.qk_norm]
+        bias = (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias
+        attn = h * (q + 2 * kv) + q * h + 2 * h + norm + bias
         moe = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
         if self.shared_expert_intermediate_size:
             moe += 3 * h * self.shared_expert_intermediate_size + h
         n_moe = len(self.moe_layers)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         mtp = self.mtp_depth * (attn + 3 * h * i + 2 * h * h + 3 * h)  # block, eh_proj, enorm, hnorm, its norm
-        return L * attn + n_moe * moe + (L - n_moe) * 3 * h * i + emb + h + mtp
+        dense = 3 * h * i + (2 * i + h) * self.mlp_bias
+        return L * attn + n_moe * moe + (L - n_moe) * dense + emb + h + mtp
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    # transformers 5 moved rope_theta into `rope_parameters`; older configs keep it at the top level.
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"unsupported rope_type {params['rope_type']!r}; arbor implements the default RoPE")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+@dataclasses.dataclass
+class SigmoidMoEArgs(ModelArgs):
+    """A decoder whose experts are routed DeepSeek-V3's way (GLM-4.5/4.6 MoE, MiniMax-M2): sigmoid scores, experts
+    chosen on `scores + e_score_correction_bias` within the `topk_group` best of `n_group` groups, weights the
+    chosen scores (renormalised with `norm_topk_prob`) times `routed_scaling_factor`; `n_shared_experts` dense
+    experts beside them; the first `first_k_dense_replace` layers dense (`intermediate_size`)."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    """Shared experts: one dense SwiGLU MLP of `n_shared_experts * moe_intermediate_size`."""
+    first_k_dense_replace: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.is_moe and (self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and be >= topk_group "
+                f"({self.topk_group})"
+            )
+
+    @property
+    def n_routed_experts(self) -> int:
+        """DeepSeek's name (arbor.models.deepseek_v32.DeepseekRouter reads it)."""
+        return self.num_experts
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.first_k_dense_replace
+
+    def num_params(self) -> int:
+        shared = 3 * self.hidden_size * self.moe_intermediate_size * self.n_shared_experts + self.num_experts
+        return super().num_params() + len(self.moe_layers) * shared
+
+
+QK_NORMS = ("head", "projection", "none")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""The RoPE types arbor's decoders implement (arbor.models.rope)."""
+
+
+def check_rope(scaling: dict[str, Any] | None) -> None:
+    """A ValueError in one line naming a RoPE type arbor does not implement."""
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_type {kind!r}: arbor implements {', '.join(ROPE_TYPES)}")
+
+
+def read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, scaling parameters or None for plain RoPE, partial_rotary_factor) of a `config.json`:
+    transformers 5 keeps them in `rope_parameters`, older configs in `rope_scaling` (`type` for `rope_type`) and
+    at the top level; MiniMax-M2 gives a `rotary_dim`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+    if partial is None and cfg.get("rotary_dim") and cfg.get("head_dim"):
+        partial = cfg["rotary_dim"] / cfg["head_dim"]
+    scaling = None if kind == "default" else {"rope_type": kind, **params}
+    check_rope(scaling)
+    return theta, scaling, float(partial or 1.0)
 
 
 DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}

@@ -8,71 +8,33 @@ docs/models.md, "DeepSeek sparse attention"."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from arbor.models.args import DSAArgs
 from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
-from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, RotaryEmbedding, apply_rope, embed, linear_weight, lm_logits
+from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, embed, linear_weight, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
-
-
-def yarn_get_mscale(scale: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+from arbor.models.rope import RotaryEmbedding, apply_rope, rope_frequencies, yarn_get_mscale
 
 
 def rope_setup(args: DSAArgs) -> tuple[torch.Tensor, float, float]:
-    """(inverse frequencies `[Dr/2]`, factor on cos/sin, factor on the softmax scale) of the model's RoPE.
-
-    YaRN as DeepSeek-V3 and transformers' `_compute_yarn_parameters` define it: frequencies whose wavelength
-    exceeds the original context are divided by `factor`, those well inside it kept, a linear ramp between
-    (correction range from `beta_fast` / `beta_slow` rotations); cos/sin times mscale(factor, mscale) /
-    mscale(factor, mscale_all_dim); MLA's softmax scale times mscale(factor, mscale_all_dim)^2."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    """(inverse frequencies `[Dr/2]`, factor on cos/sin, factor on the softmax scale) of the model's RoPE: plain or
+    YaRN (arbor.models.rope), and MLA's softmax scale times mscale(factor, mscale_all_dim)^2 under YaRN, as
+    DeepSeek-V3 defines it."""
     ys = args.rope_scaling
-    if not ys:
-        return inv_freq, 1.0, 1.0
-    factor = float(ys["factor"])
-    original = int(ys.get("original_max_position_embeddings") or args.max_position_embeddings)
-    beta_fast, beta_slow = float(ys.get("beta_fast") or 32), float(ys.get("beta_slow") or 1)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: keep the frequency (high frequencies), 0: interpolate
-    inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
-    m, m_all = ys.get("mscale"), ys.get("mscale_all_dim")
-    attn = ys.get("attention_factor")
-    if attn is None:
-        attn = (
-            yarn_get_mscale(factor, m) / yarn_get_mscale(factor, m_all) if m and m_all else yarn_get_mscale(factor, 1.0)
-        )
-    softmax = yarn_get_mscale(factor, m_all) ** 2 if m_all else 1.0
-    return inv_freq, float(attn), softmax
+    inv_freq, attn = rope_frequencies(args.qk_rope_head_dim, args.rope_theta, ys, args.max_position_embeddings)
+    m_all = (ys or {}).get("mscale_all_dim")
+    softmax = yarn_get_mscale(float(ys["factor"]), m_all) ** 2 if ys and m_all else 1.0
+    return inv_freq, attn, softmax
 
 
 class DSARotaryEmbedding(RotaryEmbedding):
-    """`RotaryEmbedding` with the (possibly YaRN-scaled) frequencies of `rope_setup`."""
+    """`RotaryEmbedding` over the rope part of MLA's heads, plain or YaRN-scaled."""
 
     def __init__(self, args: DSAArgs) -> None:
-        super().__init__(args.qk_rope_head_dim, args.rope_theta)
-        inv_freq, self.attention_factor, _ = rope_setup(args)
-        self.inv_freq.copy_(inv_freq)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = super().forward(position_ids)
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos, sin
+        super().__init__(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -230,15 +192,15 @@ class DeepseekMoE(MoE):
             inter = args.moe_intermediate_size * args.n_shared_experts
             self.shared_experts = MLP(args, inter)  # type: ignore[arg-type]  (reads hidden_size only)
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        """(output `[B, T, H]`, chosen experts `[B*T, k]`)."""
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, None, torch.Tensor]:
+        """(output `[B, T, H]`, None: no router logits for an auxiliary loss, chosen experts `[B*T, k]`)."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         w, idx = self.gate(flat, None if replay is None else replay.reshape(B * T, -1))
         y = self.dispatcher(flat, w, idx, self.experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        return y.reshape(B, T, H), idx
+        return y.reshape(B, T, H), None, idx
 
 
 class DSADecoderLayer(nn.Module):
@@ -256,7 +218,7 @@ class DSADecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), None
-        y, idx = self.mlp(h, replay)
+        y, _, idx = self.mlp(h, replay)
         return x + y, idx
 
 

@@ -36,7 +36,8 @@ class ModelFamily(Protocol):
     architectures: tuple[str, ...]
     """The `config.json` `architectures[0]` names it serves (its keys in MODEL_FAMILIES)."""
     model_types: tuple[str, ...]
-    """The `config.json` `model_type`s it serves, for a config without `architectures`."""
+    """The `config.json` `model_type`s it serves, for a config without `architectures` (one per architecture, in
+    the same order, where it serves several)."""
     args_class: type
     """Its hyper-parameters (Hugging Face field names; an `architecture` field; `num_params()`; no torch)."""
     supports_mtp: bool
@@ -97,7 +98,10 @@ def architecture_of(config: dict[str, Any]) -> str:
         return names[0]
     model_type = config.get("model_type")
     for arch in MODEL_FAMILIES.names():
-        if model_type in MODEL_FAMILIES.load(arch).model_types:
+        family = MODEL_FAMILIES.load(arch)
+        if model_type in family.model_types and (
+            len(family.model_types) == 1 or family.model_types.index(model_type) == family.architectures.index(arch)
+        ):
             return arch
     return DEFAULT_ARCHITECTURE
 

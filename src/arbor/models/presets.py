@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from arbor.models.args import DSAArgs, ModelArgs
+from arbor.models.args import DSAArgs, ModelArgs, SigmoidMoEArgs
 
 BYTE_VOCAB = 264  # 259 byte-tokenizer ids padded to a multiple of 8
 
-PRESETS: dict[str, ModelArgs | DSAArgs] = {
+_TEST = dict(  # the shape of the ~0.1M-parameter test presets
+    vocab_size=BYTE_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=10_000.0,
+    max_position_embeddings=512,
+)
+
+PRESETS: dict[str, ModelArgs | SigmoidMoEArgs | DSAArgs] = {
     # ~0.1M parameters: unit tests.
-    "qwen3-test": ModelArgs(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=10_000.0,
-        max_position_embeddings=512,
-    ),
+    "qwen3-test": ModelArgs(**_TEST),
     # ~1M parameters: the CPU quick start (reverse_text learns in minutes on 2 cores).
     "qwen3-tiny": ModelArgs(
         vocab_size=BYTE_VOCAB,
@@ -46,15 +48,7 @@ PRESETS: dict[str, ModelArgs | DSAArgs] = {
     # qwen3-test and qwen3-tiny with one MTP draft module (speculative decoding, online draft training): the
     # module's block is initialised from the last decoder layer (arbor.models.mtp.init_mtp_from_last_layer).
     "qwen3-test-mtp": ModelArgs(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=10_000.0,
-        max_position_embeddings=512,
+        **_TEST,
         mtp_depth=1,
     ),
     "qwen3-tiny-mtp": ModelArgs(
@@ -85,15 +79,7 @@ PRESETS: dict[str, ModelArgs | DSAArgs] = {
     ),
     # ~0.2M parameters, 4 experts top-2: MoE unit and distributed tests.
     "qwen3-moe-test": ModelArgs(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=10_000.0,
-        max_position_embeddings=512,
+        **_TEST,
         architecture="Qwen3MoeForCausalLM",
         num_experts=4,
         num_experts_per_tok=2,
@@ -179,3 +165,31 @@ PRESETS: dict[str, ModelArgs | DSAArgs] = {
         routed_scaling_factor=2.5,
     ),
 }
+
+# Llama, GLM-4.5-MoE and MiniMax-M2 architectures, ~0.1-0.2M parameters: the native families' unit and distributed
+# tests (the GLM preset with q/k/v biases, per-head q/k norm, half-rotary heads, a dense first layer, 4 experts in
+# 2 groups and a shared expert; the MiniMax preset with whole-projection q/k norm and rotary_dim 4 of 8).
+PRESETS["llama-test"] = ModelArgs(**_TEST, architecture="LlamaForCausalLM", qk_norm="none", tie_word_embeddings=False)
+PRESETS["glm4-moe-test"] = SigmoidMoEArgs(
+    **_TEST,
+    architecture="Glm4MoeForCausalLM",
+    attention_bias=True,
+    partial_rotary_factor=0.5,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+PRESETS["minimax-m2-test"] = SigmoidMoEArgs(
+    **_TEST,
+    architecture="MiniMaxM2ForCausalLM",
+    qk_norm="projection",
+    partial_rotary_factor=0.5,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)

@@ -1,4 +1,6 @@
-"""A Qwen3-architecture dense decoder in plain PyTorch (RMSNorm, RoPE, GQA with per-head q/k norm, SwiGLU).
+"""A Qwen3-architecture dense decoder in plain PyTorch (RMSNorm, RoPE, GQA with per-head q/k norm, SwiGLU); by its
+args' switches (q/k/v/o and MLP biases, q/k norm per head, over the projection or none, RoPE scaling and partial
+rotary: arbor.models.args.ModelArgs) also Llama's, Qwen2's and Mistral's (arbor.models.families.llama).
 
 Module and parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so published
 weights load into vLLM or transformers without conversion. The same forward serves the trainer (packed rows
@@ -18,6 +20,7 @@ from torch import nn
 from arbor.models.args import ModelArgs
 from arbor.models.attention import KVCache, attend
 from arbor.models.mtp import MTPLayer, init_mtp_from_last_layer
+from arbor.models.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -33,28 +36,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()  # [B, T, D]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # broadcast over heads
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     cp = None
     """Context-parallel attention (arbor.trainer.context_parallel.ContextParallel), installed by `apply_cp`."""
@@ -63,13 +44,27 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        h = args.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        h, q, kv, bias = args.hidden_size, self.n_heads * self.head_dim, self.n_kv * self.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(h, q, bias=bias)
+        self.k_proj = nn.Linear(h, kv, bias=bias)
+        self.v_proj = nn.Linear(h, kv, bias=bias)
+        self.o_proj = nn.Linear(q, h, bias=args.o_proj_bias)
+        self.qk_norm = args.qk_norm
+        if self.qk_norm != "none":
+            per_head = self.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else q, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv, args.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int, norm: str) -> torch.Tensor:
+        """`proj(x)` as `[B, n, T, head_dim]`, normed as `qk_norm` says (by `norm`, "q_norm" or "k_norm")."""
+        B, T, _ = x.shape
+        y = proj(x)
+        if self.qk_norm == "projection":
+            y = getattr(self, norm)(y)
+        y = y.view(B, T, n, self.head_dim)
+        if self.qk_norm == "head":
+            y = getattr(self, norm)(y)
+        return y.transpose(1, 2)
 
     def forward(
         self,
@@ -81,8 +76,8 @@ class Attention(nn.Module):
         cache_slots: torch.Tensor | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        q = self._heads(x, self.q_proj, self.n_heads, "q_norm")
+        k = self._heads(x, self.k_proj, self.n_kv, "k_norm")
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.cp is not None and kv_cache is None:
@@ -97,9 +92,10 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = args.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, args.hidden_size, bias=False)
+        bias = getattr(args, "mlp_bias", False)  # DeepSeek's args have none
+        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=bias)
+        self.up_proj = nn.Linear(args.hidden_size, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -125,7 +121,9 @@ class Qwen3Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(layer_cls(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            args.rotary_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings
+        )
 
 
 def embed(
@@ -253,6 +251,8 @@ class Qwen3ForCausalLM(nn.Module):
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif name.endswith((".bias", "e_score_correction_bias")):
+                    p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
         if len(self.mtp):

@@ -154,11 +154,15 @@ class MoE(nn.Module):
 
 
 class MoEDecoderLayer(nn.Module):
+    moe_cls: type[nn.Module] = MoE
+    """The sparse block of its MoE layers: `forward(h, replay)` -> (output, router logits for the auxiliary loss
+    or None, chosen experts)."""
+
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.is_moe = args.is_moe_layer(layer_idx)
-        self.mlp = MoE(args) if self.is_moe else MLP(args)
+        self.mlp = self.moe_cls(args) if self.is_moe else MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -175,12 +179,14 @@ class MoEDecoderLayer(nn.Module):
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Same forward contract as the dense model, plus `routed_experts` (router replay). After each forward,
     `last_routed_experts [B, T, moe_layers, k]` holds the experts used and `aux_loss` the load-balancing loss
-    (already multiplied by `router_aux_loss_coef`; a scalar tensor with gradient)."""
+    (already multiplied by `router_aux_loss_coef`; a scalar tensor with gradient; None for routers without one)."""
+
+    layer_cls: type[nn.Module] = MoEDecoderLayer
 
     def __init__(self, args: ModelArgs) -> None:
         nn.Module.__init__(self)
         self.args = args
-        self.model = Qwen3Backbone(args, layer_cls=MoEDecoderLayer)
+        self.model = Qwen3Backbone(args, layer_cls=self.layer_cls)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -218,9 +224,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             if routed_experts is not None and layer.is_moe:
                 replay = routed_experts[:, :, len(all_idx)]
             x, logits, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
+            if idx is not None:
+                all_idx.append(idx)
             if logits is not None:
                 all_logits.append(logits)
-                all_idx.append(idx)
         self.last_routed_experts = torch.stack(all_idx, dim=1).reshape(B, T, n_moe, -1).detach() if all_idx else None
         self.aux_loss = None
         if self.training and all_logits:
