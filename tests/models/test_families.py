@@ -5,6 +5,7 @@ no family serves is refused in one line naming `model.name`, through `rl`'s pref
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
@@ -130,7 +131,8 @@ def test_reading_configs_through_the_families_loads_no_torch():
 
 @pytest.fixture
 def llama_dir(tmp_path: Path) -> Path:
-    """A real transformers-written tiny LlamaForCausalLM checkpoint (nothing downloaded)."""
+    """A real transformers-written tiny Llama checkpoint (nothing downloaded) whose config names an architecture
+    neither arbor nor transformers builds."""
     config = transformers.LlamaConfig(
         vocab_size=264,
         hidden_size=16,
@@ -141,6 +143,8 @@ def llama_dir(tmp_path: Path) -> Path:
     )
     path = tmp_path / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "architectures": ["NoSuchForCausalLM"]}))
     return path
 
 
@@ -149,7 +153,10 @@ def test_an_unsupported_architecture_is_one_line_naming_model_name(llama_dir):
         ModelArgs.from_dir(llama_dir)
     line = str(e.value)
     assert "\n" not in line
-    assert line.startswith(f"model.name: {llama_dir} is a 'LlamaForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM")
+    assert line.startswith(
+        f"model.name: {llama_dir} is a 'NoSuchForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM"
+    )
+    assert line.endswith("has no class 'NoSuchForCausalLM')")
 
 
 @pytest.mark.slow  # starts `rl --check`
@@ -170,7 +177,7 @@ def test_rl_check_refuses_an_unsupported_checkpoint_in_one_line_without_a_traceb
         lines[0]
         .partition(" ")[2]
         .startswith(
-            f"error: model.name: {llama_dir} is a 'LlamaForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM, "
+            f"error: model.name: {llama_dir} is a 'NoSuchForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM, "
         )
     )
     assert not (out / "logs").exists()
