@@ -10,6 +10,7 @@ import transformers
 from transformers import AutoConfig
 
 from arbor.models.presets import BYTE_VOCAB
+from arbor.models.tokenizer import ByteTokenizer
 
 _BASE = dict(
     vocab_size=BYTE_VOCAB,
@@ -69,8 +70,10 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
 
 
 def write_tiny(arch: str, path: Path, seed: int = 0) -> Path:
-    """A random `arch` checkpoint (fp32, transformers' own initialisation from `seed`) saved at `path`."""
+    """A random `arch` checkpoint (fp32, transformers' own initialisation from `seed`) saved at `path`, with arbor's
+    byte tokenizer (its ids are the vocabulary's)."""
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(tiny_config(arch))
     model.save_pretrained(path)
+    ByteTokenizer().save(path)
     return path
