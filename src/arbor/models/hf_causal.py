@@ -127,8 +127,9 @@ class HFCausalLM(nn.Module):
         return out.last_hidden_state
 
     def _by_sample(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
-        """A recurrent model's packed row: each sample (a chain of the mask) forwarded on its own, samples of one
-        length batched together."""
+        """A recurrent model's packed row: its samples (the chains of the mask) right-padded into one batch, so
+        that no state crosses a sample boundary. One backbone call per row whatever its samples (FSDP2's
+        per-layer collectives then match across ranks); causal layers never read the padding after a sample."""
         if mask is None:
             return self.backbone(input_ids, position_ids, ArborAttention(None, position_ids, None, None))
         if input_ids.shape[0] != 1:
@@ -142,21 +143,13 @@ class HFCausalLM(nn.Module):
                 f"{self.args.architecture} has recurrent layers, which cannot take a prefix-tree merged row: "
                 "set orchestrator.batching.prefix_merge = false"
             )
-        bounds = [int(s) for s in torch.nonzero(start == idx).flatten()] + [T]
-        spans = list(zip(bounds[:-1], bounds[1:]))
-        by_len: dict[int, list[int]] = {}
-        for a, b in spans:
-            by_len.setdefault(b - a, []).append(a)
-        parts = []
-        for n, starts in by_len.items():
-            cols = torch.tensor(starts, device=idx.device)[:, None] + torch.arange(n, device=idx.device)
-            pos = torch.arange(n, device=idx.device)[None].expand(len(starts), n)
-            h = self.backbone(input_ids[0, cols], pos, ArborAttention(None, pos, None, None))
-            parts.append((cols, h))
-        out = parts[0][1].new_zeros(1, T, parts[0][1].shape[-1])
-        for cols, h in parts:
-            out = out.index_put((torch.zeros_like(cols), cols), h)
-        return out
+        sample = torch.cumsum(start == idx, 0) - 1  # each token's sample, in row order
+        offset = idx - start  # its place in the sample
+        n, width = int(sample[-1]) + 1, int(offset.max()) + 1
+        ids = input_ids.new_zeros(n, width).index_put((sample, offset), input_ids[0])
+        pos = torch.arange(width, device=m.device)[None].expand(n, width)
+        hidden = self.backbone(ids, pos, ArborAttention(None, pos, None, None))
+        return hidden[sample, offset][None]
 
     def init_weights(self, seed: int) -> None:
         """transformers' own initialisation, drawn from `seed` (same weights in every process that calls it)."""
