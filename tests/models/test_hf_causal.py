@@ -8,13 +8,16 @@ what arbor publishes is the checkpoint's own layout, which transformers loads ba
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import transformers
 from hf_tiny import TINY_HF, write_tiny
 
+from arbor.config.loader import ConfigError, load_config
 from arbor.config.model import ModelConfig
+from arbor.config.rl import RLConfig
 from arbor.models import build_model
 from arbor.models.family import UnsupportedArchitecture, args_from_dir, choose_family
 from arbor.models.hf import save_checkpoint_dir
@@ -149,3 +152,26 @@ def test_a_head_arbor_cannot_reproduce_is_refused_in_one_line(tmp_path):
     transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitecture, match="applies final_logit_softcapping = 30.0 after its head"):
         _model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "flags, setting",
+    [
+        (["--trainer.parallel.nproc", "2", "--trainer.parallel.ep", "2"], "trainer.parallel.ep > 1"),
+        (["--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2"], "trainer.parallel.cp > 1"),
+        (["--model.router-replay", "true"], "model.router_replay = true"),
+        (["--model.fp8", "block"], 'model.fp8 = "block"'),
+        (["--model.mtp-depth", "1"], "model.mtp_depth > 0"),
+    ],
+)
+def test_what_the_transformers_path_cannot_honour_is_refused_at_config_time(flags, setting, tiny_dirs):
+    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", tiny_dirs["LlamaForCausalLM"], *flags]
+    with pytest.raises(ConfigError, match=re.escape(f"{setting}: LlamaForCausalLM runs on the transformers path")):
+        load_config(RLConfig, argv, env={})
+
+
+def test_a_recurrent_model_with_prefix_merge_is_refused_at_config_time(tiny_dirs):
+    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", tiny_dirs["Qwen3_5ForCausalLM"]]
+    with pytest.raises(ConfigError, match="prefix_merge = true: Qwen3_5ForCausalLM has recurrent layers"):
+        load_config(RLConfig, argv, env={})
+    load_config(RLConfig, argv + ["--orchestrator.batching.prefix-merge", "false"], env={})
