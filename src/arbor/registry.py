@@ -179,3 +179,6 @@ MODEL_FAMILIES = Registry(
     plugins=False,
 )
 """Model families (arbor.models.family.ModelFamily) by the `config.json` architecture name they serve."""
+
+TRANSFORMERS_FAMILY = "arbor.models.families.transformers:TRANSFORMERS"
+"""The transformers path: every other `*ForCausalLM` through transformers' own modules (`model.impl`)."""

@@ -5,6 +5,7 @@ no family serves is refused in one line naming `model.name`, through `rl`'s pref
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
@@ -129,38 +130,41 @@ def test_reading_configs_through_the_families_loads_no_torch():
 
 
 @pytest.fixture
-def phi3_dir(tmp_path: Path) -> Path:
-    """A real transformers-written tiny Phi3ForCausalLM checkpoint (nothing downloaded), a family arbor lacks."""
-    config = transformers.Phi3Config(
+def llama_dir(tmp_path: Path) -> Path:
+    """A real transformers-written tiny Llama checkpoint (nothing downloaded) whose config names an architecture
+    neither arbor nor transformers builds."""
+    config = transformers.LlamaConfig(
         vocab_size=264,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
     )
-    path = tmp_path / "phi3"
-    transformers.Phi3ForCausalLM(config).save_pretrained(path)
+    path = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "architectures": ["NoSuchForCausalLM"]}))
     return path
 
 
-def test_an_unsupported_architecture_is_one_line_naming_model_name(phi3_dir):
+def test_an_unsupported_architecture_is_one_line_naming_model_name(llama_dir):
     with pytest.raises(UnsupportedArchitecture) as e:
-        ModelArgs.from_dir(phi3_dir)
+        ModelArgs.from_dir(llama_dir)
     line = str(e.value)
     assert "\n" not in line
-    assert line.startswith(f"model.name: {phi3_dir} is a 'Phi3ForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM")
+    assert line.startswith(
+        f"model.name: {llama_dir} is a 'NoSuchForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM"
+    )
+    assert line.endswith("has no class 'NoSuchForCausalLM')")
 
 
 @pytest.mark.slow  # starts `rl --check`
-def test_rl_check_refuses_an_unsupported_checkpoint_in_one_line_without_a_traceback(tmp_path, phi3_dir):
+def test_rl_check_refuses_an_unsupported_checkpoint_in_one_line_without_a_traceback(tmp_path, llama_dir):
     out = tmp_path / "run"
     res = subprocess.run(
         [sys.executable, "-m", "arbor.launch.rl", "@", str(REPO / "examples/reverse_text/rl.toml")]
-        + ["--output-dir", str(out), "--model.name", str(phi3_dir), "--check"],
+        + ["--output-dir", str(out), "--model.name", str(llama_dir), "--check"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -172,6 +176,8 @@ def test_rl_check_refuses_an_unsupported_checkpoint_in_one_line_without_a_traceb
     assert (
         lines[0]
         .partition(" ")[2]
-        .startswith(f"error: model.name: {phi3_dir} is a 'Phi3ForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM, ")
+        .startswith(
+            f"error: model.name: {llama_dir} is a 'NoSuchForCausalLM' checkpoint; arbor builds Qwen3ForCausalLM, "
+        )
     )
     assert not (out / "logs").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.models.args import DSAArgs, ModelArgs, check_cp_style
+from arbor.models.families.transformers import REFUSED_SETTINGS
 from arbor.models.family import UnsupportedArchitecture, family_of
 from arbor.models.hub import cached_config
 from arbor.models.presets import PRESETS
@@ -28,11 +29,40 @@ def model_shape(model: ModelConfig) -> ModelArgs | DSAArgs | None:
     if config is None:
         return None
     try:
-        return ModelArgs.from_dir(config.parent)
+        return ModelArgs.from_dir(config.parent, model.impl)
     except UnsupportedArchitecture:
         raise  # already one line naming model.name
     except (ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors; a missing field a KeyError
         raise ValueError(f"model.name {model.name}: its config.json cannot be read ({type(e).__name__}: {e})") from None
+
+
+def check_transformers_path(model: ModelConfig, parallel: ParallelConfig, prefix_merge: bool = False) -> None:
+    """Refuses, in one line naming the architecture and the setting, what a checkpoint on the transformers path
+    (arbor.models.families.transformers) cannot honour. Reads the checkpoint's config only when such a setting
+    is on."""
+    asked = {
+        "trainer.parallel.ep > 1": parallel.ep > 1,
+        "trainer.parallel.cp > 1": parallel.cp > 1,
+        "model.router_replay = true": model.router_replay,
+        'model.fp8 = "block"': model.fp8 == "block",
+        "model.mtp_depth > 0": bool(model.mtp_depth),
+    }
+    on = [k for k, v in asked.items() if v]
+    if not (on or prefix_merge) or model.name in PRESETS or model.impl == "native":
+        return
+    args = model_shape(model)
+    if args is None or getattr(args, "impl", None) != "transformers":
+        return
+    if on:
+        raise ValueError(
+            f"{on[0]}: {args.architecture} runs on the transformers path (model.impl = {model.impl!r}), which has "
+            f"no {REFUSED_SETTINGS[on[0]]}; unset it"
+        )
+    if args.recurrent:
+        raise ValueError(
+            f"orchestrator.batching.prefix_merge = true: {args.architecture} has recurrent layers "
+            f"({', '.join(sorted(set(args.layer_types)))}), which cannot take a prefix tree's mask; set it to false"
+        )
 
 
 def check_model_split(parallel: ParallelConfig, args: ModelArgs | DSAArgs, name: str) -> None:

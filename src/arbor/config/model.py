@@ -76,6 +76,11 @@ class ModelConfig(Config):
     or a Hugging Face hub id such as "Qwen/Qwen3-4B" (the architectures of arbor.registry.MODEL_FAMILIES: Qwen3,
     Qwen3-MoE, DeepSeek-V3.2, GLM-5, Llama, Qwen2/2.5, Mistral, GLM-4.5/4.6-MoE, MiniMax-M2): taken from the cache
     (HF_HOME), downloaded into it by preflight when missing and the hub is reachable (HF_HUB_OFFLINE unset)."""
+    impl: Literal["auto", "native", "transformers"] = "auto"
+    """Which implementation builds a checkpoint: "native" arbor's own model (the families of
+    arbor.registry.MODEL_FAMILIES), "transformers" transformers' own modules with arbor around them (any
+    `*ForCausalLM` of the installed transformers; no expert or context parallelism, router replay, FP8 or MTP),
+    "auto" the native one where arbor has it, else transformers. Preflight says which path a run takes and why."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id, or "byte"; default: the checkpoint's own, or the built-in byte tokenizer for
     presets."""

@@ -12,7 +12,7 @@ from arbor.config.base import Config, Count, FilePath, Float, Int, Seconds, Seed
 from arbor.config.cost import CostConfig
 from arbor.config.hardware import HardwareConfig, PlanConfig
 from arbor.config.inference import InferenceConfig
-from arbor.config.layout import check_mesh
+from arbor.config.layout import check_mesh, check_transformers_path
 from arbor.config.model import ModelConfig
 from arbor.config.monitor import WandbConfig
 from arbor.config.orchestrator import OrchestratorConfig, TeacherConfig
@@ -149,6 +149,7 @@ class RLConfig(Config):
         if p.nproc % p.cp:
             raise ValueError(f"trainer.parallel.cp ({p.cp}) must divide trainer.parallel.nproc ({p.nproc})")
         ranks = p.nproc // p.cp
+        check_transformers_path(self.model, p, self.orchestrator.batching.prefix_merge)
         if self.orchestrator.batching.prefix_merge and p.cp > 1:
             raise ValueError(
                 f"orchestrator.batching.prefix_merge = true needs trainer.parallel.cp = 1 (got {p.cp}): context "

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
-from arbor.config.layout import check_model_split, model_shape
+from arbor.config.layout import check_model_split, check_transformers_path, model_shape
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.config.transport import WeightTransportConfig, check_lora_transport
@@ -234,6 +234,7 @@ class TrainerConfig(Config):
                 f"trainer.parallel.ep_backend = 'deepep' needs model.dtype = 'bfloat16' (DeepEP dispatches bf16 "
                 f"tokens only), got {self.model.dtype!r}; use ep_backend = 'all_to_all' for other dtypes"
             )
+        check_transformers_path(self.model, self.parallel)
         if self.parallel.cp == 1 and self.parallel.ep == 1:
             return self  # nothing to split: no need to read a checkpoint's config.json
         args = model_shape(self.model)

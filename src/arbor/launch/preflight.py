@@ -40,7 +40,7 @@ from arbor.config.rl import RLConfig
 from arbor.environments.protocol import check_some_task_fits, is_multi_turn, load_environment
 from arbor.models import build_tokenizer
 from arbor.models.args import DSAArgs, ModelArgs
-from arbor.models.family import UnsupportedArchitecture
+from arbor.models.family import UnsupportedArchitecture, architecture_of, choose_family, read_config
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import Tokenizer, tokenizer_has_template
@@ -119,7 +119,19 @@ def model_args(model: ModelConfig) -> ModelArgs | DSAArgs:
     if model.name in PRESETS:
         return PRESETS[model.name]
     try:
-        return ModelArgs.from_dir(resolve_dir(model.name))
+        return ModelArgs.from_dir(resolve_dir(model.name), model.impl)
+    except UnsupportedArchitecture as e:
+        raise PreflightError(str(e)) from None
+
+
+def model_path_line(model: ModelConfig) -> str | None:
+    """The one line saying which implementation builds the checkpoint and why (arbor.models.family.choose_family);
+    None for a preset (always native)."""
+    if model.name in PRESETS:
+        return None
+    path = resolve_dir(model.name)
+    try:
+        return f"model: {choose_family(architecture_of(read_config(path)), model.impl, str(path))[1]}"
     except UnsupportedArchitecture as e:
         raise PreflightError(str(e)) from None
 

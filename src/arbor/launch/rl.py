@@ -27,7 +27,7 @@ from arbor.config.rl import SECTIONS, RLConfig
 from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
-from arbor.launch.preflight import run_checks
+from arbor.launch.preflight import model_path_line, run_checks
 from arbor.launch.process import ChildFailed, Supervisor, tail
 from arbor.launch.servers import RESTART_BACKOFF, Servers, healthy
 from arbor.launch.slurm import submit
@@ -477,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.check:
         for line in run_checks(cfg):
             print(f"skipped: {line}")
+        if path_line := model_path_line(cfg.model):
+            print(path_line)
         print(f"preflight passed: {cfg.output_dir} is ready for the run (nothing was started)")
         return 0
     if cfg.slurm is not None:
@@ -484,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         return submit(cfg, cfg.dry_run)
     if not cfg.dry_run:
         run_checks(cfg)  # before resolve(): an explicitly set port is still marked as set
+        if path_line := model_path_line(cfg.model):
+            print(path_line)
     cfg = resolve_on_fleet(cfg) if cfg.fleet is not None else resolve(cfg)
     cores = split_cores(cfg)  # before write_configs: a resumed run reads the threads its last attempt ran with
     write_configs(cfg)

@@ -52,11 +52,16 @@ class ModelSpec(Protocol):
         """MTP draft modules to build (None: the checkpoint's or preset's own)."""
         ...
 
+    @property
+    def impl(self) -> str:
+        """ "auto", "native" or "transformers" (arbor.models.family.choose_family)."""
+        ...
+
 
 def model_args(cfg: ModelSpec) -> ModelArgs | DSAArgs:
     """The preset's args, or the checkpoint's `config.json` read by its family (arbor.models.family), with
     `cfg.mtp_depth` MTP modules where it sets them."""
-    args = PRESETS[cfg.name] if cfg.name in PRESETS else ModelArgs.from_dir(resolve_dir(cfg.name))
+    args = PRESETS[cfg.name] if cfg.name in PRESETS else ModelArgs.from_dir(resolve_dir(cfg.name), cfg.impl)
     if cfg.mtp_depth is None or cfg.mtp_depth == getattr(args, "mtp_depth", 0):
         return args
     if not family_of(args).supports_mtp:

@@ -178,12 +178,13 @@ class ModelArgs:
         return out
 
     @staticmethod
-    def from_dir(path: str | Path) -> "ModelArgs | DSAArgs":
+    def from_dir(path: str | Path, impl: str = "auto") -> "ModelArgs | DSAArgs":
         """The checkpoint's architecture, read by the model family serving its `config.json` architecture
         (arbor.registry.MODEL_FAMILIES): DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) get their own
         `DSAArgs`, which the rest of arbor reads through the same attribute names. An architecture no family
-        serves is an `UnsupportedArchitecture` in one line naming `model.name`."""
-        return args_from_dir(path)
+        serves is an `UnsupportedArchitecture` in one line naming `model.name`. `impl` is `model.impl`: any other
+        `*ForCausalLM` is read by the transformers path (arbor.models.families.transformers.HFArgs)."""
+        return args_from_dir(path, impl)
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers

@@ -15,11 +15,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from arbor.registry import MODEL_FAMILIES
+from arbor.registry import MODEL_FAMILIES, TRANSFORMERS_FAMILY, load_object
 
 if TYPE_CHECKING:  # annotations only: importing them would load torch
     import torch
     from torch import nn
+
+IMPLS = ("auto", "native", "transformers")
+"""`model.impl`: "native" builds arbor's own model (a MODEL_FAMILIES member), "transformers" transformers' own
+modules (arbor.models.families.transformers), "auto" the native family where arbor has one."""
 
 DEFAULT_ARCHITECTURE = "Qwen3ForCausalLM"
 """What a `config.json` without `architectures` (and without a known `model_type`) is read as."""
@@ -71,22 +75,58 @@ class ModelFamily(Protocol):
         ...
 
 
-def _refusal(arch: str, source: str) -> UnsupportedArchitecture:
+def _refusal(arch: str, source: str, why: str = "") -> UnsupportedArchitecture:
     return UnsupportedArchitecture(
         f"model.name: {source} is a {arch!r} checkpoint; arbor builds {', '.join(MODEL_FAMILIES.names())} "
-        "(another family is one file and one line in arbor/registry.py)"
+        f"natively and any *ForCausalLM class of the installed transformers{why}"
     )
 
 
 def family_for(arch: str, source: str = "the model") -> ModelFamily:
-    """The family serving architecture `arch`; `source` (the checkpoint) names it in the one-line refusal."""
+    """The native family serving architecture `arch`; `source` (the checkpoint) names it in the one-line refusal."""
     if arch not in MODEL_FAMILIES.members:
         raise _refusal(arch, source)
     return MODEL_FAMILIES.load(arch)
 
 
+def choose_family(arch: str, impl: str = "auto", source: str = "the model") -> tuple[ModelFamily, str]:
+    """The one place that decides which path builds a checkpoint of architecture `arch` under `model.impl`:
+    (family, one line saying which path and why). An architecture neither path builds is an
+    `UnsupportedArchitecture` in one line naming `model.name`."""
+    if impl not in IMPLS:
+        raise ValueError(f"model.impl: {impl!r} is not one of {', '.join(IMPLS)}")
+    native = arch in MODEL_FAMILIES.members
+    if impl != "transformers" and native:
+        return MODEL_FAMILIES.load(arch), f"{arch}: arbor's native implementation (model.impl = {impl!r})"
+    if impl == "native":
+        raise UnsupportedArchitecture(
+            f"model.impl = 'native': {source} is a {arch!r} checkpoint and arbor's native families are "
+            f"{', '.join(MODEL_FAMILIES.names())}; set model.impl = 'auto' or 'transformers'"
+        )
+    if not transformers_builds(arch):
+        raise _refusal(arch, source, f" ({transformers_version()} has no class {arch!r})")
+    why = "model.impl = 'transformers'" if impl == "transformers" else "no native family (model.impl = 'auto')"
+    return load_object(TRANSFORMERS_FAMILY), f"{arch}: transformers' own modules ({why})"
+
+
+def transformers_builds(arch: str) -> bool:
+    """Whether the installed transformers has a causal-LM class named `arch`."""
+    # transformers loads torch: imported only for an architecture without a native family
+    import transformers
+
+    return arch.isidentifier() and ("CausalLM" in arch or "LMHead" in arch) and hasattr(transformers, arch)
+
+
+def transformers_version() -> str:
+    import transformers  # see transformers_builds
+
+    return f"transformers {transformers.__version__}"
+
+
 def family_of(args: Any) -> ModelFamily:
-    """The family of built args (a preset's or a checkpoint's), by their `architecture`."""
+    """The family of built args (a preset's or a checkpoint's): the transformers path's own args say so."""
+    if getattr(args, "impl", None) == "transformers":
+        return load_object(TRANSFORMERS_FAMILY)
     return family_for(args.architecture, f"a {type(args).__name__}")
 
 
@@ -106,12 +146,16 @@ def architecture_of(config: dict[str, Any]) -> str:
     return DEFAULT_ARCHITECTURE
 
 
-def args_from_config(config: dict[str, Any], source: str = "the model") -> Any:
-    """A `config.json`'s contents read by the family serving it."""
+def args_from_config(config: dict[str, Any], source: str = "the model", impl: str = "auto") -> Any:
+    """A `config.json`'s contents read by the family `choose_family` picks for it."""
     arch = architecture_of(config)
-    return family_for(arch, source).from_hf_config({**config, "architectures": [arch]})
+    return choose_family(arch, impl, source)[0].from_hf_config({**config, "architectures": [arch]})
 
 
-def args_from_dir(path: str | Path) -> Any:
+def args_from_dir(path: str | Path, impl: str = "auto") -> Any:
     """A checkpoint directory's architecture (its `config.json`), read by the family serving it."""
-    return args_from_config(json.loads((Path(path) / "config.json").read_text()), str(path))
+    return args_from_config(read_config(path), str(path), impl)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "config.json").read_text())

@@ -134,8 +134,11 @@ def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
 
 
 def copy_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
-    """`copy_checked` of tensors already under arbor's names; a tied head is the embedding's."""
+    """`copy_checked` of tensors already under arbor's names (parameters and persistent buffers, such as a
+    transformers MoE router's expert bias); a tied head is the embedding's."""
     own = dict(model.named_parameters())
+    persistent = set(model.state_dict())
+    own.update({k: b for k, b in model.named_buffers() if k in persistent})
     if model.args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         own.pop("lm_head.weight", None)

@@ -1,0 +1,212 @@
+"""Any transformers causal LM behind arbor's model interface (`forward(input_ids, position_ids, attn_mask,
+kv_cache, cache_slots, logits_to_keep, head_fn)`, `make_kv_cache`, `init_weights`, `args`), built from its own
+`config.json` by transformers' own class, so a new architecture trains the day transformers has it.
+
+The model's children are the transformers model's (`model`, `lm_head`), so parameter names are the module's own
+and `model.model.layers` is the decoder stack FSDP2 and activation checkpointing wrap. Attention goes through
+transformers' attention-function registry: `"arbor"` (arbor.models.hf_attention) applies arbor's packed or
+prefix-tree mask, each layer's sliding window, sinks and soft-capping, and in the engine the slot KV cache. The
+head is arbor's: the backbone's final (normed) hidden states and `lm_head`'s weight go to `head_fn`, so `[T, V]`
+logits never exist; a model whose own head does more (final-logit soft-capping, logit scaling) is refused in one
+line. Recurrent layers (Qwen3.5's gated delta net) see one sample per forward: a packed row is cut into its
+samples, a prefix-tree row is refused, and the engine recomputes a slot's sequence (`TokenCache`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from copy import deepcopy
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+    revert_weight_conversion,
+)
+
+from arbor.models.attention import KVCache
+from arbor.models.families.transformers import HFArgs
+from arbor.models.family import UnsupportedArchitecture
+from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache, TokenCache
+from arbor.models.qwen3 import HeadFn, linear_weight
+
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config fields a model's own head applies after `lm_head`; arbor's vocabulary-chunked head does not."""
+
+
+def hf_config(args: HFArgs) -> transformers.PretrainedConfig:
+    """The transformers config of `args.config`, attention through arbor's function."""
+    raw = dict(args.config)
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    return config
+
+
+def hf_class(args: HFArgs) -> type[nn.Module]:
+    cls = getattr(transformers, args.architecture, None)
+    if cls is None:
+        raise UnsupportedArchitecture(
+            f"model.name: transformers {transformers.__version__} has no class {args.architecture!r}"
+        )
+    return cls
+
+
+def check_head(args: HFArgs, config: transformers.PretrainedConfig) -> None:
+    text = config.get_text_config()
+    for field in HEAD_EXTRAS:
+        value = getattr(text, field, None)
+        if value not in (None, 1, 1.0, 0, 0.0):
+            raise UnsupportedArchitecture(
+                f"model.name: {args.architecture} applies {field} = {value} after its head, which arbor's "
+                "vocabulary-chunked logprobs do not; this checkpoint cannot train on the transformers path"
+            )
+
+
+class HFCausalLM(nn.Module):
+    """A transformers `*ForCausalLM` with arbor's forward (see the module docstring)."""
+
+    accepts_block_mask = False
+    """The arbor attention function takes dense boolean masks (it combines them with sliding windows)."""
+
+    def __init__(self, args: HFArgs) -> None:
+        super().__init__()
+        self.args = args
+        config = hf_config(args)
+        check_head(args, config)
+        hf = hf_class(args)(config)
+        for name, child in hf.named_children():
+            self.add_module(name, child)
+        if not hasattr(self, "model") or not hasattr(self.model, "layers"):
+            raise UnsupportedArchitecture(
+                f"model.name: {args.architecture} has no `model.layers` decoder stack; arbor wraps decoders only"
+            )
+        self._hf = [hf]  # a list: the transformers model is not a child (its children are ours)
+
+    @property
+    def hf(self) -> nn.Module:
+        """The transformers model whose modules these are (conversion tables, `_init_weights`)."""
+        return self._hf[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | TokenCache | None = None,
+        cache_slots: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        head_fn: HeadFn | None = None,
+    ) -> torch.Tensor:
+        """As Qwen3ForCausalLM.forward: `attn_mask` `[B, 1, T, T]` (True = attend) overrides causal attention;
+        with `kv_cache` the mask comes from the cache; `head_fn` replaces the head."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        if isinstance(kv_cache, TokenCache):
+            x = kv_cache.forward(self.backbone, input_ids, position_ids, cache_slots)
+        elif self.args.recurrent:
+            x = self._by_sample(input_ids, position_ids, attn_mask)
+        else:
+            x = self.backbone(input_ids, position_ids, ArborAttention(attn_mask, position_ids, kv_cache, cache_slots))
+        if head_fn is not None:
+            return head_fn(x, linear_weight(self.lm_head))
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return self.lm_head(x)
+
+    def backbone(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: ArborAttention) -> torch.Tensor:
+        """The decoder's final hidden states `[B, T, H]`, after its final norm."""
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, arbor=ctx)
+        return out.last_hidden_state
+
+    def _by_sample(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+        """A recurrent model's packed row: its samples (the chains of the mask) right-padded into one batch, so
+        that no state crosses a sample boundary. One backbone call per row whatever its samples (FSDP2's
+        per-layer collectives then match across ranks); causal layers never read the padding after a sample."""
+        if mask is None:
+            return self.backbone(input_ids, position_ids, ArborAttention(None, position_ids, None, None))
+        if input_ids.shape[0] != 1:
+            raise ValueError("a recurrent model's packed forward takes one row at a time")
+        m = mask[0, 0]
+        T = m.shape[0]
+        idx = torch.arange(T, device=m.device)
+        start = m.int().argmax(-1)
+        if not bool((m.sum(-1) == idx - start + 1).all()):
+            raise ValueError(
+                f"{self.args.architecture} has recurrent layers, which cannot take a prefix-tree merged row: "
+                "set orchestrator.batching.prefix_merge = false"
+            )
+        sample = torch.cumsum(start == idx, 0) - 1  # each token's sample, in row order
+        offset = idx - start  # its place in the sample
+        n, width = int(sample[-1]) + 1, int(offset.max()) + 1
+        ids = input_ids.new_zeros(n, width).index_put((sample, offset), input_ids[0])
+        pos = torch.arange(width, device=m.device)[None].expand(n, width)
+        hidden = self.backbone(ids, pos, ArborAttention(None, pos, None, None))
+        return hidden[sample, offset][None]
+
+    def init_weights(self, seed: int) -> None:
+        """transformers' own initialisation, drawn from `seed` (same weights in every process that calls it)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.hf.apply(self.hf._init_weights)
+
+    def make_kv_cache(self, num_slots: int, max_len: int) -> SlotCache | TokenCache:
+        """A slot KV cache per attention layer (allocated on a layer's first write, at its own key and value
+        widths); a recurrent model keeps each slot's tokens and recomputes (`TokenCache`)."""
+        p = next(self.parameters())
+        if self.args.recurrent:
+            return TokenCache(num_slots, max_len, p.device)
+        return SlotCache(self.args.num_hidden_layers, num_slots, max_len, p.dtype, p.device)
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(config_json: str, architecture: str) -> nn.Module:
+    args = HFArgs(config=json.loads(config_json), architecture=architecture)
+    with torch.device("meta"):
+        return hf_class(args)(hf_config(args))
+
+
+def _meta(args: HFArgs) -> nn.Module:
+    return _meta_model(json.dumps(args.config, sort_keys=True), args.architecture)
+
+
+def checkpoint_state(state: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
+    """Module names and layouts -> the checkpoint's, by transformers' own conversion tables reversed (identity
+    for most models; per-expert tensors for fused MoE experts). Any subset of the model's tensors maps alone."""
+    return revert_weight_conversion(_meta(args), dict(state))
+
+
+def module_state(state: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors -> the module's names and layouts, by transformers' conversion tables (as
+    `from_pretrained` applies them); tensors no module holds are kept, for the caller's name check to name."""
+    model = _meta(args)
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    if not conversions:
+        return dict(state)
+    own = model.state_dict()
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {k: c for c in converters for k in c.source_patterns}
+    mappings: dict[str, WeightRenaming | WeightConverter] = {}
+    for key, tensor in sorted(state.items(), key=lambda kv: dot_natural_key(kv[0])):
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, own)
+        if target not in own and key in own:
+            target, pattern = key, None
+        if pattern is not None:
+            mapping = mappings.setdefault(target, deepcopy(by_pattern[pattern]))
+        else:
+            mapping = mappings.setdefault(target, WeightRenaming(key, target))
+            pattern = key
+        mapping.add_tensor(target, key, pattern, tensor)
+    out = {}
+    for name, mapping in mappings.items():
+        for target, value in mapping.convert(name, model=model, config=model.config).items():
+            out[target] = value[0] if isinstance(value, list) else value
+    return out

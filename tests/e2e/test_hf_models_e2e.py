@@ -1,0 +1,27 @@
+"""End-to-end `rl` on the transformers path: 3 synchronous RL steps with the local engine for every tiny
+family of tests/hf_tiny.py (checkpoints written locally), trainer and engine agreeing (mismatch KL < 1e-3)."""
+
+from __future__ import annotations
+
+import pytest
+from hf_tiny import TINY_HF, write_tiny
+from test_rl_e2e import _finish, _rl
+
+from arbor.monitor.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("arch", list(TINY_HF))
+def test_three_rl_steps_with_the_local_engine(arch, tmp_path):
+    model = write_tiny(arch, tmp_path / "model")
+    out = tmp_path / "run"
+    rc, stdout, stderr = _finish(
+        _rl(out, "--model.name", str(model), "--max-steps", "3", "--orchestrator.scheduler.mode", "sync"), 480
+    )
+    assert rc == 0, stderr + stdout
+    assert f"model: {arch}: transformers' own modules" in stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch_kl"] < 1e-3, (arch, r["mismatch_kl"])

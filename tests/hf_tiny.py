@@ -1,0 +1,79 @@
+"""Tiny random checkpoints of transformers architectures, written locally (no download) for the transformers
+path's tests: one config per family, small enough that a forward takes milliseconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig
+
+from arbor.models.presets import BYTE_VOCAB
+from arbor.models.tokenizer import ByteTokenizer
+
+_BASE = dict(
+    vocab_size=BYTE_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+
+TINY_HF: dict[str, tuple[str, dict]] = {
+    "LlamaForCausalLM": ("llama", {}),
+    "Qwen2ForCausalLM": ("qwen2", {"tie_word_embeddings": True}),
+    "MistralForCausalLM": ("mistral", {"sliding_window": 5}),
+    "Gemma3ForCausalLM": (
+        "gemma3_text",
+        {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True},
+    ),
+    "Olmo2ForCausalLM": ("olmo2", {}),
+    "Phi3ForCausalLM": ("phi3", {}),
+    "Qwen3_5ForCausalLM": (
+        "qwen3_5_text",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+        },
+    ),
+    "GptOssForCausalLM": (
+        "gpt_oss",
+        {"num_local_experts": 4, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], **_MOE},
+    ),
+    "Glm4MoeForCausalLM": (
+        "glm4_moe",
+        {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **_MOE},
+    ),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", {"num_local_experts": 4, **_MOE}),
+}
+"""architecture -> (model_type, what differs from the shared tiny shape)."""
+
+
+def tiny_config(arch: str) -> transformers.PretrainedConfig:
+    model_type, extra = TINY_HF[arch]
+    config = AutoConfig.for_model(model_type, **{**_BASE, **extra})
+    config.architectures = [arch]
+    return config
+
+
+def write_tiny(arch: str, path: Path, seed: int = 0) -> Path:
+    """A random `arch` checkpoint (fp32, transformers' own initialisation from `seed`) saved at `path`, with arbor's
+    byte tokenizer (its ids are the vocabulary's)."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(tiny_config(arch))
+    model.save_pretrained(path)
+    ByteTokenizer().save(path)
+    return path

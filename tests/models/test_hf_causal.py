@@ -1,0 +1,177 @@
+"""The transformers path (arbor.models.hf_causal): any transformers causal LM behind arbor's model interface.
+
+Over tiny random checkpoints of ten families written locally: the trainer's packed, vocabulary-chunked logprobs
+equal transformers' own forward of each sample alone; the engine's slot-cache decoding equals a full forward;
+what arbor publishes is the checkpoint's own layout, which transformers loads back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+from hf_tiny import TINY_HF, write_tiny
+
+from arbor.config.loader import ConfigError, load_config
+from arbor.config.model import ModelConfig
+from arbor.config.rl import RLConfig
+from arbor.models import build_model
+from arbor.models.family import UnsupportedArchitecture, args_from_dir, choose_family
+from arbor.models.hf import save_checkpoint_dir
+from arbor.trainer.parallel_state import ParallelState
+from arbor.trainer.step import packed_logprobs
+
+CPU = torch.device("cpu")
+LENS = [7, 9, 6]
+PAD = 3
+
+
+FAST = ("LlamaForCausalLM", "Qwen3_5ForCausalLM", "GptOssForCausalLM")
+"""The fast tier's share of the matrix: a plain decoder, a recurrent hybrid, sinks + sliding window + MoE."""
+MATRIX = [arch if arch in FAST else pytest.param(arch, marks=pytest.mark.slow) for arch in TINY_HF]
+
+
+class TinyDirs(dict):
+    """Each family's checkpoint, written on first use."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch: str) -> str:
+        self[arch] = str(write_tiny(arch, self.root / arch))
+        return self[arch]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> TinyDirs:
+    return TinyDirs(tmp_path_factory.mktemp("hf"))
+
+
+def _model(path: str):
+    return build_model(ModelConfig(name=path, tokenizer="byte"))
+
+
+def _reference(arch: str, path: str):
+    return getattr(transformers, arch).from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", MATRIX)
+def test_trainer_logprobs_of_a_packed_row_equal_transformers_per_sample(arch, tiny_dirs):
+    path = tiny_dirs[arch]
+    model, ref = _model(path), _reference(arch, path)
+    assert choose_family(arch)[1].startswith(f"{arch}: transformers' own modules")
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 250, (n,), generator=gen) for n in LENS]
+    ids = torch.cat(samples + [torch.zeros(PAD, dtype=torch.long)])
+    pos = torch.cat([torch.arange(n) for n in LENS] + [torch.zeros(PAD, dtype=torch.long)])
+    lp, _ = packed_logprobs(model, ids, pos, LENS, 1.0, CPU, state=ParallelState(logprob_chunk=16))
+    start = 0
+    with torch.no_grad():
+        for s in samples:
+            want = torch.log_softmax(ref(s[None]).logits[0, :-1].float(), -1).gather(1, s[1:, None])[:, 0]
+            got = lp[start + 1 : start + len(s)]
+            assert (got - want).abs().max() <= 1e-4, (arch, (got - want).abs().max())
+            start += len(s)
+
+
+@pytest.mark.parametrize("arch", MATRIX)
+def test_engine_decoding_through_the_slot_cache_equals_a_full_forward(arch, tiny_dirs):
+    model = _model(tiny_dirs[arch]).eval()
+    cache = model.make_kv_cache(3, 32)
+    prompts = [torch.arange(10, 16), torch.arange(40, 49)]
+    with torch.no_grad():
+        for slot, p in zip((2, 0), prompts):  # prefill each in its own slot
+            model(p[None], torch.arange(len(p))[None], kv_cache=cache, cache_slots=torch.tensor([slot]))
+        seqs = [p.tolist() for p in prompts]
+        for step in range(4):  # batched decode of both slots, rows at different positions
+            nxt = [100 + step, 200 + step]
+            ids = torch.tensor(nxt)[:, None]
+            pos = torch.tensor([[len(s)] for s in seqs])
+            got = model(ids, pos, kv_cache=cache, cache_slots=torch.tensor([2, 0]))[:, -1]
+            for b, s in enumerate(seqs):
+                s.append(nxt[b])
+                want = model(torch.tensor(s)[None])[0, -1]
+                assert (got[b] - want).abs().max() <= 1e-4, (arch, step, (got[b] - want).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "MiniMaxM2ForCausalLM"])
+def test_published_checkpoint_is_the_checkpoints_own_layout_and_loads_back(arch, tiny_dirs, tmp_path):
+    model = _model(tiny_dirs[arch])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    save_checkpoint_dir(model.state_dict(), model.args, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [arch]
+    ids = torch.arange(5, 17)[None]
+    with torch.no_grad():
+        want = model(ids)
+        reloaded = _reference(arch, str(tmp_path))(ids).logits
+        again = _model(str(tmp_path))(ids)
+    assert (reloaded - want).abs().max() <= 1e-5
+    assert (again - want).abs().max() <= 1e-6
+
+
+def test_a_recurrent_model_refuses_a_prefix_tree_row_in_one_line(tiny_dirs):
+    model = _model(tiny_dirs["Qwen3_5ForCausalLM"])
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    mask[3, 2] = False  # token 3 is a sibling of token 2: a tree, not chains
+    with pytest.raises(ValueError, match="prefix-tree merged row: set orchestrator.batching.prefix_merge = false"):
+        model(torch.arange(4)[None], torch.tensor([[0, 1, 2, 2]]), mask[None, None])
+
+
+def test_model_impl_decides_the_path_in_one_place(tiny_dirs):
+    llama = tiny_dirs["LlamaForCausalLM"]
+    assert args_from_dir(llama).impl == "transformers"
+    with pytest.raises(UnsupportedArchitecture, match=r"^model.impl = 'native': .* 'LlamaForCausalLM' checkpoint"):
+        args_from_dir(llama, "native")
+    assert (
+        choose_family("Qwen3ForCausalLM")[1] == "Qwen3ForCausalLM: arbor's native implementation (model.impl = 'auto')"
+    )
+    family, why = choose_family("Qwen3ForCausalLM", "transformers")
+    assert family.args_class.__name__ == "HFArgs" and "model.impl = 'transformers'" in why
+
+
+def test_an_architecture_neither_path_builds_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "x"}))
+    with pytest.raises(UnsupportedArchitecture) as e:
+        args_from_dir(tmp_path)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(f"model.name: {tmp_path} is a 'NoSuchForCausalLM' checkpoint; arbor builds")
+
+
+def test_a_head_arbor_cannot_reproduce_is_refused_in_one_line(tmp_path):
+    config = transformers.Gemma2Config(
+        vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0,
+    )  # fmt: skip
+    config.architectures = ["Gemma2ForCausalLM"]
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match="applies final_logit_softcapping = 30.0 after its head"):
+        _model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "flags, setting",
+    [
+        (["--trainer.parallel.nproc", "2", "--trainer.parallel.ep", "2"], "trainer.parallel.ep > 1"),
+        (["--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2"], "trainer.parallel.cp > 1"),
+        (["--model.router-replay", "true"], "model.router_replay = true"),
+        (["--model.fp8", "block"], 'model.fp8 = "block"'),
+        (["--model.mtp-depth", "1"], "model.mtp_depth > 0"),
+    ],
+)
+def test_what_the_transformers_path_cannot_honour_is_refused_at_config_time(flags, setting, tiny_dirs):
+    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", tiny_dirs["LlamaForCausalLM"], *flags]
+    with pytest.raises(ConfigError, match=re.escape(f"{setting}: LlamaForCausalLM runs on the transformers path")):
+        load_config(RLConfig, argv, env={})
+
+
+def test_a_recurrent_model_with_prefix_merge_is_refused_at_config_time(tiny_dirs):
+    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", tiny_dirs["Qwen3_5ForCausalLM"]]
+    with pytest.raises(ConfigError, match="prefix_merge = true: Qwen3_5ForCausalLM has recurrent layers"):
+        load_config(RLConfig, argv, env={})
+    load_config(RLConfig, argv + ["--orchestrator.batching.prefix-merge", "false"], env={})
