@@ -1,12 +1,17 @@
-"""End-to-end `rl` on the transformers path: 3 synchronous RL steps with the local engine for every tiny
-family of tests/hf_tiny.py (checkpoints written locally), trainer and engine agreeing (mismatch KL < 1e-3)."""
+"""End-to-end `rl` on checkpoints users bring: 3 synchronous RL steps with the local engine for every tiny family
+of tests/hf_tiny.py (checkpoints written locally, `model.impl = "auto"` as users run it: arbor's native family
+where it has one that reads the checkpoint, transformers' modules otherwise), trainer and engine agreeing
+(mismatch KL < 1e-3)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from hf_tiny import TINY_HF, write_tiny
 from test_rl_e2e import _finish, _rl
 
+from arbor.models.family import choose_family
 from arbor.monitor.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -20,7 +25,8 @@ def test_three_rl_steps_with_the_local_engine(arch, tmp_path):
         _rl(out, "--model.name", str(model), "--max-steps", "3", "--orchestrator.scheduler.mode", "sync"), 480
     )
     assert rc == 0, stderr + stdout
-    assert f"model: {arch}: transformers' own modules" in stdout
+    config = json.loads((model / "config.json").read_text())
+    assert f"model: {choose_family(arch, 'auto', str(model), config)[1]}" in stdout  # the path it took, said
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:

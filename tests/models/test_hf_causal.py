@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,9 @@ def tiny_dirs(tmp_path_factory) -> TinyDirs:
 
 
 def _model(path: str):
-    return build_model(ModelConfig(name=path, tokenizer="byte"))
+    """The transformers path's model, also for the families arbor builds natively (tests/models/
+    test_native_families.py compares those with transformers)."""
+    return build_model(ModelConfig(name=path, tokenizer="byte", impl="transformers"))
 
 
 def _reference(arch: str, path: str):
@@ -63,7 +66,7 @@ def _reference(arch: str, path: str):
 def test_trainer_logprobs_of_a_packed_row_equal_transformers_per_sample(arch, tiny_dirs):
     path = tiny_dirs[arch]
     model, ref = _model(path), _reference(arch, path)
-    assert choose_family(arch)[1].startswith(f"{arch}: transformers' own modules")
+    assert choose_family(arch, "transformers")[1].startswith(f"{arch}: transformers' own modules")
     gen = torch.Generator().manual_seed(0)
     samples = [torch.randint(3, 250, (n,), generator=gen) for n in LENS]
     ids = torch.cat(samples + [torch.zeros(PAD, dtype=torch.long)])
@@ -124,10 +127,14 @@ def test_a_recurrent_model_refuses_a_prefix_tree_row_in_one_line(tiny_dirs):
 
 
 def test_model_impl_decides_the_path_in_one_place(tiny_dirs):
+    gemma = tiny_dirs["Gemma3ForCausalLM"]
+    assert args_from_dir(gemma).impl == "transformers"
+    with pytest.raises(UnsupportedArchitecture, match=r"^model.impl = 'native': .* 'Gemma3ForCausalLM' checkpoint"):
+        args_from_dir(gemma, "native")
     llama = tiny_dirs["LlamaForCausalLM"]
-    assert args_from_dir(llama).impl == "transformers"
-    with pytest.raises(UnsupportedArchitecture, match=r"^model.impl = 'native': .* 'LlamaForCausalLM' checkpoint"):
-        args_from_dir(llama, "native")
+    assert args_from_dir(llama).architecture == "LlamaForCausalLM"  # native where arbor has it
+    assert getattr(args_from_dir(llama), "impl", None) is None
+    assert args_from_dir(llama, "transformers").impl == "transformers"
     assert (
         choose_family("Qwen3ForCausalLM")[1] == "Qwen3ForCausalLM: arbor's native implementation (model.impl = 'auto')"
     )
@@ -165,8 +172,8 @@ def test_a_head_arbor_cannot_reproduce_is_refused_in_one_line(tmp_path):
     ],
 )
 def test_what_the_transformers_path_cannot_honour_is_refused_at_config_time(flags, setting, tiny_dirs):
-    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", tiny_dirs["LlamaForCausalLM"], *flags]
-    with pytest.raises(ConfigError, match=re.escape(f"{setting}: LlamaForCausalLM runs on the transformers path")):
+    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", tiny_dirs["Phi3ForCausalLM"], *flags]
+    with pytest.raises(ConfigError, match=re.escape(f"{setting}: Phi3ForCausalLM runs on the transformers path")):
         load_config(RLConfig, argv, env={})
 
 
@@ -175,3 +182,16 @@ def test_a_recurrent_model_with_prefix_merge_is_refused_at_config_time(tiny_dirs
     with pytest.raises(ConfigError, match="prefix_merge = true: Qwen3_5ForCausalLM has recurrent layers"):
         load_config(RLConfig, argv, env={})
     load_config(RLConfig, argv + ["--orchestrator.batching.prefix-merge", "false"], env={})
+
+
+def test_auto_falls_back_to_transformers_where_the_native_family_refuses_a_setting(tiny_dirs):
+    """The tiny Mistral has a 5-token sliding window, which arbor's native Llama-family attention does not
+    implement: "auto" builds it through transformers and says why; "native" refuses it in one line."""
+    mistral = tiny_dirs["MistralForCausalLM"]
+    config = json.loads((Path(mistral) / "config.json").read_text())
+    family, why = choose_family("MistralForCausalLM", "auto", mistral, config)
+    assert family.args_class.__name__ == "HFArgs"
+    assert "native family refuses this checkpoint: sliding_window = 5" in why and "\n" not in why
+    assert args_from_dir(mistral).impl == "transformers"
+    with pytest.raises(ValueError, match="sliding_window = 5"):
+        args_from_dir(mistral, "native")

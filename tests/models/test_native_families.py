@@ -155,13 +155,15 @@ def test_router_replay_reproduces_the_recorded_routes(name):
 
 
 def test_rope_types_arbor_lacks_and_sliding_windows_are_refused_in_one_line(tmp_path):
+    """By the native families (`model.impl = "native"`; "auto" builds such checkpoints on the transformers path,
+    tests/models/test_hf_causal.py)."""
     config = transformers.LlamaConfig(**SMALL, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0))
     config.save_pretrained(str(tmp_path / "dynamic"))
     with pytest.raises(ValueError, match=r"^rope_type 'dynamic': arbor implements default, linear, llama3, yarn$"):
-        ModelArgs.from_dir(tmp_path / "dynamic")
+        ModelArgs.from_dir(tmp_path / "dynamic", "native")
     transformers.MistralConfig(**SMALL, sliding_window=64).save_pretrained(str(tmp_path / "window"))
     with pytest.raises(ValueError, match=r"^sliding_window = 64: arbor's native MistralForCausalLM attends"):
-        ModelArgs.from_dir(tmp_path / "window")
+        ModelArgs.from_dir(tmp_path / "window", "native")
     raw = json.loads((tmp_path / "window" / "config.json").read_text())
     with pytest.raises(ValueError, match=r"^hidden_act 'gelu': arbor's decoders implement silu \(SwiGLU\)$"):
         ModelArgs.from_hf_config({**raw, "hidden_act": "gelu"})

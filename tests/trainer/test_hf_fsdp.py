@@ -41,7 +41,7 @@ def _fsdp_worker(rank: int, world: int, dirs: dict[str, str]) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     for arch, path in dirs.items():
-        ref = build_model(ModelConfig(name=path, tokenizer="byte"))
+        ref = build_model(ModelConfig(name=path, tokenizer="byte", impl="transformers"))
         model = copy.deepcopy(ref)
         want = [_loss(ref, r) for r in range(world)]
         (sum(loss for _, loss in want) / world).backward()  # FSDP2 averages gradients over ranks

@@ -131,7 +131,8 @@ def model_path_line(model: ModelConfig) -> str | None:
         return None
     path = resolve_dir(model.name)
     try:
-        return f"model: {choose_family(architecture_of(read_config(path)), model.impl, str(path))[1]}"
+        config = read_config(path)
+        return f"model: {choose_family(architecture_of(config), model.impl, str(path), config)[1]}"
     except UnsupportedArchitecture as e:
         raise PreflightError(str(e)) from None
 

@@ -89,15 +89,24 @@ def family_for(arch: str, source: str = "the model") -> ModelFamily:
     return MODEL_FAMILIES.load(arch)
 
 
-def choose_family(arch: str, impl: str = "auto", source: str = "the model") -> tuple[ModelFamily, str]:
+def choose_family(
+    arch: str, impl: str = "auto", source: str = "the model", config: dict[str, Any] | None = None
+) -> tuple[ModelFamily, str]:
     """The one place that decides which path builds a checkpoint of architecture `arch` under `model.impl`:
-    (family, one line saying which path and why). An architecture neither path builds is an
+    (family, one line saying which path and why). With the checkpoint's `config`, "auto" also falls back to
+    transformers where the native family refuses a setting of it (a sliding window, say) and transformers builds
+    the class; "native" keeps the native family's one-line refusal. An architecture neither path builds is an
     `UnsupportedArchitecture` in one line naming `model.name`."""
     if impl not in IMPLS:
         raise ValueError(f"model.impl: {impl!r} is not one of {', '.join(IMPLS)}")
     native = arch in MODEL_FAMILIES.members
     if impl != "transformers" and native:
-        return MODEL_FAMILIES.load(arch), f"{arch}: arbor's native implementation (model.impl = {impl!r})"
+        family = MODEL_FAMILIES.load(arch)
+        refusal = _native_refusal(family, arch, config) if impl == "auto" else None
+        if refusal is None or not transformers_builds(arch):
+            return family, f"{arch}: arbor's native implementation (model.impl = {impl!r})"
+        why = f"arbor's native family refuses this checkpoint: {refusal}; model.impl = 'auto'"
+        return load_object(TRANSFORMERS_FAMILY), f"{arch}: transformers' own modules ({why})"
     if impl == "native":
         raise UnsupportedArchitecture(
             f"model.impl = 'native': {source} is a {arch!r} checkpoint and arbor's native families are "
@@ -107,6 +116,17 @@ def choose_family(arch: str, impl: str = "auto", source: str = "the model") -> t
         raise _refusal(arch, source, f" ({transformers_version()} has no class {arch!r})")
     why = "model.impl = 'transformers'" if impl == "transformers" else "no native family (model.impl = 'auto')"
     return load_object(TRANSFORMERS_FAMILY), f"{arch}: transformers' own modules ({why})"
+
+
+def _native_refusal(family: ModelFamily, arch: str, config: dict[str, Any] | None) -> str | None:
+    """Why `family` cannot read `config` (its one-line ValueError), or None when it can or no config is given."""
+    if config is None:
+        return None
+    try:
+        family.from_hf_config({**config, "architectures": [arch]})
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def transformers_builds(arch: str) -> bool:
@@ -149,7 +169,7 @@ def architecture_of(config: dict[str, Any]) -> str:
 def args_from_config(config: dict[str, Any], source: str = "the model", impl: str = "auto") -> Any:
     """A `config.json`'s contents read by the family `choose_family` picks for it."""
     arch = architecture_of(config)
-    return choose_family(arch, impl, source)[0].from_hf_config({**config, "architectures": [arch]})
+    return choose_family(arch, impl, source, config)[0].from_hf_config({**config, "architectures": [arch]})
 
 
 def args_from_dir(path: str | Path, impl: str = "auto") -> Any:
