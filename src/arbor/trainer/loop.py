@@ -23,7 +23,15 @@ from arbor.config.trainer import TrainerConfig
 from arbor.models import build_model, build_tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.monitor.metrics import RunClock
-from arbor.run_dir import latest_checkpoint, prune_rollouts, stopped_path, trainer_metrics_path, write_text_atomic
+from arbor.run_dir import (
+    damaged_checkpoints,
+    latest_checkpoint,
+    prune_rollouts,
+    room_for,
+    stopped_path,
+    trainer_metrics_path,
+    write_text_atomic,
+)
 from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
@@ -104,6 +112,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
             publish(model, start)
             log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
     clock = RunClock(cfg.output_dir, start)
+    damaged = damaged_checkpoints(cfg.output_dir) if rank == 0 else 0  # steps a resume set aside, this run
     if rank == 0:
         stopped_path(cfg.output_dir).unlink(missing_ok=True)  # an earlier attempt's stop is not this one's
     last_checkpoint_seconds = 0.0  # reported once, with the step after the checkpoint
@@ -159,6 +168,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
+                "ckpt/damaged": damaged,
                 **weight_figures,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
                 **stamp,
@@ -253,8 +263,9 @@ class Publisher:
 def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:
     path = trainer_metrics_path(output_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    with room_for(path, len(line)), open(path, "a") as f:
+        f.write(line)
         f.flush()
 
 
