@@ -48,6 +48,9 @@ class DiskFullError(OSError):
     Every process stops on it with that line (exit status `DISK_FULL_EXIT`); `--resume` continues once there
     is room again."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 DISK_FULL_EXIT = 28
 """Exit status of a process stopped by a full disk (ENOSPC's number)."""
@@ -77,8 +80,10 @@ def is_disk_full(error: BaseException | None) -> bool:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
             return True
-        wrapped = getattr(error, "failures", None)  # torch.distributed.checkpoint's per-rank exceptions
-        if isinstance(wrapped, dict) and any(is_disk_full(e) for e in wrapped.values()):
+        wrapped = getattr(error, "failures", None)  # torch.distributed.checkpoint's per rank: (exception, traceback)
+        if isinstance(wrapped, dict) and any(
+            is_disk_full(w[0] if isinstance(w, tuple) else w) for w in wrapped.values()
+        ):
             return True
         error = error.__cause__ or error.__context__
     return False

@@ -56,7 +56,7 @@ def save_checkpoint(
         if rank == 0:
             write_manifest(path)
             write_text_atomic(path / DONE, str(step))  # last: a step without it is never resumed from
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         if is_disk_full(e):
             raise disk_full(path, _nbytes(state)) from None
         raise
@@ -96,19 +96,24 @@ def verify_checkpoint(output_dir: str | Path, step: int) -> None:
         raise CheckpointDamaged(f"checkpoint step {step} is damaged: {found}")
 
 
-def load_checkpoint(output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed)."""
+def load_checkpoint(
+    output_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, verify: bool = True
+) -> None:
+    """Collective: loads the state saved for `step` into `model` and `optimizer` (resharding as needed), after
+    `verify_checkpoint` unless the caller has just done so (`verify` False)."""
     import torch.distributed.checkpoint as dcp  # at the first checkpoint, see above
+    from torch.distributed.checkpoint.api import CheckpointException  # see above
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # see above
 
     path = checkpoint_dir(output_dir, step)
     if not (path / DONE).exists():
         raise FileNotFoundError(f"trainer checkpoint {path} is incomplete (no {DONE} marker)")
-    verify_checkpoint(output_dir, step)
+    if verify:
+        verify_checkpoint(output_dir, step)
     state = _state(model, optimizer, -1)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # e.g. a shard the manifest agrees with that DCP cannot read: name the step, one line
+    except (Exception, CheckpointException) as e:  # a shard DCP cannot read (its error is a BaseException)
         reason = " ".join(str(e).split())[:300]
         raise CheckpointDamaged(f"checkpoint step {step} ({path}) could not be read: {reason}") from None
 
