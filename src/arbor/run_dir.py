@@ -1,6 +1,7 @@
 """The run directory: the one module that knows the layout of `<output_dir>`.
 
-    checkpoints/step_N/trainer/        trainer state after N optimizer steps (`DONE` written last)
+    checkpoints/step_N/trainer/        trainer state after N optimizer steps (`manifest.json`, then `DONE` last)
+    checkpoints/step_N.damaged/        a step a resume found damaged, kept aside (`set_aside`)
     checkpoints/step_N/orchestrator.json   the orchestrator's resumable state for step N
     broadcasts/step_N/                 published policy weights (`STABLE` written last)
     rollouts/step_N/rank_R.safetensors the batch of step N for trainer rank R
@@ -11,8 +12,9 @@
 Trainer, orchestrator, inference and launcher find every file through this module, never by importing each
 other or spelling a path themselves. It also holds the atomic writes (temporary name, fsync, rename: a reader
 never sees half a file), the step listings (complete checkpoints, published weights, rollout steps) and their
-retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`), and how often a
-process looks for a file another one writes (`poll_interval`). Light on
+retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`), how often a
+process looks for a file another one writes (`poll_interval`), and what a full disk is (`DiskFullError`: one line
+naming the path and the size needed). Light on
 purpose (standard library only): the launcher and the orchestrator import it before anything heavy.
 """
 
