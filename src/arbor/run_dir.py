@@ -1,6 +1,7 @@
 """The run directory: the one module that knows the layout of `<output_dir>`.
 
-    checkpoints/step_N/trainer/        trainer state after N optimizer steps (`DONE` written last)
+    checkpoints/step_N/trainer/        trainer state after N optimizer steps (`manifest.json`, then `DONE` last)
+    checkpoints/step_N.damaged/        a step a resume found damaged, kept aside (`set_aside`)
     checkpoints/step_N/orchestrator.json   the orchestrator's resumable state for step N
     broadcasts/step_N/                 published policy weights (`STABLE` written last)
     rollouts/step_N/rank_R.safetensors the batch of step N for trainer rank R
@@ -11,17 +12,20 @@
 Trainer, orchestrator, inference and launcher find every file through this module, never by importing each
 other or spelling a path themselves. It also holds the atomic writes (temporary name, fsync, rename: a reader
 never sees half a file), the step listings (complete checkpoints, published weights, rollout steps) and their
-retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`), and how often a
-process looks for a file another one writes (`poll_interval`). Light on
+retention (`prune_checkpoints`, `prune_orchestrator_states`, `prune_published`, `prune_rollouts`), how often a
+process looks for a file another one writes (`poll_interval`), and what a full disk is (`DiskFullError`: one line
+naming the path and the size needed). Light on
 purpose (standard library only): the launcher and the orchestrator import it before anything heavy.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 DONE = "DONE"
@@ -32,8 +36,84 @@ ORCHESTRATOR_STATE = "orchestrator.json"
 POLL_MIN, POLL_MAX, POLL_SHARE = 0.002, 0.05, 0.1
 """Bounds (seconds) and share of the wait so far of `poll_interval`."""
 _STEP = re.compile(r"^step_(\d+)$")
+DAMAGED = ".damaged"
+"""Suffix of a checkpoint step directory that failed verification, kept aside (`set_aside`), never deleted."""
 
 PathLike = str | Path
+
+
+# ---- a full disk ----
+
+
+class DiskFullError(OSError):
+    """A write failed for lack of space (ENOSPC); the message is one line naming the path and the size needed.
+    Every process stops on it with that line (exit status `DISK_FULL_EXIT`); `--resume` continues once there
+    is room again."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+DISK_FULL_EXIT = 28
+"""Exit status of a process stopped by a full disk (ENOSPC's number)."""
+STOP_PREFIX = "arbor stop: "
+"""Starts the one line a process prints when it stops on a full disk or a damaged checkpoint; `rl` shows that
+line instead of the log's tail."""
+
+
+def stop_line(error: BaseException) -> str:
+    """The one line a process prints when it stops on `error` (a full disk, a damaged checkpoint)."""
+    return STOP_PREFIX + " ".join(str(error).split())
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes in the unit that fits: B, KiB, MiB, GiB or TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from (or wraps, as DCP's CheckpointException does), is ENOSPC."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        wrapped = getattr(error, "failures", None)  # torch.distributed.checkpoint's per rank: (exception, traceback)
+        if isinstance(wrapped, dict) and any(
+            is_disk_full(w[0] if isinstance(w, tuple) else w) for w in wrapped.values()
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def disk_full(path: PathLike, needed: int) -> DiskFullError:
+    """The one-line error for a write of `needed` bytes to `path` that found no room."""
+    try:
+        free = f"{format_bytes(shutil.disk_usage(Path(path).parent).free)} free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError(
+        errno.ENOSPC,
+        f"disk full: writing {path} needed {format_bytes(needed)} ({free}); free space, then continue with --resume",
+    )
+
+
+@contextmanager
+def room_for(path: PathLike, needed: int) -> Iterator[None]:
+    """Turns an ENOSPC raised inside into `disk_full(path, needed)`."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if is_disk_full(e):
+            raise disk_full(path, needed) from None
+        raise
 
 
 # ---- atomic writes ----
@@ -54,12 +134,17 @@ def write_atomic(path: Path, write: Callable[[Path], object], fsync: bool = True
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(path, tmp.stat().st_size if tmp.exists() else 0) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: Path, text: str, fsync: bool = True) -> None:
-    write_atomic(path, lambda tmp: tmp.write_text(text), fsync)
+    with room_for(path, len(text.encode())):
+        write_atomic(path, lambda tmp: tmp.write_text(text), fsync)
 
 
 # ---- paths ----
@@ -224,6 +309,23 @@ def completed_checkpoints(output_dir: PathLike) -> list[int]:
     return _steps(checkpoints_root(output_dir), lambda p: (p / "trainer" / DONE).exists())
 
 
+def set_aside(output_dir: PathLike, step: int) -> Path:
+    """Renames `checkpoints/step_N/` to `step_N.damaged/` (`.damaged.2/`, ... if taken); returns the new path."""
+    src = checkpoint_step_dir(output_dir, step)
+    dst, k = src.with_name(src.name + DAMAGED), 1
+    while dst.exists():
+        k += 1
+        dst = src.with_name(f"{src.name}{DAMAGED}.{k}")
+    src.rename(dst)
+    return dst
+
+
+def damaged_checkpoints(output_dir: PathLike) -> int:
+    """How many checkpoint steps of this run were set aside as damaged (`set_aside`)."""
+    root = checkpoints_root(output_dir)
+    return sum(1 for p in root.iterdir() if DAMAGED in p.name) if root.is_dir() else 0
+
+
 def latest_checkpoint(output_dir: PathLike) -> int | None:
     """The newest step with a complete trainer checkpoint, or None."""
     steps = completed_checkpoints(output_dir)
@@ -295,15 +397,14 @@ def prune_rollouts(output_dir: PathLike, keep: int, trained: int) -> None:
             shutil.rmtree(rollout_step_dir(output_dir, step), ignore_errors=True)
 
 
-def clear_after(output_dir: PathLike, start: int, keep_published_start: bool) -> None:
+def clear_after(output_dir: PathLike, start: int) -> None:
     """Removes what an earlier attempt left past `start`, where a run (re)starts: rollouts of steps >= `start`,
-    published weights of steps > `start` (and `start`'s own unless `keep_published_start`), heartbeats,
-    whose pids may now belong to someone else and must never be signalled, and an earlier `stopped.json`."""
+    every published version (a resume never trusts `broadcasts/`: the trainer republishes `start` from its
+    verified checkpoint), heartbeats, whose pids may now belong to someone else and must never be signalled, and
+    an earlier `stopped.json`."""
     for step in rollout_steps(output_dir):
         if step >= start:
             shutil.rmtree(rollout_step_dir(output_dir, step))
-    for step in published_steps(output_dir):
-        if step > start or not keep_published_start:
-            shutil.rmtree(broadcast_dir(output_dir, step))
+    shutil.rmtree(broadcasts_root(output_dir), ignore_errors=True)
     shutil.rmtree(heartbeats_dir(output_dir), ignore_errors=True)
     stopped_path(output_dir).unlink(missing_ok=True)  # the stop of an earlier attempt is not this one's

@@ -19,6 +19,7 @@ SCORED = {"benchmark", "value", "target", "ok"}
 
 EXPECTED: dict[str, set[str]] = {
     "async_vs_sync": SCORED | {"sync_wall_s", "async_wall_s", "sync_reward", "async_reward", "cpu_ceiling"},
+    "ckpt_verify": SCORED | {"verify_s_per_gib_1_thread", "read_s_per_gib", "manifest_s_per_gib"},
     "cp_memory": SCORED | {"growth", "peak_bytes"},
     "code_sandbox": SCORED | {"median_latency_s", "hostile_wall_s", "isolation"},
     "dsa": SCORED | {"growth", "ms", "dense_over_dsa_at_4k_fwd_bwd"},

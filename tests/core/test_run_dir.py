@@ -105,12 +105,12 @@ def test_clear_after_removes_what_a_restart_redoes(tmp_path):
         _publish(tmp_path, step)
     run_dir.heartbeats_dir(tmp_path).mkdir()
     (run_dir.heartbeats_dir(tmp_path) / "trainer_rank0").write_text("{}")
-    run_dir.clear_after(tmp_path, 1, keep_published_start=True)
+    run_dir.clear_after(tmp_path, 1)
     assert run_dir.rollout_steps(tmp_path) == [0]
-    assert run_dir.published_steps(tmp_path) == [0, 1]  # a resume at 1 keeps the weights it resumes from
+    assert run_dir.published_steps(tmp_path) == []  # never trusted: the trainer republishes from its checkpoint
     assert not run_dir.heartbeats_dir(tmp_path).exists()
-    run_dir.clear_after(tmp_path, 0, keep_published_start=False)
-    assert run_dir.rollout_steps(tmp_path) == [] and run_dir.published_steps(tmp_path) == []
+    run_dir.clear_after(tmp_path, 0)
+    assert run_dir.rollout_steps(tmp_path) == []
 
 
 @pytest.mark.slow

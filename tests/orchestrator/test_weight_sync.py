@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from arbor import run_dir
+from arbor.checkpoint_manifest import stop_cleanly
 from arbor.orchestrator import weight_sync as weights
+from arbor.orchestrator.client import InferenceError
 from arbor.orchestrator.weight_sync import WeightSync
 
 
@@ -50,3 +52,55 @@ def test_the_fleet_loads_each_new_version_and_an_idle_watch_looks_rarely(tmp_pat
     assert 20 <= idle_looks <= 80
     assert [v for _, v in client.loaded] == [1, 3] and sync.loaded_version == 3 and sync.updates == 2
     assert all(path == str(run_dir.broadcast_dir(tmp_path, v).resolve()) for path, v in client.loaded)
+
+
+class RefusingClient(FakeClient):
+    """Refuses the first `refusals` updates as a server refuses weights whose checksum fails the manifest."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    async def update_weights(self, path: str, version: int) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise InferenceError(
+                f"{path}/model.safetensors: crc32 1a2b3c4d... does not match the manifest (9f8e7d6c...): "
+                "the copy is corrupted or incomplete",
+                status=400,
+            )
+        await super().update_weights(path, version)
+
+
+def _refused(tmp_path, refusals: int) -> tuple[RefusingClient, WeightSync, BaseException | None]:
+    async def scenario():
+        client = RefusingClient(refusals)
+        sync = WeightSync(client, tmp_path, loaded_version=0)
+        watching = asyncio.create_task(sync.run())
+        _publish(tmp_path, 1)
+        try:
+            await sync.ensure(1, timeout=10)
+        except Exception as e:  # noqa: BLE001 - returned for the test to look at
+            return client, sync, e
+        finally:
+            watching.cancel()
+        return client, sync, None
+
+    return asyncio.run(scenario())
+
+
+def test_a_refused_update_is_retried_once(tmp_path):
+    client, sync, error = _refused(tmp_path, refusals=1)
+    assert error is None and [v for _, v in client.loaded] == [1] and sync.loaded_version == 1
+
+
+def test_an_update_refused_twice_stops_in_one_line_naming_the_file_and_checksum(tmp_path, capsys):
+    _, _, error = _refused(tmp_path, refusals=2)
+
+    def orchestrator() -> int:
+        raise error
+
+    assert stop_cleanly(orchestrator) == 1
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith(run_dir.STOP_PREFIX + "weight update 1 refused twice: ")
+    assert "model.safetensors: crc32 1a2b3c4d" in line and "does not match the manifest" in line

@@ -167,6 +167,11 @@ class CheckpointConfig(Config):
     """Save trainer state every this many steps (and at the last step)."""
     keep: Int = Field(2, ge=1)
     """Checkpoints to retain."""
+    on_damage: Literal["previous", "fail"] = "previous"
+    """What a resume does with a checkpoint that fails verification (a checksum or size against its manifest, a
+    missing file, a damaged orchestrator state): "previous" says so in one line, moves the step aside to
+    `checkpoints/step_N.damaged/` (kept, never deleted; counted as `ckpt/damaged`) and resumes from the newest
+    intact one; "fail" stops the resume on that line."""
 
 
 class TrainerConfig(Config):

@@ -45,6 +45,7 @@ from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import Tokenizer, tokenizer_has_template
 from arbor.registry import ENVIRONMENTS
+from arbor.run_dir import format_bytes
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Config values that name a trainer backend -> the module it needs (a key named `backend` or ending in `_backend`);
@@ -156,7 +157,8 @@ def check_output_dir(cfg: RLConfig, disk: bool = True) -> None:
     free = shutil.disk_usage(out).free
     if free < need:
         raise PreflightError(
-            f"output_dir {out} has {_gb(free)} free but the run keeps up to {_gb(need)} (trainer.ckpt.keep = "
+            f"output_dir {out} has {format_bytes(free)} free but the run keeps up to {format_bytes(need)} "
+            f"(trainer.ckpt.keep = "
             f"{cfg.trainer.ckpt.keep} checkpoints, trainer.keep_broadcasts = {cfg.trainer.keep_broadcasts}): "
             f"free space or lower them"
         )
@@ -465,7 +467,3 @@ def _importable(module: str) -> bool:
 
 def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"

@@ -13,10 +13,16 @@ import time
 from pathlib import Path
 
 from arbor.orphans import die_with_parent
+from arbor.run_dir import STOP_PREFIX
 
 
 class ChildFailed(RuntimeError):
-    """A child process died where the run cannot go on without it (the launcher's error line)."""
+    """A child process died where the run cannot go on without it (the launcher's error line); `exit_code` is
+    what `rl` exits with (1, or `DISK_FULL_EXIT` when a full disk stopped it)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Child:
@@ -81,6 +87,15 @@ class Supervisor:
             c.proc.wait()
             c.poll()
             c.close()
+
+
+def stop_reason(path: Path) -> str | None:
+    """The one line (`arbor.run_dir.stop_line`) a process printed when a full disk or a damaged checkpoint
+    stopped it, without its prefix; None when it printed none."""
+    if not path.exists():
+        return None
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.startswith(STOP_PREFIX)]
+    return lines[-1][len(STOP_PREFIX) :] if lines else None
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from tomli_w import dumps
 
 from arbor import run_dir
+from arbor.checkpoint_manifest import CheckpointDamaged, resume_step
 from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
 from arbor.config.fleet import FleetConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
@@ -28,7 +29,7 @@ from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import model_path_line, run_checks
-from arbor.launch.process import ChildFailed, Supervisor, tail
+from arbor.launch.process import ChildFailed, Supervisor, stop_reason, tail
 from arbor.launch.servers import RESTART_BACKOFF, Servers, healthy
 from arbor.launch.slurm import submit
 from arbor.launch.watchdog import Watchdog
@@ -118,15 +119,20 @@ def write_configs(cfg: RLConfig) -> Path:
 
 
 def prepare_run_dir(cfg: RLConfig) -> int:
-    """Returns the step the run starts at; clears what a previous attempt left past that step."""
+    """Returns the step the run starts at: on a resume the newest checkpoint that verifies (a damaged newer one is
+    said in one line and set aside, or refused with `ckpt.on_damage = "fail"`: CheckpointDamaged). Clears what a
+    previous attempt left past that step, every published version included (the trainer republishes it)."""
     out = cfg.output_dir
     latest = run_dir.latest_checkpoint(out)
     if not cfg.resume and latest is not None:
         raise ConfigError(
             f"output_dir {out} holds checkpoints of an earlier run: pass --resume, or choose another --output-dir"
         )
-    start = (latest if cfg.resume else None) or 0
-    run_dir.clear_after(out, start, keep_published_start=cfg.resume)
+    start = 0
+    if cfg.resume:
+        say = lambda line: print(f"rl: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        start = resume_step(out, cfg.trainer.ckpt.on_damage, orchestrator=True, say=say) or 0
+    run_dir.clear_after(out, start)
     for path in run_dir.all_metrics_paths(out):
         truncate_jsonl(path, start)
     return start
@@ -320,6 +326,10 @@ def check_children(
         if group is not None:
             group.on_death(name, rc, console.say if console is not None else None)
             continue
+        stopped = stop_reason(child.log_path)  # a full disk or a damaged checkpoint: its one line is the error
+        if stopped is not None:
+            code = run_dir.DISK_FULL_EXIT if stopped.startswith("disk full") else 1
+            raise ChildFailed(f"{name} stopped: {stopped}", exit_code=code)
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
     for group in servers:
         group.check_liveness(console.say if console is not None else None)
@@ -334,7 +344,11 @@ def record_timings(output_dir: Path, sup: Supervisor) -> None:
 
 def run(cfg: RLConfig, note: str | None = None) -> int:
     """Runs the resolved config; `note` (the core split, arbor.launch.cores) is printed after the first line."""
-    start = prepare_run_dir(cfg)
+    try:
+        start = prepare_run_dir(cfg)
+    except CheckpointDamaged as e:  # ckpt.on_damage = "fail"
+        print(f"rl: error: {e}", file=sys.stderr, flush=True)
+        return 2
     conf = run_dir.configs_dir(cfg.output_dir)
     sup = Supervisor(run_dir.logs_dir(cfg.output_dir), child_env())
     console = Console(cfg.output_dir, cfg.max_steps, start, cfg.sft.steps)
@@ -396,7 +410,10 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
             )
         console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
         return 0
-    except (ChildFailed, ConfigError) as e:  # ConfigError: the fleet refused the run
+    except ChildFailed as e:
+        console.say(f"rl: error: {e}", err=True)
+        return e.exit_code
+    except ConfigError as e:  # the fleet refused the run
         console.say(f"rl: error: {e}", err=True)
         return 1
     except Stalled as e:

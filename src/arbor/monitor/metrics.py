@@ -24,15 +24,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arbor.run_dir import metrics_path, orchestrator_metrics_path, trainer_metrics_path
+from arbor.run_dir import metrics_path, orchestrator_metrics_path, room_for, trainer_metrics_path, write_text_atomic
 
 log = logging.getLogger("arbor.monitor")
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Appends one line; a full disk is a DiskFullError naming `path` (a torn last line is skipped by
+    `read_jsonl` and dropped by a resume's `truncate_jsonl`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+    line = json.dumps({k: _clean(v) for k, v in row.items()}) + "\n"
+    with room_for(path, len(line)), open(path, "a") as f:
+        f.write(line)
         f.flush()
 
 
@@ -58,9 +61,7 @@ def truncate_jsonl(path: str | Path, below_step: int) -> None:
     if not p.exists():
         return
     keep = [r for r in read_jsonl(p) if r.get("step", -1) < below_step]
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, p)
+    write_text_atomic(p, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _clean(value: Any) -> Any:

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from arbor import runloop
+from arbor.checkpoint_manifest import stop_cleanly
 from arbor.config.loader import load_config, main_guard
 from arbor.config.orchestrator import OrchestratorConfig
 from arbor.environments import load_environment
@@ -338,9 +339,10 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(OrchestratorConfig, argv, prog="orchestrator")
     setup_logging(cfg.log_level)
-    runloop.run(Orchestrator(cfg).run(), threads=cfg.environment.threads)
+    # a full disk or a damaged state: one line, no traceback (arbor.checkpoint_manifest.stop_cleanly)
+    code = stop_cleanly(lambda: runloop.run(Orchestrator(cfg).run(), threads=cfg.environment.threads) or 0)
     runloop.exit_if_stuck()  # an environment call that never returned must not keep the run from ending
-    return 0
+    return code
 
 
 if __name__ == "__main__":

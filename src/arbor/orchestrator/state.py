@@ -6,17 +6,18 @@ so it sits beside the trainer checkpoint taken after N optimizer steps and alway
 does (the trainer cannot take step N-1 before its batch exists). A resume from trainer checkpoint N restores exactly the
 dataset position that
 produced batch N the first time, plus the tasks that were launched but not yet trained (`pending`, relaunched
-first), so no task is skipped or repeated.
+first), so no task is skipped or repeated. The file carries its own CRC-32 (arbor.checkpoint_manifest.seal_state):
+a resume that finds it damaged falls back to an older checkpoint rather than start from a wrong position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 from typing import Any
 
+from arbor.checkpoint_manifest import open_state, seal_state
 from arbor.run_dir import orchestrator_state_path, write_text_atomic
 
 
@@ -57,11 +58,9 @@ class TaskSampler:
 
 
 def save_state(output_dir: str | Path, state: OrchestratorState) -> None:
-    write_text_atomic(orchestrator_state_path(output_dir, state.step), json.dumps(dataclasses.asdict(state)))
+    write_text_atomic(orchestrator_state_path(output_dir, state.step), seal_state(dataclasses.asdict(state)))
 
 
 def load_state(output_dir: str | Path, step: int) -> OrchestratorState:
-    path = orchestrator_state_path(output_dir, step)
-    if not path.exists():
-        raise FileNotFoundError(f"cannot resume at step {step}: {path} is missing")
-    return OrchestratorState(**json.loads(path.read_text()))
+    """The state saved for `step`; CheckpointDamaged (one line naming the file) when it is missing or damaged."""
+    return OrchestratorState(**open_state(orchestrator_state_path(output_dir, step)))

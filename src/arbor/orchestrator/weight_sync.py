@@ -13,6 +13,10 @@ A server that was unreachable (a restarted process) is brought back to the polic
 serves again (`catch_up`, the client's recovery hook): the same version is loaded on it alone, or the newest
 published one when that directory was pruned meanwhile. Where that cannot be done (an NCCL transfer cannot be
 replayed to a late receiver) the server serves its own weights until the next update, and says so per token.
+
+A version the fleet refuses (a checksum that does not match its manifest) is asked for once more; refused twice,
+the orchestrator stops on one line naming the file and the checksums (`WeightUpdateRefused`), and `--resume` (or
+`max_restarts`) republishes the weights from the trainer's verified checkpoint.
 """
 
 from __future__ import annotations
@@ -24,10 +28,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.run_dir import broadcast_dir, latest_published, poll_interval, published_steps
 
 log = logging.getLogger("arbor.orchestrator.weight_sync")
+
+
+class WeightUpdateRefused(CheckpointDamaged):
+    """The fleet refused a published version twice (its checksums do not match its manifest, typically): one
+    line naming the file and the checksums, on which the orchestrator stops; a resume republishes from the
+    trainer's verified checkpoint."""
 
 
 class WeightSync:
@@ -62,11 +73,14 @@ class WeightSync:
             self._changed.set()
 
     def check(self) -> None:
+        if isinstance(self.error, WeightUpdateRefused):  # one line (arbor.checkpoint_manifest.stop_cleanly)
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"weight update failed: {self.error}") from self.error
 
     async def _watch(self) -> None:
         since = time.monotonic()  # when the newest version was loaded: the poll interval grows from there
+        refused: set[int] = set()  # versions the fleet refused once
         while True:
             newest = latest_published(self.output_dir)
             if newest is not None and newest > self.loaded_version:
@@ -80,11 +94,15 @@ class WeightSync:
                         await self.client.load_adapter(self.lora_name, path, newest)
                     else:
                         await self.client.update_weights(path, newest)
-                except InferenceError:
+                except InferenceError as e:
                     # The directory may have been pruned after a newer one appeared; retry with the newest.
                     if (latest_published(self.output_dir) or -1) > newest:
                         continue
-                    raise
+                    if newest not in refused:  # a torn read (a network filesystem): once more
+                        refused.add(newest)
+                        log.warning("weight update %d refused (%s); retrying it once", newest, e)
+                        continue
+                    raise WeightUpdateRefused(f"weight update {newest} refused twice: {' '.join(str(e).split())}")
                 finally:
                     if self.resume_generation is not None:
                         self.resume_generation(paused)

@@ -18,13 +18,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.config.loader import ConfigError
 from arbor.config.trainer import TrainerConfig
 from arbor.models import build_model, build_tokenizer
 from arbor.monitor.heartbeat import beat
 from arbor.monitor.metrics import RunClock
-from arbor.run_dir import latest_checkpoint, prune_rollouts, stopped_path, trainer_metrics_path, write_text_atomic
-from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint
+from arbor.run_dir import (
+    damaged_checkpoints,
+    latest_checkpoint,
+    prune_rollouts,
+    room_for,
+    set_aside,
+    stopped_path,
+    trainer_metrics_path,
+    write_text_atomic,
+)
+from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
@@ -94,16 +104,12 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     reference, ref_state = build_reference(cfg, device, dims) or (None, UNPREPARED)
     tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
     publish = Publisher(cfg, tokenizer, device)
-    start = 0
-    if cfg.resume:
-        found = [latest_checkpoint(cfg.output_dir) if rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)  # every rank must load the same step
-        if found[0] is not None:
-            start = found[0]
-            load_checkpoint(cfg.output_dir, start, model, optimizer)
-            publish(model, start)
-            log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
+    start = resume(cfg, model, optimizer) if cfg.resume else 0
+    if start:
+        publish(model, start)  # the fleet's weights come from the verified checkpoint, never from broadcasts/
+        log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
     clock = RunClock(cfg.output_dir, start)
+    damaged = damaged_checkpoints(cfg.output_dir) if rank == 0 else 0  # steps a resume set aside, this run
     if rank == 0:
         stopped_path(cfg.output_dir).unlink(missing_ok=True)  # an earlier attempt's stop is not this one's
     last_checkpoint_seconds = 0.0  # reported once, with the step after the checkpoint
@@ -159,6 +165,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/compute": t2 - t1,
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
+                "ckpt/damaged": damaged,
                 **weight_figures,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
                 **stamp,
@@ -177,6 +184,30 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         if out_of_time:
             stop_for_time(cfg, rank, step + 1, clock)
             return
+
+
+def resume(cfg: TrainerConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Collective: loads the newest checkpoint that verifies (its files shared out among the ranks) and returns
+    its step (0: none). A damaged newer one is set aside in one line (`ckpt.on_damage = "previous"`) or stops the
+    trainer on that line ("fail"). Under `rl` the launcher has verified already, and this finds the same step."""
+    rank = dist.get_rank()
+    while True:
+        found = [latest_checkpoint(cfg.output_dir) if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)  # every rank must load the same step
+        step = found[0]
+        if step is None:
+            return 0
+        try:
+            verify_checkpoint(cfg.output_dir, step)
+        except CheckpointDamaged as e:
+            if cfg.ckpt.on_damage == "fail":
+                raise
+            if rank == 0:
+                log(rank, f"{e}; moved to {set_aside(cfg.output_dir, step)}, resuming from the previous one")
+            dist.barrier()  # the step is aside before any rank looks for the next one
+            continue
+        load_checkpoint(cfg.output_dir, step, model, optimizer, verify=False)
+        return step
 
 
 def over_budget(cfg: TrainerConfig, elapsed: float) -> bool:
@@ -253,8 +284,9 @@ class Publisher:
 def write_metrics(output_dir: str | Path, record: dict[str, Any]) -> None:
     path = trainer_metrics_path(output_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    with room_for(path, len(line)), open(path, "a") as f:
+        f.write(line)
         f.flush()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from arbor.checkpoint_manifest import stop_cleanly
 from arbor.config.loader import load_config, main_guard
 from arbor.config.trainer import TrainerConfig
 from arbor.monitor.heartbeat import install
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     install(cfg.output_dir, f"trainer_rank{os.environ.get('RANK', '0')}", "loading torch")
     from arbor.trainer.loop import run  # torch loads here, once the config is known to be valid
 
-    return run(cfg)
+    # a damaged checkpoint or a full disk: one line from rank 0, no traceback
+    return stop_cleanly(lambda: run(cfg), speak=os.environ.get("RANK", "0") == "0")
 
 
 if __name__ == "__main__":

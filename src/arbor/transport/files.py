@@ -14,7 +14,7 @@ from pathlib import Path
 import safetensors.torch
 from safetensors.torch import save_file
 
-from arbor.run_dir import poll_interval, rollout_rank_file, write_atomic
+from arbor.run_dir import poll_interval, rollout_rank_file, room_for, write_atomic
 from arbor.transport.batch import StepBatch
 
 
@@ -22,7 +22,10 @@ def write_step(output_dir: str | Path, step: int, batches: list[StepBatch]) -> N
     """Writes one file per trainer rank for `step`; ranks are written in order, each atomically."""
     for rank, batch in enumerate(batches):
         tensors, meta = batch.to_tensors()
-        write_atomic(rollout_rank_file(output_dir, step, rank), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        path = rollout_rank_file(output_dir, step, rank)
+        # a full disk: one line naming the file and its size
+        with room_for(path, sum(t.numel() * t.element_size() for t in tensors.values())):
+            write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def read_step(path: str | Path) -> StepBatch:
