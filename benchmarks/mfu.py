@@ -14,8 +14,9 @@ beside it. Last line: `{"benchmark": "mfu", "value": mfu, "target": 0.111, ...}`
 
     uv run python benchmarks/mfu.py [--shape qwen3-0.6b] [--row-tokens 16384] [--steps 3] [--device cuda]
 
-The 30B-A3B shape keeps `--layers` of its 48 decoder layers (default 8: fp32 weights, gradients and AdamW state
-take ~16 bytes a parameter, ~10 GB a layer of 128 experts).
+The 30B-A3B shape keeps `--layers` of its 48 decoder layers; by default as many as fit in 60% of the device's free
+memory at 16 bytes a parameter (fp32 weights, gradients and two AdamW moments; ~10 GB a layer of 128 experts),
+about 7 on an H200.
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ def build_shape(name: str, layers: int | None, device: torch.device) -> torch.nn
     return model
 
 
+def fitting_layers(args: ModelArgs, device: torch.device, fraction: float = 0.6) -> int:
+    """Decoder layers whose training state (16 bytes a parameter) fits in `fraction` of the device's free memory,
+    beside the embeddings and head; all of them off CUDA."""
+    if device.type != "cuda":
+        return args.num_hidden_layers
+    h = args.hidden_size
+    attention = 2 * h * args.num_attention_heads * args.head_dim + 2 * h * args.num_key_value_heads * args.head_dim
+    if args.is_moe:  # every expert's weights and the router
+        mlp = 3 * h * args.moe_intermediate_size * args.num_experts + h * args.num_experts
+    else:
+        mlp = 3 * h * args.intermediate_size
+    embeddings = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
+    free = torch.cuda.mem_get_info(device)[0] * fraction / 16
+    return max(1, min(args.num_hidden_layers, int((free - embeddings) // (attention + mlp))))
+
+
 def matmul_params(args: ModelArgs) -> float:
     """Parameters a token multiplies through: attention and MLP (routed experts at top_k / num_experts, the router),
     and the LM head."""
@@ -136,7 +153,7 @@ def peak_tflops(device: torch.device) -> tuple[str, float | None]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
-    p.add_argument("--layers", type=int, default=None, help="decoder layers kept; default: all (30b-a3b: 8)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers kept; default: all that fit")
     p.add_argument("--row-tokens", type=int, default=16_384)
     p.add_argument("--micro-batches", type=int, default=1, help="packed rows a step")
     p.add_argument("--sample-tokens", type=int, nargs=2, default=[16_384, 16_384], help="document length range")
@@ -148,8 +165,7 @@ def main() -> None:
         p, shape="tiny", row_tokens=256, sample_tokens=[48, 128], steps=1, warmup=1, dtype="float32", device="cpu"
     )
     device, _ = init_distributed("auto" if a.device.startswith("cuda") else "gloo")
-    layers = a.layers if a.layers is not None else (8 if a.shape == "qwen3-30b-a3b" else None)
-    model = build_shape(a.shape, layers, device)
+    model = build_shape(a.shape, a.layers or fitting_layers(SHAPES[a.shape], device), device)
     args = model.args
     cfg = TrainerConfig(
         model=ModelConfig(name="qwen3-test", dtype=a.dtype), parallel=ParallelConfig(activation_checkpointing=True)

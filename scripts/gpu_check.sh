@@ -4,7 +4,7 @@
 # $OUT/gpu_check.jsonl, a summary at the end.
 #   scripts/gpu_check.sh [--cpu] [--out FILE] [--only PART ...]
 # On a GPU host, .gpu-wheels/ (made beforehand on a networked machine by scripts/gpu_prepare.py) is installed
-# into a venv that sees the host's own torch (--system-site-packages), and arbor runs from src/. With --cpu, or
+# beside the host's own torch (a folder on PYTHONPATH), and arbor runs from src/. With --cpu, or
 # with PYTHON set, that interpreter (e.g. the project's .venv) runs it as it is.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,10 +19,14 @@ if [[ -z "$python" ]]; then
     echo "error: $root/.gpu-wheels is missing: run scripts/gpu_prepare.py on a networked machine first" >&2
     exit 2
   fi
-  venv="${TMPDIR:-/tmp}/arbor-gpu-venv"
-  python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$root"/.gpu-wheels/*.whl
-  python="$venv/bin/python"
+  # Installed into a folder put first on PYTHONPATH rather than a venv: the host's python3 may itself be a venv
+  # (/opt/torch/.venv), and a venv made from it with --system-site-packages would see the base interpreter's
+  # packages, not the host's torch.
+  site="${TMPDIR:-/tmp}/arbor-gpu-site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$root"/.gpu-wheels/*.whl
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  python="$(command -v python3)"
 fi
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # The rl launcher and the benchmarks start child interpreters by sys.executable: they see the same packages.

@@ -80,7 +80,7 @@ def test_cpu_mode_passes_and_prints_its_json_lines(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1300,
+        timeout=1900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
