@@ -29,6 +29,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from smoke import parse_args
 from torch.distributed.device_mesh import init_device_mesh
 from trainer_throughput import synthetic_batch
@@ -223,6 +224,7 @@ def main() -> None:
             }
         )
     )
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
