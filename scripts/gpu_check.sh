@@ -16,7 +16,7 @@ if [[ -z "$python" && $cpu == 1 && -x "$root/.venv/bin/python" ]]; then
 fi
 if [[ -z "$python" ]]; then
   if [[ ! -d "$root/.gpu-wheels" ]]; then
-    echo "error: $root/.gpu-wheels is missing: run scripts/gpu_prepare.py on a networked machine first" >&2
+    echo "error: $root/.gpu-wheels is missing: run uv run python scripts/gpu_prepare.py on a networked machine first" >&2
     exit 2
   fi
   # Installed into a folder put first on PYTHONPATH rather than a venv: the host's python3 may itself be a venv

@@ -9,7 +9,7 @@ pure-Python wheels (`py3-none-any`) are taken, compiled ones only where `CARRY_C
 is fetched from the URL uv.lock records and checked against its sha256. The folder must stay under 64 MiB (what a
 device run carries): the script fails loudly past it.
 
-    python scripts/gpu_prepare.py [--dest .gpu-wheels] [--python 3.12]
+    uv run python scripts/gpu_prepare.py [--dest .gpu-wheels] [--python 3.12]
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2000)  # nine parts, each a process of its own: ~4 minutes of CPU, 15 on a shared 2-core box
 def test_cpu_mode_passes_and_prints_its_json_lines(tmp_path):
     out = tmp_path / "gpu_check.jsonl"
     env = {**os.environ, "PYTHON": sys.executable}
