@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.config.trainer import LossConfig, TrainerConfig
-from arbor.models import build_model
+from arbor.models import build_model, build_tokenizer
 from arbor.trainer.loss import ppo_clip
 from arbor.trainer.optim import build_optimizer
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -
         model.to(device)
     state = parallelize(model, dims, cfg, device.type)
     optimizer = build_optimizer(model, cfg.optim)
-    batch = synthetic_batch(cfg.model, a.micro_batches, a.row_tokens)
+    batch = synthetic_batch(build_tokenizer(cfg.model).vocab_size, a.micro_batches, a.row_tokens)
     tokens = sum(int(mb.seq_lens.sum()) for mb in batch.micro_batches)
     k = a.micro_batches // world
     batch.micro_batches = batch.micro_batches[rank * k : (rank + 1) * k]  # same global batch at every world size

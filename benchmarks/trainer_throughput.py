@@ -36,17 +36,20 @@ from arbor.trainer.step import train_step
 from arbor.transport.batch import MicroBatch, StepBatch
 
 
-def synthetic_batch(model_cfg: ModelConfig, micro_batches: int, row_tokens: int, seed: int = 0) -> StepBatch:
-    """Rows packed with samples of 96..320 tokens (a 32-token prompt each), the last one padded to the row. Ids are
-    drawn below the tokenizer's vocabulary size, the ids a policy spans: a padded head has more rows than that, and
-    the trainer's chunked logprobs cover only the real ones (`arbor.trainer.logprobs.policy_vocab`)."""
+def synthetic_batch(
+    vocab: int, micro_batches: int, row_tokens: int, seed: int = 0, sample_tokens: tuple[int, int] = (96, 320)
+) -> StepBatch:
+    """Rows packed with samples of `sample_tokens` (lowest, highest) tokens (a 32-token prompt each), the last one
+    padded to the row. Ids are drawn below `vocab`, the tokenizer's vocabulary size, the ids a policy spans: a
+    padded head has more rows than that, and the trainer's chunked logprobs cover only the real ones
+    (`arbor.trainer.logprobs.policy_vocab`)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = build_tokenizer(model_cfg).vocab_size
+    low, high = sample_tokens
     mbs = []
     for _ in range(micro_batches):
         lens: list[int] = []
-        while sum(lens) < row_tokens - 96:
-            lens.append(min(int(torch.randint(96, 321, (1,), generator=gen)), row_tokens - sum(lens)))
+        while sum(lens) < row_tokens - low:
+            lens.append(min(int(torch.randint(low, high + 1, (1,), generator=gen)), row_tokens - sum(lens)))
         mask = torch.zeros(row_tokens, dtype=torch.bool)
         adv = torch.zeros(row_tokens)
         off = 0
@@ -148,7 +151,7 @@ def main() -> None:
     device = torch.device(a.device)
     model_cfg = ModelConfig(name=a.model)
     cfg = TrainerConfig(model=model_cfg)
-    batch = synthetic_batch(model_cfg, a.micro_batches, a.row_tokens)
+    batch = synthetic_batch(build_tokenizer(model_cfg).vocab_size, a.micro_batches, a.row_tokens)
     tokens = sum(int(mb.seq_lens.sum()) for mb in batch.micro_batches)
     arms = {
         "arbor": arbor_step_fn(build_model(model_cfg, device=str(device)), batch, device, cfg),
