@@ -400,8 +400,12 @@ def _plan_inference(p: _Planner) -> None:
                 False,
                 "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton)",
             )
-        if inf.speculative.enabled and vllm_build() != "gpu":
-            p.set("inference.speculative.enabled", False, "vLLM's CPU build has no MTP drafting")
+        if vllm_build() != "gpu" and cfg.inference_startup_timeout < v.startup_timeout:
+            p.set(
+                "inference_startup_timeout",
+                v.startup_timeout,
+                "vLLM's CPU build takes minutes to start on a busy CPU: vllm.startup_timeout",
+            )
     elif inf.num_threads is None:
         p.set("inference.num_threads", 1, "one thread per process: the processes share this machine's cores")
     if inf.replicas > 2:
