@@ -475,7 +475,7 @@ def twin_config(cfg: RLConfig, argv: list[str]) -> RLConfig:
     twin = plan_twin(cfg)
     print(twin.render(), flush=True)
     out = load_config(RLConfig, argv, prog="rl --twin", overrides=twin.overrides)
-    if not out.dry_run and not out.check:
+    if not out.dry_run:  # `--check` checks the twin's model files too
         write_twin_model(twin, out.model.init_seed)
     return out
 
