@@ -24,7 +24,7 @@ from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm.launch import vllm_build
 from arbor.models.args import DSAArgs, ModelArgs
-from arbor.models.family import family_of
+from arbor.models.family import family_for, family_of
 from arbor.models.presets import BYTE_VOCAB, PRESETS
 
 TWIN_RANKS = 2
@@ -244,8 +244,7 @@ def tiny_args(real: ModelArgs | DSAArgs | dict[str, Any] | None, seq_len: int) -
     arch = _fact(real, "architecture", "Qwen3ForCausalLM")
     top_k = _fact(real, "num_experts_per_tok", 2)
     positions = max(min(seq_len, TWIN_SEQ_LEN), 64)
-    keep = {}
-    if arch in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
+    if family_for(arch).dsa:
         keep = {k: _fact(real, k) for k in DSA_KEEP if _fact(real, k) is not None}
         experts = _fact(real, "n_routed_experts", 0)
         group = keep.get("n_group", 1) if experts else 1
