@@ -31,9 +31,15 @@ C = TypeVar("C", bound=Config)
 
 
 def load_config(
-    cls: type[C], argv: list[str] | None = None, env: Mapping[str, str] | None = None, prog: str = "arbor"
+    cls: type[C],
+    argv: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str = "arbor",
+    overrides: Mapping[str, Any] | None = None,
 ) -> C:
-    """Parses `argv` (without the program name) into `cls`; prints help and exits on `--help`."""
+    """Parses `argv` (without the program name) into `cls`; prints help and exits on `--help`. `overrides` (a
+    nested dict of field values, None removing a table) sit above every layer: `rl --twin`'s changes
+    (arbor.launch.twin)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(render_help(cls, prog))
@@ -53,7 +59,8 @@ def load_config(
         @classmethod
         def settings_customise_sources(root, settings_cls: type[BaseSettings], **_: Any) -> tuple[Any, ...]:
             layers = (InitSettingsSource(settings_cls, flags), InitSettingsSource(settings_cls, variables))
-            return *layers, TomlLayers(settings_cls, files)  # highest precedence first
+            top = (InitSettingsSource(settings_cls, dict(overrides)),) if overrides else ()
+            return *top, *layers, TomlLayers(settings_cls, files)  # highest precedence first
 
     try:
         settings = Settings()

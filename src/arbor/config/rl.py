@@ -58,6 +58,12 @@ class RLConfig(Config):
     """Check the config and run the whole preflight (model and tokenizer files, environment, its arguments, agent
     files and dataset, loss and advantage paths, backends, GPUs, ports, disk), then exit without starting
     anything. `rl` runs the same preflight before it starts a run."""
+    twin: bool = Field(False, exclude=True)
+    """Run the config's twin here instead (arbor.launch.twin): a tiny random model of the same family and
+    structure, the nodes and GPUs shrunk to CPU ranks keeping ep and cp where they divide them, shorter sequences,
+    smaller batches and a few steps, in `<output_dir>-twin/`; dtype, FP8, loss, scheduler, environment, backend,
+    weight transport and buffer as written. Every setting it changes is printed with its reason first; with
+    `--dry-run` only that (and the resolved configs) is done. What a laptop runs before a GPU queue slot."""
     admin_token: AdminToken | None = Field(None, exclude=True)
     """Bearer token of the admin routes of the inference servers and the router, sent by the orchestrator;
     `rl` generates one per run when a server binds beyond loopback and none is given. Secret: never written

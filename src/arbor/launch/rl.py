@@ -32,6 +32,7 @@ from arbor.launch.preflight import model_path_line, run_checks
 from arbor.launch.process import ChildFailed, Supervisor, stop_reason, tail
 from arbor.launch.servers import RESTART_BACKOFF, Servers, healthy
 from arbor.launch.slurm import submit
+from arbor.launch.twin import plan_twin, write_twin_model
 from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import read_jsonl, truncate_jsonl
 from arbor.planner import plan, render
@@ -485,12 +486,25 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
+def twin_config(cfg: RLConfig, argv: list[str]) -> RLConfig:
+    """`rl --twin`: prints what the twin changes and why, writes its tiny model (not under `--dry-run`), and
+    returns the twin's config, loaded from the same layers with the changes on top."""
+    twin = plan_twin(cfg)
+    print(twin.render(), flush=True)
+    out = load_config(RLConfig, argv, prog="rl --twin", overrides=twin.overrides)
+    if not out.dry_run:  # `--check` checks the twin's model files too
+        write_twin_model(twin, out.model.init_seed)
+    return out
+
+
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
         return plan_main(argv[1:])
     cfg = load_config(RLConfig, argv, prog="rl")
+    if cfg.twin:
+        cfg = twin_config(cfg, argv)
     if cfg.check:
         for line in run_checks(cfg):
             print(f"skipped: {line}")

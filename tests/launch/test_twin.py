@@ -1,0 +1,188 @@
+"""`rl --twin` planning (arbor.launch.twin) on every recipe in examples/ and every model x hardware layer of
+configs/: the twin config validates, keeps what it must keep (dtype, FP8, loss, scheduler, environment, backend,
+weight transport, buffer), lists every setting it changed with a reason, and fits this machine (at most 2 trainer
+ranks, no SLURM, gloo); its tiny model keeps the family's structure and loads."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
+
+from arbor.config.loader import load_config
+from arbor.config.model import ModelConfig
+from arbor.config.rl import SECTIONS, RLConfig
+from arbor.inference.vllm.launch import vllm_build
+from arbor.launch import rl
+from arbor.launch.twin import KNOWN_MODELS, TWIN_RANKS, TwinPlan, plan_twin, tiny_args, write_twin_model
+from arbor.models import build_model
+from arbor.models.family import args_from_config, family_of
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*/rl.toml"))
+MODELS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "models").glob("*.toml"))
+HARDWARE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "hardware").glob("*.toml"))
+KEPT = (
+    "model.dtype",
+    "model.fp8",
+    "model.lora",
+    "trainer.loss",
+    "trainer.optim",
+    "trainer.lr_schedule",
+    "orchestrator.scheduler.mode",
+    "orchestrator.environment.id",
+    "orchestrator.advantage",
+    "orchestrator.buffer",
+    "orchestrator.partial",
+    "weights.delta",
+    "trainer.parallel.activation_checkpointing",
+)
+"""Settings a twin never changes."""
+
+
+def _get(cfg: object, path: str) -> object:
+    for key in path.split("."):
+        cfg = getattr(cfg, key)
+    return cfg
+
+
+def _twin(argv: list[str], tmp_path: Path, monkeypatch) -> tuple[RLConfig, RLConfig, TwinPlan]:
+    monkeypatch.chdir(ROOT)
+    argv = [*argv, "--output-dir", str(tmp_path / "run")]
+    cfg = load_config(RLConfig, argv, env={})
+    plan = plan_twin(cfg)
+    twin = load_config(RLConfig, argv, env={}, overrides=plan.overrides)
+    return cfg, twin, plan
+
+
+DERIVED = ("orchestrator.batching.trainer_ranks",)
+"""Fields `rl` derives from changed ones (the data-parallel ranks from the trainer's)."""
+
+
+def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):  # an empty table has no leaves: the same as an absent one
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _listed(path: str, changed: list[str]) -> bool:
+    """Whether `path` differs because of a listed change (itself, a table above it, or a shared field pushed
+    down into a section) or is derived from one."""
+    section, _, rest = path.partition(".")
+    names = [path] + ([rest] if section in SECTIONS else [])
+    return path in DERIVED or any(n == c or n.startswith(c + ".") for n in names for c in changed)
+
+
+def _check_twin(cfg: RLConfig, twin: RLConfig, plan: TwinPlan) -> None:
+    changed = [c.field for c in plan.changes]
+    for path in KEPT:
+        assert _get(twin, path) == _get(cfg, path), path
+    assert twin.slurm is None and twin.fleet is None
+    assert twin.trainer.parallel.nproc <= TWIN_RANKS and twin.trainer.parallel.backend != "nccl"
+    assert twin.trainer.parallel.ep_backend == "all_to_all"
+    assert twin.output_dir == Path(f"{cfg.output_dir}-twin")
+    assert twin.max_steps <= 3 and twin.seq_len <= 1024 and twin.orchestrator.batch_size <= 16
+    if twin.inference.backend != cfg.inference.backend:  # only what vLLM's CPU build cannot serve leaves it
+        assert "inference.backend" in changed and (cfg.inference.backend, twin.inference.backend) == ("vllm", "local")
+        assert cfg.model.fp8 == "block" or family_of(plan.model_args).dsa
+    before, after = _leaves(cfg.to_toml_dict()), _leaves(twin.to_toml_dict())
+    for path in sorted(before.keys() | after.keys()):  # what is not listed is as written
+        if before.get(path) != after.get(path):
+            assert _listed(path, changed), f"{path}: {before.get(path)!r} -> {after.get(path)!r} is not listed"
+    if cfg.trainer.parallel.ep > 1:
+        assert twin.trainer.parallel.ep == 2
+    if cfg.trainer.parallel.cp > 1:
+        assert twin.trainer.parallel.cp == 2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_has_a_twin_that_validates_and_keeps_its_settings(recipe, tmp_path, monkeypatch):
+    cfg, twin, plan = _twin(["@", recipe], tmp_path, monkeypatch)
+    _check_twin(cfg, twin, plan)
+    if cfg.model.name.startswith(("Qwen/", "zai-org/", "deepseek-ai/")):
+        assert plan.model_args is not None and twin.model.tokenizer == "byte"
+    else:  # a CPU recipe already runs here: its model is kept
+        assert twin.model.name == cfg.model.name
+
+
+@pytest.mark.parametrize("model,hardware", list(itertools.product(MODELS, HARDWARE)))
+def test_every_model_and_hardware_layer_has_a_twin(model, hardware, tmp_path, monkeypatch):
+    _check_twin(*_twin(["@", model, "@", hardware], tmp_path, monkeypatch))
+
+
+def test_the_plan_says_each_change_and_why(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(RLConfig, ["@", "examples/glm5_swe/rl.toml"], env={})
+    plan = plan_twin(cfg)
+    lines = plan.render().splitlines()
+    assert len(lines) == len(plan.changes) + 1
+    by_field = {c.field: c for c in plan.changes}
+    for c in plan.changes:
+        assert c.old != c.new and c.why
+    assert by_field["trainer.parallel.nproc"].old == 8 and by_field["trainer.parallel.nproc"].new == 2
+    assert by_field["trainer.parallel.ep"].new == 2 and by_field["trainer.parallel.cp"].new == 2
+    assert by_field["seq_len"].old == 131072 and by_field["seq_len"].new == 1024
+    assert any(line.startswith("  seq_len: 131072 -> 1024 (") for line in lines)
+    if vllm_build() == "cpu":
+        assert by_field["inference.backend"].new == "local"
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
+def test_the_tiny_model_keeps_the_familys_structure(name):
+    real = KNOWN_MODELS[name]
+    tiny = tiny_args(real, 32768)
+    assert tiny.architecture == real["architecture"]
+    assert tiny.tie_word_embeddings == real["tie_word_embeddings"]
+    hf = family_of(tiny).to_hf_config(tiny)
+    assert family_of(tiny).to_hf_config(args_from_config(hf)) == hf  # the processes read back the same model
+    if "num_experts_per_tok" in real:
+        assert tiny.is_moe and tiny.num_experts_per_tok == real["num_experts_per_tok"]
+        assert tiny.num_experts % 2 == 0 and tiny.num_experts <= real.get("num_experts", real.get("n_routed_experts"))
+    else:
+        assert not tiny.is_moe
+    for key in ("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor"):
+        if key in real:
+            assert getattr(tiny, key) == real[key], key
+    assert getattr(tiny, "is_dsa", False) == family_of(tiny).dsa
+    assert tiny.num_params() < 2_000_000
+
+
+def test_a_cached_config_gives_the_real_structure(tmp_path, monkeypatch):
+    """A hub model whose config.json is in the cache: its own structure (here MTP depth 1, a tied head), not the
+    table's; the twin says where it came from."""
+    use_cache(monkeypatch, tmp_path / "hf")
+    hub_cache(tmp_path / "hf", "org/mtp-model", tiny_checkpoint(tmp_path / "ckpt", "qwen3-test-mtp"))
+    cfg = RLConfig(model={"name": "org/mtp-model"}, output_dir=tmp_path / "run")
+    plan = plan_twin(cfg)
+    assert plan.model_args.mtp_depth == 1 and plan.model_args.tie_word_embeddings
+    assert "from org/mtp-model's config.json" in plan.render()
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen3-235B-A22B", "zai-org/GLM-5"])
+def test_the_twin_model_is_written_and_loads(name, tmp_path):
+    cfg = RLConfig(model={"name": name}, output_dir=tmp_path / "run")
+    plan = plan_twin(cfg)
+    write_twin_model(plan, seed=0)
+    model = build_model(ModelConfig(name=str(plan.model_dir), tokenizer="byte"))
+    assert model.args == plan.model_args
+    write_twin_model(plan, seed=1)  # already there: kept, not rewritten
+    assert build_model(ModelConfig(name=str(plan.model_dir), tokenizer="byte")).state_dict().keys() == (
+        model.state_dict().keys()
+    )
+
+
+def test_twin_dry_run_prints_the_plan_and_writes_no_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    argv = ["@", "examples/qwen3_235b/rl.toml", "--twin", "--dry-run", "--output-dir", str(out)]
+    assert rl.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("rl --twin: ") and "trainer.parallel.ep: 8 -> 2 (" in printed
+    assert (Path(f"{out}-twin") / "configs" / "rl.toml").is_file()
+    assert not (Path(f"{out}-twin") / "twin_model").exists() and not out.exists()
