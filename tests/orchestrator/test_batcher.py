@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.config.orchestrator import AdvantageConfig
 from arbor.monitor.metrics import MetricsWriter, read_jsonl, trainer_metrics_path, truncate_jsonl
 from arbor.orchestrator.advantages import compute_advantages, grpo
@@ -75,8 +76,8 @@ def test_task_sampler_resumes_exactly():
 def test_orchestrator_state_roundtrip(tmp_path):
     save_state(tmp_path, OrchestratorState(step=3, epoch=1, position=9))
     assert load_state(tmp_path, 3) == OrchestratorState(3, 1, 9)
-    with pytest.raises(FileNotFoundError, match="step_4"):
-        load_state(tmp_path, 4)
+    with pytest.raises(CheckpointDamaged, match="step_4/orchestrator.json is missing"):
+        load_state(tmp_path, 4)  # one line naming the file (arbor.checkpoint_manifest)
 
 
 def test_metrics_merge_in_step_order_and_truncate(tmp_path):
