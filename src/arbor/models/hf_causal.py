@@ -32,8 +32,8 @@ from transformers.core_model_loading import (
 )
 
 from arbor.models.attention import KVCache
-from arbor.models.families.transformers import HFArgs
 from arbor.models.family import UnsupportedArchitecture
+from arbor.models.hf_args import HFArgs
 from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache, TokenCache
 from arbor.models.qwen3 import HeadFn, linear_weight
 
