@@ -739,3 +739,15 @@ def test_deepep_is_refused_in_one_line_where_it_cannot_work(flags, message):
     with pytest.raises(ConfigError, match=message):
         load_config(RLConfig, base + flags, env={})
     load_config(RLConfig, base, env={})  # bf16 and a buffer that holds a row: accepted
+
+
+def test_model_router_replay_makes_the_fleet_return_routes():
+    """The recipes set `model.router_replay` only; vLLM returns routes only when told, so the trainer would have
+    routed by itself, silently. The flag now reaches the fleet, and a contradiction is one line."""
+    base = ["@", "examples/moe_reverse_text/rl.toml", "--inference.backend", "vllm"]
+    cfg = load_config(RLConfig, base, env={})
+    assert cfg.model.router_replay and cfg.inference.router_replay
+    off = load_config(RLConfig, base + ["--model.router-replay", "false"], env={})
+    assert not off.inference.router_replay
+    with pytest.raises(ConfigError, match="inference.router_replay = false with model.router_replay = true"):
+        load_config(RLConfig, base + ["--inference.router-replay", "false"], env={})

@@ -225,3 +225,17 @@ def test_loading_the_builtins_imports_neither_torch_nor_vllm():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_vllm_cpu_build_refuses_router_replay_before_anything_starts(monkeypatch):
+    """vLLM's CPU build dies at start-up when asked for routed experts: preflight says so in one line."""
+    from arbor.inference.vllm import backend as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "vllm_build", lambda: "cpu")
+    argv = ["--backend", "vllm", "--model.name", "qwen3-moe-tiny", "--router-replay", "true"]
+    cfg = load_config(InferenceConfig, argv)
+    error = engine_backend("vllm").preflight(cfg, "inference")
+    assert error is not None and "\n" not in error
+    assert error.startswith("inference.router_replay = true (model.router_replay sets it): vLLM's CPU build cannot")
+    monkeypatch.setattr(vllm_backend, "vllm_build", lambda: "gpu")
+    assert engine_backend("vllm").preflight(cfg, "inference") is None

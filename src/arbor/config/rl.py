@@ -168,6 +168,7 @@ class RLConfig(Config):
             )
         self.orchestrator.batching.trainer_ranks = ranks
         self._check_deepep_buffer()
+        self._derive_router_replay()
         self.orchestrator.batching.min_micro_batches = max(
             self.orchestrator.batching.min_micro_batches, self.trainer.mini_batches
         )
@@ -194,6 +195,20 @@ class RLConfig(Config):
             )
         self.run_admin_token()
         return self
+
+    def _derive_router_replay(self) -> None:
+        """`model.router_replay` makes the trainer replay the fleet's routes, so the fleet must return them: the
+        local engine records them for every MoE model, vLLM only when told (`inference.router_replay`, derived
+        here). Without them the trainer would route by itself and nothing would say so."""
+        if not self.model.router_replay:
+            return
+        inf = self.inference
+        if "router_replay" in inf.model_fields_set and not inf.router_replay:
+            raise ValueError(
+                "inference.router_replay = false with model.router_replay = true: the fleet would not return the "
+                "routes the trainer replays; drop inference.router_replay (model.router_replay sets it)"
+            )
+        inf.router_replay = True
 
     def _check_deepep_buffer(self) -> None:
         """DeepEP's buffer holds `ep_max_tokens_per_rank` tokens: a rank's share of a micro-batch row (the row over

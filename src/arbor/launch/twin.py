@@ -401,12 +401,12 @@ def _plan_inference(p: _Planner) -> None:
             p.set("inference.vllm.tensor_parallel_size", 1, "one vLLM CPU worker: the twin's cores are the trainer's")
         if v.data_parallel_size > 1:
             p.set("inference.vllm.data_parallel_size", 1, "one vLLM CPU worker: the twin's cores are the trainer's")
-        if inf.router_replay and cpu_vllm:
-            p.set(
-                "inference.router_replay",
-                False,
-                "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton)",
-            )
+        if cpu_vllm and (inf.router_replay or cfg.model.router_replay):
+            why = "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton)"
+            if cfg.model.router_replay:
+                p.set("model.router_replay", False, why)
+            if inf.router_replay:
+                p.set("inference.router_replay", False, why)
         if cpu_vllm and cfg.inference_startup_timeout < v.startup_timeout:
             p.set(
                 "inference_startup_timeout",

@@ -50,9 +50,15 @@ class VLLMBackend:
 
     def preflight(self, cfg: InferenceConfig, where: str) -> str | None:
         """The CPU build starts any model, then its engine dies at the first request when the attention heads are
-        of a size its CPU kernels lack: refused here instead."""
+        of a size its CPU kernels lack, and refuses to return routed experts at start-up: refused here instead."""
         if vllm_build() != "cpu":
             return None
+        if cfg.router_replay:
+            return (
+                f"{where}.router_replay = true (model.router_replay sets it): vLLM's CPU build cannot return routed "
+                "experts (its V2 model runner needs Triton); set model.router_replay = false or serve with "
+                f"{where}.backend = 'local'"
+            )
         try:
             args = PRESETS.get(cfg.model.name) or ModelArgs.from_dir(resolve_dir(cfg.model.name))
             head_dim = getattr(args, "head_dim", None)
