@@ -127,10 +127,14 @@ def model_args(model: ModelConfig) -> ModelArgs | DSAArgs:
 
 def model_path_line(model: ModelConfig) -> str | None:
     """The one line saying which implementation builds the checkpoint and why (arbor.models.family.choose_family);
-    None for a preset (always native)."""
+    None for a preset (always native) and for a hub model not in this machine's cache (a `[slurm]` job's nodes
+    fetch it, and preflight's model-files check has reported it)."""
     if model.name in PRESETS:
         return None
-    path = resolve_dir(model.name)
+    try:
+        path = resolve_dir(model.name)
+    except HubError:
+        return None
     try:
         config = read_config(path)
         return f"model: {choose_family(architecture_of(config), model.impl, str(path), config)[1]}"
