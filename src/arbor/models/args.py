@@ -123,7 +123,8 @@ class ModelArgs:
             num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            # a dense model's args keep the MoE fields' defaults (its config has none to read)
+            **({"norm_topk_prob": cfg.get("norm_topk_prob", False)} if moe else {}),
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             router_aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),

@@ -185,7 +185,7 @@ PRESETS["glm4-moe-test"] = SigmoidMoEArgs(
     first_k_dense_replace=1,
 )
 PRESETS["minimax-m2-test"] = SigmoidMoEArgs(
-    **_TEST,
+    **{**_TEST, "intermediate_size": 32},  # MiniMax's config has one MLP width, the experts' (no dense layers)
     architecture="MiniMaxM2ForCausalLM",
     qk_norm="projection",
     partial_rotary_factor=0.5,
