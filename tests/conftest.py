@@ -1,10 +1,11 @@
 """Shared test setup: `gpu` tests are skipped with a reason where no CUDA device is present, `vllm` tests where
 no vLLM build (CUDA or CPU) is installed; one vLLM server that the `vllm` modules serving the `qwen3-tiny` preset
-share (`shared_vllm`)."""
+share (`shared_vllm`); the test run's split across two xdist workers (`xdist_groups`)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +61,56 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("vllm"):
                 item.add_marker(skip)
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker computes the same groups and order
+        xdist_groups(items)
+
+
+SERIAL_FILES = {"test_slurm.py": "slurm", "test_recipes.py": "slurm"}
+"""Modules that must not run beside each other: both submit jobs to the one-node SLURM."""
+HEAVY = ("tests/e2e/", "tests/benchmarks/", "test_twin_runs.py", "test_gpu_kit.py", "test_gspo.py", "test_recipes.py")
+"""Modules whose tests take minutes."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per core, at most 4 (the e2e tests start several processes
+    each; more workers than that only queue them)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+def _shares_module_state(item) -> bool:
+    """Whether the test uses a module- or class-scoped fixture (a server, a model built once for the module)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # not a plain test function: keep it with its module
+        return True
+    return any(defs[-1].scope in ("module", "package", "class") for defs in info.name2fixturedefs.values() if defs)
+
+
+def xdist_groups(items) -> None:
+    """Every test joins a group, and xdist (`--dist loadgroup`) hands out whole groups: every vLLM test is in one
+    (one vLLM server at a time: two at once double the memory and fight over the cores their OpenMP threads bind
+    to, and the modules sharing `shared_vllm` start it once), the SLURM modules in another, a test that uses a
+    module-scoped fixture with its module (the fixture is set up once); every other test is a group of its own.
+    The vLLM group and the tests of minutes go first (`--no-loadscope-reorder` keeps this order), so the run does
+    not end on one worker finishing a long test alone."""
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            group = "vllm"
+        elif item.path.name in SERIAL_FILES:
+            group = SERIAL_FILES[item.path.name]
+        elif _shares_module_state(item):
+            group = item.path.relative_to(item.config.rootpath).as_posix()
+        else:
+            group = item.nodeid
+        item.add_marker(pytest.mark.xdist_group(group))
+
+    def rank(item) -> int:
+        if item.get_closest_marker("vllm"):
+            return 0
+        if any(h in item.path.as_posix() for h in HEAVY):
+            return 1
+        return 2 if item.get_closest_marker("slow") else 3
+
+    items.sort(key=rank)  # stable: each group keeps its collection order
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -97,7 +97,7 @@ def test_a_server_that_never_comes_back_fails_its_requests_naming_the_timeout():
                 await _generate(client)
             return time.monotonic() - t0
 
-    assert asyncio.run(scenario()) < 5
+    assert asyncio.run(scenario()) < 8  # reconnect_timeout (1 s), not the request timeout (10 s) x retries
 
 
 def test_requests_go_to_a_live_server_while_another_recovers():
@@ -114,7 +114,8 @@ def test_requests_go_to_a_live_server_while_another_recovers():
             await live.stop()
 
     seconds, live, client = asyncio.run(scenario())
-    assert seconds < 2 and len(live.seen) == 4 and client.retries == 1 and client.reconnects == 0
+    assert seconds < 10  # never waits out the dead one's reconnect_timeout (30 s)
+    assert len(live.seen) == 4 and client.retries == 1 and client.reconnects == 0
 
 
 class RecordingClient:
