@@ -36,6 +36,7 @@ def _has_cuda() -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it names each test by its group)
 def pytest_collection_modifyitems(config, items):
     unexplained = [
         item.nodeid
@@ -89,7 +90,7 @@ def xdist_groups(items) -> None:
     """Every test joins a group, and xdist (`--dist loadgroup`) hands out whole groups: every vLLM test is in one
     (one vLLM server at a time: two at once double the memory and fight over the cores their OpenMP threads bind
     to, and the modules sharing `shared_vllm` start it once), the SLURM modules in another, a test that uses a
-    module-scoped fixture with its module (the fixture is set up once); every other test is a group of its own.
+    module-scoped fixture with its module (the fixture is set up once); every other test is handed out alone.
     The vLLM group and the tests of minutes go first (`--no-loadscope-reorder` keeps this order), so the run does
     not end on one worker finishing a long test alone."""
     for item in items:
@@ -100,7 +101,7 @@ def xdist_groups(items) -> None:
         elif _shares_module_state(item):
             group = item.path.relative_to(item.config.rootpath).as_posix()
         else:
-            group = item.nodeid
+            continue  # xdist hands out an ungrouped test alone
         item.add_marker(pytest.mark.xdist_group(group))
 
     def rank(item) -> int:
