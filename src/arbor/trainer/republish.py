@@ -91,6 +91,7 @@ class RolloutWait:
             beat(f"publishing weights version {step} again (the fleet refused version {asked})")
             self.republish(step)
             self.republished += 1
+            beat(f"waiting for rollouts step {step}")
 
     def _decide(self, asked: int, step: int) -> bool:
         """Rank 0: whether the request for `asked` needs a publish (none >= it is published, and the weights held,
