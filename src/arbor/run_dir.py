@@ -4,6 +4,7 @@
     checkpoints/step_N.damaged/        a step a resume found damaged, kept aside (`set_aside`)
     checkpoints/step_N/orchestrator.json   the orchestrator's resumable state for step N
     broadcasts/step_N/                 published policy weights (`STABLE` written last)
+    broadcasts/republish.json          the orchestrator's request to publish a refused version again
     rollouts/step_N/rank_R.safetensors the batch of step N for trainer rank R
     metrics.jsonl, metrics/<process>.jsonl, eval.jsonl, timings.jsonl
     heartbeats/<process>, logs/ (process logs), logs/stacks/<process>.txt
@@ -189,6 +190,24 @@ def broadcasts_root(output_dir: PathLike) -> Path:
 def broadcast_dir(output_dir: PathLike, step: int) -> Path:
     """The policy weights published after `step` optimizer steps (complete once it holds `STABLE`)."""
     return broadcasts_root(output_dir) / step_name(step)
+
+
+def republish_request_path(output_dir: PathLike) -> Path:
+    """The orchestrator's request that the trainer publish again a version the fleet refused
+    (arbor.transport.republish); under `broadcasts/`, so a resume clears it with the versions it concerns."""
+    return broadcasts_root(output_dir) / "republish.json"
+
+
+def withdraw_published(output_dir: PathLike, step: int) -> None:
+    """Removes published version `step` (one the fleet refused): renamed out of the listings first, so no
+    reader sees it half-removed, then deleted (a later version's hard links to its shards keep their bytes)."""
+    final = broadcast_dir(output_dir, step)
+    gone = final.with_name(f".{final.name}.withdrawn.{os.getpid()}")
+    try:
+        final.rename(gone)
+    except FileNotFoundError:  # pruned meanwhile
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def broadcast_staging_dir(output_dir: PathLike, step: int) -> Path:

@@ -33,12 +33,18 @@ def test_a_steps_figures() -> None:
     groups[0][0].components = {"match": 1.0}
     out = asyncio.run(
         figures.step(
-            5, groups, [], StepTimes(2.0, 0.5, 3.0), types.SimpleNamespace(loaded_version=4, updates=3), Router()
+            5,
+            groups,
+            [],
+            StepTimes(2.0, 0.5, 3.0),
+            types.SimpleNamespace(loaded_version=4, updates=3, refused=1),
+            Router(),
         )
     )
     assert out["reward/mean"] == 0.75 and out["reward/match"] == 0.25  # a missing component counts 0
     assert out["staleness/max"] == 2 and out["staleness/hist_1"] == 2 and out["rollouts/s"] == 2.0
     assert out["dropped/stale"] == 2 and out["skipped/too_long"] == 1 and out["policy_version"] == 4
+    assert out["weights/updates"] == 3 and out["weights/refused"] == 1
     assert out["router/requests"] == 9 and out["router/ejections"] == 1 and "router/something_else" not in out
     assert out["client/retries"] == 2 and out["client/reconnects"] == 1 and out["client/out_of_vocab"] == 3
     assert out["time/orchestrator_step"] == 3.0 and out["epoch"] == 0

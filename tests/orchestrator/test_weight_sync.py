@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from arbor import run_dir
 from arbor.checkpoint_manifest import stop_cleanly
 from arbor.orchestrator import weight_sync as weights
 from arbor.orchestrator.client import InferenceError
 from arbor.orchestrator.weight_sync import WeightSync
+from arbor.transport.republish import read_republish_request, request_republish
 
 
 class FakeClient:
@@ -72,35 +75,75 @@ class RefusingClient(FakeClient):
         await super().update_weights(path, version)
 
 
-def _refused(tmp_path, refusals: int) -> tuple[RefusingClient, WeightSync, BaseException | None]:
+async def _trainer(out, republishes: list[int]) -> None:
+    """Answers republish requests as the trainer does between steps: publishes the asked version again."""
+    answered = 0
+    while True:
+        request = read_republish_request(out)
+        if request is not None and request.version > answered:
+            answered = request.version
+            assert not run_dir.broadcast_dir(out, answered).exists()  # the refused copy was withdrawn first
+            _publish(out, answered)
+            republishes.append(answered)
+        await asyncio.sleep(0.01)
+
+
+def _refused(
+    tmp_path, refusals: int, trainer: bool = True, timeout: float = 10.0, ensure_timeout: float = 10.0
+) -> tuple[RefusingClient, WeightSync, BaseException | None, list[int]]:
     async def scenario():
         client = RefusingClient(refusals)
-        sync = WeightSync(client, tmp_path, loaded_version=0)
-        watching = asyncio.create_task(sync.run())
+        sync = WeightSync(client, tmp_path, loaded_version=0, republish_timeout=timeout)
+        republishes: list[int] = []
+        tasks = [asyncio.create_task(sync.run())]
+        if trainer:
+            tasks.append(asyncio.create_task(_trainer(tmp_path, republishes)))
         _publish(tmp_path, 1)
         try:
-            await sync.ensure(1, timeout=10)
+            await sync.ensure(1, timeout=ensure_timeout)
         except Exception as e:  # noqa: BLE001 - returned for the test to look at
-            return client, sync, e
+            return client, sync, e, republishes
         finally:
-            watching.cancel()
-        return client, sync, None
+            for task in tasks:
+                task.cancel()
+        return client, sync, None, republishes
 
     return asyncio.run(scenario())
 
 
-def test_a_refused_update_is_retried_once(tmp_path):
-    client, sync, error = _refused(tmp_path, refusals=1)
+def test_a_refused_update_is_retried_once_from_a_fresh_publish(tmp_path):
+    client, sync, error, republishes = _refused(tmp_path, refusals=1)
     assert error is None and [v for _, v in client.loaded] == [1] and sync.loaded_version == 1
+    assert republishes == [1] and sync.refused == 1 and sync.republishing is None
+    request = read_republish_request(tmp_path)
+    assert request is not None and request.version == 1 and "model.safetensors: crc32 1a2b3c4d" in request.reason
 
 
-def test_an_update_refused_twice_stops_in_one_line_naming_the_file_and_checksum(tmp_path, capsys):
-    _, _, error = _refused(tmp_path, refusals=2)
-
+def _said(error: BaseException | None, capsys) -> str:
     def orchestrator() -> int:
         raise error
 
     assert stop_cleanly(orchestrator) == 1
     line = capsys.readouterr().err.strip()
-    assert "\n" not in line and line.startswith(run_dir.STOP_PREFIX + "weight update 1 refused twice: ")
+    assert "\n" not in line and line.startswith(run_dir.STOP_PREFIX + "weight update 1 refused")
     assert "model.safetensors: crc32 1a2b3c4d" in line and "does not match the manifest" in line
+    return line
+
+
+def test_an_update_refused_after_its_fresh_publish_stops_in_one_line_naming_the_file_and_checksum(tmp_path, capsys):
+    _, sync, error, republishes = _refused(tmp_path, refusals=2)
+    assert republishes == [1] and sync.refused == 2
+    assert "refused twice (the second time after a fresh publish)" in _said(error, capsys)
+
+
+@pytest.mark.parametrize("republish_timeout, ensure_timeout", [(0.3, 10.0), (10.0, 0.3)])
+def test_a_fresh_publish_that_never_comes_stops_in_one_line(tmp_path, capsys, republish_timeout, ensure_timeout):
+    """Whichever wait ends first, the watch's for the fresh publish or the step's for its policy, says why."""
+    _, _, error, _ = _refused(tmp_path, 1, trainer=False, timeout=republish_timeout, ensure_timeout=ensure_timeout)
+    assert "the trainer did not publish it again within 0.3s" in _said(error, capsys)
+
+
+def test_an_earlier_attempts_request_is_cleared_at_start(tmp_path):
+    request_republish(tmp_path, 7, "an earlier attempt's refusal")
+    WeightSync(FakeClient(), tmp_path, loaded_version=0)  # type: ignore[arg-type]
+    assert read_republish_request(tmp_path) is None

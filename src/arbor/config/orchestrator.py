@@ -343,6 +343,9 @@ class OrchestratorConfig(Config):
     """Continue from the latest trainer checkpoint in output_dir."""
     weight_update_timeout: Seconds = Field(1800.0, gt=0)
     """Seconds to wait for the trainer to publish the weights a step needs before failing."""
+    republish_timeout: Seconds = Field(1800.0, gt=0)
+    """Seconds to wait for the trainer to publish again a version the fleet refused (a checksum that does not
+    match its manifest) before stopping on one line; the trainer answers between steps, so allow one step."""
     sampling: SamplingConfig = SamplingConfig()
     """Generation settings."""
     client: ClientConfig = ClientConfig()

@@ -156,6 +156,7 @@ class StepFigures:
             **self.gateway_counts(),
             "policy_version": weights.loaded_version if weights is not None else -1,
             "weights/updates": weights.updates if weights is not None else 0,
+            "weights/refused": weights.refused if weights is not None else 0,
             "client/retries": client.retries if client is not None else 0,
             "client/reconnects": client.reconnects if client is not None else 0,
             "client/out_of_vocab": client.out_of_vocab if client is not None else 0,

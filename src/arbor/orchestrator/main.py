@@ -183,7 +183,13 @@ class Orchestrator:
             reconnect_timeout=cfg.client.reconnect_timeout,
             vocab_size=self.tokenizer.vocab_size,
         ) as client:
-            weights = WeightSync(client, cfg.output_dir, await client.wait_healthy(cfg.client.timeout), lora_name=lora)
+            weights = WeightSync(
+                client,
+                cfg.output_dir,
+                await client.wait_healthy(cfg.client.timeout),
+                lora_name=lora,
+                republish_timeout=cfg.republish_timeout,
+            )
             client.policy_version = weights.loaded_version
             self.pool.use(client)
             if cfg.partial.enabled and cfg.partial.abort_on_weight_update:

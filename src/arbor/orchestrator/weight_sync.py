@@ -14,9 +14,13 @@ serves again (`catch_up`, the client's recovery hook): the same version is loade
 published one when that directory was pruned meanwhile. Where that cannot be done (an NCCL transfer cannot be
 replayed to a late receiver) the server serves its own weights until the next update, and says so per token.
 
-A version the fleet refuses (a checksum that does not match its manifest) is asked for once more; refused twice,
-the orchestrator stops on one line naming the file and the checksums (`WeightUpdateRefused`), and `--resume` (or
-`max_restarts`) republishes the weights from the trainer's verified checkpoint.
+A version N the fleet refuses (a shard whose checksum does not match its manifest) is retried once from a fresh
+publish: the directory is withdrawn, the trainer is asked to publish N again from its in-memory weights
+(arbor.transport.republish; it answers between steps, arbor.trainer.republish), and the first version >= N that
+appears is loaded (N itself, or a newer one the trainer published meanwhile). Refused again, or not republished
+within `republish_timeout` seconds, the orchestrator stops on one line naming the file and the checksums
+(`WeightUpdateRefused`); `--resume` then republishes from the trainer's verified checkpoint. Meanwhile generation
+goes on with the weights the fleet serves, and `ensure` keeps the staleness bound as before.
 """
 
 from __future__ import annotations
@@ -30,24 +34,36 @@ from typing import Any
 
 from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.orchestrator.client import InferenceClient, InferenceError
-from arbor.run_dir import broadcast_dir, latest_published, poll_interval, published_steps
+from arbor.run_dir import broadcast_dir, latest_published, poll_interval, published_steps, withdraw_published
+from arbor.transport.republish import clear_republish_request, request_republish
 
 log = logging.getLogger("arbor.orchestrator.weight_sync")
 
 
 class WeightUpdateRefused(CheckpointDamaged):
-    """The fleet refused a published version twice (its checksums do not match its manifest, typically): one
-    line naming the file and the checksums, on which the orchestrator stops; a resume republishes from the
-    trainer's verified checkpoint."""
+    """The fleet refused a published version, then its fresh publish (its checksums do not match its manifest,
+    typically), or the trainer did not republish it in time: one line naming the file and the checksums, on which
+    the orchestrator stops; a resume republishes from the trainer's verified checkpoint."""
 
 
 class WeightSync:
     def __init__(
-        self, client: InferenceClient, output_dir: str | Path, loaded_version: int, lora_name: str | None = None
+        self,
+        client: InferenceClient,
+        output_dir: str | Path,
+        loaded_version: int,
+        lora_name: str | None = None,
+        republish_timeout: float = 1800.0,
     ) -> None:
         self.client, self.output_dir = client, Path(output_dir)
         self.lora_name = lora_name
         self.loaded_version = loaded_version
+        self.republish_timeout = republish_timeout
+        """Seconds to wait for the trainer's fresh publish of a refused version before stopping."""
+        self.republishing: str | None = None
+        """While a fresh publish is awaited: the refusal, which a timeout in `ensure` says instead of its own."""
+        self.refused = 0
+        """Weight updates the fleet refused (each answered by a fresh publish, or the run stopped)."""
         self.updates = 0
         self.update_seconds = 0.0
         self._changed = asyncio.Event()
@@ -58,6 +74,7 @@ class WeightSync:
         self.resume_generation: Callable[[Any], None] | None = None
         self.initial_version = loaded_version
         client.catch_up = self.catch_up
+        clear_republish_request(self.output_dir)  # an earlier attempt's request is not this run's
 
     @property
     def changed(self) -> asyncio.Event:
@@ -80,32 +97,26 @@ class WeightSync:
 
     async def _watch(self) -> None:
         since = time.monotonic()  # when the newest version was loaded: the poll interval grows from there
-        refused: set[int] = set()  # versions the fleet refused once
+        refused: set[int] = set()  # versions the fleet refused once, then asked for again
         while True:
             newest = latest_published(self.output_dir)
             if newest is not None and newest > self.loaded_version:
                 t0 = time.perf_counter()
-                paused = await self.pause_generation() if self.pause_generation is not None else None
                 try:
-                    # Absolute: the servers load only absolute paths (arbor.transport.admin), and a run's output_dir
-                    # may be relative (the examples' default).
-                    path = str(broadcast_dir(self.output_dir, newest).resolve())
-                    if self.lora_name is not None:
-                        await self.client.load_adapter(self.lora_name, path, newest)
-                    else:
-                        await self.client.update_weights(path, newest)
+                    await self._load(newest)
                 except InferenceError as e:
                     # The directory may have been pruned after a newer one appeared; retry with the newest.
                     if (latest_published(self.output_dir) or -1) > newest:
                         continue
-                    if newest not in refused:  # a torn read (a network filesystem): once more
-                        refused.add(newest)
-                        log.warning("weight update %d refused (%s); retrying it once", newest, e)
-                        continue
-                    raise WeightUpdateRefused(f"weight update {newest} refused twice: {' '.join(str(e).split())}")
-                finally:
-                    if self.resume_generation is not None:
-                        self.resume_generation(paused)
+                    self.refused += 1
+                    reason = " ".join(str(e).split())
+                    if newest in refused:
+                        raise WeightUpdateRefused(
+                            f"weight update {newest} refused twice (the second time after a fresh publish): {reason}"
+                        ) from None
+                    refused.add(newest)
+                    await self._await_republish(newest, reason)
+                    continue
                 self.loaded_version = newest
                 self.updates += 1
                 self.update_seconds += time.perf_counter() - t0
@@ -114,6 +125,39 @@ class WeightSync:
                 self._changed = asyncio.Event()
                 since = time.monotonic()
             await asyncio.sleep(poll_interval(time.monotonic() - since))
+
+    async def _load(self, version: int) -> None:
+        """Tells the fleet to load published `version` (running generations paused around it when configured)."""
+        paused = await self.pause_generation() if self.pause_generation is not None else None
+        try:
+            # Absolute: the servers load only absolute paths (arbor.transport.admin), and a run's output_dir may
+            # be relative (the examples' default).
+            path = str(broadcast_dir(self.output_dir, version).resolve())
+            if self.lora_name is not None:
+                await self.client.load_adapter(self.lora_name, path, version)
+            else:
+                await self.client.update_weights(path, version)
+        finally:
+            if self.resume_generation is not None:
+                self.resume_generation(paused)
+
+    async def _await_republish(self, version: int, reason: str) -> None:
+        """Withdraws refused `version`, asks the trainer to publish it again and waits until a version >= it is
+        published (the fresh one: the refused directory is gone); WeightUpdateRefused after `republish_timeout`."""
+        log.warning("weight update %d refused (%s); asking the trainer to publish it again", version, reason)
+        self.republishing = f"weight update {version} refused: {reason}"
+        withdraw_published(self.output_dir, version)
+        request_republish(self.output_dir, version, reason)
+        t0 = time.monotonic()
+        while (latest_published(self.output_dir) or -1) < version:
+            waited = time.monotonic() - t0
+            if waited > self.republish_timeout:
+                raise WeightUpdateRefused(
+                    f"{self.republishing}; the trainer did not publish it again within {self.republish_timeout:g}s"
+                )
+            await asyncio.sleep(poll_interval(waited))
+        log.info("version %d republished after %.1fs", latest_published(self.output_dir), time.monotonic() - t0)
+        self.republishing = None
 
     async def catch_up(self, url: str, version: int) -> None:
         """Loads the fleet's policy on server `url`, which came back reporting policy `version` (module docstring).
@@ -154,6 +198,10 @@ class WeightSync:
         while self.loaded_version < version:
             self.check()
             remaining = deadline - time.perf_counter()
+            if remaining <= 0 and self.republishing is not None:  # waiting on a fresh publish: say why, one line
+                raise WeightUpdateRefused(
+                    f"{self.republishing}; the trainer did not publish it again within {timeout:g}s"
+                )
             if remaining <= 0:
                 raise TimeoutError(
                     f"policy version {version} was not published within {timeout:.0f}s "

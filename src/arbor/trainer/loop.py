@@ -39,8 +39,8 @@ from arbor.trainer.loss import build_loss
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
 from arbor.trainer.parallel_state import UNPREPARED, ParallelState
+from arbor.trainer.republish import RolloutWait
 from arbor.trainer.step import train_step
-from arbor.transport.files import wait_for_step
 from arbor.weights.publish import DeltaTracker, stream_publish, stream_publish_adapter
 from arbor.weights.transport import make_transport
 
@@ -109,6 +109,10 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         publish(model, start)  # the fleet's weights come from the verified checkpoint, never from broadcasts/
         log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
     clock = RunClock(cfg.output_dir, start)
+    # between steps the ranks answer the orchestrator's requests to publish a refused version again
+    rollouts = RolloutWait(
+        cfg.output_dir, data_rank, cfg.rollout_timeout, lambda v: publish(model, v, fresh=True), start, device
+    )
     damaged = damaged_checkpoints(cfg.output_dir) if rank == 0 else 0  # steps a resume set aside, this run
     if rank == 0:
         stopped_path(cfg.output_dir).unlink(missing_ok=True)  # an earlier attempt's stop is not this one's
@@ -116,7 +120,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
         beat(f"waiting for rollouts step {step}")
-        batch = wait_for_step(cfg.output_dir, step, data_rank, cfg.rollout_timeout)
+        batch = rollouts.batch(step)
         beat(f"training step {step}")
         if batch.step != step:
             raise ValueError(f"rollouts/step_{step}/rank_{data_rank} holds step {batch.step}")
@@ -166,6 +170,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
                 "time/publish": t3 - t2,
                 "time/checkpoint": last_checkpoint_seconds,
                 "ckpt/damaged": damaged,
+                "weights/republished": rollouts.republished,
                 **weight_figures,
                 **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
                 **stamp,
@@ -261,7 +266,11 @@ class Publisher:
         self.transport = make_transport(cfg.weights, cfg.keep_broadcasts)
         self.tracker = DeltaTracker(cfg.weights.delta)
 
-    def __call__(self, model: nn.Module, version: int) -> dict[str, float]:
+    def __call__(self, model: nn.Module, version: int, fresh: bool = False) -> dict[str, float]:
+        """Publishes `model` as `version` (collective); `fresh`: every bucket, none linked to an earlier version
+        (a republish after the fleet refused one: a delta could link the damaged shard back)."""
+        if fresh:
+            self.tracker.version = None
         # inference runs in model.dtype: publish that, not the fp32 masters
         dtype, lora = getattr(torch, self.cfg.model.dtype), self.cfg.model.lora
         if lora is not None:  # the adapter only, as a PEFT directory

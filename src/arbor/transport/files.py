@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
@@ -38,16 +39,25 @@ def read_step(path: str | Path) -> StepBatch:
     return StepBatch.from_tensors(safetensors.torch.load(data), meta)
 
 
-def wait_for_step(output_dir: str | Path, step: int, rank: int, timeout: float, alive=lambda: True) -> StepBatch:
-    """Blocks until this rank's file for `step` exists, looking as often as `arbor.run_dir.poll_interval` says;
-    raises TimeoutError naming the file after `timeout` s."""
+def wait_for_step(
+    output_dir: str | Path,
+    step: int,
+    rank: int,
+    timeout: float,
+    interrupt: Callable[[], bool] | None = None,
+    since: float | None = None,
+) -> StepBatch | None:
+    """Blocks until this rank's file for `step` exists, looking as often as `arbor.run_dir.poll_interval` says,
+    and returns its batch; None as soon as `interrupt()` is true (the trainer's republish requests,
+    arbor.trainer.republish). Raises TimeoutError naming the file `timeout` s after `since` (monotonic; default:
+    now), so a wait resumed after an interruption keeps its deadline."""
     path = rollout_rank_file(output_dir, step, rank)
-    start = time.monotonic()
+    start = time.monotonic() if since is None else since
     while not path.exists():
-        now = time.monotonic()
-        if now - start > timeout:
+        if interrupt is not None and interrupt():
+            return None
+        waited = time.monotonic() - start
+        if waited > timeout:
             raise TimeoutError(f"no rollouts for step {step} after {timeout:.0f}s: {path} never appeared")
-        if not alive():
-            raise RuntimeError(f"stopped while waiting for {path}")
-        time.sleep(poll_interval(now - start))
+        time.sleep(poll_interval(waited))
     return read_step(path)
