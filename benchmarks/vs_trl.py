@@ -47,7 +47,7 @@ budget), `steps_per_s_ratio` arbor's steps/s over TRL's (target 1.2).
 
 Measured on 2 cores shared with five other engineers' work (load average 10-14 throughout, so absolute seconds
 are several times an idle machine's), `--seconds 100 --window 10 --gain 0.1 --trl-threads 1`, seeds 0 and 1,
-lr 3e-4 for both (no sweep run):
+lr 3e-4 for both (no sweep run; TRL still shuffled its tasks then, `shuffle_dataset` since set to False):
 
                          steps/s        steps to +0.1   seconds to +0.1     start-up s    held-out greedy
     TRL 1.16 (1 thread)  0.447 / 0.482  not in 45 / 49  > 100 / > 100       149 / 95      0.0 -> 0.060 / 0.063
@@ -336,6 +336,7 @@ def trl_worker(spec: dict) -> None:
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        shuffle_dataset=False,  # the tasks in order, as arbor's orchestrator takes them
     )
     clock = Clock()
     tok = AutoTokenizer.from_pretrained(spec["ckpt"])
