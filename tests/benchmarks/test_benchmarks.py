@@ -5,6 +5,7 @@ figure. The figures of a smoke run measure nothing, so only their presence is ch
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -40,6 +41,7 @@ EXPECTED: dict[str, set[str]] = {
     "step_time": SCORED | {"lag1_over_bound", "lag0_over_plain", "seconds"},
     "trainer_throughput": SCORED | {"arbor_tokens_per_s", "plain_tokens_per_s", "tokens_per_step"},
     "weight_publish": SCORED | {"throughput_ratio", "publish_load_seconds", "full_path_memory"},
+    "vs_trl": SCORED | {"steps_per_s_ratio", "arbor", "trl", "lr", "ceiling"},
     "weights": SCORED | {"raw_seconds", "publish_load_seconds", "sha256_ratio"},
 }
 """Benchmark (benchmarks/NAME.py) -> keys its last-line JSON must hold."""
@@ -72,3 +74,6 @@ def test_smoke_run_prints_its_json(name: str, tmp_path: Path):
     assert result["benchmark"] == name
     missing = EXPECTED[name] - result.keys()
     assert not missing, f"{name}'s JSON lacks {sorted(missing)}: {lines[-1][:1000]}"
+    if name == "vs_trl" and importlib.util.find_spec("trl") is None:  # CI: the bench group is not installed
+        assert result["trl"].startswith("skipped") and "TRL is not installed" in proc.stdout
+        assert result["arbor"] and result["arbor"][0]["steps"] >= 1
