@@ -129,11 +129,10 @@ def test_trainer_logprobs_equal_transformers_with_images(vl_dir, processor, tmp_
 
 
 def test_vision_tower_frozen_or_trainable(vl_dir) -> None:
-    model = build_model(ModelConfig(name=vl_dir, impl="transformers"))
-    model.set_vision_tower("frozen")
+    model = build_model(ModelConfig(name=vl_dir, impl="transformers"))  # frozen by default
     assert not any(p.requires_grad for p in model.model.visual.parameters())
     assert all(p.requires_grad for p in model.model.language_model.parameters())
-    model.set_vision_tower("trainable")
+    model = build_model(ModelConfig(name=vl_dir, impl="transformers", vision_tower="trainable"))
     assert all(p.requires_grad for p in model.model.visual.parameters())
     with pytest.raises(ValueError, match="model.vision_tower"):
         model.set_vision_tower("lora")
