@@ -26,7 +26,6 @@ from arbor.orchestrator.prefix_tree import merged_rank_rows
 from arbor.orchestrator.rollout import Rollout
 from arbor.transport.batch import MicroBatch, StepBatch
 
-
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 """Per-sample image arrays: concatenated over a row's samples that have them, never per token."""
 
