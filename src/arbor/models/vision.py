@@ -22,23 +22,8 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-IMAGE_PART_TYPES = ("image_url", "image")
-"""Content part types that carry an image."""
-
-
-class ImageRefused(ValueError):
-    """An image arbor cannot render for this model (one line naming the reason)."""
-
-
-def image_parts(messages: list[dict]) -> list[dict]:
-    """The image parts of `messages`, in order."""
-    return [
-        part
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
-    ]
+from arbor.models.image_parts import ImageRefused, image_parts
+from arbor.models.tokenizer import HFTokenizer
 
 
 def load_image(part: dict) -> Image.Image:
@@ -142,10 +127,21 @@ class VisionProcessor:
         return VisionPrompt(ids, out["pixel_values"].float(), out["image_grid_thw"].long())
 
 
-def refuse_images_for_text_model(messages: list[dict], model: str) -> None:
-    """One line when `messages` carry images but `model` renders text only."""
-    if image_parts(messages):
-        raise ImageRefused(
-            f"model {model} is a text-only model and a prompt carries images: use a vision-language model "
-            "(a checkpoint with a vision_config and an image processor) or send text"
-        )
+class VisionTokenizer(HFTokenizer):
+    """A vision-language checkpoint's tokenizer (arbor's Tokenizer protocol) that also renders images:
+    `render_images` gives the ids with expanded placeholders and the pixel inputs; `apply_chat_template` the ids
+    alone (the same ids), so every caller that counts or compares tokens sees the model's real prompt."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self.vision = VisionProcessor(path)
+
+    def render_images(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> VisionPrompt:
+        return self.vision.render(messages, add_generation_prompt, tools)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        return self.render_images(messages, add_generation_prompt, tools).ids

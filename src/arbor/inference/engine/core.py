@@ -174,6 +174,8 @@ class Engine:
         self.check(prompt_ids, params, adapter)
         if images and not self.runner.vision:
             raise InvalidRequest("the prompt carries images and the model is text-only", "messages")
+        if self.runner.vision and not images and self.runner.model.image_token_id in prompt_ids:
+            raise InvalidRequest("the prompt has image placeholder tokens but no images", "images")
         return self._inbox.submit([int(t) for t in prompt_ids], params, request_id, adapter, images).future
 
     def abort(self, request_ids: Sequence[str] | None = None) -> concurrent.futures.Future[int]:
