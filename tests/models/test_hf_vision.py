@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from arbor.config.model import ModelConfig
 from arbor.models import build_model
 from arbor.models.attention import position_ids_for
-from arbor.models.vision import ImageRefused, VisionProcessor, data_url, refuse_images_for_text_model
+from arbor.models.image_parts import ImageRefused, refuse_images_for_text_model
+from arbor.models.vision import VisionProcessor, data_url
 from arbor.models.vision_tiny import write_tiny_vl
 from arbor.trainer.step import micro_batch_logprobs
 from arbor.transport.batch import MicroBatch, StepBatch
@@ -157,3 +158,16 @@ def test_batch_refuses_images_in_merged_rows_and_bad_grids() -> None:
     )
     with pytest.raises(ValueError, match="prefix_merge = false"):
         MicroBatch(**merged, pixel_values=torch.zeros(16, 3), image_grid_thw=torch.tensor([[1, 4, 4]]))
+
+
+def test_sampled_image_tokens_are_text(vl_dir, processor) -> None:
+    """Placeholders are the runs after a vision-start token that match the row's grids, in order: image tokens a
+    policy sampled in its completion match none and stay text (as the engine decoded them)."""
+    (sample,) = _samples(processor)[:1]
+    model = build_model(ModelConfig(name=vl_dir, impl="transformers"))
+    ids = torch.tensor(sample.ids + [259, IMAGE_PAD, IMAGE_PAD, IMAGE_PAD, IMAGE_PAD, 97])
+    types, grids = model.placeholders(ids, torch.arange(len(ids)), sample.image_grid_thw)
+    assert int(types.sum()) == 4 and int(types[len(sample.ids) :].sum()) == 0
+    assert torch.equal(grids[0], sample.image_grid_thw)
+    with pytest.raises(ValueError, match="carries 2 images but only 1 match"):
+        model.placeholders(ids, torch.arange(len(ids)), torch.cat([sample.image_grid_thw, torch.tensor([[1, 4, 6]])]))

@@ -60,26 +60,45 @@ class HFVisionLM(HFCausalLM):
         object.__setattr__(inner, "layers", inner.language_model.layers)
         self._hf = [hf]
         self.image_token_id = int(config.image_token_id)
+        self.start_token_id = int(config.vision_start_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
 
     def image_tokens(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Placeholder tokens per image `[I]`."""
         return image_grid_thw.prod(-1) // (self.merge * self.merge)
 
-    def mrope_positions(
+    def placeholders(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, image_grid_thw: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Rotary positions `[3, 1, T]` of one packed row `[T]`: each sample's own, from its ids and the grids
-        of its images (consumed in row order)."""
-        types = (input_ids == self.image_token_id).to(torch.int)
-        pieces, used = [], 0
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Which tokens of one packed row `[T]` stand for image patches (`[T]` int, 1 = placeholder), and each
+        sample's grids. The row's grids are matched in order to runs of the image token that follow a vision-start
+        token and have exactly the grid's token count; an image token the policy sampled in a completion matches no
+        grid and stays a text token (as it was when the engine decoded it)."""
+        types = torch.zeros_like(input_ids, dtype=torch.int)
+        n_grids = 0 if image_grid_thw is None else int(image_grid_thw.shape[0])
+        counts = [] if image_grid_thw is None else self.image_tokens(image_grid_thw).tolist()
+        used, per_sample = 0, []
+        ids = input_ids.tolist()
         for start, end in sample_spans(position_ids):
-            n_images = _runs(types[start:end])
-            grids = None if image_grid_thw is None else image_grid_thw[used : used + n_images]
-            if n_images and (grids is None or grids.shape[0] != n_images):
-                raise ValueError(f"a sample has {n_images} images but the row carries grids for fewer")
-            used += n_images
-            pos, _ = self.model.get_rope_index(input_ids[None, start:end], types[None, start:end], grids)
+            first, i = used, start
+            while i < end and used < n_grids:
+                n = counts[used]
+                if ids[i] == self.start_token_id and ids[i + 1 : i + 1 + n] == [self.image_token_id] * n:
+                    types[i + 1 : i + 1 + n] = 1
+                    used, i = used + 1, i + 1 + n
+                else:
+                    i += 1
+            per_sample.append(image_grid_thw[first:used] if used > first else None)
+        if used != n_grids:
+            raise ValueError(f"the row carries {n_grids} images but only {used} match placeholder runs in its prompts")
+        return types, per_sample
+
+    def mrope_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor, types, grids) -> torch.Tensor:
+        """Rotary positions `[3, 1, T]` of one packed row `[T]`: each sample's own, from its ids, its placeholder
+        tokens and its images' grids (`placeholders`)."""
+        pieces = []
+        for (start, end), sample_grids in zip(sample_spans(position_ids), grids):
+            pos, _ = self.model.get_rope_index(input_ids[None, start:end], types[None, start:end], sample_grids)
             pieces.append(pos[:, 0])
         return torch.cat(pieces, dim=1)[:, None]
 
@@ -87,8 +106,9 @@ class HFVisionLM(HFCausalLM):
         """A prompt's (rotary position - sequence index) after its last token: what every later token adds."""
         if image_grid_thw is None:
             return 0
-        types = (input_ids == self.image_token_id).to(torch.int)
-        _, delta = self.model.get_rope_index(input_ids[None], types[None], image_grid_thw)
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        types, (grids,) = self.placeholders(input_ids, positions, image_grid_thw)
+        _, delta = self.model.get_rope_index(input_ids[None], types[None], grids)
         return int(delta.flatten()[0])
 
     def forward(
@@ -109,19 +129,19 @@ class HFVisionLM(HFCausalLM):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        if rope_positions is None:
+        embeds = self.model.get_input_embeddings()(input_ids)
+        if rope_positions is None or pixel_values is not None:
             if B != 1:
-                raise ValueError("a vision-language forward without rope_positions takes one packed row")
-            rope_positions = self.mrope_positions(input_ids[0], position_ids[0], image_grid_thw)
+                raise ValueError("a vision-language forward with images or without rope_positions takes one row")
+            types, grids = self.placeholders(input_ids[0], position_ids[0], image_grid_thw)
+            if rope_positions is None:
+                rope_positions = self.mrope_positions(input_ids[0], position_ids[0], types, grids)
+            if pixel_values is not None:
+                features = self.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+                features = torch.cat(features.pooler_output).to(embeds.dtype)
+                embeds = embeds.masked_scatter(types.bool()[None, :, None].to(embeds.device), features)
         ctx = ArborAttention(attn_mask, position_ids, kv_cache, cache_slots)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=rope_positions,
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            use_cache=False,
-            arbor=ctx,
-        )
+        out = self.model.language_model(inputs_embeds=embeds, position_ids=rope_positions, use_cache=False, arbor=ctx)
         x = out.last_hidden_state
         if head_fn is not None:
             return head_fn(x, linear_weight(self.lm_head))
@@ -139,11 +159,3 @@ class HFVisionLM(HFCausalLM):
             raise ValueError(f"model.vision_tower must be one of {VISION_TOWER_MODES}, got {mode!r}")
         for p in self.model.visual.parameters():
             p.requires_grad_(mode == "trainable")
-
-
-def _runs(types: torch.Tensor) -> int:
-    """Runs of 1s in a 0/1 vector: the images of a sample (each image's placeholders are contiguous)."""
-    if types.numel() == 0:
-        return 0
-    starts = types[0:1].sum() + ((types[1:] == 1) & (types[:-1] == 0)).sum()
-    return int(starts)

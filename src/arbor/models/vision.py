@@ -145,3 +145,7 @@ class VisionTokenizer(HFTokenizer):
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> list[int]:
         return self.render_images(messages, add_generation_prompt, tools).ids
+
+    def save(self, path: str | Path) -> None:
+        """The tokenizer and the processor (image processor, template): a saved checkpoint serves images too."""
+        self.vision.processor.save_pretrained(str(path))

@@ -8,6 +8,7 @@ with Qwen2.5-VL's vision special tokens and a ChatML template that renders OpenA
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -118,3 +119,22 @@ def write_tiny_vl(path: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     write_tiny_processor(path)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m arbor.models.vision_tiny DIR`: writes the tiny checkpoint at DIR unless one is there."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m arbor.models.vision_tiny DIR", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    if (path / "config.json").exists():
+        print(f"{path}: a checkpoint is there already")
+        return 0
+    write_tiny_vl(path)
+    print(f"{path}: tiny Qwen2.5-VL written")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
