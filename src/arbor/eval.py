@@ -32,11 +32,17 @@ def engine_generator(engine: Any, cfg: EvalSettings) -> Generate:
     adapter = cfg.model.lora.adapter_name() if cfg.model.lora is not None and cfg.model.lora.path else None
 
     async def generate(
-        prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+        prompt: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+        images: dict[str, Any] | None = None,
     ) -> list[Any]:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed)
         engine.check(prompt, params, adapter)
-        out = await asyncio.wrap_future(engine.submit(prompt, params, adapter=adapter))
+        out = await asyncio.wrap_future(engine.submit(prompt, params, adapter=adapter, images=images))
         return sorted(out.completions, key=lambda c: c.index)
 
     return generate

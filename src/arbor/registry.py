@@ -127,6 +127,7 @@ ENVIRONMENTS = Registry(
         verifiers=("arbor.environments.verifiers_adapter:load_verifiers_env", "arbor.config.env_args:VerifiersArgs"),
         black_box=("arbor.environments.black_box:BlackBoxEnv", "arbor.config.env_args:BlackBoxArgs"),
         swe_agent=("arbor.environments.swe_agent:SweAgentEnv", "arbor.config.env_args:SweAgentArgs"),
+        shapes=("arbor.environments.shapes:ShapesEnv", "arbor.config.env_args:ShapesArgs"),
     ),
 )
 """Environments (arbor.environments.protocol.Environment / MultiTurnEnvironment factories), with the pydantic

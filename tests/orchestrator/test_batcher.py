@@ -161,3 +161,43 @@ def test_reward_to_go_with_inserted_tokens():
         sorted([1 / 3] * 2 + [2 / 3] * 2 + [-1 / 3] * 2), abs=1e-6
     )
     assert r.token_advantages[2:4] == pytest.approx([2 / 3] * 2)  # inserted tokens: carried, but masked out
+
+
+def _image_rollout(i: int, images: int) -> Rollout:
+    r = _rollout(3, 2 + i)
+    r.prompt_ids = [100 + i] + [261] * (4 * images) + [5, 6]
+    if images:
+        r.images = {
+            "pixel_values": np.full((16 * images, 6), float(i)),
+            "image_grid_thw": np.tile([1, 4, 4], (images, 1)),
+        }
+    return r
+
+
+def test_packing_keeps_each_samples_images_with_it():
+    """Rows of vision-language samples (and a text one) carry their samples' images in row order; prefix merging
+    is refused in one line."""
+    rollouts = [_image_rollout(i, images) for i, images in enumerate([1, 2, 0, 1, 3])]
+    batches = build_step_batches(rollouts, step=0, ranks=2, micro_batch_tokens=24, temperature=1.0, pad_id=0)
+    seen = 0
+    for b in batches:
+        for mb in b.micro_batches:
+            starts = np.cumsum([0] + mb.seq_lens.tolist()[:-1])
+            owners = [int(mb.input_ids[s]) - 100 for s in starts if int(mb.input_ids[s]) >= 100]
+            expected = [
+                float(i)
+                for i in owners
+                for _ in range(16 * (rollouts[i].images is not None and len(rollouts[i].images["image_grid_thw"])))
+            ]
+            if mb.pixel_values is None:
+                assert not expected
+                continue
+            assert mb.pixel_values[:, 0].tolist() == expected
+            assert int(mb.image_grid_thw.prod(-1).sum()) == mb.pixel_values.shape[0]
+            assert int((mb.input_ids == 261).sum()) * 4 == mb.pixel_values.shape[0]
+            seen += len(owners)
+    assert seen >= 4
+    with pytest.raises(ValueError, match="prefix_merge cannot merge prompts with images"):
+        build_step_batches(
+            rollouts, step=0, ranks=1, micro_batch_tokens=64, temperature=1.0, pad_id=0, prefix_merge=True
+        )

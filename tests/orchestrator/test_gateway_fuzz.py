@@ -79,6 +79,7 @@ VALID: dict[str, list[Any]] = {
     "prompt_logprobs": [0, 2],
     "echo": [False, True],
     "suffix": ["", "x"],
+    "images": [],  # a token prompt's pixel inputs: the fuzz's text-only engine refuses any (test_engine_vision.py)
     "return_token_ids": [False, True],
     "return_tokens_as_token_ids": [False, True],
     "skip_special_tokens": [True, False],

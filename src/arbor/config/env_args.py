@@ -44,6 +44,17 @@ class ReverseTextArgs(EnvArgs):
         return self
 
 
+class ShapesArgs(EnvArgs):
+    """`shapes`: questions about an image drawn with PIL (vision-language models; arbor.environments.shapes)."""
+
+    num_tasks: Int = Field(10000, ge=1)
+    """Tasks generated from the seed."""
+    kinds: tuple[Literal["colour", "count", "position"], ...] = Field(("colour",), min_length=1)
+    """Questions asked: the square's colour, how many squares (1-4), or its side (left / right)."""
+    image_size: Int = Field(32, ge=8, le=1024)
+    """Image side in pixels."""
+
+
 class MathArgs(EnvArgs):
     num_tasks: Int = Field(10000, ge=1)
     kinds: list[Literal["arithmetic", "fraction", "linear", "word", "percent"]] | None = Field(None, min_length=1)

@@ -33,7 +33,7 @@ class ContextConfig(Config):
 class EnvironmentConfig(Config):
     id: str = "reverse_text"
     """A built-in environment (arbor.registry.ENVIRONMENTS): reverse_text, math, tool_use, code, verifiers,
-    black_box, swe_agent; or a dotted path `package.module:function` returning an Environment or a
+    black_box, swe_agent, shapes; or a dotted path `package.module:function` returning an Environment or a
     MultiTurnEnvironment."""
     args: dict[str, Any] = Field({}, validate_default=True)  # validated when absent too: black_box needs an agent
     """Keyword arguments for the environment's constructor (a built-in's are checked against its arguments model,

@@ -103,5 +103,10 @@ class ModelConfig(Config):
     """Multi-token-prediction draft modules to build (arbor.models.mtp: speculative decoding drafts, trained online
     by `trainer.draft`); default: the preset's, or the checkpoint's `num_nextn_predict_layers`. A dense Qwen3
     checkpoint without stored modules starts them from its last decoder layer. Dense Qwen3 models only."""
+    vision_tower: Literal["frozen", "trainable"] = "frozen"
+    """A vision-language checkpoint's image encoder (arbor.models.hf_vision): "frozen" trains the language model
+    only (the tower's parameters take no gradient and no optimizer state; images still shape the text's
+    logprobs), "trainable" trains the tower too. Ignored for text models. A LoRA run (`[model.lora]`) adapts the
+    modules its patterns match, the tower's included when they match its names."""
     lora: LoRAConfig | None = None
     """`[model.lora]`: train and serve a LoRA adapter instead of the full weights (absent: full fine-tuning)."""

@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 from arbor.config.base import ConfigError
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.tools import tool_schema
+from arbor.models.image_parts import ImageRefused, image_parts, refuse_images_for_text_model
 from arbor.models.tokenizer import Tokenizer
 from arbor.registry import ENVIRONMENTS
 
@@ -116,17 +117,44 @@ def raw_prompt(messages: list[dict[str, Any]]) -> str:
 def env_prompt_ids(env: Any, task: Task, tokenizer: Tokenizer, prompt_format: str = "chat") -> list[int]:
     """The first prompt's token ids: through the chat template, with the task's tool schemas for a multi-turn
     environment, or (`prompt_format = "raw"`) the raw prompt's text tokenised as it is."""
+    return env_prompt(env, task, tokenizer, prompt_format)[0]
+
+
+def env_prompt(
+    env: Any, task: Task, tokenizer: Tokenizer, prompt_format: str = "chat"
+) -> tuple[list[int], dict[str, Any] | None]:
+    """`env_prompt_ids` and the prompt's image inputs (`pixel_values`, `image_grid_thw`; None without images):
+    image content parts are rendered by a vision-language model's tokenizer (arbor.models.vision), refused in
+    one line for any other."""
+    messages = env.prompt(task)
+    if image_parts(messages):
+        if not hasattr(tokenizer, "render_images"):
+            refuse_images_for_text_model(messages, tokenizer.name)
+        if prompt_format == "raw" or is_multi_turn(env):
+            raise ImageRefused(
+                f"environment {env.name!r}: prompts with images are served single-turn, through the chat template"
+            )
+        prompt = tokenizer.render_images(messages, add_generation_prompt=True)
+        if not prompt.num_images:
+            return prompt.ids, None
+        return prompt.ids, {"pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
+    return _text_prompt_ids(env, task, messages, tokenizer, prompt_format), None
+
+
+def _text_prompt_ids(
+    env: Any, task: Task, messages: list[dict[str, Any]], tokenizer: Tokenizer, prompt_format: str
+) -> list[int]:
     if prompt_format == "raw":
         if is_multi_turn(env):
             raise ValueError(
                 f"environment {env.name!r} is multi-turn: prompt_format = 'raw' suits single-turn "
                 "environments only (turns need the chat template)"
             )
-        return tokenizer.encode(raw_prompt(env.prompt(task)))
+        return tokenizer.encode(raw_prompt(messages))
     tools = None
     if is_multi_turn(env):
         tools = [tool_schema(fn) for fn in env.tools(task)] or None
-    return tokenizer.apply_chat_template(env.prompt(task), add_generation_prompt=True, tools=tools)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
 
 
 class NoTaskFits(ConfigError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from arbor.inference.engine.params import PromptLogprobs, SamplingParams
@@ -16,6 +17,7 @@ from arbor.models.tokenizer import Tokenizer
 from arbor.transport import fields
 from arbor.transport.fields import read_seed, read_stop, read_temperature, read_top_p
 from arbor.transport.http import BadRequest
+from arbor.transport.images import decode_images
 
 STREAM_UNSUPPORTED = "stream is not supported by the local backend"
 LOCAL_UNSERVED = frozenset(f.name for f in fields.FIELDS if f.meaning in (fields.VLLM_SAMPLING, fields.VLLM_STRUCTURED))
@@ -38,6 +40,19 @@ def check_request(body: dict[str, Any], endpoint: str) -> None:
 
 
 # ---- request parsing ----
+
+
+def prompt_images(body: dict[str, Any], prompts: list[list[int]]) -> dict[str, torch.Tensor] | None:
+    """The engine's image inputs of a completions body's `images` (arbor.transport.images), for one prompt."""
+    if body.get("images") is None:
+        return None
+    if len(prompts) != 1:
+        raise BadRequest("images go with exactly one token prompt", "images")
+    try:
+        pixel_values, grid = decode_images(body["images"])
+    except ValueError as e:
+        raise BadRequest(str(e), "images") from None
+    return {"pixel_values": torch.from_numpy(pixel_values.copy()), "image_grid_thw": torch.from_numpy(grid)}
 
 
 def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, max_batch_size: int) -> SamplingParams:

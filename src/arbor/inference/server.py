@@ -121,13 +121,17 @@ class InferenceServer:
         param: str,
         request_id: str | None = None,
         adapter: str | None = None,
+        images: dict | None = None,
     ) -> list["RequestOutput"]:
         for p in prompts:  # validate every prompt before queuing any, so a bad one leaves nothing running
             try:
                 self.engine.check(p, params, adapter)
             except InvalidRequest as e:
                 raise BadRequest(str(e), param if e.param == "prompt" else e.param) from None
-        futures = [self.engine.submit(p, params, request_id, adapter) for p in prompts]
+        try:
+            futures = [self.engine.submit(p, params, request_id, adapter, images) for p in prompts]
+        except InvalidRequest as e:  # images for a text-only model
+            raise BadRequest(str(e), "images") from None
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         finally:
@@ -144,7 +148,8 @@ class InferenceServer:
         params = dataclasses.replace(params, prompt_logprobs=prompt_lps)
         return_ids, as_ids = bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))
         adapter = requested_adapter(body, self.engine.adapters)
-        outputs = await self._generate(prompts, params, "prompt", api.request_id(request, body), adapter)
+        images = api.prompt_images(body, prompts)
+        outputs = await self._generate(prompts, params, "prompt", api.request_id(request, body), adapter, images)
         choices = []
         for pi, out in enumerate(outputs):
             for c in out.completions:

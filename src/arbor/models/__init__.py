@@ -98,6 +98,8 @@ def build_model(cfg: ModelSpec, device: str = "cpu", load: bool = True) -> "nn.M
             model.init_weights(cfg.init_seed)
         else:
             load_weights(model, resolve_dir(cfg.name))
+    if hasattr(model, "set_vision_tower"):  # a vision-language model (arbor.models.hf_vision)
+        model.set_vision_tower(getattr(cfg, "vision_tower", "frozen"))
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
 
 

@@ -134,7 +134,8 @@ def transformers_builds(arch: str) -> bool:
     # transformers loads torch: imported only for an architecture without a native family
     import transformers
 
-    return arch.isidentifier() and ("CausalLM" in arch or "LMHead" in arch) and hasattr(transformers, arch)
+    decoder = "CausalLM" in arch or "LMHead" in arch or arch.endswith("VLForConditionalGeneration")
+    return arch.isidentifier() and decoder and hasattr(transformers, arch)
 
 
 def transformers_version() -> str:

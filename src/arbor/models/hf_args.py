@@ -77,6 +77,11 @@ class HFArgs:
         return list(self._get("layer_types", ["full_attention"] * self.num_hidden_layers))
 
     @property
+    def vision(self) -> bool:
+        """Whether the checkpoint is a vision-language model (a `vision_config`: arbor.models.hf_vision)."""
+        return isinstance(self.config.get("vision_config"), dict)
+
+    @property
     def recurrent(self) -> bool:
         """Whether some layer keeps recurrent state instead of attending (`ATTENTION_LAYER_TYPES`)."""
         return any(t not in ATTENTION_LAYER_TYPES for t in self.layer_types)

@@ -12,6 +12,19 @@ def _qwen3(**kw) -> ModelArgs:
 
 
 PUBLISHED_SHAPES: dict[str, ModelArgs | DSAArgs] = {
+    # the decoder of Qwen2.5-VL-3B-Instruct (its ~0.7B-parameter vision tower is not counted by `rl plan`)
+    "Qwen/Qwen2.5-VL-3B-Instruct": ModelArgs(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=128000,
+        tie_word_embeddings=True,
+    ),
     "Qwen/Qwen3-0.6B": _qwen3(
         hidden_size=1024,
         intermediate_size=3072,

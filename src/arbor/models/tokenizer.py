@@ -327,4 +327,17 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         return ByteTokenizer()
     if not p.is_dir():
         raise FileNotFoundError(f"tokenizer directory {p} does not exist")
+    if is_vision_dir(p):
+        # torch, PIL and transformers' processors: only a vision-language checkpoint's tokenizer pays for them
+        from arbor.models.vision import VisionTokenizer
+
+        return VisionTokenizer(p)
     return HFTokenizer(p)
+
+
+def is_vision_dir(path: Path) -> bool:
+    """Whether `path` holds a vision-language checkpoint with its processor (a `vision_config` and an image
+    processor's config), whose prompts may carry images (arbor.models.vision)."""
+    config = path / "config.json"
+    has_processor = (path / "processor_config.json").exists() or (path / "preprocessor_config.json").exists()
+    return has_processor and config.exists() and "vision_config" in json.loads(config.read_text())

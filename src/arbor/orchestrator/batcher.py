@@ -26,6 +26,9 @@ from arbor.orchestrator.prefix_tree import merged_rank_rows
 from arbor.orchestrator.rollout import Rollout
 from arbor.transport.batch import MicroBatch, StepBatch
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+"""Per-sample image arrays: concatenated over a row's samples that have them, never per token."""
+
 
 def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
     P, C = len(r.prompt_ids), len(r.completion_ids)
@@ -56,6 +59,9 @@ def sample_arrays(r: Rollout, weight: float = 1.0) -> dict[str, np.ndarray]:
         out["teacher_topk_logprobs"] = np.concatenate([pad.astype(np.float32), np.where(trained[:, None], lps, 0)])
     if r.routed_experts is not None:  # router replay: the engine's array, moved whole (no per-token work)
         out["routed_experts"] = r.routed_experts
+    if r.images is not None:  # a vision-language prompt's images travel with its sample
+        out["pixel_values"] = np.asarray(r.images["pixel_values"], np.float32)
+        out["image_grid_thw"] = np.asarray(r.images["image_grid_thw"], np.int64)
     return out
 
 
@@ -102,8 +108,11 @@ def pack_rows(indices: list[int], lengths: list[int], budget: int) -> list[list[
 def _micro_batch(samples: list[dict[str, np.ndarray]]) -> MicroBatch:
     # Routed experts (teacher logprobs) only when every sample of the row has them (a row is replayed whole or
     # not at all; a run has a teacher for every sample or for none).
-    keys = [k for k in samples[0] if all(k in s for s in samples)]
+    keys = [k for k in samples[0] if all(k in s for s in samples) and k not in IMAGE_KEYS]
     cat = {k: torch.from_numpy(np.concatenate([s[k] for s in samples])) for k in keys}
+    for k in IMAGE_KEYS:  # each sample's images, in row order (samples without images add none)
+        if any(k in s for s in samples):
+            cat[k] = torch.from_numpy(np.concatenate([s[k] for s in samples if k in s]))
     lens = [len(s["input_ids"]) for s in samples]
     return MicroBatch(position_ids=position_ids_for(lens)[0], seq_lens=torch.tensor(lens, dtype=torch.int32), **cat)
 
@@ -125,6 +134,11 @@ def _pack(
 ) -> list[list[MicroBatch]]:
     """Per rank, its micro-batches at this row budget (prefix-tree merged or plainly packed)."""
     if prefix_merge:
+        if any("pixel_values" in s for s in samples):
+            raise ValueError(
+                "orchestrator.batching.prefix_merge cannot merge prompts with images (their placeholder tokens "
+                "are shared while their pixels differ): set it to false for a vision-language run"
+            )
         return merged_rank_rows(samples, ranks, budget)
     return [
         [_micro_batch([samples[i] for i in row]) for row in pack_rows(idx, lengths, budget)]

@@ -23,6 +23,7 @@ from pydantic import SecretStr
 
 from arbor.transport.admin import bearer_headers
 from arbor.transport.expert_routes import decode_routes
+from arbor.transport.images import encode_images
 from arbor.transport.router_wire import ENGINE_PREFIX, METRIC_PREFIX, RUN_HEADER, parse_metrics
 
 log = logging.getLogger("arbor.orchestrator.client")
@@ -239,7 +240,10 @@ class InferenceClient:
         seed: int | None = None,
         request_id: str | None = None,
         stop: list[str] | None = None,
+        images: dict[str, Any] | None = None,
     ) -> list[Completion]:
+        """`n` completions of `prompt_ids`; `images` (`pixel_values`, `image_grid_thw`: a vision-language
+        prompt's, its placeholders in the ids) travel as the `images` extension (arbor.transport.images)."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -257,6 +261,8 @@ class InferenceClient:
             body["request_id"] = request_id
         if stop:
             body["stop"] = stop
+        if images:
+            body["images"] = encode_images(images["pixel_values"], images["image_grid_thw"])
         server, data = await self._post_to("/v1/completions", body, headers=self._headers)
         out = []
         for choice in sorted(data["choices"], key=lambda c: c["index"]):

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from arbor.config.eval import EvalSettings
-from arbor.environments import env_prompt_ids, is_multi_turn, load_environment, total_reward
+from arbor.environments import env_prompt, is_multi_turn, load_environment, total_reward
 from arbor.environments.guard import EnvFailure, guarded, reward_components
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.episode import EpisodeSettings, run_group_episodes
@@ -72,13 +72,14 @@ async def evaluate(
             if is_multi_turn(env):
                 return await _episodes(generate, env, env_cfg, task, tokenizer, cfg, seq_len, seed, i)
             try:
-                prompt = env_prompt_ids(env, task, tokenizer, env_cfg.prompt_format)
+                prompt, images = env_prompt(env, task, tokenizer, env_cfg.prompt_format)
             except Exception as e:  # noqa: BLE001 - the environment's prompt for one task: its samples fail
                 log.warning("eval task %s of %s skipped: its prompt could not be built: %r", i, env_cfg.id, e)
                 return [None] * cfg.k, [0] * cfg.k
             if max_prompt is not None and len(prompt) > max_prompt:
                 raise ValueError(f"eval task {i} of {env_cfg.id}: prompt of {len(prompt)} tokens exceeds {max_prompt}")
-            completions = await generate(prompt, cfg.k, cfg.max_tokens, cfg.temperature, cfg.top_p, seed)
+            extra = {"images": images} if images else {}  # a vision-language prompt's pixel inputs
+            completions = await generate(prompt, cfg.k, cfg.max_tokens, cfg.temperature, cfg.top_p, seed, **extra)
             texts = [c.text for c in completions]
             return list(await asyncio.gather(*(scored(task, t) for t in texts))), [len(t) for t in texts]
 

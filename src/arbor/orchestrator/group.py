@@ -33,6 +33,8 @@ class GroupSpec:
     prompt_ids: list[int]
     seed: int
     group_id: int = -1
+    images: dict[str, Any] | None = None
+    """A vision-language prompt's pixel inputs (arbor.environments.protocol.env_prompt); None for text."""
 
 
 async def generate_group(
@@ -64,7 +66,8 @@ async def generate_group(
         return await run_group_episodes(
             generate, env, spec.task, tokenizer, settings, group_size, spec.seed, spec.group_id, stats
         )
-    completions = await generate(spec.prompt_ids, group_size, max_tokens, temperature, top_p, spec.seed)
+    extra = {"images": spec.images} if spec.images else {}  # only a vision-language prompt's call carries it
+    completions = await generate(spec.prompt_ids, group_size, max_tokens, temperature, top_p, spec.seed, **extra)
     rollouts = [
         Rollout(
             spec.task.get("id", -1),
@@ -77,6 +80,7 @@ async def generate_group(
             routed_experts=c.routed_experts,
             group_id=spec.group_id,
             pieces=c.pieces,
+            images=spec.images,
         )
         for c in completions
     ]

@@ -30,6 +30,7 @@ import itertools
 import uuid
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from arbor.orchestrator.client import Completion, InferenceClient
 
@@ -62,13 +63,23 @@ class GroupHandle:
             await self._gate.wait()
 
     async def _piece(
-        self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        images: dict[str, Any] | None = None,
     ) -> list[Completion]:
         await self._open()
         rid = f"arbor-{self.owner.run_id}-{self.key}-{next(self._ids)}"
         self._active.add(rid)
         try:
-            out = await self.owner.client.generate(prompt_ids, n, max_tokens, temperature, top_p, seed, request_id=rid)
+            extra = {"images": images} if images else {}
+            out = await self.owner.client.generate(
+                prompt_ids, n, max_tokens, temperature, top_p, seed, request_id=rid, **extra
+            )
         finally:
             self._active.discard(rid)
         for c in out:
@@ -78,10 +89,18 @@ class GroupHandle:
         return out
 
     async def generate(
-        self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float, top_p: float, seed: int | None = None
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+        images: dict[str, Any] | None = None,
     ) -> list[Completion]:
-        """`InferenceClient.generate`, made whole across aborts: returns when every sample has really finished."""
-        first = await self._piece(prompt_ids, n, max_tokens, temperature, top_p, seed)
+        """`InferenceClient.generate`, made whole across aborts: returns when every sample has really finished
+        (a resumed piece carries the prompt's `images` again)."""
+        first = await self._piece(prompt_ids, n, max_tokens, temperature, top_p, seed, images)
         pieces: list[list[Completion]] = [[c] for c in first]
         for attempt in itertools.count(1):
             todo = [i for i, p in enumerate(pieces) if p[-1].finish_reason == "abort"]
@@ -89,7 +108,7 @@ class GroupHandle:
                 break
             done = [sum(len(c.token_ids) for c in pieces[i]) for i in todo]
             if len(todo) == n and not any(done):  # nothing generated at all: the same request again
-                for i, c in enumerate(await self._piece(prompt_ids, n, max_tokens, temperature, top_p, seed)):
+                for i, c in enumerate(await self._piece(prompt_ids, n, max_tokens, temperature, top_p, seed, images)):
                     pieces[i] = [c]
                 continue
             self.split = True
@@ -99,7 +118,7 @@ class GroupHandle:
                     return Completion([], [], [], "", "length")
                 ids = prompt_ids + [t for c in pieces[i] for t in c.token_ids]
                 s = None if seed is None else zlib.crc32(f"{seed}/{i}/{attempt}".encode()) & 0x7FFFFFFF
-                (c,) = await self._piece(ids, 1, max_tokens - k, temperature, top_p, s)
+                (c,) = await self._piece(ids, 1, max_tokens - k, temperature, top_p, s, images)
                 return c
 
             for i, c in zip(todo, await asyncio.gather(*(more(i, k) for i, k in zip(todo, done)))):

@@ -50,6 +50,9 @@ class Rollout:
     completion position, best first; None otherwise."""
     teacher_topk_logprobs: Any = None
     """Their logprobs, `np.ndarray [C, k]` float32."""
+    images: dict[str, Any] | None = None
+    """A vision-language prompt's pixel inputs, `pixel_values [P, D]` and `image_grid_thw [I, 3]` (arrays or
+    tensors, arbor.models.vision.VisionPrompt), for the placeholder tokens in `prompt_ids`; None for text."""
 
     @property
     def num_tokens(self) -> int:

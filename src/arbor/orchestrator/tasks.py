@@ -25,7 +25,7 @@ import zlib
 from typing import Any
 
 from arbor.config.orchestrator import CurriculumConfig
-from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt_ids
+from arbor.environments import NoTaskFits, Task, check_some_task_fits, env_prompt
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.filters import CurriculumSampler
 from arbor.orchestrator.group import GroupSpec
@@ -89,7 +89,7 @@ class TaskSource:
             else:
                 task = self.curriculum.next() if self.curriculum is not None else self.sampler.next()
             try:
-                prompt_ids = env_prompt_ids(self.env, task, self.tokenizer, cfg.prompt_format)
+                prompt_ids, images = env_prompt(self.env, task, self.tokenizer, cfg.prompt_format)
             except Exception as e:  # noqa: BLE001 - the environment's code for one task: skipped and counted
                 failed_in_a_row += 1
                 self._bad_prompt(task, e, failed_in_a_row)
@@ -103,7 +103,7 @@ class TaskSource:
         self._task_of_group[group_id] = task
         if retries:
             self._retries[group_id] = retries
-        return GroupSpec(task, prompt_ids, seed, group_id)
+        return GroupSpec(task, prompt_ids, seed, group_id, images)
 
     def _bad_prompt(self, task: Task, error: Exception, in_a_row: int) -> None:
         self.skipped_bad += 1

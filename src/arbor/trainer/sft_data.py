@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from arbor.config.sft import SFTConfig
-from arbor.environments import env_prompt_ids, load_environment
+from arbor.environments import env_prompt, load_environment
 from arbor.environments.tools import tool_schema
 from arbor.models.tokenizer import Tokenizer
 
-Example = tuple[list[int], list[bool]]
-"""(token ids, loss mask): the mask is True on target tokens (each target ends with the end-of-turn token)."""
+Example = tuple[list[int], list[bool]] | tuple[list[int], list[bool], dict[str, Any]]
+"""(token ids, loss mask), the mask True on target tokens (each target ends with the end-of-turn token); a
+vision-language prompt's example adds its pixel inputs (`pixel_values`, `image_grid_thw`) as a third item."""
 
 
 def _single(prompt: list[int], target: list[int]) -> Example:
@@ -57,8 +58,9 @@ def _environment_examples(cfg: SFTConfig, tokenizer: Tokenizer) -> list[Example]
         reference = env.reference(task)
         if reference is None:
             continue
-        prompt = env_prompt_ids(env, task, tokenizer, cfg.environment.prompt_format)
-        out.append(_single(prompt, tokenizer.encode(reference) + [tokenizer.eos_token_id]))
+        prompt, images = env_prompt(env, task, tokenizer, cfg.environment.prompt_format)
+        example = _single(prompt, tokenizer.encode(reference) + [tokenizer.eos_token_id])
+        out.append(example if images is None else (*example, images))
     if not out:
         raise ValueError(f"environment {cfg.environment.id!r} has no reference answers to fine-tune on")
     return out

@@ -40,7 +40,7 @@ def pack(batch: list[Example], row_len: int) -> list[tuple[torch.Tensor, torch.T
     """Packs examples in order into rows of at most `row_len` tokens: (input_ids, loss_mask, seq_lens) per row.
     Token t of a target is in the loss (predicted from everything before it); other tokens are not."""
     rows: list[tuple[list[int], list[bool], list[int]]] = []
-    for example_ids, example_mask in batch:
+    for example_ids, example_mask, *_ in batch:
         n = len(example_ids)
         if not rows or len(rows[-1][0]) + n > row_len:
             rows.append(([], [], []))
@@ -49,6 +49,27 @@ def pack(batch: list[Example], row_len: int) -> list[tuple[torch.Tensor, torch.T
         mask += example_mask
         lens.append(n)
     return [(torch.tensor(ids), torch.tensor(mask), lens) for ids, mask, lens in rows]
+
+
+def pack_images(batch: list[Example], row_len: int) -> list[dict[str, torch.Tensor] | None]:
+    """The image inputs of each row `pack` makes of `batch` (its examples' images in row order; None for a row
+    without images)."""
+    rows: list[list[dict]] = []
+    used = row_len  # so that the first example opens a row, as in `pack`
+    for example in batch:
+        n = len(example[0])
+        if not rows or used + n > row_len:
+            rows.append([])
+            used = 0
+        used += n
+        if len(example) > 2:
+            rows[-1].append(example[2])
+    return [
+        {k: torch.cat([torch.as_tensor(i[k]) for i in images]) for k in ("pixel_values", "image_grid_thw")}
+        if images
+        else None
+        for images in rows
+    ]
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, Any]:
@@ -82,12 +103,14 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     for step, batch in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
         beat(f"training step {step + 1}")
         rows = pack(batch, max(cfg.seq_len, cfg.row_tokens))
+        images = pack_images(batch, max(cfg.seq_len, cfg.row_tokens))
         targets = sum(int(mask.sum()) for _, mask, _ in rows)
         total = torch.zeros((), device=device)
         draft_kl = torch.zeros((), device=device)
-        for ids, mask, lens in rows:
+        for (ids, mask, lens), row_images in zip(rows, images):
+            draft = cfg.draft if trains_drafts else None
             with autocast:
-                logprobs, drafted = row_logprobs(model, ids, lens, device, cfg.draft if trains_drafts else None, state)
+                logprobs, drafted = row_logprobs(model, ids, lens, device, draft, state, row_images)
             nll = -(logprobs * mask.to(device)).sum() / targets
             if drafted is not None:  # reaches the MTP modules only (arbor.trainer.draft)
                 (nll + cfg.draft.weight * drafted.loss / len(rows)).backward()
@@ -127,14 +150,16 @@ def row_logprobs(
     device: torch.device,
     draft: DraftConfig | None,
     state: ParallelState = UNPREPARED,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, DraftOut | None]:
     """One packed row's token logprobs and, with `draft`, the MTP modules' draft loss on it (the draft function
-    the model's forward calls, as in RL steps)."""
+    the model's forward calls, as in RL steps); `images`: a vision-language row's pixel inputs."""
     if draft is not None:
         end = subtree_end_for(torch.tensor(lens), ids.shape[0]).to(device)
         model.draft_fn = make_draft_fn(end, 1.0, draft.top_k, state)
     try:
-        logprobs, _ = packed_logprobs(model, ids, position_ids_for(lens)[0], lens, 1.0, device, False, state=state)
+        positions = position_ids_for(lens)[0]
+        logprobs, _ = packed_logprobs(model, ids, positions, lens, 1.0, device, False, state=state, images=images)
         return logprobs, model.draft_out if draft is not None else None
     finally:
         if draft is not None:

@@ -91,13 +91,17 @@ def packed_logprobs(
     top_p: float = 1.0,
     extra_ids: torch.Tensor | None = None,
     state: ParallelState = UNPREPARED,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward one packed row `[T]` with its block-diagonal mask; (logprobs, entropy) `[T]` on `device`.
+    `images` (`pixel_values`, `image_grid_thw`: MicroBatch.images) feed a vision-language model's tower.
     `routed_experts [T, moe_layers, k]` replays the inference engine's routing (MoE models); `top_p < 1` scores
     the nucleus-truncated distribution (arbor.trainer.logprobs); `extra_ids [T, k]` adds a third result, the
     logprobs `[T, k]` of those ids where token t is predicted. Under context parallelism the row is split over
     the cp ranks (arbor.trainer.context_parallel) with the same result. `state`: how the model was prepared."""
     if state.cp is not None:
+        if images:
+            raise ValueError("rows with images cannot be split by context parallelism: set trainer.parallel.cp = 1")
         if extra_ids is not None:
             raise ValueError(
                 "orchestrator.teacher.top_k > 0 is not supported with trainer.parallel.cp > 1: set "
@@ -126,7 +130,7 @@ def packed_logprobs(
             hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p, extra_ids, vocab
         )
 
-    return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head)
+    return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head, images)
 
 
 def _row_forward(
@@ -137,11 +141,13 @@ def _row_forward(
     device: torch.device,
     routed_experts: torch.Tensor | None,
     head_fn: HeadFn,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`head_fn`'s (logprobs, entropy) for one row forwarded under its tree mask (a packed row is a forest of
     chains): one mask per row, shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
     mask = row_attention_mask(subtree_end, device, getattr(model, "accepts_block_mask", False))
     kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
+    kwargs.update({k: v.to(device) for k, v in (images or {}).items()})
     return model(
         input_ids.to(device)[None], position_ids.to(device, non_blocking=True)[None], mask, head_fn=head_fn, **kwargs
     )
@@ -249,6 +255,7 @@ def micro_batch_logprobs(
         top_p,
         extra_ids,
         state,
+        mb.images,
     )
 
 

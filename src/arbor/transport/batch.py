@@ -2,7 +2,8 @@
 
 Per-token arrays (`input_ids`, `position_ids`, `loss_mask`, `advantages`, `inference_logprobs`,
 `policy_versions`, `loss_weights`, optional teacher and router-replay fields) describe the prediction of token t
-from the tokens before it; prefix-tree merged rows add `subtree_end` and `token_nodes`. Every field, and how merged
+from the tokens before it; prefix-tree merged rows add `subtree_end` and `token_nodes`; a vision-language row adds
+its images' `pixel_values` and `image_grid_thw` (every sample's images, in row order). Every field, and how merged
 rows depart from "every per-token array has the length of input_ids": docs/training.md, "The batch format".
 """
 
@@ -37,6 +38,8 @@ DTYPES = {
     "teacher_logprobs": torch.float32,
     "teacher_topk_ids": torch.int32,
     "teacher_topk_logprobs": torch.float32,
+    "pixel_values": torch.float32,
+    "image_grid_thw": torch.int64,
 }
 
 
@@ -63,6 +66,11 @@ class MicroBatch:
     """With the teacher's `top_k = k`: its k most likely tokens at each sample token `[N, k]`; else None."""
     teacher_topk_logprobs: torch.Tensor | None = None
     """Their logprobs `[N, k]` (present exactly when `teacher_topk_ids` is)."""
+    pixel_values: torch.Tensor | None = None
+    """Vision-language rows: the patches `[P, D]` of every image whose placeholder tokens are in the row, in row
+    order (the model's processor's `pixel_values`, concatenated sample after sample); None for text rows."""
+    image_grid_thw: torch.Tensor | None = None
+    """Each of those images' patch grid `[I, 3]` (t, h, w; P = sum of t*h*w); present exactly with pixel_values."""
 
     def __post_init__(self) -> None:
         m = self.input_ids.shape[0]
@@ -83,6 +91,7 @@ class MicroBatch:
         if t is not None and (t.dim() != 1 or t.shape[0] != n):
             raise ValueError(f"micro-batch field teacher_logprobs has shape {tuple(t.shape)}, expected ({n},)")
         self._check_topk(n)
+        self._check_images()
         if self.subtree_end is not None and (self.subtree_end.dim() != 1 or self.subtree_end.shape[0] != m):
             shape = tuple(self.subtree_end.shape)
             raise ValueError(f"micro-batch field subtree_end has shape {shape}, expected ({m},)")
@@ -107,6 +116,30 @@ class MicroBatch:
         for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
             if t.dim() != 2 or t.shape[0] != n or t.shape != ids.shape:
                 raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({n}, k) with one k")
+
+    def _check_images(self) -> None:
+        pix, grid = self.pixel_values, self.image_grid_thw
+        if (pix is None) != (grid is None):
+            raise ValueError("micro-batch has one of pixel_values and image_grid_thw without the other")
+        if pix is None:
+            return
+        if grid.dim() != 2 or grid.shape[1] != 3 or pix.dim() != 2:
+            shapes = f"{tuple(pix.shape)} and {tuple(grid.shape)}"
+            raise ValueError(f"micro-batch pixel_values / image_grid_thw have shapes {shapes}, expected (P, D), (I, 3)")
+        patches = int(grid.prod(-1).sum())
+        if patches != pix.shape[0]:
+            raise ValueError(f"micro-batch image_grid_thw covers {patches} patches, pixel_values holds {pix.shape[0]}")
+        if self.token_nodes is not None:
+            raise ValueError(
+                "a prefix-tree merged row cannot carry images: set orchestrator.batching.prefix_merge = false"
+            )
+
+    @property
+    def images(self) -> dict[str, torch.Tensor]:
+        """The row's image inputs as the model's forward keywords (empty for a text row)."""
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
 
     @property
     def num_tokens(self) -> int:

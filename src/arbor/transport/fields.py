@@ -280,6 +280,13 @@ FIELDS: tuple[Field, ...] = (
     ),
     _vllm("echo", "bool", "completions: the prompt before the completion", (COMPLETIONS,), neutral=(False,)),
     _vllm("suffix", "string", "completions: text after the completion", (COMPLETIONS,), neutral=("",)),
+    _vllm(
+        "images",
+        "object",
+        "arbor: a token prompt's pixel inputs (arbor.transport.images; the local backend only)",
+        (COMPLETIONS,),
+        max_len=2,
+    ),
     _vllm("return_token_ids", "bool", "the prompt's and the completion's token ids", neutral=(False,)),
     _vllm("return_tokens_as_token_ids", "bool", "logprob tokens as token_id:N", neutral=(False,)),
     _vllm("skip_special_tokens", "bool", "special tokens left out of the text", neutral=(True,)),

@@ -164,12 +164,19 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         adapter: str | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> concurrent.futures.Future[RequestOutput]:
         """Queues a request (generated with LoRA adapter `adapter` when given); cancel the future to drop it (its
         slots are freed at the next step, its output is lost), or `abort(request_id)` to finish it with what it
-        has generated so far. Several requests may share one `request_id` (one abort ends them all)."""
+        has generated so far. Several requests may share one `request_id` (one abort ends them all). `images`:
+        a vision-language prompt's `pixel_values` and `image_grid_thw` (arbor.models.vision.VisionPrompt), its
+        placeholders in `prompt_ids`; the image encoder runs once, in the prompt's prefill."""
         self.check(prompt_ids, params, adapter)
-        return self._inbox.submit([int(t) for t in prompt_ids], params, request_id, adapter).future
+        if images and not self.runner.vision:
+            raise InvalidRequest("the prompt carries images and the model is text-only", "messages")
+        if self.runner.vision and not images and self.runner.model.image_token_id in prompt_ids:
+            raise InvalidRequest("the prompt has image placeholder tokens but no images", "images")
+        return self._inbox.submit([int(t) for t in prompt_ids], params, request_id, adapter, images).future
 
     def abort(self, request_ids: Sequence[str] | None = None) -> concurrent.futures.Future[int]:
         """Finishes the requests with these ids (None: every request) between two decode steps: their futures

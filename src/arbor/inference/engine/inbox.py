@@ -49,13 +49,18 @@ class Inbox:
     # ---- caller side ----
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None, adapter: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        adapter: str | None = None,
+        images: dict | None = None,
     ) -> Request:
         """Queues a request (resolved at once, empty, if its id was aborted already)."""
         with self.cv:
             self.raise_if_stopped()
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**62)
-            req = Request(prompt, params, seed, request_id, adapter)
+            req = Request(prompt, params, seed, request_id, adapter, images)
             if request_id is not None and request_id in self._aborted_ids:
                 resolve(req.future, req.aborted_output())
                 return req

@@ -81,8 +81,13 @@ class Request:
         seed: int,
         request_id: str | None = None,
         adapter: str | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.prompt = prompt
+        self.images = images
+        """A vision-language prompt's image inputs (`pixel_values`, `image_grid_thw`); None for text."""
+        self.rope_delta = 0
+        """Rotary position minus cache position after the prompt (3-D multimodal positions; set at prefill)."""
         self.params = params
         self.seed = seed
         self.request_id = request_id

@@ -102,6 +102,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.kv = model.make_kv_cache(max_batch_size, seq_len)
         self.device: torch.device = next(model.parameters()).device
+        self.vision = hasattr(model, "mrope_positions")
+        """A vision-language model (arbor.models.hf_vision): 3-D rotary positions, image prompts."""
         args = model.args
         self._route_shape: tuple[int, int, int] | None = (
             (seq_len, len(args.moe_layers), args.num_experts_per_tok) if getattr(args, "is_moe", False) else None
@@ -113,11 +115,14 @@ class ModelRunner:
         others); returns fp32 logits `[1, V]` of its last position."""
         req = seqs[0].req
         prompt = req.prompt
+        if req.images:
+            grid = req.images["image_grid_thw"]
+            req.rope_delta = self.model.rope_delta(torch.tensor(prompt, device=self.device), grid.to(self.device))
         with self.adapters.rows([req.lora_slot], len(prompt)):
             if req.params.prompt_logprobs is None:
-                logits = self.forward(prompt, 0, seqs[0].slot)
+                logits = self.forward(prompt, 0, seqs[0].slot, images=req.images)
             else:  # every position's logits, scored against the next prompt token
-                every = self.forward(prompt, 0, seqs[0].slot, keep=0)
+                every = self.forward(prompt, 0, seqs[0].slot, keep=0, images=req.images)
                 req.prompt_logprobs = prompt_logprobs(prompt, every, req.params.prompt_logprobs, self.vocab)
                 logits = every[-1:]
         if self._route_shape is not None:
@@ -141,8 +146,9 @@ class ModelRunner:
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=dev)
         pos = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=dev)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        extra = self._rope(pos, [s.req.rope_delta for s in seqs])
         with self.adapters.rows(lora, 1):
-            logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots)[:, -1].float()
+            logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots, **extra)[:, -1].float()
         if self._route_shape is not None:
             routes = self._routes_of_last_forward()
             for b, s in enumerate(seqs):
@@ -172,8 +178,15 @@ class ModelRunner:
         before each one's newest token, which the next decode step writes. Batched forwards rather than one per
         request and sample: after a weight update mid-generation (every step of an async run) the per-row
         forwards cost about 30 decode steps of a 64-sequence batch on one CPU thread, the batched ones 13.
-        Prompt logprobs keep the values their prefill computed."""
-        self._forward_rows(seqs, [s.req.prompt + s.tokens[:-1] for s in seqs])
+        Prompt logprobs keep the values their prefill computed. A sequence with images is recomputed alone
+        (its image encoder runs again, with the new weights)."""
+        text = [s for s in seqs if not s.req.images]
+        if text:
+            self._forward_rows(text, [s.req.prompt + s.tokens[:-1] for s in text])
+        for s in seqs:
+            if s.req.images:
+                with self.adapters.rows([s.req.lora_slot], len(s.req.prompt) + len(s.tokens) - 1):
+                    self.forward(s.req.prompt + s.tokens[:-1], 0, s.slot, images=s.req.images)
 
     @property
     def rows_budget(self) -> int:
@@ -196,8 +209,9 @@ class ModelRunner:
         ids, pos = left_padded(rows, self.device)
         T = ids.shape[1]
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        extra = self._rope(pos, [s.req.rope_delta for s in seqs])
         with self.adapters.rows([s.req.lora_slot for s in seqs], T):
-            logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=1)
+            logits = self.model(ids, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=1, **extra)
         if self._route_shape is not None:
             routes = self._routes_of_last_forward()
             for b, (s, row) in enumerate(zip(seqs, rows)):
@@ -220,12 +234,26 @@ class ModelRunner:
             raise FileNotFoundError(f"adapter directory {path} does not exist")
         return self.adapters.load(name, str(path), arbor_tensors(self.weights.load(path)), version)
 
-    def forward(self, ids: list[int], start: int, slot: int, keep: int = 1) -> torch.Tensor:
+    def _rope(self, pos: torch.Tensor, deltas: list[int]) -> dict[str, torch.Tensor]:
+        """A vision-language model's rotary positions `[3, B, T]` for text tokens at cache positions `pos`:
+        each row's position plus its prompt's delta (the same on all three axes); {} for other models."""
+        if not self.vision:
+            return {}
+        delta = torch.tensor(deltas, dtype=pos.dtype, device=pos.device)[:, None]
+        return {"rope_positions": (pos + delta)[None].expand(3, -1, -1)}
+
+    def forward(
+        self, ids: list[int], start: int, slot: int, keep: int = 1, images: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Writes `ids` at positions start.. of `slot`; returns fp32 logits `[keep, V]` of the last `keep`
-        positions (0: of every position)."""
+        positions (0: of every position). `images` (a whole prompt from position 0) run the image encoder."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+        if images:
+            pixels = {k: v.to(self.device) for k, v in images.items()}
+            logits = self.model(x, pos, kv_cache=self.kv, cache_slots=slots, logits_to_keep=keep, **pixels)
+            return logits[0].float()
         if self.keep_hidden:
             hidden = self.model.hidden_states(x, pos, self.kv, slots)
             self.last_hidden = hidden[0]

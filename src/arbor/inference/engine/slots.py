@@ -61,7 +61,7 @@ class SlotScheduler:
             except Exception as e:
                 log.exception("admitting request %s failed", req.request_id)
                 self._fail_request(req, e)
-        together = [r for r in admitted if r.params.prompt_logprobs is None]
+        together = [r for r in admitted if r.params.prompt_logprobs is None and r.images is None]
         logits: dict[int, torch.Tensor] = {}
         for group, prefill in (
             ([r for r in together if not self._speculative(r)], self.runner.prefill_many),

@@ -259,6 +259,10 @@ class VLLMProxy:
                 "logprobs and policy versions)",
                 "stream",
             )
+        if body.get("images") is not None:  # vLLM would ignore it and answer for the text alone
+            raise HTTPError(
+                400, "images (a token prompt's pixel inputs) are served by the local backend only", "images"
+            )
         await self._open.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         adapter = requested_adapter(body, self.adapters)

@@ -50,8 +50,9 @@ class TransformersFamily:
     def build(self, args: HFArgs) -> "nn.Module":
         # torch and transformers only when a model is built: reading a config stays torch-free
         from arbor.models.hf_causal import HFCausalLM
+        from arbor.models.hf_vision import HFVisionLM
 
-        return HFCausalLM(args)
+        return HFVisionLM(args) if args.vision else HFCausalLM(args)
 
     def to_hf_state(self, state: dict[str, "torch.Tensor"], args: HFArgs) -> dict[str, "torch.Tensor"]:
         from arbor.models.hf_causal import checkpoint_state  # torch: see `build`
