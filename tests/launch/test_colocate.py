@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from arbor.colocate import TurnTimeout, hand_over, train_turn, wait_turn
+from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
+from arbor.inference.vllm.launch import serve_argv, vllm_build
 from arbor.launch.rl import main
 from arbor.planner import plan
 
@@ -66,3 +68,12 @@ def test_rl_plan_fits_qwen3_8b_on_one_80_gb_gpu_colocated_and_not_split(capsys):
     # asked for the memory split, the planner says to take turns
     assert main(["plan", *EIGHT_B, "--inference.colocate", "false"]) == 0
     assert "set inference.colocate = true: the split does not fit" in capsys.readouterr().out
+
+
+def test_a_colocated_vllm_server_starts_in_sleep_mode_and_the_cpu_build_is_refused_it():
+    cfg = InferenceConfig(backend="vllm", colocate=True)
+    assert "--enable-sleep-mode" in serve_argv(cfg, "/m", 1)
+    assert "--enable-sleep-mode" not in serve_argv(InferenceConfig(backend="vllm"), "/m", 1)
+    if vllm_build() == "cpu":
+        line = cfg.engine_backend().preflight(cfg, "inference")
+        assert line is not None and line.startswith("inference.colocate = true needs vLLM's sleep mode")
