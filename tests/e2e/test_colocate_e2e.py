@@ -1,7 +1,8 @@
 """`inference.colocate` end to end on CPU (the reverse_text example, sync, fp32, a random tiny Qwen3): trainer and
 local engine take turns, and the colocated run trains step for step as the split run does (same seed: the same
-rollouts, the same losses to the last bits that continuous batching leaves to timing), while its memory, measured at every hand-over, peaks below the sum of the two
-processes' peaks: the engine's sleep frees its weights and KV cache, the trainer's offload its gradients."""
+rollouts, the same losses to the last bits that continuous batching leaves to timing), while its memory, measured
+at every hand-over, peaks below the sum of the two processes' peaks: the engine's sleep frees its weights and KV
+cache, the trainer's offload its gradients."""
 
 from __future__ import annotations
 
