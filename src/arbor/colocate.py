@@ -59,30 +59,33 @@ def hand_over(path: Path, **figures: float) -> None:
     write_text_atomic(path, json.dumps({"time": time.time(), **figures}))
 
 
+def _look(path: Path, start: float, timeout: float, writer: str, alive: Callable[[], bool]) -> float | None:
+    """None once `path` exists; else how long to sleep before the next look. TurnTimeout past `timeout` seconds
+    since `start`, RuntimeError as soon as `alive()` turns False."""
+    if path.exists():
+        return None
+    waited = time.monotonic() - start
+    if waited > timeout:
+        raise TurnTimeout(f"colocated run: {writer} did not hand the device over within {timeout:.0f}s ({path})")
+    if not alive():
+        raise RuntimeError(f"colocated run: stopped while waiting for {writer} ({path})")
+    return poll_interval(waited)
+
+
 def wait_turn(path: Path, timeout: float, writer: str, alive: Callable[[], bool] = lambda: True) -> dict[str, float]:
     """Blocks until `path` exists (looking as often as `arbor.run_dir.poll_interval` says); returns its figures.
     TurnTimeout after `timeout` seconds, RuntimeError as soon as `alive()` turns False."""
     start = time.monotonic()
-    while not path.exists():
-        waited = time.monotonic() - start
-        if waited > timeout:
-            raise TurnTimeout(f"colocated run: {writer} did not hand the device over within {timeout:.0f}s ({path})")
-        if not alive():
-            raise RuntimeError(f"colocated run: stopped while waiting for {writer} ({path})")
-        time.sleep(poll_interval(waited))
+    while (pause := _look(path, start, timeout, writer, alive)) is not None:
+        time.sleep(pause)
     return json.loads(path.read_text() or "{}")
 
 
 async def wait_turn_async(path: Path, timeout: float, writer: str, alive: Callable[[], bool] = lambda: True) -> dict:
     """`wait_turn` for an event loop: sleeps between looks instead of blocking the loop."""
     start = time.monotonic()
-    while not path.exists():
-        waited = time.monotonic() - start
-        if waited > timeout:
-            raise TurnTimeout(f"colocated run: {writer} did not hand the device over within {timeout:.0f}s ({path})")
-        if not alive():
-            raise RuntimeError(f"colocated run: stopped while waiting for {writer} ({path})")
-        await asyncio.sleep(poll_interval(waited))
+    while (pause := _look(path, start, timeout, writer, alive)) is not None:
+        await asyncio.sleep(pause)
     return json.loads(path.read_text() or "{}")
 
 
