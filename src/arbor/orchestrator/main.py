@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from arbor import runloop
@@ -214,8 +215,8 @@ class Orchestrator:
             if not await self._step_unless_stopped(step, client, weights, metrics):
                 metrics.forget_from(self.stopped_at)  # steps the trainer will not train: no half will come
                 break
-        if self.colocated is not None and self.stopped_at is None:
-            await self.colocated.train_until(self.cfg.max_steps)  # the device for the steps still untrained
+        if self.colocated is not None and self.stopped_at is None:  # the device for the steps still untrained
+            await self._unless_stopped(self.colocated.train_until(self.cfg.max_steps))
         await drain_metrics(metrics, weights, self.cfg.weight_update_timeout)
 
     async def _step_unless_stopped(
@@ -238,6 +239,19 @@ class Orchestrator:
                 return False
         stepping.result()
         return True
+
+    async def _unless_stopped(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs `work`, looking for the trainer's stop meanwhile (`max_minutes`): cancelled when it comes."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            await asyncio.wait([task], timeout=STOP_POLL)
+            if self.stopped_at is None:
+                self.stopped_at = self._trainer_stop()
+            if self.stopped_at is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return
+        task.result()
 
     def _trainer_stop(self) -> int | None:
         """The step the trainer stopped at (its last checkpoint) when it wrote `stopped.json` for this run."""
