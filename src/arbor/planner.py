@@ -34,6 +34,11 @@ DEFAULT_CONCURRENCY = 256
 """vLLM's default `max_num_seqs`."""
 TRAIN_BYTES = 16
 """Trainer memory per parameter: bfloat16 weights and gradients, float32 master weights and two Adam moments."""
+TRAIN_PHASE_BYTES = 8
+"""A colocated trainer's device memory per parameter during its step: float32 weights and gradients; the Adam
+moments stay in host memory and come to the device one parameter at a time (arbor.trainer.optim)."""
+SPLIT_CEILING = 0.9
+"""Most of a GPU the split layout's two processes take together (vLLM's default gpu_memory_utilization)."""
 
 
 @dataclasses.dataclass
@@ -252,9 +257,12 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
     prompt, completion = lengths(cfg)
     tokens_s = now["rate"] * (prompt + completion) if now else 0.0
     price = cfg.cost.gpu_hour_usd
-    train_gb = m.total_params * TRAIN_BYTES / lay.trainer_gpus / 1e9  # sharded over the trainer's GPUs
+    # sharded over the trainer's GPUs; taking turns, the step holds weights and gradients only (Adam on the host)
+    per_param = TRAIN_PHASE_BYTES if lay.colocated and cfg.inference.colocate else TRAIN_BYTES
+    train_gb = m.total_params * per_param / lay.trainer_gpus / 1e9
     return {
         "model": cfg.model.name,
+        "colocate": cfg.inference.colocate,
         "figures": m,
         "layout": lay,
         "gpus": gpus,
@@ -264,10 +272,85 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
         "completion": completion,
         "tokens_s": tokens_s,
         "train_gb": train_gb,
+        "train_bytes": per_param,
         "hbm_gb": cfg.hardware.hbm_gb,
         "matched": matched_split(cfg, m, lay),
+        "shared": shared_gpu(cfg, m, lay),
         "usd_per_mtok": price * gpus / 3600 / tokens_s * 1e6 if price and now else None,
     }
+
+
+def shared_gpu(cfg: RLConfig, m: ModelFigures, lay: Layout) -> dict[str, dict[str, Any]] | None:
+    """Trainer and inference on the same GPUs, both ways: `split` (each holds its memory all along: vLLM the
+    `gpu_memory_utilization` share, or with `inference.colocate` the most the trainer's resident state leaves
+    under SPLIT_CEILING) and `colocated` (they take turns: the train phase holds TRAIN_PHASE_BYTES per parameter,
+    the generate phase gives vLLM its share of the whole GPU, and each step moves the trainer's state and the
+    engine's weights out and back at `plan.host_gb_s`). Per layout: whether it fits and why not, the KV cache
+    it leaves per instance and the rollouts that holds, the step time. None unless the layout shares GPUs."""
+    if not lay.colocated:
+        return None
+    hbm, plan, inf = cfg.hardware.hbm_gb * 1e9, cfg.plan, cfg.inference
+    n = lay.trainer_gpus
+    resident, turns = m.total_params * TRAIN_BYTES / n, m.total_params * TRAIN_PHASE_BYTES / n
+    share = inf.vllm.gpu_memory_utilization
+    weights = m.total_params * plan.weight_bytes / inf.vllm.tensor_parallel_size
+    # the split beside a colocated config: vLLM gets what the resident trainer leaves under the ceiling
+    split_room = SPLIT_CEILING * hbm - weights if inf.colocate else (1 - share) * hbm
+    split_share = SPLIT_CEILING - resident / hbm if inf.colocate else share
+    out: dict[str, dict[str, Any]] = {}
+    for name, trainer_gb, room, gen_share in (
+        ("colocated", turns, hbm, share if inf.colocate else SPLIT_CEILING),
+        ("split", resident, split_room, split_share),
+    ):
+        row: dict[str, Any] = {"trainer_gb": trainer_gb / 1e9, "trainer_room_gb": room / 1e9, "share": gen_share}
+        if trainer_gb > room:
+            beside = ""
+            if name == "split":
+                beside = (
+                    f" beside vLLM's {weights / 1e9:.1f} GB of weights" if inf.colocate else f" beside vLLM's {share:g}"
+                )
+            row["misfit"] = (
+                f"the trainer needs {trainer_gb / 1e9:.1f} GB per GPU, {room / 1e9:.1f} GB are left it{beside}"
+            )
+        else:
+            try:
+                b = balance(cfg, m, n, n, gen_share, True)
+            except DoesNotFit as e:
+                row["misfit"] = str(e)
+            else:
+                gen = b["generator"]
+                size = gen["instance_gpus"]
+                row["kv_gb"] = (size * hbm * gen_share - m.total_params * plan.weight_bytes) / 1e9
+                row["kv_rollouts"] = gen["slots_by_memory"]
+                moved = 0.0
+                if name == "colocated":  # weights out and in, the state per step in and out, vLLM's weights too
+                    moved = 2 * (m.total_params * 12 / n + m.total_params * plan.weight_bytes / size)
+                row["swap_s"] = moved / (plan.host_gb_s * 1e9)
+                row["step_s"] = b["step_s"] + row["swap_s"]
+        out[name] = row
+    return out
+
+
+def _shared_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
+    shared = p.get("shared")
+    if shared is None:
+        return []
+    rows = []
+    for name, what in (("colocated", "taking turns"), ("split", "memory split")):
+        r = shared[name]
+        head = f"trainer {r['trainer_gb']:.4g} of {r['trainer_room_gb']:.4g} GB"
+        if "misfit" in r:
+            rows.append((f"{name} ({what})", f"does not fit: {r['misfit']}"))
+            continue
+        rows.append(
+            (
+                f"{name} ({what})",
+                f"fits: {head}; vLLM {r['share']:.2g} of the GPU leaves a {r['kv_gb']:.4g} GB KV cache "
+                f"({r['kv_rollouts']:.0f} rollouts); step {r['step_s']:.4g} s"
+                + (f" ({r['swap_s']:.2g} s moving state to and from the host)" if r["swap_s"] else ""),
+            )
+        )
+    return rows
 
 
 def _hardware(cfg: RLConfig):
@@ -296,7 +379,12 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
         ("model", f"{p['model']}: {m.total_params / 1e9:.3g}B parameters, {m.active_params / 1e9:.3g}B per token"),
         ("sequence", f"{p['prompt']:.0f} prompt + {p['completion']:.0f} completion tokens"),
         ("GPUs", pools),
-        ("trainer state", f"{p['train_gb']:.4g} GB per GPU ({TRAIN_BYTES} bytes/parameter), {fits}"),
+        (
+            "trainer state",
+            f"{p['train_gb']:.4g} GB per GPU ({p['train_bytes']} bytes/parameter"
+            + (", Adam moments in host memory" if p["train_bytes"] == TRAIN_PHASE_BYTES else "")
+            + f"), {fits}",
+        ),
     ]
     if now is None:
         return rows + [("inference", f"does not fit: {p['misfit']}"), _matched_row(p)]
@@ -339,7 +427,16 @@ def _matched_row(p: dict[str, Any]) -> tuple[str, str]:
 
 def advice(p: dict[str, Any]) -> str:
     """One sentence: what to change for the next run, by the planner's figures."""
-    now, matched = p["now"], p["matched"]
+    now, matched, shared = p["now"], p["matched"], p.get("shared")
+    if shared is not None:
+        turns, split = shared["colocated"], shared["split"]
+        colocate = p["colocate"]
+        if not colocate and "misfit" not in turns and ("misfit" in split or turns["step_s"] < split["step_s"]):
+            return "set inference.colocate = true: " + (
+                "the split does not fit" if "misfit" in split else "the GPUs taking turns serve it faster"
+            )
+        if colocate and "misfit" in turns and "misfit" not in split:
+            return "set inference.colocate = false: only the memory split fits"
     if now is None:
         return "the model does not fit this layout's inference GPUs" + (
             f": split them {matched[0]} trainer + {matched[1]} inference"
@@ -376,6 +473,6 @@ def advice(p: dict[str, Any]) -> str:
 
 
 def render(p: dict[str, Any]) -> str:
-    rows = table(p) + [("advice", advice(p))]
+    rows = table(p) + _shared_rows(p) + [("advice", advice(p))]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

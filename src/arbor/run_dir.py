@@ -9,6 +9,7 @@
     metrics.jsonl, metrics/<process>.jsonl, eval.jsonl, timings.jsonl
     heartbeats/<process>, logs/ (process logs), logs/stacks/<process>.txt
     configs/<process>.toml, gateway_url, sft/ (the warm-up model)
+    colocate/train_N, colocate/generated_N, colocate/ready   a colocated run's turns (arbor.colocate)
 
 Trainer, orchestrator, inference and launcher find every file through this module, never by importing each
 other or spelling a path themselves. It also holds the atomic writes (temporary name, fsync, rename: a reader
@@ -297,6 +298,14 @@ def gateway_url_path(output_dir: PathLike) -> Path:
     return Path(output_dir) / "gateway_url"
 
 
+def colocate_dir(output_dir: PathLike) -> Path:
+    """The turn files of a colocated run (`inference.colocate`: trainer and engine take turns on one device):
+    `train_N` (the orchestrator put the engine to sleep, the trainer may train step N), `generated_N` (step N
+    trained, published and the trainer offloaded: the engine may wake), `ready` (the trainer built and offloaded
+    its state, so the engine may start)."""
+    return Path(output_dir) / "colocate"
+
+
 def stopped_path(output_dir: PathLike) -> Path:
     """Written by the trainer when `max_minutes` ended the run: `{"step": S, "reason": ...}`, S being the
     checkpoint it wrote last (the orchestrator stops producing batches when it sees it)."""
@@ -419,11 +428,12 @@ def prune_rollouts(output_dir: PathLike, keep: int, trained: int) -> None:
 def clear_after(output_dir: PathLike, start: int) -> None:
     """Removes what an earlier attempt left past `start`, where a run (re)starts: rollouts of steps >= `start`,
     every published version (a resume never trusts `broadcasts/`: the trainer republishes `start` from its
-    verified checkpoint), heartbeats, whose pids may now belong to someone else and must never be signalled, and
-    an earlier `stopped.json`."""
+    verified checkpoint), a colocated run's turn files, heartbeats, whose pids may now belong to someone else and
+    must never be signalled, and an earlier `stopped.json`."""
     for step in rollout_steps(output_dir):
         if step >= start:
             shutil.rmtree(rollout_step_dir(output_dir, step))
     shutil.rmtree(broadcasts_root(output_dir), ignore_errors=True)
     shutil.rmtree(heartbeats_dir(output_dir), ignore_errors=True)
+    shutil.rmtree(colocate_dir(output_dir), ignore_errors=True)  # an earlier attempt's turns are not this one's
     stopped_path(output_dir).unlink(missing_ok=True)  # the stop of an earlier attempt is not this one's

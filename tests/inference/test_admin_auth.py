@@ -38,6 +38,8 @@ BODIES = {
     "/pause": {},
     "/resume": {},
     "/abort_requests": {"request_ids": ["nobody"]},
+    "/sleep": {"level": 1},  # then /wake_up: the server ends awake
+    "/wake_up": {},
 }
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 

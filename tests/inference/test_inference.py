@@ -376,7 +376,7 @@ def test_http_stop_strings() -> None:
 
 def test_http_health_metrics_pause_and_errors(tmp_path: Path) -> None:
     with server() as (url, engine):
-        assert http(url + "/health") == (200, {"status": "ok", "policy_version": 0})
+        assert http(url + "/health") == (200, {"status": "ok", "policy_version": 0, "sleeping": 0})
         status, models = http(url + "/v1/models")
         assert status == 200 and models["data"][0]["id"] == "qwen3-test"
         body = {"prompt": "x", "max_tokens": 5, "temperature": 0}
@@ -528,7 +528,7 @@ def test_server_process_ready_file_and_sigterm(tmp_path: Path) -> None:
         assert proc.poll() is None, proc.stderr.read()
         url = ready.read_text().strip()
         assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
-        assert http(url + "/health") == (200, {"status": "ok", "policy_version": 0})
+        assert http(url + "/health") == (200, {"status": "ok", "policy_version": 0, "sleeping": 0})
         status, r = http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 3, "return_token_ids": True})
         assert status == 200 and len(r["choices"][0]["token_ids"]) == 3
         proc.send_signal(signal.SIGTERM)

@@ -50,3 +50,6 @@ class PlanConfig(Config):
     """Bytes per element of the KV cache (bfloat16: 2, FP8: 1)."""
     max_concurrency: Ranks | None = Field(None, ge=1)
     """Rollouts one inference instance decodes at once at most; default: inference.vllm.max_num_seqs, else 256."""
+    host_gb_s: Float = Field(25.0, gt=0)
+    """GB/s between a GPU and host memory (PCIe Gen4 x16 moves about 25): the colocated layout's cost of moving
+    the trainer's state and the engine's weights out and back each step."""

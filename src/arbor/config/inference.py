@@ -187,6 +187,13 @@ class InferenceConfig(Config):
     they were sampled with (so importance correction stays exact), though their prefix's keys are the older
     policy's. None: each backend's own, "recompute" on the local engine, "keep" on vLLM (which cannot
     recompute: "recompute" is refused there)."""
+    colocate: bool = False
+    """Trainer and inference share the same devices and take turns (arbor.colocate), instead of splitting their
+    memory: the engine generates with the whole budget while the trainer's parameters and optimizer state sit in
+    host memory (gradients freed), then sleeps (KV cache and weights released: vLLM's `--enable-sleep-mode`
+    level 1, the local engine's level 2) while the trainer trains, and wakes to load the new weights. Needs a
+    per-step schedule (`orchestrator.scheduler.mode` "sync" or "one_step_off"), one node, the run's own fleet
+    and `weights.kind = "filesystem"`; `rl plan` compares it with the split layout."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()

@@ -342,10 +342,14 @@ class OrchestratorConfig(Config):
     resume: bool = False
     """Continue from the latest trainer checkpoint in output_dir."""
     weight_update_timeout: Seconds = Field(1800.0, gt=0)
-    """Seconds to wait for the trainer to publish the weights a step needs before failing."""
+    """Seconds to wait for the trainer to publish the weights a step needs before failing (colocated: to train,
+    publish and hand the device back)."""
     republish_timeout: Seconds = Field(1800.0, gt=0)
     """Seconds to wait for the trainer to publish again a version the fleet refused (a checksum that does not
     match its manifest) before stopping on one line; the trainer answers between steps, so allow one step."""
+    colocate: bool = False
+    """Colocated run: put the fleet to sleep and hand the device to the trainer whenever the next step needs a
+    newer policy (arbor.colocate). `rl` sets it from `inference.colocate`, the one place to turn it on."""
     sampling: SamplingConfig = SamplingConfig()
     """Generation settings."""
     client: ClientConfig = ClientConfig()

@@ -20,6 +20,7 @@ from arbor.config.sft import SFTConfig
 from arbor.config.slurm import SlurmConfig
 from arbor.config.trainer import TrainerConfig
 from arbor.config.transport import WeightTransportConfig
+from arbor.registry import PER_STEP_MODES
 
 SECTIONS = ("trainer", "orchestrator", "inference", "sft")
 SHARED = ("model", "output_dir", "max_steps", "max_minutes", "seq_len", "seed", "resume", "weights")
@@ -183,6 +184,7 @@ class RLConfig(Config):
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
         self._check_teacher()
+        self._check_colocate()
         if self.fleet is not None and self.model.lora is None:
             raise ValueError(
                 "fleet needs [model.lora]: a run on a shared fleet trains and serves a LoRA adapter on "
@@ -195,6 +197,32 @@ class RLConfig(Config):
             )
         self.run_admin_token()
         return self
+
+    def _check_colocate(self) -> None:
+        """`inference.colocate` reaches the trainer and the orchestrator (their own fields are set from it, never
+        by hand) and is refused, in one line naming the field, where trainer and fleet cannot take turns."""
+        want = self.inference.colocate
+        for section in (self.trainer, self.orchestrator):
+            if "colocate" in section.model_fields_set and section.colocate != want:
+                raise ValueError(
+                    f"{'trainer' if section is self.trainer else 'orchestrator'}.colocate = {section.colocate} "
+                    f"differs from inference.colocate = {want}: set inference.colocate only"
+                )
+            section.colocate = want
+        if not want:
+            return
+        mode = self.orchestrator.scheduler.mode
+        why = None
+        if mode not in PER_STEP_MODES:
+            why = f"orchestrator.scheduler.mode = 'sync' or 'one_step_off' (got {mode!r}): the phases alternate"
+        elif self.fleet is not None:
+            why = "the run's own fleet (fleet is set: a shared fleet's GPUs are not the trainer's)"
+        elif self.slurm is not None and (self.slurm.trainer_nodes > 1 or self.slurm.inference_nodes > 0):
+            why = "one node (slurm.trainer_nodes = 1 and slurm.inference_nodes = 0): turns are taken per device"
+        elif self.weights.kind != "filesystem":
+            why = f"weights.kind = 'filesystem' (got {self.weights.kind!r}: NCCL cannot join two ranks on one GPU)"
+        if why is not None:
+            raise ValueError(f"inference.colocate = true needs {why}")
 
     def _derive_router_replay(self) -> None:
         """`model.router_replay` makes the trainer replay the fleet's routes, so the fleet must return them: the

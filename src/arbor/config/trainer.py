@@ -211,7 +211,10 @@ class TrainerConfig(Config):
     """Rollout steps (`rollouts/step_N/`) to retain: the newest this many trained steps, plus every step not yet
     trained (rank 0 removes older ones after each step, once every rank has read them)."""
     rollout_timeout: Seconds = Field(3600.0, gt=0)
-    """Seconds to wait for a step's rollouts before failing."""
+    """Seconds to wait for a step's rollouts (and, colocated, for the device: the engine asleep) before failing."""
+    colocate: bool = False
+    """Colocated run: wait for the device before each step, offload between steps (arbor.colocate). `rl` sets it
+    from `inference.colocate`, the one place to turn it on."""
     num_threads: Ranks | None = Field(None, ge=1)
     """torch intra-op threads per rank; default: torch's choice."""
     mini_batches: Count = Field(1, ge=1)

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import SecretStr
 
+from arbor.colocate import host_memory, reset_peak
 from arbor.config.admin import require_admin_token
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.inference import openai_api as api
 from arbor.inference.engine.params import (
+    EngineBusy,
     EngineUnavailable,
     InvalidRequest,
     SamplingParams,
@@ -39,7 +41,7 @@ from arbor.models.tokenizer import Tokenizer
 from arbor.monitor.heartbeat import beat, install
 from arbor.transport import chat
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, model_cards, requested_adapter
-from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard, sleep_level
 from arbor.transport.expert_routes import encode_routes
 from arbor.transport.fields import CHAT, COMPLETIONS
 from arbor.transport.http import (
@@ -107,6 +109,8 @@ class InferenceServer:
                 web.post("/update_weights", self.update_weights),
                 web.post("/pause", self.pause),
                 web.post("/resume", self.resume),
+                web.post("/sleep", self.sleep),
+                web.post("/wake_up", self.wake_up),
                 web.post("/abort_requests", self.abort_requests),
                 web.post("/v1/load_lora_adapter", self.load_lora_adapter),
                 web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
@@ -242,7 +246,9 @@ class InferenceServer:
                 },
                 status=503,
             )
-        return web.json_response({"status": "ok", "policy_version": self.engine.version})
+        return web.json_response(
+            {"status": "ok", "policy_version": self.engine.version, "sleeping": self.engine.sleeping}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -258,6 +264,7 @@ class InferenceServer:
             ("running", "gauge", "Sequences being decoded", s.running),
             ("waiting", "gauge", "Sequences queued for a free KV-cache slot", s.waiting),
             ("paused", "gauge", "1 while scheduling is paused", int(s.paused)),
+            ("sleeping", "gauge", "Sleep level: 0 awake, 1 KV cache released, 2 weights too", s.sleeping),
             ("policy_version", "gauge", "Policy version of the loaded weights", s.policy_version),
             ("max_decode_batch", "gauge", "Largest decode batch seen", s.max_decode_batch),
             ("generated_tokens_total", "counter", "Tokens generated", s.generated_tokens),
@@ -328,6 +335,26 @@ class InferenceServer:
 
     async def resume(self, request: web.Request) -> web.Response:
         return web.json_response({"paused": await asyncio.wrap_future(self.engine.resume())})
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """A colocated run's train phase: the KV cache released, and by default (level 2) the weights too, which
+        the run's next `/update_weights` fills again (on a CPU engine there is no other host to offload them to)."""
+        level = await sleep_level(request, 2)
+        awake = host_memory()  # the generate phase's resident memory, at its end and at its peak
+        try:
+            released = await asyncio.wrap_future(self.engine.sleep(level))
+        except EngineBusy as e:
+            raise HTTPError(409, str(e), None) from None
+        reset_peak()
+        figures = {f"awake_{k}": v for k, v in awake.items()}
+        return web.json_response({"sleeping": level, "released_bytes": released, **figures})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        asleep = host_memory()  # the train phase's, while the engine held nothing
+        held = await asyncio.wrap_future(self.engine.wake_up())
+        reset_peak()
+        figures = {f"asleep_{k}": v for k, v in asleep.items()}
+        return web.json_response({"sleeping": 0, "held_bytes": held, **figures})
 
 
 # ---- running ----

@@ -21,6 +21,7 @@ from tomli_w import dumps
 
 from arbor import run_dir
 from arbor.checkpoint_manifest import CheckpointDamaged, resume_step
+from arbor.colocate import ready_path
 from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
 from arbor.config.fleet import FleetConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
@@ -247,27 +248,53 @@ def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> Non
     console.poll_sft()
 
 
-def start_run(cfg: RLConfig, conf: Path, sup: Supervisor, env: dict[str, str]) -> Servers | None:
-    """Starts the teacher server (on-policy distillation; returned), the trainer and the orchestrator (the latter
-    with `env`: the admin token it sends)."""
+def start_run(cfg: RLConfig, conf: Path, sup: Supervisor, env: dict[str, str], trainer: bool = True) -> Servers | None:
+    """Starts the teacher server (on-policy distillation; returned), the trainer (unless started already:
+    `trainer` False) and the orchestrator (the latter with `env`: the admin token it sends)."""
     teacher = teacher_servers(cfg, conf, sup)
     if teacher is not None:
         teacher.start("teacher")
-    sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
+    if trainer:
+        sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
     orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
     sup.start("orchestrator", orchestrator, {**env, **teacher_key_env(cfg)})
     return teacher
 
 
-def start_processes(cfg: RLConfig, conf: Path, sup: Supervisor) -> list[Servers]:
+def start_processes(
+    cfg: RLConfig, conf: Path, sup: Supervisor, on_wait: Callable[[], None] | None = None
+) -> list[Servers]:
     """Starts the inference replicas, the teacher, the trainer and the orchestrator at once: each builds its model
     while the others start (the orchestrator waits for /health itself, the trainer needs nothing from the fleet).
-    Returns the server groups: the replicas, then the teacher if any."""
+    A colocated run starts the trainer first and the rest once it has built and offloaded its state, so that the
+    engine sizes its memory on a device the trainer has left. Returns the server groups: the replicas, then the
+    teacher if any."""
     fleet = replica_servers(cfg, conf, sup)
+    colocated = cfg.inference.colocate
+    if colocated:
+        sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
+        wait_offloaded(cfg, sup, on_wait)
     for name in fleet.argv:
         fleet.start(name)
-    teacher = start_run(cfg, conf, sup, token_env(cfg, CLIENT_TOKEN_ENV))
+    teacher = start_run(cfg, conf, sup, token_env(cfg, CLIENT_TOKEN_ENV), trainer=not colocated)
     return [fleet] if teacher is None else [fleet, teacher]
+
+
+def wait_offloaded(cfg: RLConfig, sup: Supervisor, on_wait: Callable[[], None] | None = None) -> None:
+    """A colocated run: waits (bounded by `inference_startup_timeout`, watching the trainer) until the trainer has
+    built, republished on a resume, and offloaded its state (arbor.colocate.ready_path)."""
+    path = ready_path(cfg.output_dir)
+    deadline = time.monotonic() + cfg.inference_startup_timeout
+    while not path.exists():
+        check_children(sup, finished=set())
+        if time.monotonic() > deadline:
+            raise ChildFailed(
+                f"colocated run: the trainer did not build and offload its state within "
+                f"{cfg.inference_startup_timeout:.0f}s ({path}); see {sup.children['trainer'].log_path}"
+            )
+        if on_wait is not None:
+            on_wait()
+        time.sleep(0.2)
 
 
 def wait_ready(
@@ -372,7 +399,7 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
             console.say(f"on fleet {cfg.fleet} as run {shared.name!r} (adapter {shared.name!r})")
             servers = [] if teacher is None else [teacher]
         else:
-            servers = start_processes(cfg, conf, sup)  # the router joins them once the replicas are ready
+            servers = start_processes(cfg, conf, sup, waits)  # the router joins them once the replicas are ready
         wait_ready(sup, servers, cfg.inference_startup_timeout, on_wait=waits)
         if shared is None and cfg.inference.replicas > 1:
             router = Servers(

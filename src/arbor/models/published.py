@@ -41,6 +41,14 @@ PUBLISHED_SHAPES: dict[str, ModelArgs | DSAArgs] = {
         num_key_value_heads=8,
         tie_word_embeddings=True,
     ),
+    "Qwen/Qwen3-8B": _qwen3(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
     "Qwen/Qwen3-30B-A3B": _qwen3(
         hidden_size=2048,
         intermediate_size=6144,

@@ -341,6 +341,17 @@ class InferenceClient:
         body = {"request_ids": "all" if request_ids is None else list(request_ids)}
         await asyncio.gather(*(self._post("/abort_requests", body, u, self._admin_headers) for u in self.admin_urls))
 
+    async def sleep(self) -> list[dict[str, Any]]:
+        """Puts every server in `admin_urls` to sleep at its backend's level (a colocated run's train phase; a
+        router fans out); their answers."""
+        return list(await asyncio.gather(*(self._post("/sleep", {}, u, self._admin_headers) for u in self.admin_urls)))
+
+    async def wake_up(self) -> list[dict[str, Any]]:
+        """Wakes every server in `admin_urls` (a colocated run's generate phase); their answers."""
+        return list(
+            await asyncio.gather(*(self._post("/wake_up", {}, u, self._admin_headers) for u in self.admin_urls))
+        )
+
     async def router_stats(self) -> dict[str, float]:
         """The router's fleet counters (retries, ejections, re-admissions) when `base_urls` is one router."""
         if len(self.base_urls) != 1:

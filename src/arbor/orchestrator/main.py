@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from arbor import runloop
@@ -31,6 +32,7 @@ from arbor.monitor.metrics import MetricsWriter, RunClock, init_wandb
 from arbor.orchestrator.assembler import AssemblerSettings, StepAssembler, open_buffer
 from arbor.orchestrator.buffer import ExperienceBuffer
 from arbor.orchestrator.client import InferenceClient
+from arbor.orchestrator.colocated import ColocatedFleet
 from arbor.orchestrator.concurrency import ConcurrencyController
 from arbor.orchestrator.counts import Counts
 from arbor.orchestrator.episode import EpisodeStats
@@ -132,6 +134,8 @@ class Orchestrator:
         self.matching = ConcurrencyController.for_mode(self.mode, parts.mode)
         self._trainer_seen: int | None = None  # the trainer row the controller last read
         self._dropped_before = 0  # stale drops counted before the current step
+        self.colocated: ColocatedFleet | None = None
+        """A colocated run's turns with the trainer (arbor.orchestrator.colocated), set up with the fleet."""
         self.watch = LoopWatch()
         """Names blocking code on the event loop as it blocks (an environment's, typically); entered by `run`."""
 
@@ -191,6 +195,8 @@ class Orchestrator:
                 republish_timeout=cfg.republish_timeout,
             )
             client.policy_version = weights.loaded_version
+            if cfg.colocate:
+                self.colocated = ColocatedFleet(client, weights, cfg.output_dir, cfg.weight_update_timeout, self.start)
             self.pool.use(client)
             if cfg.partial.enabled and cfg.partial.abort_on_weight_update:
                 weights.pause_generation = self.pool.partial.abort_all
@@ -215,6 +221,8 @@ class Orchestrator:
             if not await self._step_unless_stopped(step, client, weights, metrics):
                 metrics.forget_from(self.stopped_at)  # steps the trainer will not train: no half will come
                 break
+        if self.colocated is not None and self.stopped_at is None:  # the device for the steps still untrained
+            await self._unless_stopped(self.colocated.train_until(self.cfg.max_steps))
         await drain_metrics(metrics, weights, self.cfg.weight_update_timeout)
 
     async def _step_unless_stopped(
@@ -238,6 +246,19 @@ class Orchestrator:
         stepping.result()
         return True
 
+    async def _unless_stopped(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs `work`, looking for the trainer's stop meanwhile (`max_minutes`): cancelled when it comes."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            await asyncio.wait([task], timeout=STOP_POLL)
+            if self.stopped_at is None:
+                self.stopped_at = self._trainer_stop()
+            if self.stopped_at is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return
+        task.result()
+
     def _trainer_stop(self) -> int | None:
         """The step the trainer stopped at (its last checkpoint) when it wrote `stopped.json` for this run."""
         path = stopped_path(self.cfg.output_dir)
@@ -258,12 +279,16 @@ class Orchestrator:
         batches = self._write(step, groups)
         times = StepTimes(gen_seconds, waited, time.perf_counter() - t0, self.watch.take())
         figures = await self._figures(step, groups, batches, times, weights, client)
+        if self.colocated is not None:
+            figures.update(self.colocated.take_figures())
         metrics.add(step, {**figures, **self.clock.stamp()})
         self._match_throughput(metrics)
 
     async def _wait_for_policy(self, step: int, weights: WeightSync | None) -> float:
         """Waits until the fleet serves version step - lag(step) (the mode's admission rule); the seconds waited."""
         version = step - self.mode.lag(step)
+        if self.colocated is not None:  # the trainer trains on the fleet's devices first
+            await self.colocated.train_until(version)
         beat(f"waiting for policy version {max(0, version)} (step {step})")
         return 0.0 if weights is None else await weights.ensure(version, self.cfg.weight_update_timeout)
 

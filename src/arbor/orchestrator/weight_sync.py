@@ -73,6 +73,9 @@ class WeightSync:
         passed to `resume_generation` after the update, whether it succeeded or not."""
         self.resume_generation: Callable[[Any], None] | None = None
         self.initial_version = loaded_version
+        self.awake: asyncio.Event | None = None
+        """A colocated run's gate (arbor.orchestrator.colocated): updates wait while it is clear (the fleet
+        asleep), and the first one after a wake loads the new policy into the woken engine."""
         client.catch_up = self.catch_up
         clear_republish_request(self.output_dir)  # an earlier attempt's request is not this run's
 
@@ -99,6 +102,8 @@ class WeightSync:
         since = time.monotonic()  # when the newest version was loaded: the poll interval grows from there
         refused: set[int] = set()  # versions the fleet refused once, then asked for again
         while True:
+            if self.awake is not None:
+                await self.awake.wait()
             newest = latest_published(self.output_dir)
             if newest is not None and newest > self.loaded_version:
                 t0 = time.perf_counter()

@@ -36,6 +36,7 @@ from arbor.run_dir import (
 )
 from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from arbor.trainer.loss import build_loss
+from arbor.trainer.offload import ColocatedTurns, Offloader
 from arbor.trainer.optim import build_optimizer, set_lr
 from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
 from arbor.trainer.parallel_state import UNPREPARED, ParallelState
@@ -108,6 +109,7 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     if start:
         publish(model, start)  # the fleet's weights come from the verified checkpoint, never from broadcasts/
         log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
+    turns = colocated_turns(cfg, model, reference, optimizer, device)
     clock = RunClock(cfg.output_dir, start)
     # between steps the ranks answer the orchestrator's requests to publish a refused version again
     rollouts = RolloutWait(
@@ -119,6 +121,8 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
     last_checkpoint_seconds = 0.0  # reported once, with the step after the checkpoint
     for step in range(start, cfg.max_steps):
         t0 = time.perf_counter()
+        if turns is not None:
+            turns.before_step(step)
         beat(f"waiting for rollouts step {step}")
         batch = rollouts.batch(step)
         beat(f"training step {step}")
@@ -186,9 +190,23 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps or out_of_time:
             save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
             last_checkpoint_seconds = time.perf_counter() - t3
+        if turns is not None:
+            turns.after_step(step)
         if out_of_time:
             stop_for_time(cfg, rank, step + 1, clock)
             return
+
+
+def colocated_turns(
+    cfg: TrainerConfig, model: nn.Module, reference: nn.Module | None, optimizer, device: torch.device
+) -> ColocatedTurns | None:
+    """A colocated run's turns (arbor.trainer.offload), its state offloaded and `ready` written; None otherwise."""
+    if not cfg.colocate:
+        return None
+    modules = [model] if reference is None else [model, reference]
+    turns = ColocatedTurns(Offloader(modules, optimizer, device), cfg.output_dir, cfg.rollout_timeout)
+    turns.start()
+    return turns
 
 
 def resume(cfg: TrainerConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -22,6 +22,9 @@ class Optimizers:
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizers = optimizers
+        self.state_on_host = False
+        """A colocated run (arbor.trainer.offload): the state stays in host memory and `step` brings one
+        parameter's state at a time to the device, so a step holds the parameters and gradients only."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -29,11 +32,39 @@ class Optimizers:
 
     def step(self) -> None:
         for o in self.optimizers:
-            o.step()
+            if self.state_on_host:
+                step_with_host_state(o)
+            else:
+                o.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
+
+
+def step_with_host_state(o: torch.optim.Optimizer) -> None:
+    """`o.step()` one parameter at a time, its state (kept in host memory) on the parameter's device for the
+    update only: the device holds one parameter's optimizer state at a time. Each parameter's update is the one
+    `o.step()` computes for it (the single-tensor path; a CPU trainer takes it anyway); a new state (the first
+    step) is created on the device, then moved to the host with the rest."""
+    for group in o.param_groups:
+        params = group["params"]
+        try:
+            for p in params:
+                if p.grad is None:
+                    continue
+                state = o.state.get(p, {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.ndim > 0:
+                        state[key] = value.to(p.device)
+                group["params"] = [p]
+                o.step()
+                state = o.state[p]
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.ndim > 0:
+                        state[key] = value.to("cpu")
+        finally:
+            group["params"] = params
 
 
 def _muon_eligible(name: str, p: nn.Parameter) -> bool:

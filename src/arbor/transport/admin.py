@@ -3,8 +3,9 @@
 Authentication: with an admin token set, every route but the open ones needs `Authorization: Bearer <token>`
 (compared in constant time) or gets a 401 in the fleet's JSON error shape. Open: the OpenAI routes under `/v1/`
 (bar the adapter-loading ones vLLM may expose there) and the read-only GET pages `/health`, `/metrics`, `/ping`,
-`/version`. Everything else mutates a server: `/update_weights`, `/pause`, `/resume`, `/abort_requests`, and
-whatever a vLLM server offers beside them (its dev-mode `/collective_rpc` runs any worker method).
+`/version`. Everything else mutates a server: `/update_weights`, `/pause`, `/resume`, `/abort_requests`,
+`/sleep` and `/wake_up` (a colocated run's phases: `sleep_level`), and whatever a vLLM server offers beside them
+(its dev-mode `/collective_rpc` runs any worker method).
 
 Weight updates (`WeightUpdates`, the one `/update_weights` both backends apply): `{"path", "version"}` where the
 version is an int32 strictly above the loaded one (equal: a no-op answering the loaded version; lower: 409), and
@@ -39,7 +40,7 @@ MAX_VERSION = INT_MAX
 """Largest policy version `/update_weights` takes: the batch files store versions as int32."""
 OPEN_GET = frozenset({"/health", "/metrics", "/ping", "/version"})
 ADMIN_UNDER_V1 = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
-ADMIN_ROUTES = ("/update_weights", "/pause", "/resume", "/abort_requests")
+ADMIN_ROUTES = ("/update_weights", "/pause", "/resume", "/abort_requests", "/sleep", "/wake_up")
 """The admin routes every arbor backend serves (and the router fans out)."""
 REFUSED_PATH = (
     "is not a published weights directory this server may load (an absolute path, without '..', "
@@ -154,3 +155,13 @@ class WeightUpdates:
             update = self.read(body, loaded())
             version = loaded() if update is None else await load(update)
         return web.json_response({"policy_version": version})
+
+
+async def sleep_level(request: web.Request, default: int) -> int:
+    """The level of a `/sleep {"level"}` (vLLM's: 1 releases the KV cache and offloads the weights to the host, 2
+    discards the weights too); `default` (the backend's) when the body has none. Anything else: a 400."""
+    body = await read_json_object(request) if request.can_read_body else {}
+    level = body.get("level", default)
+    if level not in (1, 2) or isinstance(level, bool):
+        raise BadRequest(f"level must be 1 or 2, got {level!r}", "level")
+    return level

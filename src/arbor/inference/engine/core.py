@@ -18,11 +18,19 @@ from typing import Any
 
 import torch
 
+from arbor.colocate import return_freed_memory
 from arbor.inference.engine.inbox import ABORT_MEMORY, Command, Inbox
-from arbor.inference.engine.params import EngineUnavailable, InvalidRequest, SamplingParams, WeightUpdateError
+from arbor.inference.engine.params import (
+    EngineBusy,
+    EngineUnavailable,
+    InvalidRequest,
+    SamplingParams,
+    WeightUpdateError,
+)
 from arbor.inference.engine.requests import Completion, EngineStats, RequestOutput, fail, resolve
 from arbor.inference.engine.runner import ModelRunner
 from arbor.inference.engine.sampler import Sampler
+from arbor.inference.engine.sleep import Released, engine_bytes, release, restore
 from arbor.inference.engine.slots import SlotScheduler
 from arbor.inference.engine.speculative import SpeculativeDecoder
 from arbor.models import build_model, build_tokenizer
@@ -208,6 +216,25 @@ class Engine:
     def resume(self) -> concurrent.futures.Future[bool]:
         return self._inbox.command("resume")
 
+    def sleep(self, level: int) -> concurrent.futures.Future[int]:
+        """Releases the KV cache (and at level 2 the weights; arbor.inference.engine.sleep) once no sequence runs;
+        requests queue until `wake_up` (and, after level 2, the next weight update). Resolves to the bytes
+        released; EngineBusy while sequences run."""
+        return self._inbox.command("sleep", int(level))
+
+    def wake_up(self) -> concurrent.futures.Future[int]:
+        """Allocates again what `sleep` released; resolves to the bytes the engine holds again (0: was awake)."""
+        return self._inbox.command("wake_up")
+
+    @property
+    def sleeping(self) -> int:
+        """The sleep level (0: awake)."""
+        return self._scheduler.stats.sleeping
+
+    def held_bytes(self) -> int:
+        """Bytes of weights and KV cache the engine holds now (a colocated run's figure)."""
+        return engine_bytes(self.model, self.runner.kv)
+
     def stats(self) -> EngineStats:
         return self._inbox.snapshot(self._scheduler.stats)
 
@@ -219,16 +246,20 @@ class _EngineLoop:
         self.inbox = inbox
         self.scheduler = scheduler
         self.recompute_on_update = recompute_on_update
+        self.released: Released | None = None
+        """What the current sleep released (None: awake)."""
+        self.needs_weights = False
+        """Woken from level 2: no request is admitted until a weight update fills the weights again."""
         self._last_log, self._last_tokens = time.monotonic(), 0
 
     def run(self) -> None:
-        sched, stats = self.scheduler, self.scheduler.stats
+        sched = self.scheduler
         try:
             with torch.inference_mode():
-                while (commands := self.inbox.wait_for_work(stats.paused, bool(sched.running))) is not None:
+                while (commands := self.inbox.wait_for_work(self.held, bool(sched.running))) is not None:
                     for cmd in commands:
                         self._apply(cmd)
-                    if stats.paused:
+                    if self.held:
                         continue
                     sched.drop_abandoned()
                     sched.admit()
@@ -241,6 +272,11 @@ class _EngineLoop:
             self.inbox.dead = e  # seen by `Engine.alive`: /health turns non-200 and the server process exits
         finally:
             self.shutdown()
+
+    @property
+    def held(self) -> bool:
+        """No admission nor decoding: paused, asleep, or woken without weights yet."""
+        return self.scheduler.stats.paused or self.released is not None or self.needs_weights
 
     def shutdown(self) -> None:
         """Fails every queued and running request and every pending command."""
@@ -268,6 +304,10 @@ class _EngineLoop:
         elif cmd.kind == "resume":
             stats.paused = False
             resolve(cmd.future, False)
+        elif cmd.kind == "sleep":
+            self._sleep(cmd, cmd.args[0])
+        elif cmd.kind == "wake_up":
+            self._wake(cmd)
         elif cmd.kind == "abort":
             resolve(cmd.future, self.scheduler.abort(cmd.args[0]))
         elif cmd.kind == "update":
@@ -281,9 +321,40 @@ class _EngineLoop:
         else:
             fail(cmd.future, ValueError(f"unknown engine command {cmd.kind!r}"))
 
+    def _sleep(self, cmd: Command, level: int) -> None:
+        """Releases the cache (and weights at level 2) when no sequence runs; asleep already: resolves to 0."""
+        if self.released is not None:
+            resolve(cmd.future, 0)
+            return
+        running = len(self.scheduler.running)
+        if running:
+            fail(cmd.future, EngineBusy(f"cannot sleep while {running} sequence(s) run: abort or finish them first"))
+            return
+        runner = self.scheduler.runner
+        self.released = release(runner.model, runner.kv, level)
+        return_freed_memory()
+        self.scheduler.stats.sleeping = level
+        log.info("asleep (level %d): released %.1f MB of weights and KV cache", level, self.released.held_bytes / 1e6)
+        resolve(cmd.future, self.released.held_bytes)
+
+    def _wake(self, cmd: Command) -> None:
+        """Allocates again what the sleep released; after level 2 the engine waits for a weight update."""
+        if self.released is None:
+            resolve(cmd.future, 0)
+            return
+        restore(self.released)
+        self.needs_weights = self.released.level >= 2
+        self.released = None
+        self.scheduler.stats.sleeping = 0
+        runner = self.scheduler.runner
+        resolve(cmd.future, engine_bytes(runner.model, runner.kv))
+
     def _update(self, cmd: Command, path: Path, version: int) -> None:
         """Loads new weights, tags later tokens with `version` and (by default) recomputes the running caches."""
         stats = self.scheduler.stats
+        if self.released is not None:
+            fail(cmd.future, WeightUpdateError("the engine is asleep: /wake_up before loading weights"))
+            return
         try:
             self.scheduler.runner.load_weights(path)
         except Exception as e:
@@ -293,6 +364,7 @@ class _EngineLoop:
             fail(cmd.future, err)
             return
         stats.policy_version = version
+        self.needs_weights = False
         if self.recompute_on_update:
             self.scheduler.recompute_caches()
         log.info("loaded weights from %s as policy version %d", path, version)

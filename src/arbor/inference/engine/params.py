@@ -30,6 +30,10 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot take work: it was stopped, or its loop died (then `/health` says so as well)."""
 
 
+class EngineBusy(RuntimeError):
+    """A sleep asked for while sequences run (a colocated run sleeps the engine between steps only): a 409."""
+
+
 class InvalidRequest(ValueError):
     """A request the engine cannot serve as given; `param` names the offending field (HTTP 400)."""
 

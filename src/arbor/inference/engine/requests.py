@@ -58,6 +58,8 @@ class EngineStats:
     policy_version: int = 0
     max_decode_batch: int = 0
     paused: bool = False
+    sleeping: int = 0
+    """Sleep level (arbor.inference.engine.sleep): 0 awake, 1 cache released, 2 weights released too."""
     decode_tokens: int = 0
     """Tokens appended by decode steps (the prefill's first token of each sample excluded)."""
     decode_seq_steps: int = 0

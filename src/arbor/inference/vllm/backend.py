@@ -50,9 +50,15 @@ class VLLMBackend:
 
     def preflight(self, cfg: InferenceConfig, where: str) -> str | None:
         """The CPU build starts any model, then its engine dies at the first request when the attention heads are
-        of a size its CPU kernels lack, and refuses to return routed experts at start-up: refused here instead."""
+        of a size its CPU kernels lack, refuses to return routed experts at start-up and has no sleep mode (a
+        colocated run's): refused here instead."""
         if vllm_build() != "cpu":
             return None
+        if cfg.colocate:
+            return (
+                f"{where}.colocate = true needs vLLM's sleep mode, which its CPU build lacks (CUDA only); serve with "
+                f"{where}.backend = 'local' to take turns on CPU"
+            )
         if cfg.router_replay:
             return (
                 f"{where}.router_replay = true (model.router_replay sets it): vLLM's CPU build cannot return routed "

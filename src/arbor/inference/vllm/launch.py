@@ -143,6 +143,8 @@ def serve_argv(
     ]
     if v.enable_expert_parallel:
         argv.append("--enable-expert-parallel")
+    if cfg.colocate:  # /sleep and /wake_up: the engine yields the GPU to the trainer between generate phases
+        argv.append("--enable-sleep-mode")
     if eager:
         argv.append("--enforce-eager")
     if v.max_num_seqs is not None:
@@ -195,7 +197,7 @@ def serve_env(
     env = dict(os.environ if base is None else base)
     if cfg is not None and cfg.model.fp8 == "block":
         env[E8M0_ENV] = "0"
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache, /sleep and /wake_up
     if vocab is not None:
         env[VOCAB_ENV] = str(vocab)
     if (cfg or InferenceConfig()).vllm.fp32_router:

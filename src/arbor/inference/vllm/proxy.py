@@ -30,7 +30,7 @@ from arbor.inference.vllm.model_dir import model_dir, served_head_dim
 from arbor.orphans import die_with_parent
 from arbor.transport import fields
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
-from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard
+from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard, sleep_level
 from arbor.transport.chat import assistant_message, chat_tools
 from arbor.transport.fields import CHAT, COMPLETIONS
 from arbor.transport.http import (
@@ -207,6 +207,9 @@ class VLLMProxy:
         self.version = 0
         self._open = asyncio.Event()
         self._open.set()
+        self._awake = asyncio.Event()  # cleared between /sleep and /wake_up: requests wait, vLLM holds no weights
+        self._awake.set()
+        self.sleeping = 0
         self.weights = WeightUpdates.of(cfg)
         self.lora = AdapterUpdates(self.weights)
         self.adapters: dict[str, int] = {}
@@ -227,6 +230,8 @@ class VLLMProxy:
                 web.post("/update_weights", self.update_weights),
                 web.post("/pause", self.pause),
                 web.post("/resume", self.resume),
+                web.post("/sleep", self.sleep),
+                web.post("/wake_up", self.wake_up),
                 web.post("/abort_requests", self.abort_requests),
                 web.post("/v1/load_lora_adapter", self.load_lora_adapter),
                 web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
@@ -264,6 +269,7 @@ class VLLMProxy:
                 400, "images (a token prompt's pixel inputs) are served by the local backend only", "images"
             )
         await self._open.wait()
+        await self._awake.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         adapter = requested_adapter(body, self.adapters)
         if not chat and body.get("prompt_logprobs") is not None:
@@ -436,6 +442,37 @@ class VLLMProxy:
         self._open.set()
         return web.json_response({"paused": False})
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        """vLLM's sleep mode (`--enable-sleep-mode`, which `inference.colocate` turns on): level 1 (the default)
+        offloads the weights to host memory and drops the KV cache; 2 discards the weights too. Requests arriving
+        meanwhile wait for `/wake_up`."""
+        level = await sleep_level(request, 1)
+        self._awake.clear()
+        await self._upstream_post(f"/sleep?level={level}")
+        self.sleeping = level
+        return web.json_response({"sleeping": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """Weights back on the GPU (level 1: from host memory), the KV cache allocated again and its prefix cache
+        emptied; the `/update_weights` that follows in a colocated run loads the new policy in place."""
+        await self._upstream_post("/wake_up")
+        await self._upstream_post("/reset_prefix_cache")
+        self.sleeping = 0
+        self._awake.set()
+        return web.json_response({"sleeping": 0})
+
+    async def _upstream_post(self, path: str) -> None:
+        """POSTs to one of vLLM's dev-mode routes, bounded by `vllm.rpc_timeout`; a failure is a 500 in one line."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.cfg.vllm.rpc_timeout)
+        try:
+            async with self._session.post(self.upstream + path, timeout=timeout) as r:
+                text = await r.text()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise HTTPError(500, f"vLLM {path} failed: {e!r}", None, "internal_error") from None
+        if r.status != 200:
+            raise HTTPError(500, f"vLLM {path} failed ({r.status}): {text[:500]}", None, "internal_error")
+
     async def health(self, request: web.Request) -> web.Response:
         assert self._session is not None
         try:
@@ -444,7 +481,8 @@ class VLLMProxy:
         except (TimeoutError, aiohttp.ClientError):
             ok = False
         return web.json_response(
-            {"status": "ok" if ok else "unavailable", "policy_version": self.version}, status=200 if ok else 503
+            {"status": "ok" if ok else "unavailable", "policy_version": self.version, "sleeping": self.sleeping},
+            status=200 if ok else 503,
         )
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
