@@ -193,8 +193,10 @@ def test_real_shapes_build_on_meta_with_the_published_parameter_counts(name):
 def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     """issue 34's acceptance run: the quick start with a model a user brings, a transformers `LlamaForCausalLM` of
     qwen3-tiny's shape (untied head, no q/k norm, transformers' initialisation) whose tokenizer has no chat
-    template, and `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text; the reward rises by
-    0.1 or more (the first five steps' mean to the last five's; measured on seeds 0, 1, 2: see docs/models.md)."""
+    template, and `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text. RL adds to what the
+    warm-up reached and ends where the Qwen3 quick start does (0.74): measured, the first five steps' mean to the
+    last five's, 0.699 -> 0.777 and 0.708 -> 0.783 (seeds 0 and 1, checkpoint and run; docs/models.md). Before
+    raw prompts ended in a blank line the warm-up reached 0.43 and RL 0.49."""
     base = write_llama_of_preset(tmp_path / "base", "qwen3-tiny", chat_template=False)
     out = tmp_path / "run"
     res = subprocess.run(
@@ -221,7 +223,7 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
     assert len(rewards) == 60
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last >= first + 0.1, rewards
+    assert last >= first + 0.04 and last >= 0.72, rewards
 
 
 def test_the_config_check_reads_a_cached_hub_models_shape(tmp_path, monkeypatch):
