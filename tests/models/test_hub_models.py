@@ -195,8 +195,8 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     qwen3-tiny's shape (untied head, no q/k norm, transformers' initialisation) whose tokenizer has no chat
     template, and `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text. RL adds to what the
     warm-up reached and ends where the Qwen3 quick start does (0.74): measured, the first five steps' mean to the
-    last five's, 0.699 -> 0.777 and 0.708 -> 0.783 (seeds 0 and 1, checkpoint and run; docs/models.md). Before
-    raw prompts ended in a blank line the warm-up reached 0.43 and RL 0.49."""
+    last five's, 0.699 -> 0.777, 0.708 -> 0.783 and 0.713 -> 0.781 (seeds 0, 1, 2 of checkpoint and run;
+    docs/models.md). Before raw prompts ended in a blank line the warm-up reached 0.43 and RL 0.49."""
     base = write_llama_of_preset(tmp_path / "base", "qwen3-tiny", chat_template=False)
     out = tmp_path / "run"
     res = subprocess.run(
