@@ -116,7 +116,7 @@ def raw_prompt(messages: list[dict[str, Any]]) -> str:
     """A prompt without a chat template (`prompt_format = "raw"`): the messages' contents, each followed by a blank
     line. The last one marks where the completion starts, as a chat template's generation prompt does: glued to
     the task's text, an answer cannot be told from it (reverse_text's "Reverse: ab" + "ba" reads as the task "abb"
-    answered with "a" as well), and a base model trained on such rows learns about half as much."""
+    answered with "a" as well): docs/models.md's tiny Llama ended reverse_text at 0.49 that way, 0.78 this way."""
     return "".join(m["content"] + RAW_SEPARATOR for m in messages if m.get("content"))
 
 
