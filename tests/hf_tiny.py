@@ -3,13 +3,14 @@ path's tests: one config per family, small enough that a forward takes milliseco
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoConfig
 
-from arbor.models.presets import BYTE_VOCAB
+from arbor.models.presets import BYTE_VOCAB, PRESETS
 from arbor.models.tokenizer import ByteTokenizer
 
 _BASE = dict(
@@ -76,4 +77,28 @@ def write_tiny(arch: str, path: Path, seed: int = 0) -> Path:
     model = getattr(transformers, arch)(tiny_config(arch))
     model.save_pretrained(path)
     ByteTokenizer().save(path)
+    return path
+
+
+def write_llama_of_preset(path: Path, preset: str = "qwen3-tiny", seed: int = 0, chat_template: bool = True) -> Path:
+    """A `LlamaForCausalLM` of arbor preset `preset`'s shape, as a user brings one: transformers' `LlamaConfig`
+    (its defaults: untied head, no q/k norm, its own initialisation from `seed`), `save_pretrained`, and the byte
+    tokenizer (arbor's, or with `chat_template=False` only its Hugging Face export without the template: a base
+    model's tokenizer)."""
+    p = PRESETS[preset]
+    config = transformers.LlamaConfig(
+        **{k: getattr(p, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
+        **{k: getattr(p, k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
+        max_position_embeddings=p.max_position_embeddings,
+        pad_token_id=ByteTokenizer().pad_token_id,
+        eos_token_id=ByteTokenizer().eos_token_id,
+    )
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    ByteTokenizer().save(path)
+    if not chat_template:
+        (path / "arbor_tokenizer.json").unlink()
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        del tokenizer_config["chat_template"]
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return path

@@ -4,12 +4,14 @@ the `configs/models/` layers name, built on the meta device with their published
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import write_llama_of_preset
 from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
 
 from arbor.config.environment import EnvironmentConfig
@@ -116,9 +118,30 @@ def test_a_raw_prompt_is_the_task_text_and_ends_at_the_base_models_eos(tmp_path)
     env = load_environment(EnvironmentConfig(args={"system_prompt": "Be brief."}))
     task = env.dataset(0)[0]
     ids = env_prompt_ids(env, task, tokenizer, "raw")
-    assert tokenizer.decode(ids, skip_special_tokens=False) == "Be brief.\n\nReverse: " + task["text"]
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "Be brief.\n\nReverse: " + task["text"] + "\n\n"
     with pytest.raises(Exception, match="chat_template"):
         env_prompt_ids(env, task, tokenizer)
+
+
+def test_a_raw_prompt_starts_with_the_bos_the_tokenizer_adds_itself(tmp_path):
+    """A Llama-style base tokenizer puts BOS before every text (its post-processor): the raw prompt starts with
+    it, as the model saw every text in pre-training; the byte tokenizer adds none."""
+    path = tiny_checkpoint(tmp_path / "base", chat_template=False)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [257], "tokens": ["<|im_start|>"]}},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    env = load_environment(EnvironmentConfig())
+    task = env.dataset(0)[0]
+    ids = env_prompt_ids(env, task, build_tokenizer(ModelConfig(name=str(path))), "raw")
+    assert ids[0] == 257 and ids[1:] == list(("Reverse: " + task["text"] + "\n\n").encode())
+    plain = build_tokenizer(ModelConfig(name=str(tiny_checkpoint(tmp_path / "plain", chat_template=False))))
+    assert plain.prompt_prefix == [] and build_tokenizer(ModelConfig(name="qwen3-test")).prompt_prefix == []
 
 
 # The real shapes, from each model's config.json on the Hugging Face hub (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B,
@@ -167,11 +190,14 @@ def test_real_shapes_build_on_meta_with_the_published_parameter_counts(name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the quick start: about 2 minutes on 2 idle cores
-def test_a_raw_prompt_run_from_a_template_less_checkpoint_learns(tmp_path):
-    """The quick start with a base-model checkpoint (a Hugging Face tokenizer without a chat template) and
-    `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text; the reward rises (measured: from
-    0.45 over the first five steps to 0.57 over the last five)."""
-    base = tiny_checkpoint(tmp_path / "base", preset="qwen3-tiny", chat_template=False)
+def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
+    """issue 34's acceptance run: the quick start with a model a user brings, a transformers `LlamaForCausalLM` of
+    qwen3-tiny's shape (untied head, no q/k norm, transformers' initialisation) whose tokenizer has no chat
+    template, and `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text. RL adds to what the
+    warm-up reached and ends where the Qwen3 quick start does (0.74): measured, the first five steps' mean to the
+    last five's, 0.699 -> 0.777, 0.708 -> 0.783 and 0.713 -> 0.781 (seeds 0, 1, 2 of checkpoint and run;
+    docs/models.md). Before raw prompts ended in a blank line the warm-up reached 0.43 and RL 0.49."""
+    base = write_llama_of_preset(tmp_path / "base", "qwen3-tiny", chat_template=False)
     out = tmp_path / "run"
     res = subprocess.run(
         [
@@ -193,10 +219,11 @@ def test_a_raw_prompt_run_from_a_template_less_checkpoint_learns(tmp_path):
         cwd=Path(__file__).resolve().parents[2],
     )
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    assert "model: LlamaForCausalLM: arbor's native implementation" in res.stdout, res.stdout[-2000:]
     rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
     assert len(rewards) == 60
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.05, rewards
+    assert last >= first + 0.04 and last >= 0.72, rewards
 
 
 def test_the_config_check_reads_a_cached_hub_models_shape(tmp_path, monkeypatch):

@@ -109,14 +109,22 @@ def is_multi_turn(env: Any) -> bool:
     return isinstance(env, MultiTurnEnvironment)
 
 
+RAW_SEPARATOR = "\n\n"
+"""What follows each message of a raw prompt, the last one included: the completion starts a paragraph of its own."""
+
+
 def raw_prompt(messages: list[dict[str, Any]]) -> str:
-    """A prompt without a chat template (`prompt_format = "raw"`): the messages' contents, blank-line separated."""
-    return "\n\n".join(m["content"] for m in messages if m.get("content"))
+    """A prompt without a chat template (`prompt_format = "raw"`): the messages' contents, each followed by a blank
+    line. The last one marks where the completion starts, as a chat template's generation prompt does: glued to
+    the task's text, an answer cannot be told from it (reverse_text's "Reverse: ab" + "ba" reads as the task "abb"
+    answered with "a" as well): docs/models.md's tiny Llama ended reverse_text at 0.49 that way, 0.78 this way."""
+    return "".join(m["content"] + RAW_SEPARATOR for m in messages if m.get("content"))
 
 
 def env_prompt_ids(env: Any, task: Task, tokenizer: Tokenizer, prompt_format: str = "chat") -> list[int]:
     """The first prompt's token ids: through the chat template, with the task's tool schemas for a multi-turn
-    environment, or (`prompt_format = "raw"`) the raw prompt's text tokenised as it is."""
+    environment, or (`prompt_format = "raw"`) the raw prompt's text tokenised as it is, after the ids the
+    tokenizer puts before any text (a base model's BOS)."""
     return env_prompt(env, task, tokenizer, prompt_format)[0]
 
 
@@ -150,7 +158,7 @@ def _text_prompt_ids(
                 f"environment {env.name!r} is multi-turn: prompt_format = 'raw' suits single-turn "
                 "environments only (turns need the chat template)"
             )
-        return tokenizer.encode(raw_prompt(messages))
+        return [*tokenizer.prompt_prefix, *tokenizer.encode(raw_prompt(messages))]
     tools = None
     if is_multi_turn(env):
         tools = [tool_schema(fn) for fn in env.tools(task)] or None

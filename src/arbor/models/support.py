@@ -19,6 +19,7 @@ COLUMNS = (
     "CP",
     "FP8",
     "MTP",
+    "LoRA",
 )
 
 
@@ -28,9 +29,11 @@ def _mark(ok: bool) -> str:
 
 def support_row(arch: str, family: ModelFamily, args: Any = None) -> list[str]:
     """One architecture's row: `family` serves it; `args` (a transformers checkpoint's HFArgs) says whether
-    it has recurrent layers."""
+    it has recurrent layers and routed experts (transformers holds those as 3-D parameters, not linear layers,
+    so LoRA, which adapts `nn.Linear` modules on that path, leaves them out)."""
     if getattr(family.args_class, "impl", None) == "transformers":
         recurrent = bool(getattr(args, "recurrent", False))
+        moe = args is not None and args.experts[0] > 0
         return [
             f"`{arch}`",
             "transformers",
@@ -42,9 +45,11 @@ def support_row(arch: str, family: ModelFamily, args: Any = None) -> list[str]:
             "refused",
             "refused",
             "refused",
+            "linear layers, not the experts" if moe else "yes",
         ]
     moe = "yes" if family.supports_moe else "dense"
-    return [f"`{arch}`", "native", "yes", "yes", "yes", "KV cache", moe, "yes", "yes", _mark(family.supports_mtp)]
+    mtp = _mark(family.supports_mtp)
+    return [f"`{arch}`", "native", "yes", "yes", "yes", "KV cache", moe, "yes", "yes", mtp, "yes"]
 
 
 def support_table(rows: list[list[str]]) -> str:

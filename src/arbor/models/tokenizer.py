@@ -27,6 +27,10 @@ class Tokenizer(Protocol):
     pad_token_id: int
     has_chat_template: bool
     """Whether `apply_chat_template` can render chat messages (a base model's tokenizer often cannot)."""
+    prompt_prefix: list[int]
+    """Ids the tokenizer itself puts before a text (a base model's BOS: Llama, Mistral, Gemma; none for Qwen or the
+    byte tokenizer): a raw prompt starts with them, as the model saw every text in pre-training (a chat template
+    writes its own)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -197,6 +201,7 @@ class ByteTokenizer:
         self.pad_token_id = self.special_ids["<|endoftext|>"]
         self.eos_token_id = self.special_ids["<|im_end|>"]
         self.im_start = self.special_ids["<|im_start|>"]
+        self.prompt_prefix: list[int] = []
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -283,6 +288,7 @@ class HFTokenizer:
         if self.eos_token_id is None:
             raise ValueError(f"tokenizer at {self.path} has no eos token")
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id
+        self.prompt_prefix = _leading_specials(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -309,6 +315,14 @@ class HFTokenizer:
 
     def save(self, path: str | Path) -> None:
         self.tok.save_pretrained(str(path))
+
+
+def _leading_specials(tok) -> list[int]:
+    """The ids `tok` adds before a text when asked for its special tokens (its post-processor's BOS)."""
+    bare = tok.encode("a", add_special_tokens=False)
+    full = tok.encode("a", add_special_tokens=True)
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), 0)
+    return list(full[:at])
 
 
 def tokenizer_has_template(tokenizer: Tokenizer) -> bool:

@@ -131,7 +131,8 @@ class AdapterSlots:
         self.rows_state = RowSlots()
         self.loaded: dict[str, Loaded] = {}
         self.uniform_rows = False
-        """True once a layer read as a weight holds a bank: decode then groups rows by slot."""
+        """True once a layer read as a weight holds a bank, or for a recurrent model (the runner sets it): decode
+        then groups rows by slot."""
         self._banked: dict[str, nn.Module] = {}
         self._modules = dict(model.named_modules())
 

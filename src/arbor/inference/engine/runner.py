@@ -101,6 +101,9 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         self.last_hidden: torch.Tensor | None = None
         self.kv = model.make_kv_cache(max_batch_size, seq_len)
+        # A recurrent model (the transformers path's TokenCache) runs its backbone once per row, where the adapter
+        # layers' per-token slot map of the whole batch does not apply: its rows go one adapter per forward.
+        self.adapters.uniform_rows = bool(getattr(model.args, "recurrent", False))
         self.device: torch.device = next(model.parameters()).device
         self.vision = hasattr(model, "mrope_positions")
         """A vision-language model (arbor.models.hf_vision): 3-D rotary positions, image prompts."""
