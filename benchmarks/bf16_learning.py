@@ -9,13 +9,14 @@ state and gradient reduction; the local engine serving bf16 weights). The cases:
 - `dsa`: the same with `--model.name dsa-tiny` (DeepSeek sparse attention, DSA context parallelism).
 
 The CP cases turn `orchestrator.batching.prefix_merge` off (a prefix tree cannot be split by position; `rl`
-refuses the pair). Per arm it reads the run's `metrics.jsonl`: the reward rise (mean `reward/mean` of the last
-`--window` steps minus that of the first `--window`), the step-0 `mismatch_kl` (trainer vs engine on the same
-weights: the pure numerical mismatch, since the default `one_step_off` schedule trains each later batch one
-policy version after it was sampled) and the median `mismatch_kl` over the run (one step of policy drift plus
-the numerical mismatch). A case passes when its bf16 rise is within `--tolerance` (0.05) of its fp32 rise.
+refuses the pair) and give the warm-up one thread, as the moe example does. Per arm it reads the run's
+`metrics.jsonl`: the reward rise (mean `reward/mean` of the last `--window` steps minus that of the first
+`--window`), the step-0 `mismatch_kl` (trainer vs engine on the same weights: the pure numerical mismatch, since
+the default `one_step_off` schedule trains each later batch one policy version after it was sampled) and the
+median `mismatch_kl` over the run (one step of policy drift plus the numerical mismatch). A case passes when its
+bf16 rise is within `--tolerance` (0.05) of its fp32 rise.
 
-    uv run python benchmarks/bf16_learning.py                       # the three cases, seed 0 (~25 min, 2 cores)
+    uv run python benchmarks/bf16_learning.py                       # the three cases, seed 0 (~40 min on 2 cores)
     uv run python benchmarks/bf16_learning.py --cases moe --seeds 0,1,2
 
 Figures measured (2 shared cores, docs/training.md "bfloat16") are kept in the docs, not here. The last line is
@@ -39,7 +40,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.05
 """Largest |bf16 rise - fp32 rise| that counts as learning alike (issue 41)."""
 
-_CP = ["--trainer.parallel.nproc", "2", "--trainer.parallel.cp", "2", "--orchestrator.batching.prefix-merge", "false"]
+_CP = [
+    "--trainer.parallel.nproc",
+    "2",
+    "--trainer.parallel.cp",
+    "2",
+    "--orchestrator.batching.prefix-merge",
+    "false",
+    "--sft.num-threads",
+    "1",  # as the moe example sets: a warm-up on every core of a shared machine crawls (~13 s a step)
+]
 CASES: dict[str, list[str]] = {
     "moe": ["@", "examples/moe_reverse_text/rl.toml"],
     "cp": ["@", "examples/reverse_text/rl.toml", *_CP],
