@@ -20,6 +20,7 @@ SCORED = {"benchmark", "value", "target", "ok"}
 
 EXPECTED: dict[str, set[str]] = {
     "async_vs_sync": SCORED | {"sync_wall_s", "async_wall_s", "sync_reward", "async_reward", "cpu_ceiling"},
+    "bf16_learning": SCORED | {"cases", "output_dir"},
     "ckpt_verify": SCORED | {"verify_s_per_gib_1_thread", "read_s_per_gib", "manifest_s_per_gib"},
     "cp_memory": SCORED | {"growth", "peak_bytes"},
     "code_sandbox": SCORED | {"median_latency_s", "hostile_wall_s", "isolation"},
@@ -52,7 +53,7 @@ HELPERS = {"smoke"}
 
 def _extra_args(name: str, tmp: Path) -> list[str]:
     """Arguments beyond `--smoke`: where a benchmark keeps its runs by default (a temporary directory it leaves)."""
-    return ["--output-dir", str(tmp)] if name == "mtp_speculative" else []
+    return ["--output-dir", str(tmp)] if name in ("mtp_speculative", "bf16_learning") else []
 
 
 def test_every_benchmark_has_a_smoke_test():

@@ -8,6 +8,7 @@ import torch
 from arbor.config.model import ModelConfig
 from arbor.models import build_model
 from arbor.models.attention import packed_causal_mask, position_ids_for
+from arbor.models.dsa import index_scores
 from arbor.models.hf import save_checkpoint_dir
 from arbor.models.qwen3_moe import Qwen3MoeForCausalLM, grouped_mm
 from arbor.models.tokenizer import ByteTokenizer
@@ -87,6 +88,25 @@ def test_router_logits_are_fp32_in_a_bf16_model():
     logits, weights, _ = gate(x)
     assert logits.dtype == torch.float32 and weights.dtype == torch.bfloat16
     assert torch.equal(logits, x.float() @ gate.weight.float().T)
+
+
+def test_routers_and_the_dsa_indexer_stay_fp32_under_a_bf16_autocast():
+    """The SFT warm-up and a one-rank trainer run bf16 as an autocast over fp32 weights, which would round any
+    matmul to bf16, `.float()` inputs or not: the softmax router, the sigmoid router and DSA's indexer each turn
+    it off, so they score in fp32 as the engine does with bf16 weights (before, all three ran in bf16 there)."""
+    torch.manual_seed(0)
+    qwen = build_model(ModelConfig(name="qwen3-moe-test")).model.layers[0].mlp.gate
+    deepseek = build_model(ModelConfig(name="dsa-moe-test")).model.layers[1].mlp.gate
+    x = torch.randn(9, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = qwen(x)[0]
+        ds_weights = deepseek(x)[0]
+        q, w, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2), torch.randn(1, 5, 8)
+        score = index_scores(q, w, k, torch.ones(1, 5, 5, dtype=torch.bool))
+    assert logits.dtype == torch.float32 and torch.equal(logits, x @ qwen.weight.T)
+    assert torch.equal(ds_weights, deepseek(x)[0])
+    assert score.dtype == torch.float32
+    assert torch.equal(score, index_scores(q, w, k, torch.ones(1, 5, 5, dtype=torch.bool)))
 
 
 def test_moe_packed_forward_equals_separate_and_kv_cache_decoding():

@@ -85,7 +85,10 @@ class ModelConfig(Config):
     """Tokenizer directory or hub id, or "byte"; default: the checkpoint's own, or the built-in byte tokenizer for
     presets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter and compute dtype. On CPU keep float32 so trainer and inference logprobs match."""
+    """Compute dtype of the trainer (over fp32 master weights and optimizer state) and of the inference engine,
+    and the dtype of published weights; what stays fp32 where: docs/training.md, "bfloat16". bfloat16 runs of the
+    MoE and CP recipes learn like float32 ones (benchmarks/bf16_learning.py) but run several times slower on CPU,
+    so the CPU recipes keep float32 (trainer and engine logprobs then match to ~1e-14)."""
     router_replay: bool = False
     """MoE router replay (R3): the inference engine returns the experts it chose for every token and MoE layer,
     and the trainer routes each token to exactly those experts (gathering their router scores), so trainer

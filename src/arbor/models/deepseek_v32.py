@@ -161,7 +161,8 @@ class DeepseekRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        with torch.autocast(x.device.type, enabled=False):  # fp32 scores under an enclosing bf16 autocast too
+            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         if replay is not None:
             idx = replay.to(device=x.device, dtype=torch.long)
         else:

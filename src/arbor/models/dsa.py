@@ -43,9 +43,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, mask: torch.
     `q [B, Tq, Hi, Di]` index queries, `w [B, Tq, Hi]` per-head weights (already scaled), `k [B, Tk, Di]` index
     keys (shared by the heads)."""
     B, Tq, Hi, Di = q.shape
-    kt = k.float().transpose(1, 2)  # [B, Di, Tk]
-    logits = torch.bmm(q.float().reshape(B, Tq * Hi, Di), kt).relu_()
-    score = torch.einsum("bqhk,bqh->bqk", logits.view(B, Tq, Hi, -1), w.float())
+    with torch.autocast(q.device.type, enabled=False):  # fp32 under an enclosing bf16 autocast too (SFT, one rank)
+        kt = k.float().transpose(1, 2)  # [B, Di, Tk]
+        logits = torch.bmm(q.float().reshape(B, Tq * Hi, Di), kt).relu_()
+        score = torch.einsum("bqhk,bqh->bqk", logits.view(B, Tq, Hi, -1), w.float())
     return score.masked_fill_(~mask, float("-inf"))
 
 

@@ -89,8 +89,10 @@ class TopKRouter(nn.Module):
         """(router logits `[N, E]`, top-k weights `[N, k]`, expert ids `[N, k]`) for tokens `x [N, H]`; with
         `replay [N, k]` those experts are used and their scores gathered (router replay)."""
         # fp32 router logits whatever the compute dtype: the trainer and the local engine run this same code, and
-        # bf16 logits flip near-tied top-k choices between them, a known source of growing MoE mismatch.
-        logits = F.linear(x.float(), self.weight.float())
+        # bf16 logits flip near-tied top-k choices between them, a known source of growing MoE mismatch. An
+        # enclosing autocast (the SFT warm-up, a one-rank bf16 trainer) would run the matmul in bf16 all the same.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         probs = torch.softmax(logits, dim=-1)
         if replay is None:
             top, idx = torch.topk(probs, self.top_k, dim=-1)
