@@ -19,7 +19,8 @@ from arbor.launch import rl
 
 def wait_healthy(*args, **kwargs):  # in place of inference start-up: the signal arrives here
     os.kill(os.getpid(), signal.{sig})
-    time.sleep(30)
+    for _ in range(300):  # short sleeps, as rl's waits: a signal landing on another thread wakes no long sleep
+        time.sleep(0.1)
     raise AssertionError("the signal did not stop rl")
 
 rl.Servers.start = lambda self, name: None

@@ -71,11 +71,15 @@ def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+COPIES = {"trainer.colocate": "inference.colocate", "orchestrator.colocate": "inference.colocate"}
+"""Fields RLConfig sets from another (the one a user sets)."""
+
+
 def _listed(path: str, changed: list[str]) -> bool:
     """Whether `path` differs because of a listed change (itself, a table above it, or a shared field pushed
     down into a section) or is derived from one."""
     section, _, rest = path.partition(".")
-    names = [path] + ([rest] if section in SECTIONS else [])
+    names = [path] + ([rest] if section in SECTIONS else []) + ([COPIES[path]] if path in COPIES else [])
     return path in DERIVED or any(n == c or n.startswith(c + ".") for n in names for c in changed)
 
 

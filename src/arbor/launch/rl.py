@@ -558,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # SIGTERM (from a scheduler or `kill`) stops the run as Ctrl-C does, but exits 143, not 130.
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C and `kill -INT` stop it too where it started with SIGINT ignored (which a child inherits: a shell's
+    # background job, nohup, a test runner's worker), where Python would leave it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_attempts(cfg, cores)
 
 

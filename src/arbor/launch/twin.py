@@ -407,6 +407,13 @@ def _plan_inference(p: _Planner) -> None:
                 p.set("model.router_replay", False, why)
             if inf.router_replay:
                 p.set("inference.router_replay", False, why)
+        if cpu_vllm and inf.colocate:
+            p.set(
+                "inference.colocate",
+                False,
+                "vLLM's CPU build has no sleep mode: the twin's server and trainer run side by side "
+                "(`--inference.backend local` keeps the turns)",
+            )
         if cpu_vllm and cfg.inference_startup_timeout < v.startup_timeout:
             p.set(
                 "inference_startup_timeout",

@@ -14,10 +14,12 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -505,6 +507,40 @@ def _stream_status(error: Any) -> int:
     return code if isinstance(code, int) and 400 <= code < 500 else 500
 
 
+def upstream_port() -> int:
+    """A free loopback port for vLLM, below the kernel's ephemeral range where one is configured: the servers and
+    clients that ask the kernel for any free port (port 0) draw from that range, so none of them takes this one
+    in the seconds before vLLM binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(10000, low), min(64, low - 10000)) if low > 11000 else []
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free loopback port for the vLLM server")
+
+
+async def _serves(session: aiohttp.ClientSession, upstream: str, model_path: str) -> bool:
+    """Whether the vLLM server this proxy started answers at `upstream`: healthy, and listing the model it was
+    started with (`root`). The port was free when picked, but vLLM binds it tens of seconds later: another server
+    that took it meanwhile (a second run on the node) must not pass for ours, nor get our requests."""
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with session.get(upstream + "/health", timeout=timeout) as r:
+        if r.status != 200:
+            return False
+    async with session.get(upstream + "/v1/models", timeout=timeout) as r:
+        if r.status != 200:
+            return False
+        body = await r.json(content_type=None)
+    return any(isinstance(m, dict) and m.get("root") == model_path for m in body.get("data", []))
+
+
 def run(cfg: InferenceConfig) -> int:
     """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
     require_vllm()
@@ -514,9 +550,7 @@ def run(cfg: InferenceConfig) -> int:
         raise ConfigError(f"model.name {cfg.model.name!r}: {error}")
     path, skip_tok = model_dir(cfg)
     vocab = padding_bound(cfg, skip_tok)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = upstream_port()
     argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None)
     log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
     # Its own session, so that stopping it reaches vLLM's engine and worker processes; and it dies with this
@@ -539,10 +573,9 @@ def run(cfg: InferenceConfig) -> int:
                         f"the vLLM server exited with code {proc.returncode} while starting (its output is above)"
                     )
                 try:
-                    async with s.get(upstream + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        if r.status == 200:
-                            break
-                except (TimeoutError, aiohttp.ClientError):
+                    if await _serves(s, upstream, argv[argv.index("--model") + 1]):
+                        break
+                except (TimeoutError, aiohttp.ClientError, ValueError):
                     pass
                 if time.monotonic() > deadline or stop.is_set():
                     raise RuntimeError(f"the vLLM server was not healthy within {cfg.vllm.startup_timeout:.0f}s")
