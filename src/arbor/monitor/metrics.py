@@ -138,6 +138,12 @@ class MetricsWriter:
             del self.pending[s]
 
     def close(self) -> None:
+        """Writes every step whose two halves are on disk, then ends the W&B run: a run that stops on an error (a
+        refused weight update, a dead server) still records each step its trainer finished before it stopped."""
+        try:
+            self.poll()
+        except OSError as e:  # a full disk: the stop's own error says so; this must not replace it
+            log.warning("metrics.jsonl not brought up to date at the stop: %s", e)
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
