@@ -109,12 +109,14 @@ def test_a_failed_run_resumes_by_itself_and_a_killed_one_by_hand_with_no_step_mi
     )
     trainers = subprocess.run(["pgrep", "-f", f"arbor.trainer.main @ {out}"], capture_output=True, text=True).stdout
     assert len(trainers.split()) == 1, trainers
-    os.kill(int(trainers.split()[0]), signal.SIGKILL)
-    _wait_for(
-        lambda: len(read_jsonl(out / "metrics.jsonl")) >= 8 or proc.poll() is not None,
-        180,
-        "the resumed attempt's steps",
-    )
+    killed = trainers.split()[0]
+    os.kill(int(killed), signal.SIGKILL)
+
+    def resumed() -> bool:  # a new trainer, and steps past the kill (rows the dead one had written come first)
+        now = subprocess.run(["pgrep", "-f", f"arbor.trainer.main @ {out}"], capture_output=True, text=True).stdout
+        return bool(set(now.split()) - {killed}) and len(read_jsonl(out / "metrics.jsonl")) >= 8
+
+    _wait_for(lambda: resumed() or proc.poll() is not None, 180, "the resumed attempt's steps")
     assert proc.poll() is None, proc.communicate()[1]
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and everything in its session, no clean-up
     _, stderr = proc.communicate()
