@@ -132,17 +132,19 @@ def env_prompt(
     env: Any, task: Task, tokenizer: Tokenizer, prompt_format: str = "chat"
 ) -> tuple[list[int], dict[str, Any] | None]:
     """`env_prompt_ids` and the prompt's image inputs (`pixel_values`, `image_grid_thw`; None without images):
-    image content parts are rendered by a vision-language model's tokenizer (arbor.models.vision), refused in
-    one line for any other."""
+    image content parts are rendered by a vision-language model's tokenizer (arbor.models.vision), with a
+    multi-turn environment's tool schemas, and refused in one line for any other tokenizer. (Later turns of an
+    episode add their images through arbor.orchestrator.trajectory, which renders the whole conversation.)"""
     messages = env.prompt(task)
     if image_parts(messages):
         if not hasattr(tokenizer, "render_images"):
             refuse_images_for_text_model(messages, tokenizer.name)
-        if prompt_format == "raw" or is_multi_turn(env):
+        if prompt_format == "raw":
             raise ImageRefused(
-                f"environment {env.name!r}: prompts with images are served single-turn, through the chat template"
+                f"environment {env.name!r}: prompts with images need the chat template (prompt_format = 'chat')"
             )
-        prompt = tokenizer.render_images(messages, add_generation_prompt=True)
+        tools = ([tool_schema(fn) for fn in env.tools(task)] or None) if is_multi_turn(env) else None
+        prompt = tokenizer.render_images(messages, add_generation_prompt=True, tools=tools)
         if not prompt.num_images:
             return prompt.ids, None
         return prompt.ids, {"pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}

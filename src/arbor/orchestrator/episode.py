@@ -3,6 +3,8 @@
 `setup`, then turn after turn: trim the context, build the prompt ids with a `Trajectory`, generate one sample,
 pass the reply to `step`; until done, `max_turns` or `seq_len`; then `score_episode`. Every branch becomes a
 Rollout with the episode's reward; failures are scored 0 or skipped (docs/agents.md, "Multi-turn episodes").
+With a vision-language tokenizer, image parts in the prompt or in the environment's later messages are rendered
+by the trajectory each turn: a turn's call carries every image so far (`images`), and each rollout its own.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from arbor.config.environment import EnvironmentConfig
 from arbor.environments.context import ContextPolicy
 from arbor.environments.guard import EnvFailure, EnvStats, guarded, reward_components, step_result
-from arbor.environments.protocol import MultiTurnEnvironment, Task, env_prompt_ids, total_reward
+from arbor.environments.protocol import MultiTurnEnvironment, Task, env_prompt, total_reward
 from arbor.environments.tools import tool_schema
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.rollout import Rollout
@@ -26,7 +28,8 @@ from arbor.orchestrator.trajectory import Trajectory
 log = logging.getLogger("arbor.orchestrator.episode")
 
 GenerateFn = Callable[..., Awaitable[list[Any]]]
-"""`(prompt_ids, n, max_tokens, temperature, top_p, seed) -> list[Completion]`, as InferenceClient.generate."""
+"""`(prompt_ids, n, max_tokens, temperature, top_p, seed[, images=]) -> list[Completion]`, as
+InferenceClient.generate (`images` only for a prompt with images)."""
 
 
 @dataclasses.dataclass
@@ -104,8 +107,10 @@ async def run_episode(
             if budget < 1:
                 finish = "budget"
                 break
+            images = traj.pending_images
+            extra = {"images": images} if images else {}
             (completion,) = await generate(
-                ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns)
+                ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns), **extra
             )
             turn = traj.add_completion(completion)
             turns += 1
@@ -140,10 +145,11 @@ async def run_episode(
     rollouts = [] if traj is None else traj.rollouts(tid, reward, components, per_turn=failure is None, **common)
     stats.branches += len(rollouts)
     if not rollouts:  # failed before anything was generated: an empty rollout keeps the failure in the group
+        prompt_ids, images = env_prompt(env, task, tokenizer)
         return [
             Rollout(
                 tid,
-                env_prompt_ids(env, task, tokenizer),
+                prompt_ids,
                 [],
                 [],
                 [],
@@ -152,6 +158,7 @@ async def run_episode(
                 reward=reward,
                 components=components,
                 completion_mask=[],
+                images=images,
                 **common,
             )
         ]

@@ -4,6 +4,13 @@ Re-tokenising a conversation drifts from what the model sampled, so a `Trajector
 call extends the longest earlier turn its prompt begins with, a context edit starts a new root, and each leaf is
 one sample (sampled tokens trained, inserted glue masked). Used by the episode driver and by the gateway. The
 matching rules, the public API and the departures from Forge: docs/agents.md, "Token-exact records".
+
+Images (a vision-language tokenizer, arbor.models.vision): a chat prompt with `image_url`/`image` parts is
+rendered by the model's processor, its placeholder tokens in the ids and its pixel inputs kept beside them
+(`Prompt.images`, `Turn.images`: every image of the prompt, in order). A call extends a turn only when the
+turn's images are the first images of the call, pixel for pixel (placeholder ids alone cannot tell two images of
+one size apart), so images from several turns accumulate in order and each sample carries its leaf's images:
+exactly those of its ids. A text tokenizer refuses image parts in one line.
 """
 
 from __future__ import annotations
@@ -11,8 +18,32 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from arbor.models.image_parts import image_parts, refuse_images_for_text_model
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.rollout import Rollout
+
+Images = dict[str, Any]
+"""A prompt's pixel inputs: `pixel_values [P, D]` and `image_grid_thw [I, 3]` (tensors or arrays), in the order
+of the images' placeholders in its ids (arbor.models.vision.VisionPrompt)."""
+
+
+def images_extend(images: Images | None, prefix: Images | None) -> bool:
+    """Whether `images` begin with every image of `prefix` (grids and pixels equal); no images extend nothing
+    but no images."""
+    if prefix is None:
+        return True
+    if images is None:
+        return False
+    grid, first = np.asarray(images["image_grid_thw"]), np.asarray(prefix["image_grid_thw"])
+    pix, head = np.asarray(images["pixel_values"]), np.asarray(prefix["pixel_values"])
+    return (
+        grid.shape[0] >= first.shape[0]
+        and pix.shape[0] >= head.shape[0]
+        and np.array_equal(grid[: first.shape[0]], first)
+        and np.array_equal(pix[: head.shape[0]], head)
+    )
 
 
 @dataclasses.dataclass
@@ -25,6 +56,8 @@ class Prompt:
     """The chat template's tokens of `messages` with the generation prompt (None: a raw-token call)."""
     messages: list[dict[str, Any]] | None = None
     tools: list[dict] | None = None
+    images: Images | None = None
+    """The pixel inputs of every image placeholder in `ids` (None: a text prompt)."""
 
 
 @dataclasses.dataclass
@@ -45,6 +78,8 @@ class Turn:
     """Where the reply starts in `view`."""
     reward: float | None = None
     """The environment's own reward for this turn (StepResult.reward), if any."""
+    images: Images | None = None
+    """The pixel inputs of the image placeholders in `prompt_ids` (None: a text prompt)."""
 
     @property
     def ids(self) -> list[int]:
@@ -69,6 +104,8 @@ class Sample:
     """The leaf's routes: its prompt is the whole chain, so they cover every token."""
     rewards: list[float | None] = dataclasses.field(default_factory=list)
     """Each turn's own reward, None where the environment gave none."""
+    images: Images | None = None
+    """The leaf's prompt images: every image placeholder of the sample's ids, in order (None: text only)."""
 
     @property
     def turn_ends(self) -> list[int]:
@@ -88,7 +125,7 @@ class Trajectory:
         """The prompt of a chat call: the turn whose view `messages` extend, continued token-exactly, or the
         template's rendering of `messages` as a new root (see the module docstring)."""
         tools = tools if tools is not None else self.tools
-        full = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        full, images = self._render(messages, tools)
         best: Turn | None = None
         for t in self.turns:
             v = t.view
@@ -98,13 +135,25 @@ class Trajectory:
                 and (best is None or len(v) >= len(best.view))
                 and full[len(v) - 1] == v[-1]
                 and full[: len(v)] == v
+                and images_extend(images, t.images)
             ):  # the last token first: cheap
                 best = t
         ids = full if best is None else self._splice(best, full)
-        return Prompt(ids, self._longest_prefix(ids), full, list(messages), tools)
+        return Prompt(ids, self._longest_prefix(ids, images), full, list(messages), tools, images)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[list[int], Images | None]:
+        """The template's ids of `messages` with the generation prompt, and their images' pixel inputs."""
+        if not image_parts(messages):
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools), None
+        if not hasattr(self.tokenizer, "render_images"):
+            refuse_images_for_text_model(messages, getattr(self.tokenizer, "name", "in use"))
+        rendered = self.tokenizer.render_images(messages, add_generation_prompt=True, tools=tools)
+        if not rendered.num_images:
+            return rendered.ids, None
+        return rendered.ids, {"pixel_values": rendered.pixel_values, "image_grid_thw": rendered.image_grid_thw}
 
     def token_prompt(self, ids: list[int]) -> Prompt:
-        """A raw-token call: its ids as given, under the longest turn they extend."""
+        """A raw-token call (no images): its ids as given, under the longest text-only turn they extend."""
         return Prompt(list(ids), self._longest_prefix(ids))
 
     def record(self, prompt: Prompt, completion: Any, reply: dict[str, Any] | None = None) -> Turn:
@@ -136,6 +185,7 @@ class Trajectory:
             routes,
             view,
             reply_at,
+            images=prompt.images,
         )
         self.turns.append(turn)
         return turn
@@ -150,8 +200,8 @@ class Trajectory:
             ids += reply[end : end + 1]  # cut by length or a stop string: close the turn as the template does
         return ids + reply[end + 1 :] + full[len(t.view) :]
 
-    def _longest_prefix(self, ids: list[int]) -> int | None:
-        """The latest of the longest turns whose exact tokens `ids` properly extends."""
+    def _longest_prefix(self, ids: list[int], images: Images | None = None) -> int | None:
+        """The latest of the longest turns whose exact tokens `ids` properly extends (and `images` their images)."""
         best, best_len = None, -1
         for i, t in enumerate(self.turns):
             n, m = len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids)
@@ -161,6 +211,7 @@ class Trajectory:
                 and ids[m - 1] == last  # the last token first: cheap
                 and ids[:n] == t.prompt_ids
                 and ids[n:m] == t.completion_ids
+                and images_extend(images, t.images)
             ):
                 best, best_len = i, m
         return best
@@ -171,6 +222,11 @@ class Trajectory:
         """The token ids to send for the next turn; a second call before `add_completion` replaces the first."""
         self._pending = self.chat_prompt(messages, tools)
         return list(self._pending.ids)
+
+    @property
+    def pending_images(self) -> Images | None:
+        """The pixel inputs of the last `prompt_ids` (None: a text prompt, or none pending): sent with its ids."""
+        return None if self._pending is None else self._pending.images
 
     def add_completion(self, completion: Any) -> Turn:
         """Records the completion sampled from the last `prompt_ids`; the caller appends its text as the reply."""
@@ -203,6 +259,7 @@ class Trajectory:
         chain.reverse()
         root = chain[0]
         s = Sample(list(root.prompt_ids), [], [], [], [], [], chain[-1].finish_reason, "", chain[-1].routed_experts)
+        s.images = chain[-1].images  # the leaf's prompt is the whole chain: its images are the sample's
         for t in chain:
             injected = t.prompt_ids[len(root.prompt_ids) + len(s.completion_ids) :]
             s.completion_ids += injected
@@ -249,6 +306,7 @@ class Trajectory:
                     routed_experts=s.routed_experts,
                     turn_rewards=rewards,
                     completion_mask=s.completion_mask,
+                    images=s.images,
                     **fields,
                 )
             )

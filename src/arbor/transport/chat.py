@@ -22,25 +22,31 @@ from arbor.transport.http import BadRequest, HTTPError, parse_json
 TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+TEXT_ONLY = "this server takes text parts only"
+"""Why an image part is refused where images are not rendered (the gateway names the text-only model instead)."""
+
+
+def parse_messages(body: dict[str, Any], images: str | None = TEXT_ONLY) -> list[dict[str, Any]]:
+    """The request's messages in template form (`template_message`); `images`: why image parts are refused, or
+    None where they are rendered (a vision-language model behind the gateway)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    return [template_message(m, i) for i, m in enumerate(messages)]
+    return [template_message(m, i, images) for i, m in enumerate(messages)]
 
 
-def template_message(m: Any, i: int) -> dict[str, Any]:
+def template_message(m: Any, i: int, images: str | None = TEXT_ONLY) -> dict[str, Any]:
     """A chat message in the form the template renders: the same for a request's messages and for the reply the
-    gateway gave, so that a reply echoed back renders as the recorded one (arbor.orchestrator.trajectory)."""
+    gateway gave, so that a reply echoed back renders as the recorded one (arbor.orchestrator.trajectory). Text
+    parts are joined into one string; a content with `image_url` parts stays a list of normalised parts
+    (`content_parts`) when `images` is None, and is refused naming the part (`images`: why) otherwise."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise HTTPError(400, f"messages[{i}] must be an object with a string role", "messages")
     content = m.get("content")
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise HTTPError(400, f"messages[{i}].content parts must be text parts", "messages")
-        content = "".join(p["text"] for p in content)
+        content = content_parts(content, f"messages[{i}].content", images)
     elif content is not None and not isinstance(content, str):
-        raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        raise HTTPError(400, f"messages[{i}].content must be a string or a list of content parts", "messages")
     calls = m.get("tool_calls")
     if calls is not None and not (
         isinstance(calls, list)
@@ -66,6 +72,31 @@ def template_message(m: Any, i: int) -> dict[str, Any]:
         if isinstance(m.get(key), str):
             clean[key] = m[key]
     return clean
+
+
+def content_parts(parts: list[Any], where: str, images: str | None = TEXT_ONLY, field: str = "messages") -> Any:
+    """A list content: its text parts joined into one string when it has no image; with `image_url` parts (and
+    `images` None) the list of `{"type": "text", "text"}` and `{"type": "image_url", "image_url": {"url"}}` parts
+    the processor renders (arbor.models.vision). A part of another type, or an image where `images` says why
+    not, is a 400 naming it."""
+    out: list[dict[str, Any]] = []
+    for k, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            out.append({"type": "text", "text": p["text"]})
+        elif kind == "image_url":
+            if images is not None:
+                raise HTTPError(400, f"{where}[{k}] is an image_url part: {images}", field)
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise HTTPError(400, f"{where}[{k}].image_url.url must be a data URL or a local path", field)
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise HTTPError(400, f"{where}[{k}] must be a text or image_url part, got type {kind!r}", field)
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
 
 
 def _arguments(args: Any) -> Any:

@@ -15,8 +15,11 @@ recorded turn token-exactly, as with chat.
 the earlier request's `instructions` and `tools` are not carried over. Pure translation, no I/O; malformed input
 is a 400 `HTTPError` naming the field.
 
-Departures from OpenAI: text only (image, file and audio parts are refused, as are built-in tools such as web
-search); no reasoning items are produced and any sent are skipped; `n`, `stop` and `seed` do not exist in this
+Images: `input_image` parts (`image_url` a data URL or a local path) become chat `image_url` parts, which a
+vision-language model's processor renders (arbor.orchestrator.gateway.routes); a text model refuses them in one
+line. Departures from OpenAI: images by `file_id` and over http(s), file and audio parts, and images in tool
+outputs are refused, as are built-in tools such as web search; no reasoning items are produced and any sent are
+skipped; `n`, `stop` and `seed` do not exist in this
 API, and sampling follows the run as for chat (arbor.orchestrator.gateway.openai_wire.RunSampling). Streaming sends
 the whole reply's events at once, for the same reason as chat's: the backend returns token ids only for whole
 completions.
@@ -30,38 +33,45 @@ from typing import Any
 
 from arbor.orchestrator.client import Completion
 from arbor.orchestrator.gateway.openai_wire import chat_choices
-from arbor.transport.chat import parses_tool_calls, template_message
+from arbor.transport.chat import TEXT_ONLY, content_parts, parses_tool_calls, template_message
 from arbor.transport.http import HTTPError, get_field
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+IMAGE_PARTS = ("input_image", "image_url")
 SKIPPED_ITEMS = ("reasoning",)
 
 
 # ---- requests ----
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's or tool output's content as one string: a string, or a list of text parts."""
+def _text(content: Any, where: str, images: str | None = TEXT_ONLY) -> Any:
+    """A message's or tool output's content: one string (a string, or a list of text parts), or with image
+    parts (`images` None: the model renders them) the list of chat parts (arbor.transport.chat.content_parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise HTTPError(400, f"{where} must be a string or a list of content parts", "input")
-    out = []
+    parts: list[dict[str, Any]] = []
     for k, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
         if kind in TEXT_PARTS and isinstance(p.get("text"), str):
-            out.append(p["text"])
+            parts.append({"type": "text", "text": p["text"]})
         elif kind == "refusal" and isinstance(p.get("refusal"), str):
-            out.append(p["refusal"])
+            parts.append({"type": "text", "text": p["refusal"]})
+        elif kind in IMAGE_PARTS:
+            url = p.get("image_url")
+            if images is None and url is None and p.get("file_id") is not None:
+                raise HTTPError(400, f"{where}[{k}]: images by file_id are not served, send image_url", "input")
+            parts.append({"type": "image_url", "image_url": url})
         else:
             raise HTTPError(
                 400,
-                f"{where}[{k}] must be a text part (input_text or output_text): the gateway takes "
-                f"text only, got type {kind!r}",
+                f"{where}[{k}] must be a text part (input_text or output_text) or an input_image part, "
+                f"got type {kind!r}",
                 "input",
             )
-    return "".join(out)
+    return content_parts(parts, where, images, "input")
 
 
 def _call(item: dict[str, Any], i: int) -> dict[str, Any]:
@@ -76,8 +86,9 @@ def _call(item: dict[str, Any], i: int) -> dict[str, Any]:
     }
 
 
-def input_messages(raw: Any) -> list[dict[str, Any]]:
-    """The chat messages of a request's `input`: a string (one user message) or a list of items."""
+def input_messages(raw: Any, images: str | None = TEXT_ONLY) -> list[dict[str, Any]]:
+    """The chat messages of a request's `input`: a string (one user message) or a list of items; `images`:
+    why image parts are refused, None where the model renders them (messages only, never tool outputs)."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -91,7 +102,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise HTTPError(400, f"input[{i}].role must be one of {sorted(ROLES)}", "input")
-            messages.append({"role": role, "content": _text(item.get("content", ""), f"input[{i}].content")})
+            messages.append({"role": role, "content": _text(item.get("content", ""), f"input[{i}].content", images)})
         elif kind == "function_call":
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":  # calls after the reply's text join its message
@@ -105,7 +116,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
                 {
                     "role": "tool",
                     "tool_call_id": item["call_id"],
-                    "content": _text(item.get("output"), f"input[{i}].output"),
+                    "content": _text(item.get("output"), f"input[{i}].output", "tool outputs take text only"),
                 }
             )
         elif kind not in SKIPPED_ITEMS:

@@ -8,6 +8,11 @@ cut at a stop string is recorded without the stop string's tokens when they star
 agent saw is what trains; `trim_at_stop`), and a response whose temperature the run replaced says so in
 `X-Arbor-Temperature-Override`; both are counted in the store's `GatewayCounts`. The server that mounts them,
 with auth, size limits and the count of refused requests, is arbor.orchestrator.gateway.service.
+
+Images: with a vision-language tokenizer (arbor.models.vision) chat `image_url` parts and Responses
+`input_image` parts (a data URL or a local path) are rendered by the model's processor; the call carries the
+prompt's pixel inputs to the backend and its turn keeps them (arbor.orchestrator.trajectory). A text model
+refuses image parts, and any model an http(s) image URL, in one line naming the field.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from arbor.models.image_parts import ImageRefused
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import Completion, InferenceError
 from arbor.orchestrator.gateway.openai_wire import (
@@ -44,7 +50,7 @@ from arbor.orchestrator.gateway.responses import (
 )
 from arbor.orchestrator.gateway.responses import parse_tools as response_tools
 from arbor.orchestrator.gateway.sessions import Session, SessionStore
-from arbor.orchestrator.trajectory import Prompt
+from arbor.orchestrator.trajectory import Images, Prompt
 from arbor.transport.chat import chat_tools, parse_messages, template_message
 from arbor.transport.fields import CHAT, COMPLETIONS, RESPONSES
 from arbor.transport.http import HTTPError, get_field, get_float, read_json_object
@@ -148,6 +154,11 @@ class OpenAIRoutes:
         self.sampling = sampling
         self.model_name = model_name
         self.calls = 0  # answered calls, for the gateway's health and metrics
+        # Why image parts are refused (None: a vision-language tokenizer renders them)
+        self.images: str | None = None
+        if not hasattr(tokenizer, "render_images"):
+            name = getattr(tokenizer, "name", model_name)
+            self.images = f"model {name} is a text-only model: send text (images need a vision-language model)"
 
     async def models(self, request: web.Request) -> web.Response:
         sid = _session_id(request)
@@ -174,11 +185,12 @@ class OpenAIRoutes:
         check_request(body, CHAT)
         # A forced call is refused as on the servers; the reply's calls are parsed whatever tool_choice says
         # (an agent's loop reads tool_calls, and an echoed reply renders alike either way)
-        messages, (tools, _) = parse_messages(body), chat_tools(body)
+        messages, (tools, _) = parse_messages(body, self.images), chat_tools(body)
         stream = get_field(body, "stream", (bool,), False)
         include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         prompt = _render(s, messages, tools, "messages")
-        completions = await self._generate(s, prompt.ids, self.sampling.parse(body, len(prompt.ids)))
+        sampling = self.sampling.parse(body, len(prompt.ids))
+        completions = await self._generate(s, prompt.ids, sampling, prompt.images)
         headers = self._override_headers(body)
         choices = chat_choices(completions)
         for choice, c in zip(choices, completions):
@@ -209,12 +221,16 @@ class OpenAIRoutes:
                 f"previous_response_id {previous!r} is not a stored response of this session",
                 "previous_response_id",
             )
-        new = [template_message(m, i) for i, m in enumerate(input_messages(body.get("input")))]
+        new = [
+            template_message(m, i, self.images) for i, m in enumerate(input_messages(body.get("input"), self.images))
+        ]
         conversation = (s.responses[previous] if previous is not None else []) + new
         stream = get_field(body, "stream", (bool,), False)
         prompt = _render(s, instructions(body) + conversation, response_tools(body), "input")
         sampling = sampling_body(body)
-        (completion,) = await self._generate(s, prompt.ids, self.sampling.parse(sampling, len(prompt.ids)))
+        (completion,) = await self._generate(
+            s, prompt.ids, self.sampling.parse(sampling, len(prompt.ids)), prompt.images
+        )
         headers = self._override_headers(sampling)
         items, reply = output_items(completion)
         s.trajectory.record(prompt, completion, reply)
@@ -270,9 +286,12 @@ class OpenAIRoutes:
         self.store.counts.temperature_overrides += 1
         return {TEMPERATURE_HEADER: override}
 
-    async def _generate(self, s: Session, prompt: list[int], sampling: dict[str, Any]) -> list[Completion]:
-        """The backend's completions, each trimmed to the text the agent gets when a stop string cut it."""
-        completions = await self._backend(s, prompt, sampling)
+    async def _generate(
+        self, s: Session, prompt: list[int], sampling: dict[str, Any], images: Images | None = None
+    ) -> list[Completion]:
+        """The backend's completions, each trimmed to the text the agent gets when a stop string cut it;
+        `images`: the prompt's pixel inputs (its image placeholders are in `prompt`)."""
+        completions = await self._backend(s, prompt, {**sampling, "images": images} if images else sampling)
         out, counts = [], self.store.counts
         for c in completions:
             c, trim = trim_at_stop(c, self.tokenizer)
@@ -295,6 +314,8 @@ def _render(s: Session, messages: list[dict[str, Any]], tools: list[dict] | None
     """The session's prompt for a chat-style call; a template that rejects these messages is the client's problem."""
     try:
         return s.trajectory.chat_prompt(messages, tools)
+    except ImageRefused as e:  # a text model, an http(s) URL, a missing file, too many or too large images
+        raise HTTPError(400, str(e), field) from None
     except Exception as e:
         raise HTTPError(400, f"{field} could not be rendered with the chat template: {e}", field) from None
 
