@@ -29,7 +29,7 @@ from arbor.models.tokenizer import HFTokenizer
 def load_image(part: dict) -> Image.Image:
     """The RGB image of one content part (a data URL, a `file://` URL, a local path, or a PIL image)."""
     if part["type"] == "image":
-        source = part.get("image")
+        source = part.get("image", part.get("url"))  # arbor's Python form, or transformers' own
     else:
         url = part.get("image_url")
         source = url.get("url") if isinstance(url, dict) else url
@@ -117,8 +117,12 @@ class VisionProcessor:
     ) -> VisionPrompt:
         """Token ids (placeholders expanded) and pixel inputs of `messages` under the model's chat template."""
         images = self.images(messages)
+        # Copies: transformers rewrites each message's `image_url` parts in place (into its own "image" form)
         text = self.processor.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+            [dict(m) for m in messages],
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
         out = self.processor(text=[text], images=images or None, return_tensors="pt")
         ids = out["input_ids"][0].tolist()
