@@ -8,6 +8,10 @@ the episode state as invalid calls (`state.invalid_calls`), which subclasses tur
 turn without any tool call ends the episode: the assistant has answered. With `process_penalty > 0` every turn
 with invalid calls also gets a per-turn reward of `-process_penalty * invalid` (reward-to-go advantages).
 
+A tool may answer images (a PIL image or content parts, arbor.environments.tools.tool_content): with a
+vision-language model they join the episode's images in order after the prompt's own (arbor.orchestrator.
+trajectory); with a text model the episode fails (counted, one line).
+
 Subclasses give `dataset`, `prompt`, `tools` and `score_episode`; `score(task, completion)` is a single-turn
 fallback (the completion as the only assistant turn, no tool executed) so that `eval` and SFT warm-up work.
 """
@@ -81,7 +85,7 @@ class ToolEnv(abc.ABC):
         reward = -self.process_penalty * invalid if self.process_penalty > 0 else None
         return StepResult(replies, done=False, reward=reward)
 
-    async def _run(self, tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
+    async def _run(self, tools: dict[str, Callable[..., Any]], call: ToolCall) -> str | list[dict[str, Any]]:
         try:
             return await asyncio.wait_for(call_tool(tools, call), self.tool_timeout)
         except TimeoutError:

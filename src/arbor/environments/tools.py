@@ -5,6 +5,8 @@ schema that chat templates expose (`{"type": "function", "function": {"name", "d
 the description being the docstring's first paragraph and each parameter's description taken from a
 `name: text` line of the docstring's Args section when there is one. `call_tool` runs one call parsed from the
 assistant's text by arbor.tool_calls (the Qwen3 / Hermes `<tool_call>` format, shared with the OpenAI wire).
+A tool answers a string, any JSON value, or images for a vision-language model: a PIL image, or a list of
+content parts (`text`, `image`, `image_url`), which the tool message carries as they are (`tool_content`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from arbor.models.image_parts import IMAGE_PART_TYPES
 from arbor.tool_calls import ToolCall
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
@@ -87,7 +90,24 @@ class ToolError(Exception):
     model as the tool's result and the call counts as invalid."""
 
 
-async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str:
+def tool_content(result: Any) -> str | list[dict[str, Any]]:
+    """A tool's result as a tool message's content: a string as it is, a PIL image as one image part, a list of
+    content parts as it is (when any is an image part), anything else as JSON."""
+    if isinstance(result, str):
+        return result
+    if type(result).__module__.startswith("PIL."):
+        return [{"type": "image", "image": result}]
+    if (
+        isinstance(result, list)
+        and result
+        and all(isinstance(p, dict) and p.get("type") in ("text", *IMAGE_PART_TYPES) for p in result)
+        and any(p["type"] in IMAGE_PART_TYPES for p in result)
+    ):
+        return result
+    return json.dumps(result)
+
+
+async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str | list[dict[str, Any]]:
     """Runs one call; sync tools run in a thread so a slow tool does not block the event loop."""
     fn = tools.get(call.name)
     if fn is None:
@@ -105,4 +125,4 @@ async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall) -> str
         raise
     except Exception as e:  # noqa: BLE001 - a tool's failure is the model's feedback, not the run's
         raise ToolError(f"{call.name} failed: {type(e).__name__}: {e}") from None
-    return result if isinstance(result, str) else json.dumps(result)
+    return tool_content(result)

@@ -21,6 +21,7 @@ from arbor.environments.context import ContextPolicy
 from arbor.environments.guard import EnvFailure, EnvStats, guarded, reward_components, step_result
 from arbor.environments.protocol import MultiTurnEnvironment, Task, env_prompt, total_reward
 from arbor.environments.tools import tool_schema
+from arbor.models.image_parts import ImageRefused
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.trajectory import Trajectory
@@ -66,6 +67,15 @@ def _turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else (seed + 7919 * turn) & 0x7FFFFFFF
 
 
+def _prompt_ids(traj: Trajectory, view: list[dict[str, Any]], tid: Any) -> list[int]:
+    """The next turn's ids; images the model cannot take (a text model, a missing file: ImageRefused) fail the
+    episode like any environment failure, in one line."""
+    try:
+        return traj.prompt_ids(view)
+    except ImageRefused as e:
+        raise EnvFailure(f"the conversation of task {tid} cannot be rendered: {e}") from None
+
+
 async def run_episode(
     generate: GenerateFn,
     env: MultiTurnEnvironment,
@@ -98,10 +108,10 @@ async def run_episode(
         traj = Trajectory(tokenizer, schemas)
         view, num_prompt = list(full), len(full)
         while turns < max_turns:
-            ids = traj.prompt_ids(view)
+            ids = _prompt_ids(traj, view, tid)
             if context is not None and turns and context.should_edit(view, num_prompt, len(ids)):
                 view = context.edit(view, num_prompt)
-                ids = traj.prompt_ids(view)  # history rewritten: the trajectory branches here
+                ids = _prompt_ids(traj, view, tid)  # history rewritten: the trajectory branches here
                 stats.context_edits += 1
             budget = min(settings.max_tokens, settings.seq_len - len(ids))
             if budget < 1:
