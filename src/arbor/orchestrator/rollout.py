@@ -52,7 +52,8 @@ class Rollout:
     """Their logprobs, `np.ndarray [C, k]` float32."""
     images: dict[str, Any] | None = None
     """A vision-language prompt's pixel inputs, `pixel_values [P, D]` and `image_grid_thw [I, 3]` (arrays or
-    tensors, arbor.models.vision.VisionPrompt), for the placeholder tokens in `prompt_ids`; None for text."""
+    tensors, arbor.models.vision.VisionPrompt), for the placeholder tokens of its ids in order: those of
+    `prompt_ids`, then (multi-turn) those a later turn inserted into `completion_ids`; None for text."""
 
     @property
     def num_tokens(self) -> int:

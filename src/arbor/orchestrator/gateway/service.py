@@ -3,7 +3,9 @@
 An agent that only knows the `openai` package is pointed at a session. The gateway renders each call with the
 chat template itself, generates on the inference fleet, records the tokens token-exactly in the session's
 trajectory and answers with ordinary OpenAI JSON (chat, Responses and completions APIs, streamed or not). Sampling
-follows the run, not the agent, because the trainer's importance ratios assume the run's distribution.
+follows the run, not the agent, because the trainer's importance ratios assume the run's distribution. For a
+vision-language model, chat `image_url` and Responses `input_image` parts (data URLs, local paths) are rendered
+by its processor and their pixel inputs recorded beside the ids; a text model refuses them in one line.
 
 Parts: the session store (.sessions), the OpenAI translation (.openai_wire), the handlers (.routes), and here the
 server that composes them: the route table, auth and the body limit, start/stop, the session API for in-process use.
