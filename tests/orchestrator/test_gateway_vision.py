@@ -205,3 +205,55 @@ def test_image_parts_are_refused_in_one_line_naming_the_field(vl_dir, tmp_path) 
         vl, {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "responses"
     )
     assert param == "input" and "file_id" in message
+
+
+class ImageBackend(FakeClient):
+    """FakeClient that takes a prompt's images and keeps them."""
+
+    def __init__(self, tok: Any, answer: str) -> None:
+        super().__init__(lambda p: answer, tok=tok)
+        self.images: list[Any] = []
+
+    async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, seed=None, stop=None, images=None):
+        self.images.append(images)
+        return await super().generate(prompt_ids, n, max_tokens, temperature, top_p, seed, stop)
+
+
+def test_black_box_env_gives_image_tasks_as_content_parts_and_trains_them(vl_dir, tmp_path) -> None:
+    """The black_box environment over `shapes`: the agent gets the task's content parts (the image as a data URL)
+    as JSON, sends them over two turns; each episode's one sample carries the prompt's pixels."""
+    from arbor.environments import env_prompt
+    from arbor.environments.black_box import BlackBoxEnv
+    from arbor.orchestrator.group import GroupSpec
+
+    agent = tmp_path / "vision_agent.py"
+    agent.write_text(
+        "import json\n"
+        "from openai import OpenAI\n"
+        "def solve(task, base_url, api_key):\n"
+        "    oa = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)\n"
+        "    msgs = [{'role': 'user', 'content': json.loads(task)}]\n"
+        "    r = oa.chat.completions.create(model='m', messages=msgs)\n"
+        "    msgs.append({'role': 'assistant', 'content': r.choices[0].message.content})\n"
+        "    msgs.append({'role': 'user', 'content': 'sure?'})\n"
+        "    return oa.chat.completions.create(model='m', messages=msgs).choices[0].message.content\n"
+    )
+    env = BlackBoxEnv(function=f"{agent}:solve", tasks="shapes", task_args={"num_tasks": 4, "kinds": ["colour"]})
+    task = env.dataset(0)[0]
+    parts = json.loads(env.task_text(task))
+    assert [p["type"] for p in parts] == ["image_url", "text"] and parts[0]["image_url"]["url"].startswith("data:")
+    tok = load_tokenizer(vl_dir)
+    backend = ImageBackend(tok, task["answer"])
+
+    async def main():
+        async with Gateway(backend, tok, GatewayConfig(), temperature=1.0, top_p=1.0, max_tokens=8, seq_len=256) as gw:
+            return await env.run_group(gw, GroupSpec(task, [], 0, group_id=1), 2, {}, 10.0)
+
+    rollouts = asyncio.run(main())
+    ids, images = env_prompt(env, task, tok)  # the inner prompt as the orchestrator renders it (a PIL image)
+    assert len(rollouts) == 2 and all(r.reward == 1.0 for r in rollouts)  # one chain per episode, both right
+    assert len(backend.images) == 4
+    for r in rollouts:
+        assert r.prompt_ids == ids and sum(r.completion_mask) == 2 * len(task["answer"]) + 2
+        for key in ("pixel_values", "image_grid_thw"):
+            assert np.array_equal(np.asarray(r.images[key]), np.asarray(images[key]))

@@ -30,6 +30,7 @@ from arbor.config.environment import EnvironmentConfig
 from arbor.config.orchestrator import GatewayConfig
 from arbor.environments.guard import reward_components
 from arbor.environments.protocol import Task, load_environment, total_reward
+from arbor.models.image_parts import wire_parts
 from arbor.registry import load_object
 
 log = logging.getLogger("arbor.environments.black_box")
@@ -160,8 +161,12 @@ class BlackBoxEnv:
         return self.inner.reference(task)
 
     def task_text(self, task: Task) -> str:
+        """The last user message of the inner prompt: its text, or for content parts (images) their JSON list as
+        an agent sends them (`image` parts as `image_url` data URLs), for a vision-language model's agent."""
         users = [m["content"] for m in self.inner.prompt(task) if m["role"] == "user"]
-        return users[-1] if users else json.dumps(task)
+        if not users:
+            return json.dumps(task)
+        return users[-1] if isinstance(users[-1], str) else json.dumps(wire_parts(users[-1]))
 
     # -- rollouts --
 

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import base64
+import io
+from typing import Any
+
 IMAGE_PART_TYPES = ("image_url", "image")
 """Content part types that carry an image."""
 
@@ -20,6 +24,22 @@ def image_parts(messages: list[dict]) -> list[dict]:
         for part in m["content"]
         if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
     ]
+
+
+def wire_parts(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content parts as an agent sends them over HTTP: `image` parts (a PIL image, or a path) become `image_url`
+    parts (a PNG data URL, or the path), the others stay as they are."""
+    out = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image":
+            image = part.get("image")
+            if not isinstance(image, str):  # a PIL image: saved as PNG, no PIL import needed here
+                buf = io.BytesIO()
+                image.save(buf, format="PNG")
+                image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            part = {"type": "image_url", "image_url": {"url": image}}
+        out.append(part)
+    return out
 
 
 def refuse_images_for_text_model(messages: list[dict], model: str) -> None:
