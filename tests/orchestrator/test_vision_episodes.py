@@ -146,7 +146,6 @@ class ShowTwoEnv:
         return {"turns": float(sum(m["role"] == "assistant" for m in messages))}
 
 
-@pytest.mark.slow
 def test_image_episodes_on_the_engine_train_token_exactly(vl_dir) -> None:
     tok = load_tokenizer(vl_dir)
     model = build_model(ModelConfig(name=vl_dir, impl="transformers"))
