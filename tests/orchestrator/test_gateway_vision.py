@@ -257,3 +257,24 @@ def test_black_box_env_gives_image_tasks_as_content_parts_and_trains_them(vl_dir
         assert r.prompt_ids == ids and sum(r.completion_mask) == 2 * len(task["answer"]) + 2
         for key in ("pixel_values", "image_grid_thw"):
             assert np.array_equal(np.asarray(r.images[key]), np.asarray(images[key]))
+
+
+def test_a_history_whose_image_was_swapped_starts_a_new_root(vl_dir) -> None:
+    """Placeholder ids cannot tell two images of one size apart: the pixels decide whether a call extends a turn."""
+    tok = load_tokenizer(vl_dir)
+    red, green = (data_url(Image.new("RGB", (32, 32), c)) for c in ("red", "green"))
+
+    def user(url: str) -> dict[str, Any]:
+        return {"role": "user", "content": [_image(url), _text("colour?")]}
+
+    with Served(ImageBackend(tok, "ok"), tokenizer=tok) as srv:
+        s = srv.open()
+        url = srv.gw.base_url(s.id) + "/chat/completions"
+        status, raw = _post(url, {"messages": [user(red)]})
+        reply = json.loads(raw)["choices"][0]["message"]["content"]
+        for first in (red, green):  # the same history, then one whose first image is another of the same size
+            history = [user(first), {"role": "assistant", "content": reply}, {"role": "user", "content": "sure?"}]
+            assert _post(url, {"messages": history})[0] == 200
+        assert [t.parent for t in s.turns] == [None, 0, None]
+        assert s.turns[2].prompt_ids[: len(s.turns[0].prompt_ids)] == s.turns[0].prompt_ids  # same ids so far
+        assert len(s.rollouts()) == 2
