@@ -89,6 +89,8 @@ from pathlib import Path
 import torch
 import transformers
 from smoke import parse_args
+from startup_phases import StartupTrace
+from startup_phases import lines as startup_lines
 
 from arbor.environments.reverse_text import ReverseTextEnv
 from arbor.models.presets import BYTE_VOCAB
@@ -246,9 +248,9 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
     argv = [sys.executable, "-m", "arbor.launch.rl", "@", str(out / "rl.toml"), "--output-dir", str(run)]
     launched = time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    first_gen = None
+    first_gen, trace = None, StartupTrace(run, proc.pid, launched)
     while proc.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.2 if trace.poll() else 0.02)  # start-up phases: short looks until the first generation
         rows = _rows(run / "metrics.jsonl")
         if rows and first_gen is None:
             first_gen = rows[0]["time"] - rows[0]["time/generate"]
@@ -265,7 +267,10 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
     curve = [(r["time"] - first_gen, r["reward/mean"]) for r in rows]
     steady = rows[1:] or rows  # the first step pays the warm-up (first AdamW step, first publish)
     parts = {k: statistics.median([r.get(f"time/{k}", 0.0) for r in steady]) for k in PARTS}
-    return {"startup_s": round(first_gen - launched, 2), "curve": curve, "final": str(out / "final"), "parts": parts}
+    startup = trace.summary()
+    print("\n".join(startup_lines(startup)), flush=True)
+    res = {"startup_s": round(first_gen - launched, 2), "curve": curve, "final": str(out / "final"), "parts": parts}
+    return {**res, "startup_phases": startup}
 
 
 # ---- TRL arm ----
@@ -400,6 +405,7 @@ def summarise(arm: str, res: dict, seconds: float, a: argparse.Namespace, before
     }
     if "parts" in res:
         row["seconds_per_step"] = {k: round(v, 4) for k, v in res["parts"].items()}
+        row["startup_cpu_s"] = res["startup_phases"]["cpu_s"]
     return row
 
 
