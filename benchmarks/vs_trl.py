@@ -34,8 +34,14 @@ Settings, matched arm to arm:
   `torch.set_num_threads(--trl-threads)`, by default as many threads as cores.
 - what is arbor's own and changes no gradient: the 8 samples of a group are trained as one prefix-merged row
   (`prefix_merge = true`: the ~30-token prompt once, not 8 times; loss and gradients are those of the unmerged
-  samples), the whole step in one micro-batch (`micro_batch_tokens = 4096`, the default); TRL trains the 64
-  padded sequences in one forward/backward.
+  samples), in rows of at most 512 trie tokens (`micro_batch_tokens = 512`: a step's ~900 trie tokens in two
+  rows, gradients accumulated, one optimizer step; on CPU a row attends through a dense mask, so one ~900-token
+  row spent most of its attention on pairs of groups that never see each other: 0.155 CPU s per trainer step
+  against 0.195-0.215 with the default 4096, replayed on the same machine); TRL trains the 64 padded sequences
+  in one forward/backward.
+- checkpoints: none during the measured run (TRL `save_strategy = "no"`; arbor `trainer.ckpt.interval` past
+  the run: its default, every 10 steps, spent 1.5 s of a loaded machine per checkpoint, the first importing
+  torch.distributed.checkpoint).
 - length: `--seconds` of training per arm and seed, counted from its first generation.
 
 Figures per arm and seed: steps/s (steps over the training seconds), the steps and seconds until the reward,
@@ -45,29 +51,17 @@ launch to the first generation. The last line is JSON; `value` is TRL's mean tim
 1.5: arbor 1.5x faster; a lower bound, `value_is_lower_bound`, when a TRL run never reaches the gain in its
 budget), `steps_per_s_ratio` arbor's steps/s over TRL's (target 1.2).
 
-Measured on 2 cores shared with five other engineers' work (load average 10-14 throughout, so absolute seconds
-are several times an idle machine's), `--seconds 100 --window 10 --gain 0.1 --trl-threads 1`, seeds 0 and 1,
-lr 3e-4 for both (no sweep run; TRL still shuffled its tasks then, `shuffle_dataset` since set to False):
-
-                         steps/s        steps to +0.1   seconds to +0.1     start-up s    held-out greedy
-    TRL 1.16 (1 thread)  0.447 / 0.482  not in 45 / 49  > 100 / > 100       149 / 95      0.0 -> 0.060 / 0.063
-    arbor one_step_off   1.437 / 1.106  102 / 100       67.2 / 90.7         26 / 58       0.0 -> 0.060 / 0.063
-
-    steps/s ratio 2.74x (target 1.2); time to +0.1 >= 1.27x (TRL reached it in neither budget; target 1.5)
-    TRL with 2 threads (--trl-threads 2, the default: as many as cores) under the same load: 0.041 steps/s, its
-    OpenMP threads spin-waiting for cores other processes hold; on a loaded machine 1 thread is TRL's faster.
-
-Profile of arbor's step (the same runs' `time/*` medians, steady state): trainer step 0.68 / 0.79 s = compute
-0.63 / 0.74 (93 %) + weight publish 0.036 / 0.045 (5 %) + waiting for the rollout file 0.008 (1 %); generation
-0.38 / 0.48 s runs beside it (one_step_off), and the orchestrator then waits 0.24 / 0.27 s for the next weights
-(the staleness bound). So the step is the trainer's compute: the non-compute costs the issue lists (publish and
-load, requests, batch hand-off) are ~6 % of it and off the critical path where they overlap generation. The
-ceiling printed is TRL's step over max(generation, trainer compute): 3.2x steps/s on these cores, bounded by
-the trainer's compute. What cut that compute is prefix merging (the 8 samples' shared ~30-token prompt trained
-once: ~1,000 trie tokens per step instead of ~2,900; the unmerged first try of this setup, at load ~8, spent
-3.2 s per step in compute against 0.63-0.74 s merged at load 10-13). Start-up under load is mostly imports
-compiled from source (PYTHONDONTWRITEBYTECODE=1, no bytecode in the environment; see benchmarks/startup.py),
-TRL's more so.
+Last measured on 2 cores shared with other work (load 10-14: seconds several times an idle machine's),
+`--seconds 100 --window 10 --gain 0.1 --trl-threads 1`, seeds 0 / 1, lr 3e-4: TRL 1.16 0.447 / 0.482 steps/s,
++0.1 not reached in 100 s; arbor 1.437 / 1.106 steps/s, +0.1 in 67.2 / 90.7 s (steps/s 2.74x, time >= 1.27x;
+held-out greedy 0.0 -> 0.060 / 0.063 for both). That was before three changes: arbor then trained in one
+4096-token row, checkpointed every 10 steps, and started its clock at its first metrics row less that step's
+generation time, seconds after its first generation (now read from the orchestrator's heartbeat). Its step then
+(`time/*` medians): trainer compute 0.63 / 0.74 s (93 %), weight publish 0.04 (5 %), generation 0.38 / 0.48 s
+beside it. On that machine the trainer's compute is 0.2 CPU s a step (0.155 in 512-token rows): most of its wall
+time was waiting for a core. Start-up to the first generation (`startup_phases.py`, printed per run) is ~8.5
+CPU s (rl 0.6, inference 2.3, orchestrator 2.6, trainer 2.9), mostly `import torch` (~2 CPU s a process with
+this CUDA wheel): on 2 idle cores the three imports alone take ~3 s.
 """
 
 from __future__ import annotations
@@ -207,9 +201,11 @@ group_size = {GROUP}
 [orchestrator.advantage]
 name = "grpo"
 std_normalize = false
+[trainer.ckpt]
+interval = 1000000
 [orchestrator.batching]
 normalization = "token"
-micro_batch_tokens = 4096
+micro_batch_tokens = 512
 prefix_merge = true
 [orchestrator.sampling]
 temperature = 1.0
@@ -251,10 +247,13 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
     first_gen, trace = None, StartupTrace(run, proc.pid, launched)
     while proc.poll() is None:
         time.sleep(0.2 if trace.poll() else 0.02)  # start-up phases: short looks until the first generation
+        if trace.first_generation is None:
+            continue
+        # the clock starts at the orchestrator's first "generating" heartbeat (the first row's time, which
+        # comes after the trainer's first step, less its generation time, was seconds late on a loaded machine)
+        first_gen = launched + trace.first_generation
         rows = _rows(run / "metrics.jsonl")
-        if rows and first_gen is None:
-            first_gen = rows[0]["time"] - rows[0]["time/generate"]
-        if first_gen is not None and rows[-1]["time"] - first_gen >= seconds:
+        if rows and rows[-1]["time"] - first_gen >= seconds:
             final = _newest_published(run)
             if final is not None:
                 shutil.copytree(final, out / "final", dirs_exist_ok=True)
