@@ -262,7 +262,11 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
         raise RuntimeError(f"rl exited {proc.returncode} before its budget:\n{proc.stderr.read()[-3000:]}")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=300)
-    rows = [r for r in _rows(run / "metrics.jsonl") if "reward/mean" in r and r["time"] - first_gen <= seconds]
+    rows = []  # up to the first step that ends past the budget, as TRL's Clock stops after that step's log
+    for r in (r for r in _rows(run / "metrics.jsonl") if "reward/mean" in r):
+        rows.append(r)
+        if r["time"] - first_gen >= seconds:
+            break
     curve = [(r["time"] - first_gen, r["reward/mean"]) for r in rows]
     steady = rows[1:] or rows  # the first step pays the warm-up (first AdamW step, first publish)
     parts = {k: statistics.median([r.get(f"time/{k}", 0.0) for r in steady]) for k in PARTS}
@@ -289,7 +293,7 @@ def trl_worker(spec: dict) -> None:
 
     def reward(completions: list, answer: list[str], **_: object) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [asyncio.run(env.score({"answer": a}, x))["similarity"] for x, a in zip(texts, answer)]
+        return asyncio.run(_score(env, [{"answer": a} for a in answer], texts))  # one event loop per batch
 
     class Clock(TrainerCallback):
         """Records (seconds since training began, reward) per logged step; stops at the budget."""
