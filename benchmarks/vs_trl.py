@@ -42,7 +42,8 @@ Settings, matched arm to arm:
 - checkpoints: none during the measured run (TRL `save_strategy = "no"`; arbor `trainer.ckpt.interval` past
   the run: its default, every 10 steps, spent 1.5 s of a loaded machine per checkpoint, the first importing
   torch.distributed.checkpoint).
-- length: `--seconds` of training per arm and seed, counted from its first generation.
+- length: `--seconds` of training per arm and seed, counted from its first generation (arbor: the orchestrator's
+  first "generating" heartbeat; TRL: `on_train_begin`), up to and with the first step that ends past it.
 
 Figures per arm and seed: steps/s (steps over the training seconds), the steps and seconds until the reward,
 averaged over a trailing window of `--window` steps, is `--gain` above its first window's mean, held-out greedy
