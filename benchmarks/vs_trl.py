@@ -34,9 +34,16 @@ Settings, matched arm to arm:
   `torch.set_num_threads(--trl-threads)`, by default as many threads as cores.
 - what is arbor's own and changes no gradient: the 8 samples of a group are trained as one prefix-merged row
   (`prefix_merge = true`: the ~30-token prompt once, not 8 times; loss and gradients are those of the unmerged
-  samples), the whole step in one micro-batch (`micro_batch_tokens = 4096`, the default); TRL trains the 64
-  padded sequences in one forward/backward.
-- length: `--seconds` of training per arm and seed, counted from its first generation.
+  samples), in rows of at most 512 trie tokens (`micro_batch_tokens = 512`: a step's ~900 trie tokens in two
+  rows, gradients accumulated, one optimizer step; on CPU a row attends through a dense mask, so one ~900-token
+  row spent most of its attention on pairs of groups that never see each other: 0.155 CPU s per trainer step
+  against 0.195-0.215 with the default 4096, replayed on the same machine); TRL trains the 64 padded sequences
+  in one forward/backward.
+- checkpoints: none during the measured run (TRL `save_strategy = "no"`; arbor `trainer.ckpt.interval` past
+  the run: its default, every 10 steps, spent 1.5 s of a loaded machine per checkpoint, the first importing
+  torch.distributed.checkpoint).
+- length: `--seconds` of training per arm and seed, counted from its first generation (arbor: the orchestrator's
+  first "generating" heartbeat; TRL: `on_train_begin`), up to and with the first step that ends past it.
 
 Figures per arm and seed: steps/s (steps over the training seconds), the steps and seconds until the reward,
 averaged over a trailing window of `--window` steps, is `--gain` above its first window's mean, held-out greedy
@@ -45,29 +52,17 @@ launch to the first generation. The last line is JSON; `value` is TRL's mean tim
 1.5: arbor 1.5x faster; a lower bound, `value_is_lower_bound`, when a TRL run never reaches the gain in its
 budget), `steps_per_s_ratio` arbor's steps/s over TRL's (target 1.2).
 
-Measured on 2 cores shared with five other engineers' work (load average 10-14 throughout, so absolute seconds
-are several times an idle machine's), `--seconds 100 --window 10 --gain 0.1 --trl-threads 1`, seeds 0 and 1,
-lr 3e-4 for both (no sweep run; TRL still shuffled its tasks then, `shuffle_dataset` since set to False):
-
-                         steps/s        steps to +0.1   seconds to +0.1     start-up s    held-out greedy
-    TRL 1.16 (1 thread)  0.447 / 0.482  not in 45 / 49  > 100 / > 100       149 / 95      0.0 -> 0.060 / 0.063
-    arbor one_step_off   1.437 / 1.106  102 / 100       67.2 / 90.7         26 / 58       0.0 -> 0.060 / 0.063
-
-    steps/s ratio 2.74x (target 1.2); time to +0.1 >= 1.27x (TRL reached it in neither budget; target 1.5)
-    TRL with 2 threads (--trl-threads 2, the default: as many as cores) under the same load: 0.041 steps/s, its
-    OpenMP threads spin-waiting for cores other processes hold; on a loaded machine 1 thread is TRL's faster.
-
-Profile of arbor's step (the same runs' `time/*` medians, steady state): trainer step 0.68 / 0.79 s = compute
-0.63 / 0.74 (93 %) + weight publish 0.036 / 0.045 (5 %) + waiting for the rollout file 0.008 (1 %); generation
-0.38 / 0.48 s runs beside it (one_step_off), and the orchestrator then waits 0.24 / 0.27 s for the next weights
-(the staleness bound). So the step is the trainer's compute: the non-compute costs the issue lists (publish and
-load, requests, batch hand-off) are ~6 % of it and off the critical path where they overlap generation. The
-ceiling printed is TRL's step over max(generation, trainer compute): 3.2x steps/s on these cores, bounded by
-the trainer's compute. What cut that compute is prefix merging (the 8 samples' shared ~30-token prompt trained
-once: ~1,000 trie tokens per step instead of ~2,900; the unmerged first try of this setup, at load ~8, spent
-3.2 s per step in compute against 0.63-0.74 s merged at load 10-13). Start-up under load is mostly imports
-compiled from source (PYTHONDONTWRITEBYTECODE=1, no bytecode in the environment; see benchmarks/startup.py),
-TRL's more so.
+Last measured on 2 cores shared with other work (load 10-14: seconds several times an idle machine's),
+`--seconds 100 --window 10 --gain 0.1 --trl-threads 1`, seeds 0 / 1, lr 3e-4: TRL 1.16 0.447 / 0.482 steps/s,
++0.1 not reached in 100 s; arbor 1.437 / 1.106 steps/s, +0.1 in 67.2 / 90.7 s (steps/s 2.74x, time >= 1.27x;
+held-out greedy 0.0 -> 0.060 / 0.063 for both). That was before three changes: arbor then trained in one
+4096-token row, checkpointed every 10 steps, and started its clock at its first metrics row less that step's
+generation time, seconds after its first generation (now read from the orchestrator's heartbeat). Its step then
+(`time/*` medians): trainer compute 0.63 / 0.74 s (93 %), weight publish 0.04 (5 %), generation 0.38 / 0.48 s
+beside it. On that machine the trainer's compute is 0.2 CPU s a step (0.155 in 512-token rows): most of its wall
+time was waiting for a core. Start-up to the first generation (`startup_phases.py`, printed per run) is ~8.5
+CPU s (rl 0.6, inference 2.3, orchestrator 2.6, trainer 2.9), mostly `import torch` (~2 CPU s a process with
+this CUDA wheel): on 2 idle cores the three imports alone take ~3 s.
 """
 
 from __future__ import annotations
@@ -89,6 +84,8 @@ from pathlib import Path
 import torch
 import transformers
 from smoke import parse_args
+from startup_phases import StartupTrace
+from startup_phases import lines as startup_lines
 
 from arbor.environments.reverse_text import ReverseTextEnv
 from arbor.models.presets import BYTE_VOCAB
@@ -205,9 +202,11 @@ group_size = {GROUP}
 [orchestrator.advantage]
 name = "grpo"
 std_normalize = false
+[trainer.ckpt]
+interval = 1000000
 [orchestrator.batching]
 normalization = "token"
-micro_batch_tokens = 4096
+micro_batch_tokens = 512
 prefix_merge = true
 [orchestrator.sampling]
 temperature = 1.0
@@ -246,13 +245,16 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
     argv = [sys.executable, "-m", "arbor.launch.rl", "@", str(out / "rl.toml"), "--output-dir", str(run)]
     launched = time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    first_gen = None
+    first_gen, trace = None, StartupTrace(run, proc.pid, launched)
     while proc.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.2 if trace.poll() else 0.02)  # start-up phases: short looks until the first generation
+        if trace.first_generation is None:
+            continue
+        # the clock starts at the orchestrator's first "generating" heartbeat (the first row's time, which
+        # comes after the trainer's first step, less its generation time, was seconds late on a loaded machine)
+        first_gen = launched + trace.first_generation
         rows = _rows(run / "metrics.jsonl")
-        if rows and first_gen is None:
-            first_gen = rows[0]["time"] - rows[0]["time/generate"]
-        if first_gen is not None and rows[-1]["time"] - first_gen >= seconds:
+        if rows and rows[-1]["time"] - first_gen >= seconds:
             final = _newest_published(run)
             if final is not None:
                 shutil.copytree(final, out / "final", dirs_exist_ok=True)
@@ -261,11 +263,18 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
         raise RuntimeError(f"rl exited {proc.returncode} before its budget:\n{proc.stderr.read()[-3000:]}")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=300)
-    rows = [r for r in _rows(run / "metrics.jsonl") if "reward/mean" in r and r["time"] - first_gen <= seconds]
+    rows = []  # up to the first step that ends past the budget, as TRL's Clock stops after that step's log
+    for r in (r for r in _rows(run / "metrics.jsonl") if "reward/mean" in r):
+        rows.append(r)
+        if r["time"] - first_gen >= seconds:
+            break
     curve = [(r["time"] - first_gen, r["reward/mean"]) for r in rows]
     steady = rows[1:] or rows  # the first step pays the warm-up (first AdamW step, first publish)
     parts = {k: statistics.median([r.get(f"time/{k}", 0.0) for r in steady]) for k in PARTS}
-    return {"startup_s": round(first_gen - launched, 2), "curve": curve, "final": str(out / "final"), "parts": parts}
+    startup = trace.summary()
+    print("\n".join(startup_lines(startup)), flush=True)
+    res = {"startup_s": round(first_gen - launched, 2), "curve": curve, "final": str(out / "final"), "parts": parts}
+    return {**res, "startup_phases": startup}
 
 
 # ---- TRL arm ----
@@ -285,7 +294,7 @@ def trl_worker(spec: dict) -> None:
 
     def reward(completions: list, answer: list[str], **_: object) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [asyncio.run(env.score({"answer": a}, x))["similarity"] for x, a in zip(texts, answer)]
+        return asyncio.run(_score(env, [{"answer": a} for a in answer], texts))  # one event loop per batch
 
     class Clock(TrainerCallback):
         """Records (seconds since training began, reward) per logged step; stops at the budget."""
@@ -400,6 +409,7 @@ def summarise(arm: str, res: dict, seconds: float, a: argparse.Namespace, before
     }
     if "parts" in res:
         row["seconds_per_step"] = {k: round(v, 4) for k, v in res["parts"].items()}
+        row["startup_cpu_s"] = res["startup_phases"]["cpu_s"]
     return row
 
 

@@ -39,6 +39,7 @@ EXPECTED: dict[str, set[str]] = {
     "scheduler_sim": SCORED | {"windowed_vs_greedy_throughput", "windowed_vs_greedy_mix_shift", "params"},
     "shared_fleet": SCORED | {"separate_samples_per_s", "shared_samples_per_s", "shared_slow_reward"},
     "startup": SCORED | {"rl_first_step_s", "import_torch_s"},
+    "startup_phases": {"benchmark", "first_generation_s", "cpu_s", "phases"},
     "step_time": SCORED | {"lag1_over_bound", "lag0_over_plain", "seconds"},
     "trainer_throughput": SCORED | {"arbor_tokens_per_s", "plain_tokens_per_s", "tokens_per_step"},
     "weight_publish": SCORED | {"throughput_ratio", "publish_load_seconds", "full_path_memory"},

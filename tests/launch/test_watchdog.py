@@ -144,3 +144,16 @@ def test_py_spy_is_used_when_on_path(tmp_path, monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_second_install_of_the_same_process_only_records_what_it_does(tmp_path):
+    """An entry point installs its heartbeat before loading torch; the server installs it again: one stack file
+    and one signal registration, the newer `doing`."""
+    from arbor.monitor import heartbeat
+
+    install(tmp_path, "twice", "loading the engine")
+    dump_file = heartbeat._state["dump_file"]
+    install(tmp_path, "twice", "serving")
+    assert heartbeat._state["dump_file"] is dump_file
+    [record] = [b for b in read_heartbeats(tmp_path) if b["name"] == "twice"]
+    assert record["doing"] == "serving" and record["pid"] == os.getpid()

@@ -52,3 +52,12 @@ def new_admin_token() -> SecretStr:
 
 def token_value(token: SecretStr | None) -> str | None:
     return None if token is None else token.get_secret_value()
+
+
+def bearer_headers(token: SecretStr | str | None) -> dict[str, str]:
+    """The header an admin call carries (none without a token). Here rather than in arbor.transport.admin (which
+    re-exports it) so that `rl`, which calls the fleet's router, does not import aiohttp's server for it."""
+    if token is None:
+        return {}
+    value = token.get_secret_value() if isinstance(token, SecretStr) else token
+    return {"Authorization": f"Bearer {value}"}

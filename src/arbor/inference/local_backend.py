@@ -14,6 +14,7 @@ import logging
 
 from arbor.config.base import MAX_TOP_LOGPROBS
 from arbor.config.inference import InferenceConfig, KVPolicy, WeightKind
+from arbor.monitor.heartbeat import beat, install
 
 log = logging.getLogger("arbor.inference")
 
@@ -53,7 +54,10 @@ class LocalBackend:
 
     def serve(self, cfg: InferenceConfig) -> int:
         # torch, the engine and the HTTP server load here, in the inference process only: config validation
-        # imports this module for the capabilities above.
+        # imports this module for the capabilities above. Under `rl` the heartbeat says where the start-up is
+        # (the console's "waiting for" line, benchmarks/startup_phases.py).
+        if cfg.output_dir is not None:
+            install(cfg.output_dir, "inference", "loading the engine")
         import torch
 
         from arbor.inference.engine.core import build_engine
@@ -61,6 +65,7 @@ class LocalBackend:
 
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        beat("building the engine")
         engine, tokenizer = build_engine(cfg)
         engine.start()
         try:

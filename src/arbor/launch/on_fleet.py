@@ -16,10 +16,9 @@ from typing import Any
 from pydantic import SecretStr
 
 from arbor import run_dir
-from arbor.config.admin import token_value
+from arbor.config.admin import bearer_headers, token_value
 from arbor.config.loader import ConfigError
 from arbor.config.rl import RLConfig
-from arbor.transport.admin import bearer_headers
 from arbor.transport.router_wire import parse_router_metrics, parse_run_metrics
 
 

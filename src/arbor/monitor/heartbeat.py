@@ -27,7 +27,11 @@ _state: dict[str, Any] = {}
 
 
 def install(output_dir: str | Path, name: str, doing: str = "starting") -> None:
-    """Registers the SIGUSR1 stack dump and writes the first heartbeat of process `name`."""
+    """Registers the SIGUSR1 stack dump and writes the first heartbeat of process `name`; a second call for the
+    same process and run (an entry point that installed it before loading torch) only records `doing`."""
+    if _state and _state["name"] == name and _state["dir"] == heartbeats_dir(output_dir):
+        beat(doing)
+        return
     stacks = stacks_dir(output_dir)
     stacks.mkdir(parents=True, exist_ok=True)
     # Kept open for the life of the process: faulthandler writes from a signal handler, with no allocation.

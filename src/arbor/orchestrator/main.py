@@ -187,6 +187,7 @@ class Orchestrator:
             reconnect_timeout=cfg.client.reconnect_timeout,
             vocab_size=self.tokenizer.vocab_size,
         ) as client:
+            beat("waiting for the inference servers' /health")
             weights = WeightSync(
                 client,
                 cfg.output_dir,

@@ -32,10 +32,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from arbor.config.admin import bearer_headers
 from arbor.config.orchestrator import TeacherConfig
 from arbor.orchestrator.client import InferenceClient, InferenceError
 from arbor.orchestrator.rollout import Rollout
-from arbor.transport.admin import bearer_headers
 
 log = logging.getLogger("arbor.orchestrator.teacher")
 

@@ -58,14 +58,6 @@ def needs_admin(request: web.Request) -> bool:
     return not (request.method in ("GET", "HEAD") and path in OPEN_GET)
 
 
-def bearer_headers(token: SecretStr | str | None) -> dict[str, str]:
-    """The header an admin call carries (none without a token)."""
-    if token is None:
-        return {}
-    value = token.get_secret_value() if isinstance(token, SecretStr) else token
-    return {"Authorization": f"Bearer {value}"}
-
-
 def has_token(request: web.Request, token: SecretStr) -> bool:
     given = request.headers.get("Authorization", "")
     sent = given[7:] if given[:7].lower() == "bearer " else ""

@@ -21,14 +21,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from arbor.config.admin import require_admin_token
+from arbor.config.admin import bearer_headers, require_admin_token
 from arbor.config.inference import RouterConfig
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.inference.router.backends import Backend, Fleet, post_json, rendezvous
 from arbor.inference.router.run_routes import RUN_KEY, RunRoutes
 from arbor.inference.router.tenants import FairShare, Meter, Run, Tenants, metric_lines
 from arbor.transport import fields
-from arbor.transport.admin import ADMIN_ROUTES, ADMIN_UNDER_V1, bearer_headers
+from arbor.transport.admin import ADMIN_ROUTES, ADMIN_UNDER_V1
 from arbor.transport.http import (
     BadRequest,
     error_middleware,

@@ -20,8 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from arbor.config.admin import bearer_headers
 from arbor.config.inference import RouterConfig
-from arbor.transport.admin import bearer_headers
 
 log = logging.getLogger("arbor.inference.router.app")
 

@@ -13,10 +13,11 @@ from typing import Any
 
 from aiohttp import web
 
+from arbor.config.admin import bearer_headers
 from arbor.config.inference import RouterConfig
 from arbor.inference.router.backends import Fleet
 from arbor.inference.router.tenants import FairShare, Run, Tenants, fleet_token_ok, sent_token
-from arbor.transport.admin import ADMIN_UNDER_V1, bearer_headers, needs_admin
+from arbor.transport.admin import ADMIN_UNDER_V1, needs_admin
 from arbor.transport.http import BadRequest, HTTPError, error_response, read_json_object
 
 log = logging.getLogger("arbor.inference.router.app")
