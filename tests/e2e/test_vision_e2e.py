@@ -1,6 +1,8 @@
 """End-to-end `rl` on examples/vision (CPU, real processes and HTTP): a tiny random Qwen2.5-VL written locally
-(no download) warms up on the `shapes` colour task with its images, then trains with RL through the local engine;
-the run finishes, every step's batch carries its images, and trainer and engine agree (sync mode: same weights)."""
+(no download) warms up on the `shapes` colour task with its images, then trains with RL through the local engine.
+A short run in sync mode finishes, every step's batch carries its images, and trainer and engine agree (same
+weights); the example as it ships learns: RL lifts the reward by >= 0.15 after the warm-up (mean of the last 5
+steps over the first 5; seeds 0, 1 and 2 measured in examples/vision/README.md)."""
 
 from __future__ import annotations
 
@@ -48,3 +50,22 @@ def test_vision_example_runs_end_to_end(tmp_path):
     assert all(r["mismatch_kl"] < 1e-3 for r in rows)  # sync mode, fp32: the trainer scores what the engine sampled
     batch = read_step(rank_file(out, 2, 0))
     assert all(mb.pixel_values is not None for mb in batch.micro_batches if mb.loss_mask.any())
+
+
+RISE_SEED = 0
+
+
+def test_vision_example_learns_after_the_warm_up(tmp_path):
+    """The example's own recipe (`rl.toml` unchanged but for the paths): the short warm-up teaches the answer's
+    form and a little of the colour; RL is what makes the policy read the image well (a policy blind to it scores
+    0.25 at best, four colours being equally likely)."""
+    model = write_tiny_vl(tmp_path / "tiny-vl")
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "arbor.launch.rl", "@", "examples/vision/rl.toml", "--output-dir", str(out)]
+    argv += ["--model.name", str(model), "--seed", str(RISE_SEED)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert len(rewards) >= 10
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last - first >= 0.15, (first, last, rewards)

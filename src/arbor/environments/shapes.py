@@ -2,7 +2,9 @@
 a question about it, answered in one word.
 
 Three kinds of question: `colour` (the colour of the one square), `count` (how many white squares, 1 to 4) and
-`position` (whether the square is on the left or the right). Tasks are generated from a seed; each task's image
+`position` (whether the square is on the left or the right). The colour task's square is large (3/4 of the image's
+side, so it shows in every quarter of the image: in each of a small vision tower's image tokens, not in one of
+them only); the others' squares are 1/4 of the side. Tasks are generated from a seed; each task's image
 is drawn from its own fields, so a prompt is the same every time it is asked. The reward is 1 when the
 completion's first word is the answer, else 0; `reference` is the answer, for the SFT warm-up.
 """
@@ -25,11 +27,16 @@ QUESTIONS = {
 }
 
 
+def square_side(kind: str, size: int) -> int:
+    """A `kind` task's square side in pixels, in a `size`-pixel image."""
+    return max(2, 3 * size // 4) if kind == "colour" else max(2, size // 4)
+
+
 def draw(task: Task, size: int) -> Image.Image:
     """The task's image: `size` x `size` pixels, black background."""
     image = Image.new("RGB", (size, size), (0, 0, 0))
     pen = ImageDraw.Draw(image)
-    side = max(2, size // 4)
+    side = square_side(task["kind"], size)
     for x, y, colour in task["squares"]:
         pen.rectangle([x, y, x + side - 1, y + side - 1], fill=tuple(colour))
     return image
@@ -47,7 +54,7 @@ class ShapesEnv:
 
     def _task(self, i: int, rng: random.Random) -> Task:
         kind = rng.choice(self.kinds)
-        side = max(2, self.size // 4)
+        side = square_side(kind, self.size)
         spot = lambda lo, hi: (rng.randint(lo, hi), rng.randint(0, self.size - side))  # noqa: E731
         if kind == "colour":
             name = rng.choice(sorted(COLOURS))
