@@ -44,6 +44,9 @@ def test_a_completion_with_images_becomes_a_token_in_request() -> None:
     assert len(set(features["mm_hashes"]["image"])) == 2
     assert out["sampling_params"] == {"max_tokens": 5, "n": 2, "seed": 4, "temperature": 0.7, "logprobs": 0}
     assert out["stream"] and out["output_mode"] == "text" and out["return_token_ids"]
+    served = generate_request(_body(), LAYOUT, "m", "policy-3", "policy-3/v4", items=_fake_items)
+    assert served["cache_salt"] == "policy-3"  # the client's salt for the prefix cache, the served version in hashes
+    assert served["features"]["mm_hashes"] != features["mm_hashes"]
 
 
 def test_image_hashes_change_with_pixels_grid_and_policy_version() -> None:

@@ -11,8 +11,9 @@ transformers' model does) and computes the rotary positions from the grids. The 
 generate shape (`output_mode = "text"`) and is rewritten to completions chunks (`completion_chunk`) for the proxy's
 reassembler.
 
-An image's hash names its pixels, its grid and the policy version (`cache_salt`): vLLM keys its encoder cache and
-the prefix cache's image blocks by it, so no image embedding computed with older weights is reused after an update.
+An image's hash names its pixels, its grid and the policy version the proxy serves: vLLM keys its encoder cache and
+the prefix cache's image blocks by it, so no image embedding computed with older weights is reused after an update
+(the proxy also resets vLLM's encoder cache after each weight load: arbor.inference.vllm.proxy).
 
 Serializing the features needs vLLM's own classes: `item_payloads` imports them (the proxy runs where vLLM is
 installed); everything else here is plain Python.
@@ -149,10 +150,16 @@ def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def generate_request(
-    body: dict[str, Any], layout: VisionLayout | None, model: str, cache_salt: str, items=item_payloads
+    body: dict[str, Any],
+    layout: VisionLayout | None,
+    model: str,
+    cache_salt: str,
+    hash_salt: str | None = None,
+    items=item_payloads,
 ) -> dict[str, Any]:
     """The `/inference/v1/generate` body of a completions request with `images` (streamed, text and logprobs as
-    the completions route gives them). `items` serializes the images (vLLM's `item_payloads`; a test's fake)."""
+    the completions route gives them). The images' hashes are salted with `hash_salt` (the weights' version the
+    proxy knows; `cache_salt` when None). `items` serializes the images (vLLM's `item_payloads`; a test's fake)."""
     if layout is None:
         raise BadRequest("images: the served model is text-only (its config has no vision_config)", "images")
     ids = body.get("prompt")
@@ -166,7 +173,7 @@ def generate_request(
     return {
         "token_ids": ids,
         "features": {
-            "mm_hashes": {"image": image_hashes(pixel_values, grid, cache_salt)},
+            "mm_hashes": {"image": image_hashes(pixel_values, grid, hash_salt or cache_salt)},
             "mm_placeholders": {"image": [{"offset": o, "length": n} for o, n in ranges]},
             "kwargs_data": {"image": items(pixel_values, grid)},
         },

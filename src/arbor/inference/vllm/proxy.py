@@ -284,7 +284,8 @@ class VLLMProxy:
         path, convert = request.path, None
         if images:  # vLLM's token-in route with the images' features (arbor.inference.vllm.images)
             # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
-            forwarded = generate_request(body, self.vision, adapter or self.cfg.model.name, salt)
+            version = f"{salt}/v{self._version(adapter)}"  # the weights vLLM holds, whatever the client's salt
+            forwarded = generate_request(body, self.vision, adapter or self.cfg.model.name, salt, version)
             path, prompt_ids = GENERATE_PATH, body["prompt"]
             convert = lambda chunk: completion_chunk(chunk, prompt_ids)  # noqa: E731
             if body.get("logprobs") is None:
@@ -418,8 +419,12 @@ class VLLMProxy:
         )
         try:
             await self._rpc(WORKER_METHODS[w.kind], args)
-            async with self._session.post(self.upstream + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
-                await r.read()
+            # The reload empties the workers' encoder cache but not the scheduler's record of it: a later image
+            # the scheduler counts as encoded would miss (and kill the engine). Both are reset here.
+            resets = ["/reset_prefix_cache", *(["/reset_encoder_cache"] if self.vision else [])]
+            for route in resets:
+                async with self._session.post(self.upstream + route) as r:  # type: ignore[union-attr]
+                    await r.read()
         except (TimeoutError, RuntimeError, aiohttp.ClientError) as e:
             raise HTTPError(500, str(e), None, "internal_error") from None
         self.version = update.version
