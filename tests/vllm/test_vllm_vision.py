@@ -115,6 +115,8 @@ def test_vllm_serves_image_prompts_like_the_trainer_before_and_after_an_update(t
         )
     print(f"vision mismatch KL per token: before {before:.2e}, after the update {after:.2e}, old tower {stale:.2e}")
     assert before < KL_TARGET and after < KL_TARGET, (before, after)
-    assert stale > 10 * KL_TARGET, stale  # the tower's tensors reached vLLM's tower
+    # The tower's tensors reached vLLM's tower: its samples fit the new tower far better than the old one (measured
+    # on CPU, fp32: 2e-14 against 2e-4; a tower left behind would score the old tower's KL itself).
+    assert stale > 1e-5 and stale > 100 * after, (stale, after)
     (choice,) = chat["choices"]
     assert choice["token_ids"] and choice["policy_versions"] == [1] * len(choice["token_ids"])
