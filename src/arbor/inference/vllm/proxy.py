@@ -279,20 +279,7 @@ class VLLMProxy:
         adapter = requested_adapter(body, self.adapters)
         if not chat and body.get("prompt_logprobs") is not None and not images:
             return await self._scored(request.path, body, adapter)
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        salt = salt or f"policy-{self._version(adapter)}"
-        path, convert = request.path, None
-        if images:  # vLLM's token-in route with the images' features (arbor.inference.vllm.images)
-            # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
-            version = f"{salt}/v{self._version(adapter)}"  # the weights vLLM holds, whatever the client's salt
-            forwarded = generate_request(body, self.vision, adapter or self.cfg.model.name, salt, version)
-            path, prompt_ids = GENERATE_PATH, body["prompt"]
-            convert = lambda chunk: completion_chunk(chunk, prompt_ids)  # noqa: E731
-            if body.get("logprobs") is None:
-                forwarded["sampling_params"]["logprobs"] = 0  # as render_request: dropped again below if unasked
-        else:
-            forwarded = render_request(body, chat, salt, self.cfg.router_replay)
-            forwarded["model"] = adapter or self.cfg.model.name
+        path, forwarded, convert = self._upstream_request(request.path, body, chat, adapter, images)
         tools, parse_calls = chat_tools(body) if chat else (None, False)
         if tools is not None:
             # vLLM runs with no tool parser: "none" still renders the tools (its default) and leaves the calls in
@@ -327,6 +314,27 @@ class VLLMProxy:
             if not self._inflight[rid]:
                 del self._inflight[rid]
         return web.json_response(acc.response())
+
+    def _upstream_request(
+        self, path: str, body: dict[str, Any], chat: bool, adapter: str | None, images: bool
+    ) -> tuple[str, dict[str, Any], Any]:
+        """vLLM's route, the body sent there and the converter of its stream chunks (None: completions chunks
+        already). A token prompt with `images` goes to vLLM's token-in route with the images' features
+        (arbor.inference.vllm.images); anything else to the route it came to."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = salt or f"policy-{self._version(adapter)}"
+        # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
+        model = adapter or self.cfg.model.name
+        if not images:
+            forwarded = render_request(body, chat, salt, self.cfg.router_replay)
+            forwarded["model"] = model
+            return path, forwarded, None
+        version = f"{salt}/v{self._version(adapter)}"  # the weights vLLM holds, whatever the client's salt says
+        forwarded = generate_request(body, self.vision, model, salt, version)
+        if body.get("logprobs") is None:
+            forwarded["sampling_params"]["logprobs"] = 0  # as render_request: dropped again below if unasked
+        prompt_ids = body["prompt"]
+        return GENERATE_PATH, forwarded, lambda chunk: completion_chunk(chunk, prompt_ids)
 
     async def _scored(self, path: str, body: dict[str, Any], adapter: str | None) -> web.Response:
         """A completion with `prompt_logprobs`, forwarded non-streamed (the module docstring); vLLM's reply with
