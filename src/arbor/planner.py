@@ -26,7 +26,8 @@ from arbor.config.base import ConfigError
 from arbor.config.layout import model_shape
 from arbor.config.rl import RLConfig
 from arbor.models.args import DSAArgs, ModelArgs
-from arbor.models.published import PUBLISHED_SHAPES
+from arbor.models.published import PUBLISHED_SHAPES, PUBLISHED_VISION
+from arbor.models.vision_params import vision_tower_params
 
 WEIGHT_SHARE = 0.8
 """Largest share of an instance's usable memory the weights may take (the rest is KV cache and activations)."""
@@ -58,16 +59,22 @@ class ModelFigures:
     """Forward attention FLOPs per token per attended position, all layers."""
     window: int | None
     """Positions a token attends at most (DeepSeek sparse attention's index_topk); None: all before it."""
+    vision_params: int = 0
+    """A vision-language model's vision tower (in `total_params`: held, trained and published with the decoder;
+    not in `active_params`: it runs per image patch, not per text token)."""
 
 
-def model_figures(args: ModelArgs | DSAArgs) -> ModelFigures:
+def model_figures(args: ModelArgs | DSAArgs, vision_params: int = 0) -> ModelFigures:
+    """The figures of `args` (arbor's args, or a transformers checkpoint's HFArgs: dense, its experts inside
+    transformers' modules) with a vision tower of `vision_params` parameters."""
     h, L = args.hidden_size, args.num_hidden_layers
-    moe_layers = len(args.moe_layers)
-    expert = 3 * h * args.moe_intermediate_size
-    routed = moe_layers * args.num_experts * expert
-    idle_experts = moe_layers * (args.num_experts - args.num_experts_per_tok) * expert if args.is_moe else 0
+    moe_layers = len(getattr(args, "moe_layers", ()))
+    n_experts = getattr(args, "num_experts", 0)
+    expert = 3 * h * getattr(args, "moe_intermediate_size", 0)
+    routed = moe_layers * n_experts * expert
+    idle_experts = moe_layers * (n_experts - args.num_experts_per_tok) * expert if args.is_moe else 0
     embedding = 0 if args.tie_word_embeddings else args.vocab_size * h
-    total = args.num_params()
+    total = args.num_params() + vision_params
     if isinstance(args, DSAArgs):
         kv, window = L * args.cache_width, args.index_topk
         attn = 2 * L * args.num_attention_heads * (args.qk_head_dim + args.v_head_dim)
@@ -76,14 +83,22 @@ def model_figures(args: ModelArgs | DSAArgs) -> ModelFigures:
         attn = 4 * L * args.num_attention_heads * args.head_dim
     return ModelFigures(
         total,
-        total - idle_experts - embedding,
+        total - idle_experts - embedding - vision_params,
         routed,
-        max(args.num_experts, 1),
+        max(n_experts, 1),
         args.num_experts_per_tok if args.is_moe else 1,
         kv,
         attn,
         window,
+        vision_params,
     )
+
+
+def vision_params(name: str, args: ModelArgs | DSAArgs) -> int:
+    """The vision tower's parameters of model `name`: from its checkpoint's config (a transformers checkpoint's
+    HFArgs keeps it), else arbor's table of published vision configs; 0 for a text-only model."""
+    config = getattr(args, "config", None) or PUBLISHED_VISION.get(name)
+    return (vision_tower_params(config) or 0) if config else 0
 
 
 def attended(tokens: float, window: int | None) -> float:
@@ -247,7 +262,7 @@ def plan(cfg: RLConfig) -> dict[str, Any]:
             f"rl plan: model.name {cfg.model.name}: its shape is unknown here (not a preset, no "
             "config.json in the Hugging Face cache or the directory)"
         )
-    m = model_figures(args)
+    m = model_figures(args, vision_params(cfg.model.name, args))
     lay = layout(cfg)
     try:
         now, misfit = balance(cfg, m, lay.trainer_gpus, lay.inference_gpus, lay.memory_share, lay.colocated), None
@@ -375,8 +390,12 @@ def table(p: dict[str, Any]) -> list[tuple[str, str]]:
         else f"{lay.trainer_gpus} trainer + {lay.inference_gpus} inference"
     )
     fits = "fits" if p["train_gb"] <= p["hbm_gb"] else "exceeds the GPU's memory: offload the optimizer or add GPUs"
+    tower = f" ({m.vision_params / 1e9:.3g}B of them the vision tower)" if m.vision_params else ""
     rows = [
-        ("model", f"{p['model']}: {m.total_params / 1e9:.3g}B parameters, {m.active_params / 1e9:.3g}B per token"),
+        (
+            "model",
+            f"{p['model']}: {m.total_params / 1e9:.3g}B parameters{tower}, {m.active_params / 1e9:.3g}B per token",
+        ),
         ("sequence", f"{p['prompt']:.0f} prompt + {p['completion']:.0f} completion tokens"),
         ("GPUs", pools),
         (

@@ -13,7 +13,9 @@ from arbor.config.rl import RLConfig
 from arbor.launch.report import planner_lines
 from arbor.launch.rl import main, write_configs
 from arbor.models.args import ModelArgs
-from arbor.planner import attended, balance, forward_flops, model_figures, plan, trainer_rate
+from arbor.models.vision_params import vision_tower_params
+from arbor.models.vision_tiny import tiny_vl_config, write_tiny_vl
+from arbor.planner import attended, balance, forward_flops, model_figures, plan, table, trainer_rate
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = sorted((ROOT / "configs" / "models").glob("*.toml"))
@@ -191,3 +193,24 @@ def test_the_estimates_docs_planner_md_compares_with_the_references(model, setup
     }
     for key, value in figures.items():
         assert got[key] == pytest.approx(value, rel=0.01, abs=0.005), key
+
+
+def test_a_vision_language_model_counts_its_vision_tower(tmp_path):
+    """Qwen2.5-VL-3B (configs/models/qwen2.5-vl-3b.toml; its shape from arbor's published table, no download):
+    decoder and vision tower together within 1% of the 3.75B parameters published; the tower is held in memory
+    but does not run per text token. A local vision-language checkpoint's tower is counted from its config."""
+    cfg = load_config(
+        RLConfig,
+        ["@", str(ROOT / "configs/models/qwen2.5-vl-3b.toml"), "@", str(ROOT / "configs/hardware/1xgpu.toml")],
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    p = plan(cfg)
+    m = p["figures"]
+    assert abs(m.total_params - 3.75e9) / 3.75e9 < 0.01, m.total_params
+    assert abs(m.vision_params - 0.669e9) / 0.669e9 < 0.01, m.vision_params
+    assert m.active_params == m.total_params - m.vision_params  # a tied head: per token, the whole decoder
+    model_row = dict(table(p))["model"]
+    assert "3.75B parameters (0.669B of them the vision tower)" in model_row, model_row
+    vl_dir = write_tiny_vl(tmp_path / "tiny-vl")
+    local = plan(RLConfig(model={"name": str(vl_dir), "impl": "transformers"}, hardware=cfg.hardware))
+    assert local["figures"].vision_params == vision_tower_params(tiny_vl_config().to_dict()) > 0

@@ -6,19 +6,24 @@ ranks, no SLURM, gloo); its tiny model keeps the family's structure and loads.""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
 
 from arbor.config.loader import load_config
 from arbor.config.model import ModelConfig
 from arbor.config.rl import SECTIONS, RLConfig
+from arbor.environments import env_prompt
+from arbor.environments.shapes import ShapesEnv
 from arbor.inference.vllm.launch import vllm_build
 from arbor.launch import rl
 from arbor.launch.twin import KNOWN_MODELS, TWIN_RANKS, TwinPlan, plan_twin, tiny_args, write_twin_model
 from arbor.models import build_model
 from arbor.models.family import args_from_config, family_of
+from arbor.models.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*/rl.toml"))
@@ -139,7 +144,7 @@ def test_the_plan_says_each_change_and_why(tmp_path, monkeypatch):
         assert by_field["inference.backend"].new == "local"
 
 
-@pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
+@pytest.mark.parametrize("name", sorted(n for n, real in KNOWN_MODELS.items() if not real.get("vision")))
 def test_the_tiny_model_keeps_the_familys_structure(name):
     real = KNOWN_MODELS[name]
     tiny = tiny_args(real, 32768)
@@ -192,3 +197,25 @@ def test_twin_dry_run_prints_the_plan_and_writes_no_model(tmp_path, monkeypatch,
     assert printed.startswith("rl --twin: ") and "trainer.parallel.ep: 8 -> 2 (" in printed
     assert (Path(f"{out}-twin") / "configs" / "rl.toml").is_file()
     assert not (Path(f"{out}-twin") / "twin_model").exists() and not out.exists()
+
+
+def test_a_vision_language_recipe_twins_into_a_tiny_vision_language_model(tmp_path, monkeypatch):
+    """The qwen2.5-vl-3b layer with the shapes environment (the hub model not on this machine): the twin is a tiny
+    random Qwen2.5-VL on the transformers path, written with its processor; it renders the environment's image
+    prompts and its forward runs the vision tower (a text twin would refuse them as a text-only model)."""
+    layers = ["@", "configs/models/qwen2.5-vl-3b.toml", "@", "configs/hardware/cpu-laptop.toml"]
+    cfg, twin, plan = _twin([*layers, "@", "configs/envs/shapes.toml"], tmp_path, monkeypatch)
+    _check_twin(cfg, twin, plan)
+    assert plan.vision and plan.model_args is None and twin.model.impl == "transformers"
+    assert twin.model.tokenizer is None and twin.model.name == str(plan.model_dir)
+    assert "tiny random Qwen2.5-VL" in next(c.why for c in plan.changes if c.field == "model.name")
+    write_twin_model(plan, seed=0)
+    config = json.loads((plan.model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"] and "vision_config" in config
+    env = ShapesEnv(num_tasks=2, kinds=("colour",))
+    ids, images = env_prompt(env, env.dataset(0)[0], load_tokenizer(plan.model_dir))
+    assert images is not None and images["image_grid_thw"].shape[0] == 1
+    model = build_model(twin.model)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), **images)
+    assert logits.shape[:2] == (1, len(ids)) and torch.isfinite(logits).all()

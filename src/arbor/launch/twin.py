@@ -43,6 +43,11 @@ TWIN_MODEL_DIR = "twin_model"
 """The tiny model's checkpoint directory, inside the twin's run directory."""
 
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": {
+        "architecture": "Qwen2_5_VLForConditionalGeneration",
+        "tie_word_embeddings": True,
+        "vision": True,
+    },
     "Qwen/Qwen3-0.6B": {"architecture": "Qwen3ForCausalLM", "tie_word_embeddings": True},
     "Qwen/Qwen3-4B": {"architecture": "Qwen3ForCausalLM", "tie_word_embeddings": True},
     "Qwen/Qwen3-30B-A3B": {
@@ -132,6 +137,8 @@ class TwinPlan:
     changes: list[Change] = field(default_factory=list)
     model_args: ModelArgs | DSAArgs | None = None
     model_dir: Path | None = None
+    vision: bool = False
+    """The tiny model is a vision-language one: arbor.models.vision_tiny's Qwen2.5-VL, written with its processor."""
 
     def render(self) -> str:
         head = f"rl --twin: {len(self.changes)} settings changed to run here; every other setting is as written"
@@ -202,6 +209,9 @@ def _plan_model(p: _Planner, out: Path) -> None:
     real, source = _real_shape(model.name)
     if real is not None and Path(model.name).is_dir() and _params(real) <= TWIN_MAX_PARAMS:
         return  # a small local checkpoint (an SFT warm-up's output): it runs as it is
+    if _fact(real, "vision", False):
+        _plan_vision_model(p, out, source)
+        return
     tiny = tiny_args(real, p.cfg.seq_len)
     p.plan.model_args, p.plan.model_dir = tiny, out / TWIN_MODEL_DIR
     p.set("model.name", str(p.plan.model_dir), f"a tiny random {describe(tiny)}; structure {source}")
@@ -211,6 +221,16 @@ def _plan_model(p: _Planner, out: Path) -> None:
     if teacher is not None and teacher.model.name not in PRESETS and not Path(teacher.model.name).is_dir():
         p.set("teacher.model.name", str(p.plan.model_dir), "the teacher must share the twin's tokenizer")
         p.set("teacher.model.tokenizer", "byte", "the twin's tokenizer")
+
+
+def _plan_vision_model(p: _Planner, out: Path, source: str) -> None:
+    """A vision-language model's twin: a tiny random Qwen2.5-VL with its own processor and tokenizer (its decoder's
+    heads a size vLLM's CPU build serves), on the transformers path like the real one."""
+    p.plan.vision, p.plan.model_dir = True, out / TWIN_MODEL_DIR
+    why = f"a tiny random Qwen2.5-VL (a 2-layer decoder of width 64, a 2-block vision tower, its processor); {source}"
+    p.set("model.name", str(p.plan.model_dir), why)
+    p.set("model.impl", "transformers", "vision-language models take the transformers path")
+    p.set("model.tokenizer", None, "the tiny model's directory holds its tokenizer and image processor")
 
 
 def _real_shape(name: str) -> tuple[ModelArgs | DSAArgs | dict[str, Any] | None, str]:
@@ -434,15 +454,24 @@ def _plan_inference(p: _Planner) -> None:
 
 
 def write_twin_model(plan: TwinPlan, seed: int) -> None:
-    """Writes the plan's tiny random model (config.json, weights, the byte tokenizer) unless it is there."""
-    if plan.model_args is None or plan.model_dir is None or (plan.model_dir / "config.json").exists():
+    """Writes the plan's tiny random model (config.json, weights, the byte tokenizer; a vision-language twin's
+    processor) unless it is there."""
+    if plan.model_dir is None or (plan.model_dir / "config.json").exists():
         return
     # torch only here, when a twin actually runs: planning and `rl --twin --dry-run` stay light.
     from arbor.models.hf import save_checkpoint_dir
     from arbor.models.tokenizer import ByteTokenizer
+    from arbor.models.vision_tiny import VLLM_SHAPE, write_tiny_vl
+
+    tmp = plan.model_dir.with_name(plan.model_dir.name + ".tmp")
+    if plan.vision:
+        write_tiny_vl(tmp, seed, **VLLM_SHAPE)
+        tmp.rename(plan.model_dir)
+        return
+    if plan.model_args is None:
+        return
 
     model = family_of(plan.model_args).build(plan.model_args)
     model.init_weights(seed)
-    tmp = plan.model_dir.with_name(plan.model_dir.name + ".tmp")
     save_checkpoint_dir(model.state_dict(), plan.model_args, tmp, ByteTokenizer())
     tmp.rename(plan.model_dir)

@@ -12,7 +12,7 @@ def _qwen3(**kw) -> ModelArgs:
 
 
 PUBLISHED_SHAPES: dict[str, ModelArgs | DSAArgs] = {
-    # the decoder of Qwen2.5-VL-3B-Instruct (its ~0.7B-parameter vision tower is not counted by `rl plan`)
+    # the decoder of Qwen2.5-VL-3B-Instruct (its vision tower: PUBLISHED_VISION)
     "Qwen/Qwen2.5-VL-3B-Instruct": ModelArgs(
         vocab_size=151936,
         hidden_size=2048,
@@ -121,3 +121,25 @@ PUBLISHED_SHAPES: dict[str, ModelArgs | DSAArgs] = {
     ),
 }
 """Hub id -> architecture (field values copied from each model's `config.json`)."""
+
+PUBLISHED_VISION: dict[str, dict] = {
+    # Qwen2.5-VL-3B-Instruct's vision tower as its config.json gives it (arbor.models.vision_params counts it:
+    # 0.669B parameters, 3.75B with the decoder above, as published)
+    "Qwen/Qwen2.5-VL-3B-Instruct": {
+        "model_type": "qwen2_5_vl",
+        "vision_config": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "out_hidden_size": 2048,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+        },
+    },
+}
+"""The vision configs of the vision-language models in `PUBLISHED_SHAPES` (their shapes there are the decoders')."""

@@ -46,18 +46,34 @@ MAX_PIXELS = 64 * 64
 """The processor's largest image (larger ones are resized down to it)."""
 
 
-def tiny_vl_config(vocab_size: int = 256 + len(VL_SPECIALS)) -> transformers.PretrainedConfig:
-    """Qwen2.5-VL with a 2-layer, 32-wide decoder and a 2-block, 16-wide vision tower."""
+VLLM_SHAPE = {"hidden_size": 64, "num_attention_heads": 2}
+"""`tiny_vl_config`'s decoder shape with 32-wide attention heads, a head size vLLM's CPU build serves
+(arbor.inference.vllm.launch.CPU_HEAD_SIZES; the default's 8 is not)."""
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Qwen-VL's split of a head's rotary frequencies (head_dim / 2) over time, height and width."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def tiny_vl_config(
+    vocab_size: int = 256 + len(VL_SPECIALS), hidden_size: int = 32, num_attention_heads: int = 4
+) -> transformers.PretrainedConfig:
+    """Qwen2.5-VL with a 2-layer decoder (32 wide, 4 heads of 8 by default; `VLLM_SHAPE` for vLLM) and a 2-block,
+    16-wide vision tower."""
     ids = {tok: 256 + i for i, tok in enumerate(VL_SPECIALS)}
     text = dict(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=max(1, num_attention_heads // 2),
         max_position_embeddings=1024,
-        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        rope_scaling={"type": "mrope", "mrope_section": mrope_section(hidden_size // num_attention_heads)},
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=ids["<|im_end|>"],
@@ -68,7 +84,7 @@ def tiny_vl_config(vocab_size: int = 256 + len(VL_SPECIALS)) -> transformers.Pre
         hidden_size=16,
         intermediate_size=32,
         num_heads=2,
-        out_hidden_size=32,
+        out_hidden_size=hidden_size,
         patch_size=PATCH,
         spatial_merge_size=2,
         temporal_patch_size=2,
@@ -111,11 +127,12 @@ def write_tiny_processor(path: Path) -> None:
     processor.save_pretrained(str(path))
 
 
-def write_tiny_vl(path: str | Path, seed: int = 0) -> Path:
-    """A random tiny Qwen2.5-VL (fp32, transformers' own initialisation from `seed`) and its processor at `path`."""
+def write_tiny_vl(path: str | Path, seed: int = 0, **shape: int) -> Path:
+    """A random tiny Qwen2.5-VL (fp32, transformers' own initialisation from `seed`; `shape`: `tiny_vl_config`'s
+    decoder keywords, e.g. `VLLM_SHAPE`) and its processor at `path`."""
     path = Path(path)
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_vl_config())
+    model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_vl_config(**shape))
     model.save_pretrained(path)
     write_tiny_processor(path)
     return path

@@ -283,7 +283,7 @@ FIELDS: tuple[Field, ...] = (
     _vllm(
         "images",
         "object",
-        "arbor: a token prompt's pixel inputs (arbor.transport.images; the local backend only)",
+        "arbor: a token prompt's pixel inputs (arbor.transport.images; both backends)",
         (COMPLETIONS,),
         max_len=2,
     ),

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from arbor.config.inference import InferenceConfig, SpeculativeConfig
 from arbor.inference.vllm.fp32_router import FP32_ROUTER_ENV
+from arbor.inference.vllm.images import VISION_ARGS, VisionLayout
 from arbor.models import PRESETS, build_tokenizer
 from arbor.models.hub import resolve_dir
 
@@ -103,11 +104,13 @@ def serve_argv(
     skip_tokenizer: bool = False,
     cpu: bool = False,
     mask_padding: bool = False,
+    vision: bool = False,
 ) -> list[str]:
     """The vLLM server command line for this config (vLLM listens on loopback `port`; the proxy is public).
     `cpu`: the CPU build serves it (eager mode and the model's dtype unless the config says otherwise).
     `mask_padding`: the head has rows beyond the tokenizer's ids, which `PADDING_MASK` keeps vLLM from
-    sampling (the bound travels in the environment: `serve_env`'s `vocab`)."""
+    sampling (the bound travels in the environment: `serve_env`'s `vocab`). `vision`: a vision-language model,
+    whose token prompts' images go through vLLM's token-in route (arbor.inference.vllm.images.VISION_ARGS)."""
     v = cfg.vllm
     eager = v.enforce_eager if v.enforce_eager is not None else cpu
     dtype = cfg.model.dtype if (cpu and v.dtype == "auto") else v.dtype
@@ -167,6 +170,8 @@ def serve_argv(
         argv.append("--skip-tokenizer-init")
     if mask_padding:
         argv += ["--logits-processors", PADDING_MASK]
+    if vision:
+        argv += VISION_ARGS
     return argv + render_extra(v.extra_args)
 
 
@@ -240,7 +245,8 @@ def dry_run_command(cfg: InferenceConfig) -> str:
         )
         vocab, note = padding_bound(cfg, skip), ""
     env = serve_env({}, cfg, cpu=build == "cpu", vocab=vocab)
-    argv = serve_argv(cfg, path, 0, cpu=build == "cpu", mask_padding=vocab is not None)
+    vision = Path(path).is_dir() and VisionLayout.of(path) is not None
+    argv = serve_argv(cfg, path, 0, cpu=build == "cpu", mask_padding=vocab is not None, vision=vision)
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " + shlex.join(argv) + note
 
 

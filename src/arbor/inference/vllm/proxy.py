@@ -27,8 +27,10 @@ from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
+from arbor.inference.vllm.images import GENERATE_PATH, VisionLayout, completion_chunk, generate_request
 from arbor.inference.vllm.launch import cpu_head_size_error, padding_bound, serve_argv, serve_env, vllm_build
 from arbor.inference.vllm.model_dir import model_dir, served_head_dim
+from arbor.models.hub import resolve_dir
 from arbor.orphans import die_with_parent
 from arbor.transport import fields
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
@@ -204,8 +206,10 @@ class Reassembler:
 class VLLMProxy:
     """arbor's API in front of one vLLM server at `upstream`."""
 
-    def __init__(self, upstream: str, cfg: InferenceConfig) -> None:
+    def __init__(self, upstream: str, cfg: InferenceConfig, vision: VisionLayout | None = None) -> None:
         self.upstream, self.cfg = upstream.rstrip("/"), cfg
+        self.vision = vision
+        """The served model's image layout (a vision-language model), for token prompts with `images`."""
         self.version = 0
         self._open = asyncio.Event()
         self._open.set()
@@ -266,19 +270,16 @@ class VLLMProxy:
                 "logprobs and policy versions)",
                 "stream",
             )
-        if body.get("images") is not None:  # vLLM would ignore it and answer for the text alone
-            raise HTTPError(
-                400, "images (a token prompt's pixel inputs) are served by the local backend only", "images"
-            )
+        images = not chat and body.get("images") is not None
+        if images and self.cfg.router_replay:
+            raise HTTPError(400, "images with inference.router_replay are served by the local backend only", "images")
         await self._open.wait()
         await self._awake.wait()
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         adapter = requested_adapter(body, self.adapters)
-        if not chat and body.get("prompt_logprobs") is not None:
+        if not chat and body.get("prompt_logprobs") is not None and not images:
             return await self._scored(request.path, body, adapter)
-        forwarded = render_request(body, chat, f"policy-{self._version(adapter)}", self.cfg.router_replay)
-        # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
-        forwarded["model"] = adapter or self.cfg.model.name
+        path, forwarded, convert = self._upstream_request(request.path, body, chat, adapter, images)
         tools, parse_calls = chat_tools(body) if chat else (None, False)
         if tools is not None:
             # vLLM runs with no tool parser: "none" still renders the tools (its default) and leaves the calls in
@@ -293,10 +294,10 @@ class VLLMProxy:
         stop = asyncio.Event()
         self._inflight.setdefault(rid, set()).add(stop)
         try:
-            async with self._session.post(self.upstream + request.path, json=forwarded) as resp:
+            async with self._session.post(self.upstream + path, json=forwarded) as resp:
                 if resp.status != 200:
                     return relayed_error(resp.status, await resp.read(), "vLLM")
-                reader = asyncio.create_task(self._read(resp, acc, adapter))
+                reader = asyncio.create_task(self._read(resp, acc, adapter, convert))
                 aborted = asyncio.create_task(stop.wait())
                 await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
                 if not reader.done():  # aborted: hang up on vLLM (it aborts the request) and answer what came
@@ -313,6 +314,27 @@ class VLLMProxy:
             if not self._inflight[rid]:
                 del self._inflight[rid]
         return web.json_response(acc.response())
+
+    def _upstream_request(
+        self, path: str, body: dict[str, Any], chat: bool, adapter: str | None, images: bool
+    ) -> tuple[str, dict[str, Any], Any]:
+        """vLLM's route, the body sent there and the converter of its stream chunks (None: completions chunks
+        already). A token prompt with `images` goes to vLLM's token-in route with the images' features
+        (arbor.inference.vllm.images); anything else to the route it came to."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = salt or f"policy-{self._version(adapter)}"
+        # A loaded adapter by its name; any other model is the base (as the local engine does); vLLM checks it.
+        model = adapter or self.cfg.model.name
+        if not images:
+            forwarded = render_request(body, chat, salt, self.cfg.router_replay)
+            forwarded["model"] = model
+            return path, forwarded, None
+        version = f"{salt}/v{self._version(adapter)}"  # the weights vLLM holds, whatever the client's salt says
+        forwarded = generate_request(body, self.vision, model, salt, version)
+        if body.get("logprobs") is None:
+            forwarded["sampling_params"]["logprobs"] = 0  # as render_request: dropped again below if unasked
+        prompt_ids = body["prompt"]
+        return GENERATE_PATH, forwarded, lambda chunk: completion_chunk(chunk, prompt_ids)
 
     async def _scored(self, path: str, body: dict[str, Any], adapter: str | None) -> web.Response:
         """A completion with `prompt_logprobs`, forwarded non-streamed (the module docstring); vLLM's reply with
@@ -338,8 +360,11 @@ class VLLMProxy:
         """The version a token is tagged with: its adapter's, else the base weights'."""
         return self.version if adapter is None else self.adapters.get(adapter, self.version)
 
-    async def _read(self, resp: aiohttp.ClientResponse, acc: Reassembler, adapter: str | None = None) -> Any:
-        """Feeds vLLM's stream into `acc`; returns the error object vLLM streamed, if any."""
+    async def _read(
+        self, resp: aiohttp.ClientResponse, acc: Reassembler, adapter: str | None = None, convert=None
+    ) -> Any:
+        """Feeds vLLM's stream into `acc` (each chunk through `convert` first, when given); returns the error
+        object vLLM streamed, if any."""
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -348,6 +373,8 @@ class VLLMProxy:
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
+            if convert is not None:
+                chunk = convert(chunk)
             if chunk.get("error"):
                 return chunk["error"]
             acc.add(chunk, self._version(adapter))
@@ -400,8 +427,12 @@ class VLLMProxy:
         )
         try:
             await self._rpc(WORKER_METHODS[w.kind], args)
-            async with self._session.post(self.upstream + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
-                await r.read()
+            # The reload empties the workers' encoder cache but not the scheduler's record of it: a later image
+            # the scheduler counts as encoded would miss (and kill the engine). Both are reset here.
+            resets = ["/reset_prefix_cache", *(["/reset_encoder_cache"] if self.vision else [])]
+            for route in resets:
+                async with self._session.post(self.upstream + route) as r:  # type: ignore[union-attr]
+                    await r.read()
         except (TimeoutError, RuntimeError, aiohttp.ClientError) as e:
             raise HTTPError(500, str(e), None, "internal_error") from None
         self.version = update.version
@@ -550,8 +581,9 @@ def run(cfg: InferenceConfig) -> int:
         raise ConfigError(f"model.name {cfg.model.name!r}: {error}")
     path, skip_tok = model_dir(cfg)
     vocab = padding_bound(cfg, skip_tok)
+    vision = VisionLayout.of(resolve_dir(path))
     port = upstream_port()
-    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None)
+    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None, vision=vision is not None)
     log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
     # Its own session, so that stopping it reaches vLLM's engine and worker processes; and it dies with this
     # proxy, so that a proxy killed outright (SIGKILL, OOM) leaves no vLLM holding the accelerator.
@@ -580,7 +612,7 @@ def run(cfg: InferenceConfig) -> int:
                 if time.monotonic() > deadline or stop.is_set():
                     raise RuntimeError(f"the vLLM server was not healthy within {cfg.vllm.startup_timeout:.0f}s")
                 await asyncio.sleep(1.0)
-        runner, url = await start_site(VLLMProxy(upstream, cfg).app(), cfg.host, cfg.port)
+        runner, url = await start_site(VLLMProxy(upstream, cfg, vision).app(), cfg.host, cfg.port)
         try:
             if cfg.ready_file:
                 write_ready_file(cfg.ready_file, url)
