@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from arbor.config.base import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TEMPERATURE  # one bound for configs and requests
-from arbor.transport.http import BadRequest
+from arbor.transport.errors import BadRequest
 
 MAX_SEED = 2**63 - 1
 """Largest request seed: torch's generators take seeds below 2**64, and sample i of a request is seeded with

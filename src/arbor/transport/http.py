@@ -28,6 +28,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from arbor.run_dir import write_text_atomic
+from arbor.transport.errors import BadRequest, HTTPError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -35,21 +36,6 @@ MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a JSON body may have (tool schemas need a dozen levels at most)."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class HTTPError(Exception):
-    """A request the server refuses: answered with `status` and a message naming `param`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-class BadRequest(HTTPError):
-    """Invalid client input: a 400 naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(400, message, param)
 
 
 def error_response(

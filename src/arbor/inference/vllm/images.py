@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from arbor.transport import fields
+from arbor.transport.errors import BadRequest
 from arbor.transport.fields import COMPLETIONS
-from arbor.transport.http import BadRequest
 from arbor.transport.images import decode_images
 
 GENERATE_PATH = "/inference/v1/generate"
