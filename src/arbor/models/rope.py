@@ -95,8 +95,9 @@ class RotaryEmbedding(nn.Module):
     def _apply(self, fn, recurse=True):
         """Keeps `inv_freq` fp32 through `model.to(bfloat16)`: rounded to bf16 (2^-9 relative), position x
         frequency drifts by up to ~0.1 rad at position 60, and the local engine (built in `model.dtype`) then
-        rotated differently from the trainer (fp32 masters under FSDP2): issue 41's step-0 `mismatch_kl` of bf16
-        runs, 5e-4 for dsa-tiny and 5e-5 for qwen3-tiny. Devices still move; a meta tensor stays as cast."""
+        rotated differently from the trainer (fp32 masters under FSDP2): all of dsa-tiny's bf16 step-0
+        `mismatch_kl` (5e-4, issue 41) and part of the dense models' (5e-5). Devices still move; a meta tensor
+        stays as cast."""
         freq = self.inv_freq
         out = super()._apply(fn, recurse)
         lowered = self.inv_freq.dtype in (torch.float16, torch.bfloat16)
