@@ -93,7 +93,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _apply(self, fn, recurse=True):
-        """Keeps `inv_freq` fp32 through `model.to(bfloat16)`: rounded to bf16 (2^-9 relative), position x
+        """Keeps `inv_freq` fp32 through `model.to(bfloat16)`: rounded to bf16 (up to 2^-8 relative), position x
         frequency drifts by up to ~0.1 rad at position 60, and the local engine (built in `model.dtype`) then
         rotated differently from the trainer (fp32 masters under FSDP2): all of dsa-tiny's bf16 step-0
         `mismatch_kl` (5e-4, issue 41) and part of the dense models' (5e-5). Devices still move; a meta tensor
