@@ -112,6 +112,26 @@ def test_packed_row_equals_separate_sequences(name):
             off += n
 
 
+def test_indexer_matters_only_where_a_query_sees_more_than_index_topk_keys():
+    """The indexer is not trained (module docstring of arbor.models.dsa), so it must not matter where selection is
+    dense: documents of at most `index_topk` (8) tokens give the same logits whatever its weights (the reverse_text
+    recipes: `seq_len` 64, dsa-tiny's top-64) up to summation order, and longer ones do not."""
+    model = build_model(ModelConfig(name="dsa-test")).eval()
+    model.init_weights(0, std=0.3)
+    gen = torch.Generator().manual_seed(4)
+    for lens, dense in (([8, 5, 8], True), (LENS, False)):
+        ids = torch.randint(0, 256, (1, sum(lens)), generator=gen)
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            for layer in other.model.layers:
+                for p in layer.self_attn.indexer.parameters():
+                    p.normal_(0, 1.0, generator=gen)
+            a = model(ids, position_ids_for(lens), packed_causal_mask(lens))
+            b = other(ids, position_ids_for(lens), packed_causal_mask(lens))
+        gap = (a - b).abs().max().item()  # dense: the same keys, summed in another (score) order
+        assert gap < 1e-4 if dense else gap > 1e-1, (lens, gap)  # measured: 3.7e-06 and 6.0
+
+
 @pytest.mark.parametrize("name", ["dsa-test", "dsa-moe-test"])
 def test_hf_checkpoint_round_trip(tmp_path: Path, name: str):
     """A random model saved in Hugging Face layout (DeepSeek-V3.2 config and parameter names) reloads through

@@ -92,6 +92,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_frequencies(rotary_dim, theta, scaling, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Keeps `inv_freq` fp32 through `model.to(bfloat16)`: rounded to bf16 (up to 2^-8 relative), position x
+        frequency drifts by up to ~0.1 rad at position 60, and the local engine (built in `model.dtype`) then
+        rotated differently from the trainer (fp32 masters under FSDP2): all of dsa-tiny's bf16 step-0
+        `mismatch_kl` (5e-4, issue 41) and part of the dense models' (5e-5). Devices still move; a meta tensor
+        stays as cast."""
+        freq = self.inv_freq
+        out = super()._apply(fn, recurse)
+        lowered = self.inv_freq.dtype in (torch.float16, torch.bfloat16)
+        if lowered and freq.dtype == torch.float32 and not freq.is_meta and not self.inv_freq.is_meta:
+            self.inv_freq = freq.to(self.inv_freq.device)
+        return out
+
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
