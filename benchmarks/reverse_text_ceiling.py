@@ -11,7 +11,8 @@ reward per input length; `--samples N` prints the first N greedy completions. De
 
     uv run python benchmarks/reverse_text_ceiling.py OUT/sft OUT/broadcasts/step_60 --samples 8
 
-The last line is JSON: `value` is the first directory's greedy reward minus its sampled reward (the headroom that
+`--smoke` (no directories) measures a tiny random Llama written to a temporary directory on 4 tasks. The last
+line is JSON: `value` is the first directory's greedy reward minus its sampled reward (the headroom that
 sharpening alone can turn into a rise), `target` issue 34's rise of 0.1, and `dirs` every directory's figures.
 Figures measured are kept in docs/models.md, not here.
 """
@@ -22,15 +23,18 @@ import argparse
 import difflib
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
 import transformers
+from smoke import parse_args
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
 from arbor.environments import env_prompt_ids, load_environment
 from arbor.models import build_tokenizer
+from arbor.models.tokenizer import ByteTokenizer
 
 TARGET = 0.1
 ENV_ARGS = {"min_len": 2, "max_len": 5, "alphabet": "abcdefgh"}
@@ -78,14 +82,39 @@ def measure(path: Path, tasks: list[dict], prompt_format: str, samples: int, see
     return figures
 
 
+def tiny_llama(path: Path) -> Path:
+    """A random ~20k-parameter `LlamaForCausalLM` with the byte tokenizer (the smoke run's checkpoint)."""
+    byte = ByteTokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=byte.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        pad_token_id=byte.pad_token_id,
+        eos_token_id=byte.eos_token_id,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    byte.save(path)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("dirs", nargs="+", type=Path, help="Hugging Face checkpoint directories")
+    parser.add_argument("dirs", nargs="*", type=Path, help="Hugging Face checkpoint directories")
     parser.add_argument("--prompt-format", default="raw", choices=["raw", "chat"])
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--samples", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0, help="the sampled completions' torch seed")
-    args = parser.parse_args()
+    args = parse_args(parser, tasks=4)
+    if not args.dirs and not args.smoke:
+        parser.error("dirs: give at least one checkpoint directory (or --smoke)")
+    if not args.dirs:
+        scratch = tempfile.TemporaryDirectory(prefix="reverse_text_ceiling_")  # removed at exit
+        args.dirs = [tiny_llama(Path(scratch.name) / "tiny")]
     for path in args.dirs:
         if not (path / "config.json").is_file():
             parser.error(f"dirs: {path} is not a Hugging Face checkpoint directory (no config.json)")
