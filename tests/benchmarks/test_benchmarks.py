@@ -35,6 +35,7 @@ EXPECTED: dict[str, set[str]] = {
     "mtp_speculative": SCORED | {"online_ratio", "frozen_ratio", "decode_tokens_per_s", "acceptance_at_speed"},
     "parallel": SCORED | {"tokens_per_s_1_rank", "tokens_per_s_2_ranks", "speedup_2_ranks", "one_rank_fraction"},
     "prefix_merge": SCORED | {"ideal_ratio", "row_ratio", "speedup", "step_s_unmerged", "step_s_merged"},
+    "reverse_text_ceiling": SCORED | {"dirs"},
     "router": SCORED | {"added_p99_ms", "direct_p50_ms", "routed_p50_ms", "requests"},
     "scheduler_sim": SCORED | {"windowed_vs_greedy_throughput", "windowed_vs_greedy_mix_shift", "params"},
     "shared_fleet": SCORED | {"separate_samples_per_s", "shared_samples_per_s", "shared_slow_reward"},
