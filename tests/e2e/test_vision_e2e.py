@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from arbor.models.vision_tiny import write_tiny_vl
+from arbor.models.vision_tiny import VLLM_SHAPE, write_tiny_vl
 from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import rollout_rank_file as rank_file
 from arbor.transport.files import read_step
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_vision_example_runs_end_to_end(tmp_path):
-    model = write_tiny_vl(tmp_path / "tiny-vl")
+    model = write_tiny_vl(tmp_path / "tiny-vl", **VLLM_SHAPE)
     out = tmp_path / "run"
     argv = [
         sys.executable,
@@ -59,7 +59,7 @@ def test_vision_example_learns_after_the_warm_up(tmp_path):
     """The example's own recipe (`rl.toml` unchanged but for the paths): the short warm-up teaches the answer's
     form and a little of the colour; RL is what makes the policy read the image well (a policy blind to it scores
     0.25 at best, four colours being equally likely)."""
-    model = write_tiny_vl(tmp_path / "tiny-vl")
+    model = write_tiny_vl(tmp_path / "tiny-vl", **VLLM_SHAPE)
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "arbor.launch.rl", "@", "examples/vision/rl.toml", "--output-dir", str(out)]
     argv += ["--model.name", str(model), "--seed", str(RISE_SEED)]

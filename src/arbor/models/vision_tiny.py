@@ -48,7 +48,8 @@ MAX_PIXELS = 64 * 64
 
 VLLM_SHAPE = {"hidden_size": 64, "num_attention_heads": 2}
 """`tiny_vl_config`'s decoder shape with 32-wide attention heads, a head size vLLM's CPU build serves
-(arbor.inference.vllm.launch.CPU_HEAD_SIZES; the default's 8 is not)."""
+(arbor.inference.vllm.launch.CPU_HEAD_SIZES; the default's 8 is not): the shape of examples/vision's checkpoint
+(`main`, ~128k parameters), so that the vLLM tests serve the checkpoint the example trains."""
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -139,7 +140,8 @@ def write_tiny_vl(path: str | Path, seed: int = 0, **shape: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m arbor.models.vision_tiny DIR`: writes the tiny checkpoint at DIR unless one is there."""
+    """`python -m arbor.models.vision_tiny DIR`: writes examples/vision's tiny checkpoint (`VLLM_SHAPE`) at DIR
+    unless one is there."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m arbor.models.vision_tiny DIR", file=sys.stderr)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if (path / "config.json").exists():
         print(f"{path}: a checkpoint is there already")
         return 0
-    write_tiny_vl(path)
+    write_tiny_vl(path, **VLLM_SHAPE)
     print(f"{path}: tiny Qwen2.5-VL written")
     return 0
 
