@@ -14,14 +14,19 @@ refuses the pair) and give the warm-up one thread, as the moe example does. Per 
 `metrics.jsonl`: the reward rise (mean `reward/mean` of the last `--window` steps minus that of the first
 `--window`), the step-0 `mismatch_kl` (trainer vs engine on the same weights: the pure numerical mismatch, since
 the default `one_step_off` schedule trains each later batch one policy version after it was sampled) and the
-median `mismatch_kl` over the run (one step of policy drift plus the numerical mismatch). A case passes when its
-bf16 rise is within `--tolerance` (0.05) of its fp32 rise.
+median `mismatch_kl` over the run (one step of policy drift plus the numerical mismatch).
 
-    uv run python benchmarks/bf16_learning.py                       # the three cases, seed 0 (~40 min on 2 cores)
+A case passes when its mean bf16 rise over the seeds is within `--tolerance` (0.05) of its mean fp32 rise. One
+pair cannot resolve 0.05: the same recipe's fp32 rise moves by ~0.08 from seed to seed, and bf16 rounds
+differently from step 0, so each arm follows its own trajectory (docs/training.md "bfloat16": `cp`'s seed 0
+differed by +0.150, its five seeds' means by +0.008). Hence five seeds by default; every pair is printed too.
+
+    uv run python benchmarks/bf16_learning.py                       # three cases x five seeds (~3 h on 2 cores)
     uv run python benchmarks/bf16_learning.py --cases moe --seeds 0,1,2
 
 Figures measured (2 shared cores, docs/training.md "bfloat16") are kept in the docs, not here. The last line is
-JSON: per case and seed both rises, their difference and the KL figures; `value` is the largest |difference|.
+JSON: per case the mean rises over its seeds and their difference, and per seed both arms' figures; `value` is
+the largest |difference of the means| over the cases.
 """
 
 from __future__ import annotations
@@ -119,33 +124,20 @@ def run_arm(case: str, dtype: str, seed: int, out: Path, a: argparse.Namespace) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="moe,cp,dsa", help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds; each runs both arms of every case")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; each runs both arms of every case")
     p.add_argument("--window", type=int, default=5, help="steps averaged at each end for the reward rise")
     p.add_argument("--tolerance", type=float, default=TARGET, help="largest |bf16 rise - fp32 rise| that passes")
     p.add_argument("--max-steps", type=int, default=0, help="RL steps (0: the example's)")
     p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps (default: the example's)")
     p.add_argument("--output-dir", default="", help="where the runs are kept (default: a temporary directory)")
-    a = parse_args(p, cases="moe", max_steps=2, sft_steps=2, window=1)
+    a = parse_args(p, cases="moe", seeds="0", max_steps=2, sft_steps=2, window=1)
     cases = a.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"--cases: unknown {unknown} (known: {', '.join(CASES)})")
     base = Path(a.output_dir or tempfile.mkdtemp(prefix="bf16_learning_"))
-    results: dict[str, dict[str, dict]] = {}
-    worst = 0.0
-    for case in cases:
-        for seed in (int(s) for s in a.seeds.split(",")):
-            arms = {d: run_arm(case, d, seed, base / f"{case}-{d}-s{seed}", a) for d in ("float32", "bfloat16")}
-            diff = arms["bfloat16"]["rise"] - arms["float32"]["rise"]
-            worst = max(worst, abs(diff))
-            results.setdefault(case, {})[str(seed)] = {**arms, "difference": diff}
-            f, b = arms["float32"], arms["bfloat16"]
-            print(
-                f"{case:4s} seed {seed}: rise fp32 {f['rise']:+.3f} bf16 {b['rise']:+.3f} (difference {diff:+.3f}); "
-                f"mismatch_kl step 0 fp32 {f['kl_step0']:.1e} bf16 {b['kl_step0']:.1e}, "
-                f"median fp32 {f['kl_median']:.1e} bf16 {b['kl_median']:.1e}",
-                flush=True,
-            )
+    results = {case: run_case(case, [int(x) for x in a.seeds.split(",")], base, a) for case in cases}
+    worst = max(abs(r["difference"]) for r in results.values())
     print(
         json.dumps(
             {
@@ -158,6 +150,29 @@ def main() -> None:
             }
         )
     )
+
+
+def run_case(case: str, seeds: list[int], base: Path, a: argparse.Namespace) -> dict:
+    """Both arms of `case` on every seed, one pair a line as it finishes; the case's means last."""
+    per_seed: dict[str, dict] = {}
+    for seed in seeds:
+        arms = {d: run_arm(case, d, seed, base / f"{case}-{d}-s{seed}", a) for d in ("float32", "bfloat16")}
+        f, b = arms["float32"], arms["bfloat16"]
+        per_seed[str(seed)] = {**arms, "difference": b["rise"] - f["rise"]}
+        print(
+            f"{case:4s} seed {seed}: rise fp32 {f['rise']:+.3f} bf16 {b['rise']:+.3f} "
+            f"(difference {b['rise'] - f['rise']:+.3f}); mismatch_kl step 0 fp32 {f['kl_step0']:.1e} "
+            f"bf16 {b['kl_step0']:.1e}, median fp32 {f['kl_median']:.1e} bf16 {b['kl_median']:.1e}",
+            flush=True,
+        )
+    fp32 = statistics.mean(r["float32"]["rise"] for r in per_seed.values())
+    bf16 = statistics.mean(r["bfloat16"]["rise"] for r in per_seed.values())
+    print(
+        f"{case:4s} mean over {len(seeds)} seed(s): rise fp32 {fp32:+.3f} bf16 {bf16:+.3f} "
+        f"(difference {bf16 - fp32:+.3f}, tolerance {a.tolerance})",
+        flush=True,
+    )
+    return {"rise_fp32": fp32, "rise_bf16": bf16, "difference": bf16 - fp32, "seeds": per_seed}
 
 
 if __name__ == "__main__":

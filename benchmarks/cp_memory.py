@@ -7,8 +7,9 @@ DSA-CP builds the indexer's mask one query block at a time (arbor.trainer.contex
 The score is the growth exponent between the two longest lengths, `log2(peak(2T) / peak(T))` per doubling,
 the worst over the styles: 1 is linear, 2 quadratic; target <= 1.15 (the model's own activations are linear).
 
-Each (style, length) runs in fresh processes (2 ranks, one row of one document filling the sequence, as a long
-sample does); rank 0 reports the peak of the bytes torch's allocator holds over the forward and backward, from
+One pair of processes (2 ranks) measures every style and length in turn, each on a model of its own and one
+row of one document filling the sequence, as a long sample does; rank 0 reports, per (style, length), the peak of
+the bytes torch's allocator holds over that forward and backward alone (what earlier ones held is freed), from
 the profiler's memory events (every tensor allocation and free, summed in time order): the tensors that exist
 at once, which is what grows with the sequence (the resident set adds the C allocator's caching and the
 profiler's own buffers, too noisy at these sizes to score).
@@ -58,14 +59,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, style: str, T: int, out: str) -> None:
+def _rank(rank: int, port: int, styles: list[str], lengths: list[int], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh  # DTensor imports sympy: only the ranks need it
 
-    model = build_model(ModelConfig(name=MODELS[style]))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    peaks = {style: {str(T): _peak(style, T, mesh) for T in lengths} for style in styles}
+    dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(peaks))
+    dist.destroy_process_group()
+
+
+def _peak(style: str, T: int, mesh) -> int:
+    """The allocator's peak over one forward + backward of a `T`-token row under `style`, on a fresh model."""
+    model = build_model(ModelConfig(name=MODELS[style]))
     cp = apply_dsa_cp(model, mesh) if style == "dsa" else apply_cp(model, mesh, style)
     state = dataclasses.replace(ParallelState(vocab=259), cp=cp)
     gen = torch.Generator().manual_seed(0)
@@ -80,10 +90,7 @@ def _rank(rank: int, port: int, style: str, T: int, out: str) -> None:
         lp, _ = packed_logprobs(model, ids, pos, [T], 1.0, cpu, state=state)
         lp.sum().backward()
         del lp
-    dist.barrier()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"peak_bytes": allocator_peak(prof)}))
-    dist.destroy_process_group()
+    return allocator_peak(prof)
 
 
 def allocator_peak(prof: profile) -> int:
@@ -92,12 +99,14 @@ def allocator_peak(prof: profile) -> int:
     return max(itertools.accumulate(b for _, b in events), default=0)
 
 
-def measure(style: str, T: int) -> int:
-    """Rank 0's peak allocated bytes over one forward + backward of a `T`-token row under cp = 2."""
+def measure(styles: list[str], lengths: list[int]) -> dict[str, dict[int, int]]:
+    """Rank 0's peak allocated bytes per style and length, over one forward + backward under cp = 2."""
     with tempfile.TemporaryDirectory(prefix="arbor-cp-memory-") as tmp:
-        out = str(Path(tmp) / "peak.json")
-        mp.start_processes(_rank, args=(_free_port(), style, T, out), nprocs=2, join=True, start_method="spawn")
-        return json.loads(Path(out).read_text())["peak_bytes"]
+        out = str(Path(tmp) / "peaks.json")
+        args = (_free_port(), styles, lengths, out)
+        mp.start_processes(_rank, args=args, nprocs=2, join=True, start_method="spawn")
+        peaks = json.loads(Path(out).read_text())
+    return {style: {int(T): b for T, b in v.items()} for style, v in peaks.items()}
 
 
 def main() -> None:
@@ -110,15 +119,13 @@ def main() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     lengths = [int(x) for x in a.lengths.split(",")]
-    peaks: dict[str, dict[int, int]] = {}
+    peaks = measure(a.styles.split(","), lengths)
     growth: dict[str, float] = {}
-    for style in a.styles.split(","):
-        peaks[style] = {}
-        for T in lengths:
-            peaks[style][T] = measure(style, T)
-            print(f"{style:8s} T = {T:6d}: peak {peaks[style][T] / 2**20:8.1f} MiB allocated", flush=True)
+    for style, by_length in peaks.items():
+        for T, b in by_length.items():
+            print(f"{style:8s} T = {T:6d}: peak {b / 2**20:8.1f} MiB allocated", flush=True)
         lo, hi = lengths[-2], lengths[-1]
-        growth[style] = math.log2(max(peaks[style][hi], 1) / max(peaks[style][lo], 1)) / math.log2(hi / lo)
+        growth[style] = math.log2(max(by_length[hi], 1) / max(by_length[lo], 1)) / math.log2(hi / lo)
         print(f"{style:8s} growth exponent {lo} -> {hi}: {growth[style]:.2f} (1 linear, 2 quadratic)", flush=True)
     worst = max(growth.values())
     print(

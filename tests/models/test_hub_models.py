@@ -194,14 +194,14 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     """issue 34's acceptance run: the quick start with a model a user brings, a transformers `LlamaForCausalLM` of
     qwen3-tiny's shape (untied head, no q/k norm, transformers' initialisation) whose tokenizer has no chat
     template, and `prompt_format = "raw"`: SFT warm-up and 60 RL steps on the raw task text. RL adds to what the
-    warm-up reached and ends above the Qwen3 quick start (0.74): measured, the first five steps' mean to the
-    last five's, 0.699 -> 0.777, 0.708 -> 0.783 and 0.713 -> 0.781 (seeds 0, 1, 2 of checkpoint and run), and
-    in reruns 0.698 -> 0.786 (seed 0, the one this test runs) and 0.707 -> 0.750 (seed 1). The rise stays under
-    issue 34's +0.1 because RL only sharpens the warm-up's answer here: seed 0's warm-up scores 0.81 greedy and
-    0.68 sampled, and RL's sampled reward plateaus at 0.75..0.79 from step ~20 at lr 1e-3 and 3e-4 alike
-    (benchmarks/reverse_text_ceiling.py, docs/models.md), so this asserts that RL adds (+0.02: seed 1's +0.043 is the
-    smallest rise measured) and the final level (0.72: the lowest measured, 0.750). Before raw prompts ended in a
-    blank line the warm-up reached 0.43 and RL 0.49."""
+    warm-up reached: the mean reward of the last 30 steps against the first five's, measured on eight runs of
+    seed 0 (alone, beside two busy cores, two runs at once) +0.081..+0.100 (0.698 -> 0.780..0.799) and +0.082 on
+    the `sync` schedule (2026-12-02). The last five steps alone are too noisy to judge by: RL at lr 1e-3 dips for
+    a few steps and recovers (the sync run's steps 48-55: 0.66..0.80), and one CI run, under a loaded suite,
+    ended its last five at 0.709. The rise stays under issue 34's +0.1 because RL only sharpens the warm-up's
+    answer here: the warm-up scores 0.81 greedy and 0.68 sampled, and RL's sampled reward plateaus at 0.75..0.80
+    from step ~20 at lr 1e-3 and 3e-4 alike (benchmarks/reverse_text_ceiling.py, docs/models.md). Asserted with
+    half the smallest rise as margin: +0.04, and a level of at least 0.74."""
     base = write_llama_of_preset(tmp_path / "base", "qwen3-tiny", chat_template=False)
     out = tmp_path / "run"
     res = subprocess.run(
@@ -227,8 +227,8 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     assert "model: LlamaForCausalLM: arbor's native implementation" in res.stdout, res.stdout[-2000:]
     rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
     assert len(rewards) == 60
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last >= first + 0.02 and last >= 0.72, rewards
+    first, late = sum(rewards[:5]) / 5, sum(rewards[30:]) / 30
+    assert late >= first + 0.04 and late >= 0.74, (first, late, rewards)
 
 
 def test_the_config_check_reads_a_cached_hub_models_shape(tmp_path, monkeypatch):
