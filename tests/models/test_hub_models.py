@@ -59,6 +59,20 @@ def test_a_hub_id_resolves_from_the_cache_and_builds_the_same_model(tmp_path, mo
     preflight.run_checks(rl)  # the hub id passes the model checks and builds the orchestrator's tokenizer
 
 
+def test_a_local_path_not_written_yet_is_named_as_one(tmp_path, monkeypatch):
+    """`outputs/tiny-vl` before examples/vision/setup.sh wrote it reads as a hub id (org/name): the error says that
+    as a local path it does not exist, since its first part is a directory here; a real org name gets no hint."""
+    use_cache(monkeypatch, tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    hint = r"read as a local path, 'outputs/tiny-vl' does not exist \(its parent 'outputs/' does\)"
+    with pytest.raises(HubError, match=hint):
+        resolve_dir("outputs/tiny-vl")
+    with pytest.raises(HubError) as err:
+        resolve_dir("arbor-test/absent")
+    assert "local path" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_missing_hub_id_offline_fails_in_one_line(tmp_path, monkeypatch):
     use_cache(monkeypatch, tmp_path / "hf")

@@ -51,21 +51,30 @@ def resolve_dir(name: str, key: str = "model.name") -> Path:
     if hub_offline() or constants.HF_HUB_OFFLINE:
         raise HubError(
             f"{key} {name!r} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
-            f"download it once online (`hf download {name}`) or give a local directory"
+            f"download it once online (`hf download {name}`) or give a local directory{_as_path(name)}"
         ) from None
     try:
         return Path(snapshot_download(name, allow_patterns=FILES))
     except RepositoryNotFoundError:
         raise HubError(
             f"{key} {name!r} is neither a local directory nor a Hugging Face model id the hub knows "
-            "(private models need `hf auth login`)"
+            f"(private models need `hf auth login`){_as_path(name)}"
         ) from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:  # no network, or the hub failed
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise HubError(
             f"{key} {name!r} is not in the Hugging Face cache ({cache}) and could not be downloaded "
-            f"({reason}): download it where the hub is reachable, or give a local directory"
+            f"({reason}): download it where the hub is reachable, or give a local directory{_as_path(name)}"
         ) from None
+
+
+def _as_path(name: str) -> str:
+    """A hint for a hub-id-shaped name whose first part is a local directory (`outputs/tiny-vl` before the
+    script that writes it ran): most likely a path that does not exist yet, which the hub's error alone hides."""
+    parent = Path(name).parent
+    if not parent.is_dir():
+        return ""
+    return f"; read as a local path, {name!r} does not exist (its parent {str(parent) + '/'!r} does)"
 
 
 def cached_config(name: str) -> Path | None:
