@@ -28,7 +28,7 @@ from arbor.models.vision import VisionProcessor, data_url
 from arbor.models.vision_tiny import write_tiny_vl
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.client import InferenceClient
-from arbor.orchestrator.gateway.service import Gateway
+from arbor.orchestrator.gateway.service import Gateway, image_dirs
 from arbor.trainer.step import micro_batch_logprobs
 
 
@@ -205,6 +205,41 @@ def test_image_parts_are_refused_in_one_line_naming_the_field(vl_dir, tmp_path) 
         vl, {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "responses"
     )
     assert param == "input" and "file_id" in message
+
+
+def test_local_image_files_are_read_only_from_the_gateways_image_dirs(vl_dir, tmp_path) -> None:
+    """`image_dirs` bounds the files agents may name: inside one (also as a file:// URL) the call is answered;
+    outside, through a symlink that leaves it, with [] and by default beyond loopback, one 400 line naming the
+    field and the setting; data URLs pass everywhere."""
+    allowed, other = tmp_path / "images", tmp_path / "private"
+    allowed.mkdir(), other.mkdir()
+    Image.new("RGB", (32, 32), "red").save(allowed / "red.png")
+    Image.new("RGB", (32, 32), "blue").save(other / "blue.png")
+    (allowed / "link.png").symlink_to(other / "blue.png")
+    vl = load_tokenizer(vl_dir)
+
+    def post(cfg: GatewayConfig, url: str) -> tuple[int, dict]:
+        body = {"messages": [{"role": "user", "content": [_text("what?"), _image(url)]}]}
+        with Served(ImageBackend(vl, "red"), cfg=cfg, tokenizer=vl) as srv:
+            srv.open("s")
+            status, raw = _post(f"{srv.gw.url}/v1/sessions/s/v1/chat/completions", body)
+        return status, json.loads(raw)
+
+    inside = GatewayConfig(image_dirs=[str(allowed)])
+    for url in (str(allowed / "red.png"), f"file://{allowed / 'red.png'}", data_url(Image.new("RGB", (8, 8)))):
+        status, reply = post(inside, url)
+        assert status == 200, reply
+    beyond = GatewayConfig(host="0.0.0.0", api_key="k")  # noqa: S104 - the config, never bound here
+    assert image_dirs(beyond) == [] and image_dirs(GatewayConfig()) is None
+    for cfg, url in [
+        (inside, str(other / "blue.png")),
+        (inside, str(allowed / "link.png")),
+        (GatewayConfig(image_dirs=[]), str(allowed / "red.png")),
+    ]:
+        status, reply = post(cfg, url)
+        err = reply["error"]
+        assert status == 400 and err["param"] == "messages" and "image_dirs" in err["message"], reply
+        assert "\n" not in err["message"]
 
 
 class ImageBackend(FakeClient):

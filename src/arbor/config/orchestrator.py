@@ -254,6 +254,10 @@ class PartialConfig(Config):
     recomputes it). These pauses do not count towards max_resumes."""
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+"""Addresses only this machine can reach."""
+
+
 class GatewayConfig(Config):
     """`[orchestrator.gateway]`: the OpenAI-compatible server black-box agents call (see
     arbor.orchestrator.gateway.service)."""
@@ -275,10 +279,15 @@ class GatewayConfig(Config):
     trainer's importance ratios assume the run's sampling distribution."""
     model_name: str = "arbor"
     """The model id /v1/models lists and responses carry."""
+    image_dirs: list[str] | None = None
+    """Directories whose files an agent may name as images (a local path or a `file://` URL in an `image_url` /
+    `input_image` part); a file outside them (symlinks followed) is refused in one 400 line. None: any file the
+    orchestrator can read while the gateway binds a loopback address (agents on this machine), none beyond it
+    (remote agents send data URLs). [] refuses every local path. Data URLs are always accepted."""
 
     @model_validator(mode="after")
     def _key_beyond_loopback(self) -> "GatewayConfig":
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
+        if self.host not in LOOPBACK and not self.api_key:
             raise ValueError(f"api_key is required when the gateway binds {self.host!r} (beyond loopback)")
         return self
 

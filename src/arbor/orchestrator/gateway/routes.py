@@ -23,11 +23,12 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from arbor.models.image_parts import ImageRefused
+from arbor.models.image_parts import ImageRefused, refuse_local_images_outside
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.client import Completion, InferenceError
 from arbor.orchestrator.gateway.openai_wire import (
@@ -147,8 +148,10 @@ class OpenAIRoutes:
         store: SessionStore,
         sampling: RunSampling,
         model_name: str,
+        image_dirs: list[Path] | None = None,
     ) -> None:
         self.client = client
+        self.image_dirs = image_dirs  # where agents' local image files may lie (None: anywhere)
         self.tokenizer = tokenizer
         self.store = store
         self.sampling = sampling
@@ -188,7 +191,7 @@ class OpenAIRoutes:
         messages, (tools, _) = parse_messages(body, self.images), chat_tools(body)
         stream = get_field(body, "stream", (bool,), False)
         include_usage = bool((get_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-        prompt = _render(s, messages, tools, "messages")
+        prompt = _render(s, messages, tools, "messages", self.image_dirs)
         sampling = self.sampling.parse(body, len(prompt.ids))
         completions = await self._generate(s, prompt.ids, sampling, prompt.images)
         headers = self._override_headers(body)
@@ -226,7 +229,7 @@ class OpenAIRoutes:
         ]
         conversation = (s.responses[previous] if previous is not None else []) + new
         stream = get_field(body, "stream", (bool,), False)
-        prompt = _render(s, instructions(body) + conversation, response_tools(body), "input")
+        prompt = _render(s, instructions(body) + conversation, response_tools(body), "input", self.image_dirs)
         sampling = sampling_body(body)
         (completion,) = await self._generate(
             s, prompt.ids, self.sampling.parse(sampling, len(prompt.ids)), prompt.images
@@ -310,11 +313,14 @@ class OpenAIRoutes:
                 raise HTTPError(502, f"inference backend: {e}", None, "api_error") from None
 
 
-def _render(s: Session, messages: list[dict[str, Any]], tools: list[dict] | None, field: str) -> Prompt:
+def _render(
+    s: Session, messages: list[dict[str, Any]], tools: list[dict] | None, field: str, image_dirs: list[Path] | None
+) -> Prompt:
     """The session's prompt for a chat-style call; a template that rejects these messages is the client's problem."""
     try:
+        refuse_local_images_outside(messages, image_dirs)
         return s.trajectory.chat_prompt(messages, tools)
-    except ImageRefused as e:  # a text model, an http(s) URL, a missing file, too many or too large images
+    except ImageRefused as e:  # a text model, an http(s) URL, a file outside image_dirs or missing, too many/large
         raise HTTPError(400, str(e), field) from None
     except Exception as e:
         raise HTTPError(400, f"{field} could not be rendered with the chat template: {e}", field) from None

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from arbor.config.orchestrator import LOOPBACK
 from arbor.models.tokenizer import Tokenizer
 from arbor.orchestrator.gateway.openai_wire import RunSampling
 from arbor.orchestrator.gateway.routes import OpenAIRoutes, SessionRoutes, session_url
@@ -90,7 +92,7 @@ class Gateway:
         self.store = SessionStore(tokenizer, cfg.max_open_sessions)
         self.sessions: dict[str, Session] = self.store.sessions  # the store's own dict, kept current by it
         sampling = RunSampling(temperature, top_p, max_tokens, seq_len, cfg.override_sampling)
-        self.openai = OpenAIRoutes(client, tokenizer, self.store, sampling, cfg.model_name)
+        self.openai = OpenAIRoutes(client, tokenizer, self.store, sampling, cfg.model_name, image_dirs(cfg))
         self.url = ""  # set by start(), once bound
         self._runner: web.AppRunner | None = None
         self.manage = SessionRoutes(self.store, lambda: self.url)
@@ -190,3 +192,10 @@ class Gateway:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
+
+
+def image_dirs(cfg: "GatewayConfig") -> list[Path] | None:
+    """The directories agents' local image files must lie in (resolved), None for any (`image_dirs`' doc)."""
+    if cfg.image_dirs is None:
+        return None if cfg.host in LOOPBACK else []
+    return [Path(d).resolve() for d in cfg.image_dirs]
