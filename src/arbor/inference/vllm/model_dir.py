@@ -1,4 +1,4 @@
-"""The model directory the vLLM backend serves (arbor.inference.vllm.proxy): a checkpoint or hub name as it
+"""The model directory the vLLM backend serves (arbor.inference.vllm.server): a checkpoint or hub name as it
 is, a preset materialised once as a Hugging Face directory with its tokenizer's export, or with `model.fp8 =
 "block"` a DeepSeek-format block-FP8 checkpoint."""
 

