@@ -24,8 +24,9 @@ from arbor.config.loader import ConfigError, load_config
 from arbor.config.rl import RLConfig
 from arbor.inference.router.app import Router
 from arbor.inference.server import BackgroundServer
+from arbor.launch.children import replica_servers, token_env
 from arbor.launch.process import Supervisor
-from arbor.launch.rl import replica_servers, resolve, token_env, write_configs
+from arbor.launch.rl import resolve, write_configs
 from arbor.models.hf import save_checkpoint_dir
 from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import broadcast_dir, broadcasts_root, configs_dir

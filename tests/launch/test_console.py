@@ -11,8 +11,8 @@ import pytest
 
 from arbor.config.rl import RLConfig
 from arbor.environments.skewed_latency import SkewedLatencyEnv
+from arbor.launch import children, rl
 from arbor.launch import console as console_mod
-from arbor.launch import rl
 from arbor.launch.console import Console, describe_waits
 from arbor.run_dir import heartbeats_dir, metrics_path, process_metrics_path
 
@@ -105,7 +105,7 @@ def test_trainer_and_orchestrator_start_beside_the_fleet(tmp_path: Path) -> None
 
     cfg = rl.resolve(RLConfig(output_dir=tmp_path, model={"name": "qwen3-test"}))
     sup = Recorder()
-    servers = rl.start_processes(cfg, tmp_path / "configs", sup)  # returns before any /health answers
+    servers = children.start_processes(cfg, tmp_path / "configs", sup)  # returns before any /health answers
     assert sup.started == ["inference", "trainer", "orchestrator"]
     assert [list(group.urls) for group in servers] == [["inference"]]
     distill = rl.resolve(
@@ -119,7 +119,7 @@ def test_trainer_and_orchestrator_start_beside_the_fleet(tmp_path: Path) -> None
         )
     )
     sup = Recorder()
-    servers = rl.start_processes(distill, tmp_path / "configs", sup)
+    servers = children.start_processes(distill, tmp_path / "configs", sup)
     assert sup.started == ["inference", "teacher", "trainer", "orchestrator"]
     assert [list(group.urls) for group in servers] == [["inference"], ["teacher"]]
 

@@ -15,9 +15,10 @@ import pytest
 
 from arbor.config.loader import load_config
 from arbor.config.rl import RLConfig
-from arbor.launch import rl, servers
+from arbor.launch import rl, servers, supervise
+from arbor.launch.children import replica_servers, teacher_servers
 from arbor.launch.process import ChildFailed, Supervisor
-from arbor.launch.rl import replica_servers, resolve, teacher_servers
+from arbor.launch.rl import resolve
 from arbor.launch.servers import Servers
 from arbor.run_dir import configs_dir
 
@@ -241,7 +242,7 @@ def test_a_frozen_server_is_killed_and_restarted_and_a_silent_restart_too(
     )
     try:
         group.start("inference")
-        rl.wait_ready(sup, [group], 30)
+        supervise.wait_ready(sup, [group], 30)
         first = sup.children["inference"]
         first.signal_group(signal.SIGSTOP)
         _poll_until(lambda: sup.children["inference"] is not first, sup, group, 30)
@@ -258,11 +259,11 @@ def test_a_frozen_server_is_killed_and_restarted_and_a_silent_restart_too(
 
 
 def _poll_until(done, sup: Supervisor, group: Servers, timeout: float) -> None:
-    """The launcher's poll loop (rl.check_children: deaths, then liveness) until `done()`."""
+    """The launcher's poll loop (supervise.check_children: deaths, then liveness) until `done()`."""
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, "timed out"
-        rl.check_children(sup, set(), servers=[group])
+        supervise.check_children(sup, set(), servers=[group])
         time.sleep(0.05)
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import os, signal, sys, time
-from arbor.launch import rl
+from arbor.launch import rl, supervise
 
 def wait_healthy(*args, **kwargs):  # in place of inference start-up: the signal arrives here
     os.kill(os.getpid(), signal.{sig})
@@ -24,7 +24,7 @@ def wait_healthy(*args, **kwargs):  # in place of inference start-up: the signal
     raise AssertionError("the signal did not stop rl")
 
 rl.Servers.start = lambda self, name: None
-rl.wait_healthy = wait_healthy
+supervise.wait_healthy = wait_healthy
 sys.exit(rl.main(["--output-dir", {out!r}, "--model.name", "qwen3-test"]))
 """
 

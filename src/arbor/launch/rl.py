@@ -3,45 +3,40 @@
 Validate the config -> preflight (`--check` stops here) -> write the resolved configs (`--dry-run` stops here) ->
 optional SFT warm-up -> start every process at once and print one line per step. A child that dies stops
 everything (exit 1, 3 for a stall) unless `max_restarts` resumes the run; SIGTERM is the clean stop (exit 143).
-Dead or frozen inference servers are restarted (arbor.launch.servers). This module never imports torch, so config
-errors answer in well under a second. The whole sequence: docs/operations.md, "What `rl` does"."""
+Dead or frozen inference servers are restarted (arbor.launch.servers). Each child's command line and the start
+order: arbor.launch.children; the waits and the watch over the children: arbor.launch.supervise. This module (and
+those) never imports torch, so config errors answer in well under a second. The whole sequence: docs/operations.md,
+"What `rl` does"."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import sys
-import time
-from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from tomli_w import dumps
 
 from arbor import run_dir
 from arbor.checkpoint_manifest import CheckpointDamaged, resume_step
-from arbor.colocate import ready_path
-from arbor.config.admin import ADMIN_TOKEN_ENV, CLIENT_TOKEN_ENV, is_loopback, new_admin_token, token_value
-from arbor.config.fleet import FleetConfig
+from arbor.config.admin import is_loopback, new_admin_token
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.rl import SECTIONS, RLConfig
+from arbor.launch.children import child_env, start_all
 from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import model_path_line, run_checks
-from arbor.launch.process import ChildFailed, Supervisor, stop_reason, tail
-from arbor.launch.servers import RESTART_BACKOFF, Servers, healthy
+from arbor.launch.process import ChildFailed, Supervisor
+from arbor.launch.servers import RESTART_BACKOFF, Servers
 from arbor.launch.slurm import submit
+from arbor.launch.supervise import Stalled, record_timings, show_waiting, watch_run
 from arbor.launch.twin import plan_twin, write_twin_model
-from arbor.launch.watchdog import Watchdog
 from arbor.monitor.metrics import read_jsonl, truncate_jsonl
 from arbor.planner import plan, render
-from arbor.transport.router_wire import use_vllm_router, vllm_router_argv
-
-
-class Stalled(RuntimeError):
-    pass
+from arbor.transport.router_wire import use_vllm_router
 
 
 class Terminated(BaseException):
@@ -140,236 +135,6 @@ def prepare_run_dir(cfg: RLConfig) -> int:
     return start
 
 
-def child_env() -> dict[str, str]:
-    # Configs are fully resolved into files; inherited ARBOR_ variables would apply a second time.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARBOR_")}
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def token_env(cfg: RLConfig | FleetConfig, variable: str) -> dict[str, str]:
-    """The run's admin token as `variable` (set by `resolve`), for the one child that reads it; none: empty."""
-    token = token_value(cfg.inference.admin_token)
-    return {} if token is None else {variable: token}
-
-
-def teacher_key_env(cfg: RLConfig) -> dict[str, str]:
-    """The teacher's API key for the orchestrator (never written to its config): `ARBOR_TEACHER__API_KEY`."""
-    key = None if cfg.orchestrator.teacher is None else token_value(cfg.orchestrator.teacher.api_key)
-    return {} if key is None else {"ARBOR_TEACHER__API_KEY": key}
-
-
-def trainer_argv(cfg: RLConfig, conf: Path) -> list[str]:
-    n = cfg.trainer.parallel.nproc
-    if n == 1:
-        return [sys.executable, "-m", "arbor.trainer.main", "@", str(conf)]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={n}",
-        "-m",
-        "arbor.trainer.main",
-        "@",
-        str(conf),
-    ]
-
-
-def replica_servers(cfg: RLConfig | FleetConfig, conf: Path, sup: Supervisor, routed: bool | None = None) -> Servers:
-    """The inference replicas. One replica without a router is `inference`; behind a router (`routed`, default:
-    more than one replica) they are `inference_<i>` on the router's backends. `cfg` is an `rl` or a `fleet`
-    config."""
-    base = [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "inference.toml")]
-    inf = cfg.inference
-    if not (inf.replicas > 1 if routed is None else routed):
-        assert isinstance(cfg, RLConfig)
-        argv, urls = {"inference": base}, {"inference": cfg.orchestrator.client.base_urls[0]}
-    else:
-        argv = {
-            f"inference_{i}": [*base, "--replica", str(i), "--port", url.rsplit(":", 1)[1]]
-            for i, url in enumerate(inf.router.backends)
-        }
-        urls = dict(zip(argv, inf.router.backends))
-    return Servers(
-        sup,
-        argv,
-        urls,
-        token_env(cfg, ADMIN_TOKEN_ENV),
-        inf.restart_dead_replicas,
-        "inference replicas",
-        inf.liveness_timeout,
-        startup_timeout(cfg),
-        prog="rl" if isinstance(cfg, RLConfig) else "fleet",
-    )
-
-
-def startup_timeout(cfg: RLConfig | FleetConfig) -> float:
-    """Seconds a server may take to answer /health, at the launch and after a restart."""
-    return cfg.inference_startup_timeout if isinstance(cfg, RLConfig) else cfg.startup_timeout
-
-
-def teacher_servers(cfg: RLConfig, conf: Path, sup: Supervisor) -> Servers | None:
-    """On-policy distillation's teacher server, when the config has a `[teacher]` section to launch."""
-    if cfg.teacher is None or cfg.orchestrator.teacher is None:
-        return None
-    token = token_value(cfg.teacher.admin_token)
-    argv = {"teacher": [sys.executable, "-m", "arbor.inference.server", "@", str(conf / "teacher.toml")]}
-    return Servers(
-        sup,
-        argv,
-        {"teacher": str(cfg.orchestrator.teacher.url)},
-        {} if token is None else {ADMIN_TOKEN_ENV: token},
-        cfg.teacher.restart_dead_replicas,
-        "teachers",
-        cfg.teacher.liveness_timeout,
-        cfg.inference_startup_timeout,
-    )
-
-
-def router_argv(cfg: RLConfig | FleetConfig, conf: Path) -> list[str]:
-    exe = use_vllm_router(cfg.inference.router)
-    if exe is not None:
-        return vllm_router_argv(cfg.inference.router, cfg.inference.router.backends, cfg.inference.router.port, exe)
-    return [sys.executable, "-m", "arbor.inference.router.app", "@", str(conf / "router.toml")]
-
-
-def warm_up(cfg: RLConfig, conf: Path, sup: Supervisor, console: Console) -> None:
-    """Runs the SFT warm-up to its end, with its own progress lines (and what it does before the first)."""
-    console.say(f"SFT warm-up: {cfg.sft.steps} steps")
-    child = sup.start("sft", [sys.executable, "-m", "arbor.trainer.sft", "@", str(conf / "sft.toml")])
-    finished: set[str] = set()
-    while "sft" not in finished:
-        check_children(sup, finished)
-        console.poll_sft()
-        if console.sft_seen == 0:
-            console.waiting({"sft": child.started}, "the warm-up's first figures")
-        time.sleep(0.2)
-    console.poll_sft()
-
-
-def start_run(cfg: RLConfig, conf: Path, sup: Supervisor, env: dict[str, str], trainer: bool = True) -> Servers | None:
-    """Starts the teacher server (on-policy distillation; returned), the trainer (unless started already:
-    `trainer` False) and the orchestrator (the latter with `env`: the admin token it sends)."""
-    teacher = teacher_servers(cfg, conf, sup)
-    if teacher is not None:
-        teacher.start("teacher")
-    if trainer:
-        sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
-    orchestrator = [sys.executable, "-m", "arbor.orchestrator.main", "@", str(conf / "orchestrator.toml")]
-    sup.start("orchestrator", orchestrator, {**env, **teacher_key_env(cfg)})
-    return teacher
-
-
-def start_processes(
-    cfg: RLConfig, conf: Path, sup: Supervisor, on_wait: Callable[[], None] | None = None
-) -> list[Servers]:
-    """Starts the inference replicas, the teacher, the trainer and the orchestrator at once: each builds its model
-    while the others start (the orchestrator waits for /health itself, the trainer needs nothing from the fleet).
-    A colocated run starts the trainer first and the rest once it has built and offloaded its state, so that the
-    engine sizes its memory on a device the trainer has left. Returns the server groups: the replicas, then the
-    teacher if any."""
-    fleet = replica_servers(cfg, conf, sup)
-    colocated = cfg.inference.colocate
-    if colocated:
-        sup.start("trainer", trainer_argv(cfg, conf / "trainer.toml"))
-        wait_offloaded(cfg, sup, on_wait)
-    for name in fleet.argv:
-        fleet.start(name)
-    teacher = start_run(cfg, conf, sup, token_env(cfg, CLIENT_TOKEN_ENV), trainer=not colocated)
-    return [fleet] if teacher is None else [fleet, teacher]
-
-
-def wait_offloaded(cfg: RLConfig, sup: Supervisor, on_wait: Callable[[], None] | None = None) -> None:
-    """A colocated run: waits (bounded by `inference_startup_timeout`, watching the trainer) until the trainer has
-    built, republished on a resume, and offloaded its state (arbor.colocate.ready_path)."""
-    path = ready_path(cfg.output_dir)
-    deadline = time.monotonic() + cfg.inference_startup_timeout
-    while not path.exists():
-        check_children(sup, finished=set())
-        if time.monotonic() > deadline:
-            raise ChildFailed(
-                f"colocated run: the trainer did not build and offload its state within "
-                f"{cfg.inference_startup_timeout:.0f}s ({path}); see {sup.children['trainer'].log_path}"
-            )
-        if on_wait is not None:
-            on_wait()
-        time.sleep(0.2)
-
-
-def wait_ready(
-    sup: Supervisor,
-    servers: Sequence[Servers],
-    timeout: float,
-    on_wait: Callable[[], None] | None = None,
-    watch: Sequence[Servers] | None = None,
-) -> None:
-    """Waits for each server of each group to answer /health, then counts it as ready (restarted if it dies);
-    meanwhile a death among `watch` (default: `servers`) is handled as their group says."""
-    for group in servers:
-        for name, url in group.urls.items():
-            wait_healthy(sup, url, timeout, name, servers if watch is None else watch, on_wait)
-            group.ready.add(name)
-            group.last_ok[name] = time.monotonic()
-        group.watch()
-
-
-def wait_healthy(
-    sup: Supervisor,
-    url: str,
-    timeout: float,
-    name: str = "inference",
-    servers: Sequence[Servers] = (),
-    on_wait: Callable[[], None] | None = None,
-) -> None:
-    """Polls `url`/health until it answers 200; calls `on_wait` between polls (the console's "waiting for")."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        check_children(sup, finished=set(), servers=servers)
-        if on_wait is not None:
-            on_wait()
-        if healthy(url):
-            return
-        time.sleep(0.3)
-    raise ChildFailed(f"{name} did not become healthy within {timeout:.0f}s; see {sup.children[name].log_path}")
-
-
-def check_children(
-    sup: Supervisor,
-    finished: set[str],
-    may_finish: tuple[str, ...] = ("trainer", "orchestrator", "sft"),
-    servers: Sequence[Servers] = (),
-    console: Console | None = None,
-) -> None:
-    for name, child in list(sup.children.items()):
-        if name in finished:
-            continue
-        rc = child.poll()
-        if rc is None:
-            continue
-        if rc == 0 and name in may_finish:
-            finished.add(name)
-            continue
-        group = next((g for g in servers if name in g.argv), None)
-        if group is not None:
-            group.on_death(name, rc, console.say if console is not None else None)
-            continue
-        stopped = stop_reason(child.log_path)  # a full disk or a damaged checkpoint: its one line is the error
-        if stopped is not None:
-            code = run_dir.DISK_FULL_EXIT if stopped.startswith("disk full") else 1
-            raise ChildFailed(f"{name} stopped: {stopped}", exit_code=code)
-        raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
-    for group in servers:
-        group.check_liveness(console.say if console is not None else None)
-
-
-def record_timings(output_dir: Path, sup: Supervisor) -> None:
-    """Appends each process's wall-clock seconds of this launch to `timings.jsonl` (arbor-report's cost figure)."""
-    row = {name: round(c.ended - c.started, 3) for name, c in sup.children.items() if c.ended is not None}
-    with open(run_dir.timings_path(output_dir), "a") as f:
-        f.write(json.dumps({"time": time.time(), "seconds": row}) + "\n")
-
-
 def run(cfg: RLConfig, note: str | None = None) -> int:
     """Runs the resolved config; `note` (the core split, arbor.launch.cores) is printed after the first line."""
     try:
@@ -377,92 +142,76 @@ def run(cfg: RLConfig, note: str | None = None) -> int:
     except CheckpointDamaged as e:  # ckpt.on_damage = "fail"
         print(f"rl: error: {e}", file=sys.stderr, flush=True)
         return 2
-    conf = run_dir.configs_dir(cfg.output_dir)
     sup = Supervisor(run_dir.logs_dir(cfg.output_dir), child_env())
+    console = open_console(cfg, start, note)
+    shared = Registration(cfg) if cfg.fleet is not None else None
+    servers: list[Servers] = []
+    waits = partial(show_waiting, sup, console)
+    try:
+        start_all(cfg, sup, console, shared, servers, waits)
+        watch_run(cfg, sup, servers, console, waits)
+        say_finished(cfg, console)
+        return 0
+    except (ChildFailed, ConfigError, Stalled, KeyboardInterrupt, Terminated) as e:
+        return stopped_by(e, console)
+    finally:
+        shut_down(cfg, sup, servers, console, shared)
+
+
+def open_console(cfg: RLConfig, start: int, note: str | None) -> Console:
+    """The run's console, after its first line (where it runs and logs) and `note`."""
     console = Console(cfg.output_dir, cfg.max_steps, start, cfg.sft.steps)
     console.say(
         f"arbor rl: {cfg.output_dir} (steps {start}..{cfg.max_steps}, logs in {run_dir.logs_dir(cfg.output_dir)})"
     )
     if note:
         console.say(note)
-    shared = Registration(cfg) if cfg.fleet is not None else None
-    servers: list[Servers] = []
+    return console
 
-    def waits() -> None:
-        console.waiting({n: c.started for n, c in sup.children.items() if n != "sft"})
 
-    try:
-        if cfg.sft.steps and not (run_dir.sft_model_dir(cfg.output_dir) / "config.json").exists():
-            warm_up(cfg, conf, sup, console)
-        if shared is not None:  # a run on a shared fleet: its trainer, orchestrator (and teacher) only
-            teacher = start_run(cfg, conf, sup, {CLIENT_TOKEN_ENV: shared.register()})
-            console.say(f"on fleet {cfg.fleet} as run {shared.name!r} (adapter {shared.name!r})")
-            servers = [] if teacher is None else [teacher]
-        else:
-            servers = start_processes(cfg, conf, sup, waits)  # the router joins them once the replicas are ready
-        wait_ready(sup, servers, cfg.inference_startup_timeout, on_wait=waits)
-        if shared is None and cfg.inference.replicas > 1:
-            router = Servers(
-                sup,
-                {"router": router_argv(cfg, conf)},
-                {"router": cfg.orchestrator.client.base_urls[0]},
-                token_env(cfg, ADMIN_TOKEN_ENV),
-                cfg.inference.restart_dead_replicas,
-                "routers",
-                cfg.inference.liveness_timeout,
-                cfg.inference_startup_timeout,
-            )
-            servers.append(router)
-            router.start("router")
-            wait_ready(sup, [router], cfg.inference_startup_timeout, on_wait=waits, watch=servers)
-        finished = {"sft"}
-        watchdog = Watchdog(cfg.output_dir, cfg.stall_timeout)
-        while not {"trainer", "orchestrator"} <= finished:
-            check_children(sup, finished, servers=servers, console=console)
-            console.poll()
-            waits()
-            if watchdog.stalled(console.seen):
-                dumps = watchdog.dump_stacks()
-                raise Stalled(
-                    f"no step completed in {cfg.stall_timeout:.0f}s (stall_timeout); "
-                    f"{watchdog.stacks_summary(dumps)}; last heartbeats:\n{watchdog.diagnosis()}"
-                )
-            time.sleep(0.2)
-        console.poll()
-        stopped = run_dir.stopped_path(cfg.output_dir)
-        if stopped.exists():  # the trainer's max_minutes ended the run at a checkpoint
-            at = json.loads(stopped.read_text())["step"]
-            console.say(
-                f"stopped at step {at}/{cfg.max_steps} by max_minutes ({cfg.max_minutes:g}), checkpoint "
-                f"written: continue with --resume and a larger --max-minutes"
-            )
-        console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
-        return 0
-    except ChildFailed as e:
+def say_finished(cfg: RLConfig, console: Console) -> None:
+    """The run's last lines: where it stopped if `max_minutes` ended it, and where its metrics are."""
+    stopped = run_dir.stopped_path(cfg.output_dir)
+    if stopped.exists():  # the trainer's max_minutes ended the run at a checkpoint
+        at = json.loads(stopped.read_text())["step"]
+        console.say(
+            f"stopped at step {at}/{cfg.max_steps} by max_minutes ({cfg.max_minutes:g}), checkpoint "
+            f"written: continue with --resume and a larger --max-minutes"
+        )
+    console.say(f"done: {run_dir.metrics_path(cfg.output_dir)}")
+
+
+def stopped_by(e: BaseException, console: Console) -> int:
+    """Says in one line why the run stopped early and returns its exit status."""
+    if isinstance(e, ChildFailed):
         console.say(f"rl: error: {e}", err=True)
         return e.exit_code
-    except ConfigError as e:  # the fleet refused the run
+    if isinstance(e, ConfigError):  # the fleet refused the run
         console.say(f"rl: error: {e}", err=True)
         return 1
-    except Stalled as e:
+    if isinstance(e, Stalled):
         console.say(f"rl: error: {e}", err=True)
         return 3
-    except KeyboardInterrupt:
+    if isinstance(e, KeyboardInterrupt):
         console.say("rl: interrupted; stopping every process", err=True)
         return 130  # 128 + SIGINT, as a shell reports Ctrl-C
-    except Terminated:
-        console.say("rl: terminated (SIGTERM); stopping every process", err=True)
-        return 143  # 128 + SIGTERM
-    finally:
-        for group in servers:
-            group.close()
-        sup.stop()
-        record_timings(cfg.output_dir, sup)
-        if shared is not None:
-            try:
-                shared.end()
-            except ConfigError as e:  # the fleet is gone: the run's own outcome still stands
-                console.say(f"rl: the run's use of the fleet was not recorded, nor the run unregistered: {e}", err=True)
+    console.say("rl: terminated (SIGTERM); stopping every process", err=True)
+    return 143  # 128 + SIGTERM
+
+
+def shut_down(
+    cfg: RLConfig, sup: Supervisor, servers: list[Servers], console: Console, shared: Registration | None
+) -> None:
+    """Stops every process, records their timings and, on a shared fleet, ends the run's registration."""
+    for group in servers:
+        group.close()
+    sup.stop()
+    record_timings(cfg.output_dir, sup)
+    if shared is not None:
+        try:
+            shared.end()
+        except ConfigError as e:  # the fleet is gone: the run's own outcome still stands
+            console.say(f"rl: the run's use of the fleet was not recorded, nor the run unregistered: {e}", err=True)
 
 
 def run_attempts(cfg: RLConfig, note: str | None = None) -> int:
