@@ -1,6 +1,6 @@
 """Logprob memory: peak memory and time of the logprob + entropy forward and backward, vocabulary-chunked
 (`arbor.trainer.logprobs`, what the trainer runs) against the full-logits path it replaced (the lm_head's
-`[T, V]` logits, then `arbor.trainer.step.shifted_logprobs`), same inputs, one run.
+`[T, V]` logits, then `arbor.trainer.forward.shifted_logprobs`), same inputs, one run.
 
 Each arm runs in a fresh child process (so neither inherits the other's allocator state or peak): it builds
 the inputs, warms the kernels on a few tokens, resets the peak, then times one forward (logprobs and entropy)

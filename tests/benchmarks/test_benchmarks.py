@@ -49,7 +49,7 @@ EXPECTED: dict[str, set[str]] = {
 }
 """Benchmark (benchmarks/NAME.py) -> keys its last-line JSON must hold."""
 
-HELPERS = {"smoke"}
+HELPERS = {"smoke", "vs_trl_task"}
 """Modules in benchmarks/ that are not benchmarks."""
 
 

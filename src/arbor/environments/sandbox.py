@@ -6,7 +6,8 @@ pid/network/mount namespaces with a per-slot unprivileged uid, the same in a use
 audit hook), plus per-run pids and cpu cgroups where they can be made (and then a whole-run memory watchdog).
 Local on purpose: no container service, about one interpreter start per run.
 
-Details: docs/agents.md, "The sandbox".
+The process plumbing (the memory and disk watchdog, capped output, killing and removing what a run leaves) is
+arbor.environments.sandbox_procs. Details: docs/agents.md, "The sandbox".
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from arbor.environments.sandbox_procs import (
+    feed_and_wait,
+    kill_cgroup,
+    kill_group,
+    read_capped,
+    read_text_or_empty,
+    remove_tree,
+    rmdir_cgroup,
+    watch_limits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +163,7 @@ def _own_cgroup(controller: str) -> Path | None:
         _, controllers, path = line.split(":", 2)
         if controller in controllers.split(","):
             bases = [Path("/sys/fs/cgroup", controllers), Path("/sys/fs/cgroup", controller)]
-        elif controllers == "" and controller in _read("/sys/fs/cgroup/cgroup.controllers").split():
+        elif controllers == "" and controller in read_text_or_empty("/sys/fs/cgroup/cgroup.controllers").split():
             bases = [Path("/sys/fs/cgroup")]
         else:
             continue
@@ -162,20 +174,13 @@ def _own_cgroup(controller: str) -> Path | None:
     return None
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
 def _remove_stale(parent: Path, cgroups: bool) -> None:
     """Per-run cgroups (empty by then) or work directories left by a process that died (its pid is in the name)."""
     for d in parent.glob(CGROUP_PREFIX + "*"):
         owner = d.name[len(CGROUP_PREFIX) :].split("-")[0]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             try:
-                d.rmdir() if cgroups else _remove_tree(str(d))
+                d.rmdir() if cgroups else remove_tree(str(d))
             except OSError:
                 pass
 
@@ -323,7 +328,7 @@ class Sandbox:
                     (d / file).write_text(value)
             except OSError as e:
                 log.warning("code sandbox: cannot set up cgroup %s (%s); running without it", d, e)
-                _rmdir_cgroup(d)
+                rmdir_cgroup(d)
                 continue
             made.append(d)
         return made
@@ -371,8 +376,8 @@ class Sandbox:
             return await self._execute(argv, env, workdir, stdin, start, cgroups)
         finally:
             for d in cgroups:
-                await asyncio.to_thread(_kill_cgroup, d)
-            await asyncio.to_thread(_remove_tree, workdir)
+                await asyncio.to_thread(kill_cgroup, d)
+            await asyncio.to_thread(remove_tree, workdir)
 
     async def _execute(
         self, argv: list[str], env: dict[str, str], workdir: str, stdin: str, start: float, cgroups: list[Path]
@@ -387,13 +392,13 @@ class Sandbox:
             start_new_session=True,
         )
         cap = self.limits.max_output_bytes
-        readers = [asyncio.ensure_future(_read_capped(s, cap)) for s in (proc.stdout, proc.stderr)]
-        waiter = asyncio.ensure_future(_feed_and_wait(proc, stdin))
+        readers = [asyncio.ensure_future(read_capped(s, cap)) for s in (proc.stdout, proc.stderr)]
+        waiter = asyncio.ensure_future(feed_and_wait(proc, stdin))
         disk = workdir if self.isolation.mode == "rlimits" else None  # the namespace modes have a bounded tmpfs
         watcher = None
         if cgroups or disk:
             watcher = asyncio.ensure_future(
-                _watch(
+                watch_limits(
                     cgroups[0] if cgroups else None, self.limits.memory_mb * 2**20, disk, self.limits.disk_mb * 2**20
                 )
             )
@@ -407,9 +412,9 @@ class Sandbox:
             for t in (waiter, watcher):
                 if t:
                     t.cancel()
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             if cgroups:
-                await asyncio.to_thread(_kill_cgroup, cgroups[0], False)
+                await asyncio.to_thread(kill_cgroup, cgroups[0], False)
             await proc.wait()
         # Pipes close when the last holder dies; without a pid namespace an escaped daemon could hold them.
         done, pending = await asyncio.wait(readers, timeout=1.0)
@@ -432,98 +437,3 @@ class Sandbox:
             truncated=out_cut or err_cut,
             exceeded=watcher.result() if watcher in ended else None,
         )
-
-
-async def _watch(cgroup: Path | None, memory: int, workdir: str | None, disk: int, interval: float = 0.02) -> str:
-    """Returns what the run exceeded: "memory" when the resident memory of all its processes (listed by its
-    cgroup) together exceeds `memory` (RLIMIT_AS bounds each process only), "disk" when the files under `workdir`
-    together exceed `disk` (RLIMIT_FSIZE bounds each file only; used where no tmpfs bounds the directory).
-    Polled, so a run may overshoot by what it allocates or writes in `interval` (with the one-CPU quota, well
-    under a GiB). Shared pages count once per process, so the memory check errs on the strict side."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    while True:
-        if cgroup is not None:
-            total = 0
-            for pid in _read(str(cgroup / "cgroup.procs")).split():
-                statm = _read(f"/proc/{pid}/statm").split()
-                total += int(statm[1]) * page if len(statm) > 1 else 0
-            if total > memory:
-                return "memory"
-        if workdir is not None and _tree_size(workdir) > disk:
-            return "disk"
-        await asyncio.sleep(interval)
-
-
-def _tree_size(path: str) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-async def _feed_and_wait(proc: asyncio.subprocess.Process, stdin: str) -> None:
-    try:
-        if stdin:
-            proc.stdin.write(stdin.encode())
-            await proc.stdin.drain()
-        proc.stdin.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the program exited without reading its input
-    await proc.wait()
-
-
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
-    kept, cut = bytearray(), False
-    while chunk := await stream.read(65536):
-        room = cap - len(kept)
-        kept += chunk[: max(room, 0)]
-        cut = cut or len(chunk) > room
-    return bytes(kept), cut
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill_cgroup(cgroup: Path, remove: bool = True) -> None:
-    """SIGKILLs every process left in the cgroup (a fork bomb may still be forking: repeat until empty)."""
-    for _ in range(200):
-        pids = [int(p) for p in _read(str(cgroup / "cgroup.procs")).split()]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
-    if remove:
-        _rmdir_cgroup(cgroup)
-
-
-def _rmdir_cgroup(cgroup: Path) -> None:
-    for _ in range(100):  # killed processes leave the cgroup once reaped, shortly after
-        try:
-            cgroup.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.02)
-    log.warning("code sandbox: could not remove cgroup %s", cgroup)
-
-
-def _remove_tree(path: str) -> None:
-    def make_writable(func, p, _exc):  # the program may have removed its own permissions (userns mode)
-        os.chmod(os.path.dirname(p), 0o700)
-        os.chmod(p, 0o700)
-        func(p)
-
-    shutil.rmtree(path, onerror=make_writable)

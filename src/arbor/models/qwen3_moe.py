@@ -197,7 +197,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.aux_loss: torch.Tensor | None = None
         # Set by context parallelism (arbor.trainer.context_parallel): which local tokens count in the aux loss
         # (not the row's cp padding) and the group whose statistics it sums. Prefix-tree merged rows set per-token
-        # counts instead (how many samples share each node, arbor.trainer.step.tree_logprobs).
+        # counts instead (how many samples share each node, arbor.trainer.forward.tree_logprobs).
         self.aux_valid: torch.Tensor | None = None
         self.aux_group = None
 

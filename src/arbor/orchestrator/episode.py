@@ -76,6 +76,23 @@ def _prompt_ids(traj: Trajectory, view: list[dict[str, Any]], tid: Any) -> list[
         raise EnvFailure(f"the conversation of task {tid} cannot be rendered: {e}") from None
 
 
+@dataclasses.dataclass
+class _Episode:
+    """One episode's running state, shared by `run_episode` and its turn loop, so that what an environment
+    failure interrupts is still counted (turns played, how it ended)."""
+
+    tid: Any
+    max_turns: int
+    context: ContextPolicy | None
+    policy: dict[str, Any]
+    """`guarded`'s keyword arguments: the environment's timeout, retries and the stats to count them in."""
+    full: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The whole conversation (the environment's view); the model's prompt is a possibly edited copy."""
+    traj: Trajectory | None = None
+    turns: int = 0
+    finish: str = "max_turns"
+
+
 async def run_episode(
     generate: GenerateFn,
     env: MultiTurnEnvironment,
@@ -90,89 +107,102 @@ async def run_episode(
     """The rollouts (one per branch) of one episode; empty when it was skipped after an environment failure."""
     cfg = settings.env
     stats = stats if stats is not None else EpisodeStats()
-    policy = {"timeout": cfg.timeout, "retries": cfg.retries, "stats": stats}
     t0 = time.perf_counter()
     tid = task.get("id", -1)
-    max_turns = cfg.max_turns or env.max_turns
     context = ContextPolicy(cfg.context) if cfg.context.strategy != "none" else None
-    traj: Trajectory | None = None
-    full: list[dict[str, Any]] = []
-    turns, finish, failure = 0, "max_turns", None
+    policy = {"timeout": cfg.timeout, "retries": cfg.retries, "stats": stats}
+    ep = _Episode(tid, cfg.max_turns or env.max_turns, context, policy)
+    failure = None
     try:
         state = await guarded(f"setup of task {tid}", env.setup, task, **policy)
-        try:  # the environment's own code: its failures are the episode's, like setup's (never retried)
-            schemas = [tool_schema(fn) for fn in env.tools(task)] or None
-            full = list(env.prompt(task))
-        except Exception as e:  # noqa: BLE001 - counted and scored like any environment failure
-            raise EnvFailure(f"tools or prompt of task {tid} failed: {e!r}") from e
-        traj = Trajectory(tokenizer, schemas)
-        view, num_prompt = list(full), len(full)
-        while turns < max_turns:
-            ids = _prompt_ids(traj, view, tid)
-            if context is not None and turns and context.should_edit(view, num_prompt, len(ids)):
-                view = context.edit(view, num_prompt)
-                ids = _prompt_ids(traj, view, tid)  # history rewritten: the trajectory branches here
-                stats.context_edits += 1
-            budget = min(settings.max_tokens, settings.seq_len - len(ids))
-            if budget < 1:
-                finish = "budget"
-                break
-            images = traj.pending_images
-            extra = {"images": images} if images else {}
-            (completion,) = await generate(
-                ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, turns), **extra
-            )
-            turn = traj.add_completion(completion)
-            turns += 1
-            reply = {"role": "assistant", "content": completion.text}
-            full.append(reply)
-            view.append(reply)
-            result = await guarded(f"step of task {tid}", env.step, task, state, full, **policy, check=step_result)
-            turn.reward = result.reward
-            full += result.messages
-            view += result.messages
-            if result.done:
-                finish = "done"
-                break
+        ep.traj = Trajectory(tokenizer, _open_conversation(env, task, ep))
+        await _play_turns(generate, env, task, state, ep, settings, seed)
         components = await guarded(
-            f"scoring of task {tid}", env.score_episode, task, state, full, **policy, check=reward_components
+            f"scoring of task {tid}", env.score_episode, task, state, ep.full, **policy, check=reward_components
         )
     except EnvFailure as e:
         log.warning("episode of task %s: %s", tid, e)
-        failure, finish, components = e, "env_failed", {}
-    stats.episodes += 1
-    stats.turns += turns
-    stats.finished[finish] = stats.finished.get(finish, 0) + 1
-    if failure is not None and cfg.on_failure == "skip":
-        stats.skipped += 1
+        failure, ep.finish, components = e, "env_failed", {}
+    if not _tally(stats, ep, failure, cfg.on_failure):
         return []
-    if failure is not None:
-        stats.failed += 1
     reward = total_reward(components, cfg.reward_weights) if failure is None else 0.0
     common = dict(
         score_failed=failure is not None, group_id=group_id, latency=time.perf_counter() - t0, episode_id=episode_id
     )
-    rollouts = [] if traj is None else traj.rollouts(tid, reward, components, per_turn=failure is None, **common)
+    rollouts = [] if ep.traj is None else ep.traj.rollouts(tid, reward, components, per_turn=failure is None, **common)
     stats.branches += len(rollouts)
     if not rollouts:  # failed before anything was generated: an empty rollout keeps the failure in the group
         prompt_ids, images = env_prompt(env, task, tokenizer)
-        return [
-            Rollout(
-                tid,
-                prompt_ids,
-                [],
-                [],
-                [],
-                "",
-                finish,
-                reward=reward,
-                components=components,
-                completion_mask=[],
-                images=images,
-                **common,
-            )
-        ]
+        kept = dict(reward=reward, components=components, completion_mask=[], images=images, **common)
+        return [Rollout(tid, prompt_ids, [], [], [], "", ep.finish, **kept)]
     return rollouts
+
+
+def _open_conversation(env: MultiTurnEnvironment, task: Task, ep: _Episode) -> list[dict[str, Any]] | None:
+    """Starts `ep.full` with the environment's prompt; returns its tools' schemas (None: no tools). The
+    environment's own code: its failures are the episode's, like setup's (never retried)."""
+    try:
+        schemas = [tool_schema(fn) for fn in env.tools(task)] or None
+        ep.full = list(env.prompt(task))
+    except Exception as e:  # noqa: BLE001 - counted and scored like any environment failure
+        raise EnvFailure(f"tools or prompt of task {ep.tid} failed: {e!r}") from e
+    return schemas
+
+
+async def _play_turns(
+    generate: GenerateFn,
+    env: MultiTurnEnvironment,
+    task: Task,
+    state: Any,
+    ep: _Episode,
+    settings: EpisodeSettings,
+    seed: int | None,
+) -> None:
+    """Turn after turn until the environment is done, `max_turns` or the sample's `seq_len` (`ep.finish`):
+    trim the context, generate one reply, pass it to `step`."""
+    traj, tid, stats = ep.traj, ep.tid, ep.policy["stats"]
+    view, num_prompt = list(ep.full), len(ep.full)
+    while ep.turns < ep.max_turns:
+        ids = _prompt_ids(traj, view, tid)
+        if ep.context is not None and ep.turns and ep.context.should_edit(view, num_prompt, len(ids)):
+            view = ep.context.edit(view, num_prompt)
+            ids = _prompt_ids(traj, view, tid)  # history rewritten: the trajectory branches here
+            stats.context_edits += 1
+        budget = min(settings.max_tokens, settings.seq_len - len(ids))
+        if budget < 1:
+            ep.finish = "budget"
+            return
+        images = traj.pending_images
+        extra = {"images": images} if images else {}
+        (completion,) = await generate(
+            ids, 1, budget, settings.temperature, settings.top_p, _turn_seed(seed, ep.turns), **extra
+        )
+        turn = traj.add_completion(completion)
+        ep.turns += 1
+        reply = {"role": "assistant", "content": completion.text}
+        ep.full.append(reply)
+        view.append(reply)
+        result = await guarded(f"step of task {tid}", env.step, task, state, ep.full, **ep.policy, check=step_result)
+        turn.reward = result.reward
+        ep.full += result.messages
+        view += result.messages
+        if result.done:
+            ep.finish = "done"
+            return
+
+
+def _tally(stats: EpisodeStats, ep: _Episode, failure: EnvFailure | None, on_failure: str) -> bool:
+    """Counts the episode in `stats`; whether its rollouts are kept (not after a failure with `on_failure =
+    "skip"`)."""
+    stats.episodes += 1
+    stats.turns += ep.turns
+    stats.finished[ep.finish] = stats.finished.get(ep.finish, 0) + 1
+    if failure is not None and on_failure == "skip":
+        stats.skipped += 1
+        return False
+    if failure is not None:
+        stats.failed += 1
+    return True
 
 
 async def run_group_episodes(

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from arbor.trainer.parallel import ParallelDims, forward_context, init_distribut
 from arbor.trainer.parallel_state import UNPREPARED, ParallelState
 from arbor.trainer.republish import RolloutWait
 from arbor.trainer.step import train_step
+from arbor.transport.batch import StepBatch
 from arbor.weights.publish import DeltaTracker, stream_publish, stream_publish_adapter
 from arbor.weights.transport import make_transport
 
@@ -98,23 +100,22 @@ def build_training(
 
 
 def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
+    """Builds the run (model, reference, publisher, resumed step), then trains step after step: wait for the
+    step's rollouts, train, publish the next weights version, write the metrics row, checkpoint when due."""
     rank = dist.get_rank()
     beat("building the model")  # the entry point installed this rank's heartbeat
     model, optimizer, dims, state = build_training(cfg, device)
     data_rank = rank // dims.cp  # the ranks of a context-parallel group train on the same rollout file
     reference, ref_state = build_reference(cfg, device, dims) or (None, UNPREPARED)
-    tokenizer = build_tokenizer(cfg.model) if rank == 0 else None
-    publish = Publisher(cfg, tokenizer, device)
-    start = resume(cfg, model, optimizer) if cfg.resume else 0
-    if start:
-        publish(model, start)  # the fleet's weights come from the verified checkpoint, never from broadcasts/
-        log(rank, f"resumed from checkpoint step {start}; republished weights version {start}")
+    publish = Publisher(cfg, build_tokenizer(cfg.model) if rank == 0 else None, device)
+    start = resume_and_republish(cfg, model, optimizer, publish)
     turns = colocated_turns(cfg, model, reference, optimizer, device)
     clock = RunClock(cfg.output_dir, start)
     # between steps the ranks answer the orchestrator's requests to publish a refused version again
     rollouts = RolloutWait(
         cfg.output_dir, data_rank, cfg.rollout_timeout, lambda v: publish(model, v, fresh=True), start, device
     )
+    optimize = step_trainer(cfg, loss_fn, device, dims, (model, optimizer, state), (reference, ref_state))
     damaged = damaged_checkpoints(cfg.output_dir) if rank == 0 else 0  # steps a resume set aside, this run
     if rank == 0:
         stopped_path(cfg.output_dir).unlink(missing_ok=True)  # an earlier attempt's stop is not this one's
@@ -123,12 +124,63 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         t0 = time.perf_counter()
         if turns is not None:
             turns.before_step(step)
-        beat(f"waiting for rollouts step {step}")
-        batch = rollouts.batch(step)
-        beat(f"training step {step}")
-        if batch.step != step:
-            raise ValueError(f"rollouts/step_{step}/rank_{data_rank} holds step {batch.step}")
+        batch = wait_for_batch(rollouts, step, data_rank)
         t1 = time.perf_counter()
+        figures = optimize(batch, step)
+        t2 = time.perf_counter()
+        weight_figures = publish_step(cfg, publish, model, step, rank)
+        t3 = time.perf_counter()
+        stamp = clock.stamp()  # the row's time; max_minutes decides on the same elapsed_s
+        # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
+        # and its figures must already be on disk (metrics.jsonl may miss no step).
+        if rank == 0:
+            extra = {"ckpt/damaged": damaged, "weights/republished": rollouts.republished, **weight_figures}
+            lr = optimizer.param_groups[0]["lr"]
+            record = step_record(step, figures, lr, (t0, t1, t2, t3), last_checkpoint_seconds, extra, stamp)
+            write_metrics(cfg.output_dir, record)
+            last_checkpoint_seconds = 0.0
+            log(
+                rank,
+                f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
+                f"{record['tokens/s']:.0f} tok/s",
+            )
+        out_of_time = step + 1 < cfg.max_steps and over_budget(cfg, stamp["elapsed_s"])  # the last step ends anyway
+        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps or out_of_time:
+            save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
+            last_checkpoint_seconds = time.perf_counter() - t3
+        if turns is not None:
+            turns.after_step(step)
+        if out_of_time:
+            stop_for_time(cfg, rank, step + 1, clock)
+            return
+
+
+def resume_and_republish(
+    cfg: TrainerConfig, model: nn.Module, optimizer: torch.optim.Optimizer, publish: Publisher
+) -> int:
+    """The step the run starts at: 0, or with `resume` the verified checkpoint's step, whose weights are then
+    published again (collective) so the fleet never serves a `broadcasts/` version newer than the checkpoint."""
+    start = resume(cfg, model, optimizer) if cfg.resume else 0
+    if start:
+        publish(model, start)  # the fleet's weights come from the verified checkpoint, never from broadcasts/
+        log(dist.get_rank(), f"resumed from checkpoint step {start}; republished weights version {start}")
+    return start
+
+
+def step_trainer(
+    cfg: TrainerConfig,
+    loss_fn,
+    device: torch.device,
+    dims: ParallelDims,
+    policy: tuple[nn.Module, torch.optim.Optimizer, ParallelState],
+    ref: tuple[nn.Module | None, ParallelState],
+) -> Callable[[StepBatch, int], dict[str, float]]:
+    """`optimize(batch, step)`: sets the step's learning rate, trains on the batch (arbor.trainer.step.train_step,
+    with the run's constant arguments bound here) and waits for the device; returns the step's figures."""
+    model, optimizer, state = policy
+    reference, ref_state = ref
+
+    def optimize(batch: StepBatch, step: int) -> dict[str, float]:
         set_lr(optimizer, step, cfg.max_steps, cfg.lr_schedule)
         figures = train_step(
             model,
@@ -150,51 +202,64 @@ def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        beat(f"publishing weights version {step + 1}")
-        weight_figures = publish(model, step + 1)
-        if rank == 0:  # publish is collective: every rank has read this step's rollouts (and all before it)
-            prune_rollouts(cfg.output_dir, cfg.keep_rollouts, step)
-        t3 = time.perf_counter()
-        stamp = clock.stamp()  # the row's time; max_minutes decides on the same elapsed_s
-        # The metrics line goes out before the checkpoint: a run killed in between resumes after this step,
-        # and its figures must already be on disk (metrics.jsonl may miss no step).
-        if rank == 0:
-            record = {
-                "step": step,
-                "weights_version": step + 1,
-                **{k: figures[k] for k in ("loss", "mismatch_kl", "entropy", "grad_norm")},
-                "lr": optimizer.param_groups[0]["lr"],
-                "tokens/s": figures["num_tokens"] / max(t2 - t1, 1e-9),
-                "time/step": t3 - t0,
-                "time/wait": t1 - t0,
-                "time/wait_ratio": (t1 - t0) / max(t3 - t0, 1e-9),  # throughput matching: trainer starved?
-                "throughput/trainer_wait_frac": (t1 - t0) / max(t3 - t0, 1e-9),  # the orchestrator adapts on it
-                "time/compute": t2 - t1,
-                "time/publish": t3 - t2,
-                "time/checkpoint": last_checkpoint_seconds,
-                "ckpt/damaged": damaged,
-                "weights/republished": rollouts.republished,
-                **weight_figures,
-                **{k: v for k, v in figures.items() if k not in ("loss", "mismatch_kl", "entropy", "grad_norm")},
-                **stamp,
-            }
-            write_metrics(cfg.output_dir, record)
-            last_checkpoint_seconds = 0.0
-            log(
-                rank,
-                f"step {step}: loss {figures['loss']:.4f} mismatch_kl {figures['mismatch_kl']:.2e} "
-                f"{record['tokens/s']:.0f} tok/s",
-            )
-        out_of_time = step + 1 < cfg.max_steps and over_budget(cfg, stamp["elapsed_s"])  # the last step ends anyway
-        if (step + 1) % cfg.ckpt.interval == 0 or step + 1 == cfg.max_steps or out_of_time:
-            save_checkpoint(cfg.output_dir, step + 1, model, optimizer, cfg.ckpt.keep)
-            last_checkpoint_seconds = time.perf_counter() - t3
-        if turns is not None:
-            turns.after_step(step)
-        if out_of_time:
-            stop_for_time(cfg, rank, step + 1, clock)
-            return
+        return figures
+
+    return optimize
+
+
+def wait_for_batch(rollouts: RolloutWait, step: int, data_rank: int) -> StepBatch:
+    """This rank's rollouts of `step` (waiting for them, republishing on request meanwhile)."""
+    beat(f"waiting for rollouts step {step}")
+    batch = rollouts.batch(step)
+    beat(f"training step {step}")
+    if batch.step != step:
+        raise ValueError(f"rollouts/step_{step}/rank_{data_rank} holds step {batch.step}")
+    return batch
+
+
+def publish_step(cfg: TrainerConfig, publish: Publisher, model: nn.Module, step: int, rank: int) -> dict[str, float]:
+    """Publishes weights version `step + 1` (collective), then rank 0 prunes the rollouts no longer needed; the
+    publish's figures."""
+    beat(f"publishing weights version {step + 1}")
+    weight_figures = publish(model, step + 1)
+    if rank == 0:  # publish is collective: every rank has read this step's rollouts (and all before it)
+        prune_rollouts(cfg.output_dir, cfg.keep_rollouts, step)
+    return weight_figures
+
+
+HEAD_FIGURES = ("loss", "mismatch_kl", "entropy", "grad_norm")
+"""The step figures that lead a metrics row, after its step, weights version and before its lr."""
+
+
+def step_record(
+    step: int,
+    figures: dict[str, float],
+    lr: float,
+    times: tuple[float, float, float, float],
+    checkpoint_seconds: float,
+    extra: dict[str, Any],
+    stamp: dict[str, Any],
+) -> dict[str, Any]:
+    """One row of `metrics/trainer.jsonl`. `times`: the step's start, rollouts in, trained, published
+    (perf_counter); `extra`: the run's counters and the publish's figures; `stamp`: RunClock's time fields."""
+    t0, t1, t2, t3 = times
+    return {
+        "step": step,
+        "weights_version": step + 1,
+        **{k: figures[k] for k in HEAD_FIGURES},
+        "lr": lr,
+        "tokens/s": figures["num_tokens"] / max(t2 - t1, 1e-9),
+        "time/step": t3 - t0,
+        "time/wait": t1 - t0,
+        "time/wait_ratio": (t1 - t0) / max(t3 - t0, 1e-9),  # throughput matching: trainer starved?
+        "throughput/trainer_wait_frac": (t1 - t0) / max(t3 - t0, 1e-9),  # the orchestrator adapts on it
+        "time/compute": t2 - t1,
+        "time/publish": t3 - t2,
+        "time/checkpoint": checkpoint_seconds,
+        **extra,
+        **{k: v for k, v in figures.items() if k not in HEAD_FIGURES},
+        **stamp,
+    }
 
 
 def colocated_turns(
