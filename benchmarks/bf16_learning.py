@@ -21,7 +21,7 @@ pair cannot resolve 0.05: the same recipe's fp32 rise moves by ~0.08 from seed t
 differently from step 0, so each arm follows its own trajectory (docs/training.md "bfloat16": `cp`'s seed 0
 differed by +0.150, its five seeds' means by +0.008). Hence five seeds by default; every pair is printed too.
 
-    uv run python benchmarks/bf16_learning.py                       # three cases x five seeds (~3 h on 2 cores)
+    uv run python benchmarks/bf16_learning.py                       # three cases x five seeds (~2 h on 2 cores)
     uv run python benchmarks/bf16_learning.py --cases moe --seeds 0,1,2
 
 Figures measured (2 shared cores, docs/training.md "bfloat16") are kept in the docs, not here. The last line is
