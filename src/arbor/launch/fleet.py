@@ -29,8 +29,7 @@ from arbor.config.admin import ADMIN_TOKEN_ENV, is_loopback, new_admin_token
 from arbor.config.fleet import FleetConfig
 from arbor.config.loader import load_config, main_guard
 from arbor.launch.children import child_env, replica_servers, router_argv, token_env
-from arbor.launch.process import ChildFailed, Supervisor
-from arbor.launch.rl import Terminated, free_port, on_sigterm
+from arbor.launch.process import ChildFailed, Supervisor, Terminated, free_port, on_sigterm
 from arbor.launch.supervise import check_children, record_timings, wait_healthy, wait_ready
 from arbor.transport.router_wire import parse_router_metrics, parse_run_metrics
 

@@ -1,19 +1,39 @@
 """Child-process supervision for `rl`: per-process logs, one process group each, nothing left behind.
 
 Each child runs in its own session (so torchrun's workers and any helpers are killed with it) and asks the
-kernel to SIGTERM it if the launcher dies (arbor.orphans), so even a `kill -9` of `rl` leaves no orphan.
+kernel to SIGTERM it if the launcher dies (arbor.orphans), so even a `kill -9` of `rl` leaves no orphan. The
+launchers (`rl`, `fleet`) share SIGTERM-as-an-exception (`Terminated`) and `free_port` from here.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 from arbor.orphans import die_with_parent
 from arbor.run_dir import STOP_PREFIX
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a scheduler's or `kill`'s stop): `rl` stops every process and exits 143 (128 + 15).
+    A BaseException, like the KeyboardInterrupt of SIGINT, so that no `except Exception` on the way swallows it."""
+
+
+def on_sigterm(signum: int, frame: object) -> None:
+    # Further SIGTERMs (a scheduler may repeat them) must not cut the shutdown that this one starts.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the kernel picks it; a server started next binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ChildFailed(RuntimeError):

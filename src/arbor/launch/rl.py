@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,7 @@ from arbor.launch.console import Console
 from arbor.launch.cores import split_cores
 from arbor.launch.on_fleet import Registration, resolve_on_fleet
 from arbor.launch.preflight import model_path_line, run_checks
-from arbor.launch.process import ChildFailed, Supervisor
+from arbor.launch.process import ChildFailed, Supervisor, Terminated, free_port, on_sigterm
 from arbor.launch.servers import RESTART_BACKOFF, Servers
 from arbor.launch.slurm import submit
 from arbor.launch.supervise import Stalled, record_timings, show_waiting, watch_run
@@ -37,23 +36,6 @@ from arbor.launch.twin import plan_twin, write_twin_model
 from arbor.monitor.metrics import read_jsonl, truncate_jsonl
 from arbor.planner import plan, render
 from arbor.transport.router_wire import use_vllm_router
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (a scheduler's or `kill`'s stop): `rl` stops every process and exits 143 (128 + 15).
-    A BaseException, like the KeyboardInterrupt of SIGINT, so that no `except Exception` on the way swallows it."""
-
-
-def on_sigterm(signum: int, frame: object) -> None:
-    # Further SIGTERMs (a scheduler may repeat them) must not cut the shutdown that this one starts.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve(cfg: RLConfig) -> RLConfig:
