@@ -170,6 +170,16 @@ def test_renamed_and_retired_keys_keep_working(tmp_path):
     assert "temperature" not in cfg.to_toml_dict()["orchestrator"]
     with pytest.raises(ConfigError, match=r"orchestrator\.scheduler: lag applies to the continuous modes"):
         load_config(RLConfig, ["--orchestrator.scheduler.lag", "2"], env={})
+    between = ["--orchestrator.scheduler.weight-updates", "between_steps"]
+    assert load_config(RLConfig, between, env={}).orchestrator.scheduler.weight_updates == "between_steps"
+    for flags, why in [
+        (["--orchestrator.scheduler.mode", "async"], r"needs a per-step mode \(sync, one_step_off\), not 'async'"),
+        (["--inference.colocate", "true"], r"weight_updates = 'between_steps' needs inference\.colocate = false"),
+        (["--weights.kind", "nccl", "--inference.backend", "vllm"], r"needs weights\.kind = 'filesystem'"),
+        (["--trainer.keep-broadcasts", "1"], r"needs trainer\.keep_broadcasts >= 2"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(RLConfig, [*between, *flags], env={})
     text = render_help(TrainerConfig, "trainer")
     assert "[lr_schedule]" in text and "--lr-schedule.warmup-steps" in text
 

@@ -277,3 +277,16 @@ def test_rl_check_runs_the_whole_preflight_and_starts_nothing(tmp_path):
         text=True,
     )
     assert dry.returncode == 0, dry.stderr
+
+
+def test_a_group_beyond_the_local_engines_slots_fails_preflight_unless_its_episodes_are_multi_turn():
+    """A single-turn group is one request for group_size samples, which the local engine decodes together: with
+    fewer slots it could never run (the run used to start and fail 9 groups in a row on the server's 400)."""
+    small = ["--inference.max-batch-size", "2"]
+    with pytest.raises(PreflightError, match=r"orchestrator\.group_size \(4\) exceeds inference\.max_batch_size \(2\)"):
+        preflight.check_tasks_fit(load_config(RLConfig, [*TINY, *small], env={}))
+    preflight.check_tasks_fit(load_config(RLConfig, [*TINY, "--inference.max-batch-size", "4"], env={}))
+    multi_turn = ["--seq-len", "512", "--orchestrator.environment.id", "tool_use"]  # one sample per turn
+    preflight.check_tasks_fit(load_config(RLConfig, [*TINY, *small, *multi_turn], env={}))
+    on_vllm = load_config(RLConfig, [*TINY, *small, "--inference.backend", "vllm"], env={})
+    preflight.check_group_fits_engine(on_vllm, object())  # vLLM queues a request's samples itself

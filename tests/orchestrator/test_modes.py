@@ -192,3 +192,7 @@ def test_a_bad_mode_fails_in_one_line_naming_the_field() -> None:
         make_pool(scheduler={"mode": "builtins:str"})  # str(settings) is built, but it is no mode
     with pytest.raises(ValueError, match=r"lag applies to the continuous modes, not to 'newest_first_mode:"):
         make_pool(scheduler={"mode": USER_MODE, "lag": 2})
+    greedy = "arbor.orchestrator.modes.greedy:GreedyMode"  # a continuous class by its path: the config cannot tell
+    with pytest.raises(ValueError, match=r"weight_updates = 'between_steps' needs a per-step mode; '" + greedy):
+        make_pool(scheduler={"mode": greedy, "weight_updates": "between_steps"})
+    assert make_pool(scheduler={"mode": USER_MODE, "weight_updates": "between_steps"}).mode.lag(3) == 1

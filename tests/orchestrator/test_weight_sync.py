@@ -57,6 +57,39 @@ def test_the_fleet_loads_each_new_version_and_an_idle_watch_looks_rarely(tmp_pat
     assert all(path == str(run_dir.broadcast_dir(tmp_path, v).resolve()) for path, v in client.loaded)
 
 
+def test_pinned_the_fleet_loads_exactly_the_version_a_step_asks_for_and_nothing_meanwhile(tmp_path):
+    """`weight_updates = "between_steps"`: a version the trainer published ahead is not loaded while a step's
+    groups generate, and `ensure(v)` loads v itself, not the newest; a v that is gone (withdrawn after a refusal
+    and republished as a newer version) gives the next one."""
+
+    async def scenario():
+        client = FakeClient()
+        sync = WeightSync(client, tmp_path, loaded_version=0, pinned=True)
+        watching = asyncio.create_task(sync.run())
+        seen = []
+        try:
+            _publish(tmp_path, 1)
+            _publish(tmp_path, 2)  # the trainer a version ahead of what the next step needs
+            await asyncio.sleep(0.3)  # the watch looks ~10 times: published, not asked for
+            seen.append(sync.loaded_version)
+            await sync.ensure(1, timeout=10)
+            seen.append(sync.loaded_version)
+            await asyncio.sleep(0.3)  # generation of step 2 (lag 1): version 2 stays on the shelf
+            seen.append(sync.loaded_version)
+            await sync.ensure(2, timeout=10)
+            seen.append(sync.loaded_version)
+            _publish(tmp_path, 4)  # 3 never appears
+            await sync.ensure(3, timeout=10)
+            seen.append(sync.loaded_version)
+        finally:
+            watching.cancel()
+        return client, sync, seen
+
+    client, sync, seen = asyncio.run(scenario())
+    assert seen == [0, 1, 1, 2, 4]
+    assert [v for _, v in client.loaded] == [1, 2, 4] and sync.updates == 3
+
+
 class RefusingClient(FakeClient):
     """Refuses the first `refusals` updates as a server refuses weights whose checksum fails the manifest."""
 
@@ -89,11 +122,16 @@ async def _trainer(out, republishes: list[int]) -> None:
 
 
 def _refused(
-    tmp_path, refusals: int, trainer: bool = True, timeout: float = 10.0, ensure_timeout: float = 10.0
+    tmp_path,
+    refusals: int,
+    trainer: bool = True,
+    timeout: float = 10.0,
+    ensure_timeout: float = 10.0,
+    pinned: bool = False,
 ) -> tuple[RefusingClient, WeightSync, BaseException | None, list[int]]:
     async def scenario():
         client = RefusingClient(refusals)
-        sync = WeightSync(client, tmp_path, loaded_version=0, republish_timeout=timeout)
+        sync = WeightSync(client, tmp_path, loaded_version=0, republish_timeout=timeout, pinned=pinned)
         republishes: list[int] = []
         tasks = [asyncio.create_task(sync.run())]
         if trainer:
@@ -111,8 +149,9 @@ def _refused(
     return asyncio.run(scenario())
 
 
-def test_a_refused_update_is_retried_once_from_a_fresh_publish(tmp_path):
-    client, sync, error, republishes = _refused(tmp_path, refusals=1)
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_refused_update_is_retried_once_from_a_fresh_publish(tmp_path, pinned):
+    client, sync, error, republishes = _refused(tmp_path, refusals=1, pinned=pinned)
     assert error is None and [v for _, v in client.loaded] == [1] and sync.loaded_version == 1
     assert republishes == [1] and sync.refused == 1 and sync.republishing is None
     request = read_republish_request(tmp_path)

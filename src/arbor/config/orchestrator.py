@@ -205,6 +205,14 @@ class RolloutScheduleConfig(Config):
     """Highest in-flight limit the adaptation may choose (groups). Default: the most the mode can use, i.e. one
     step's launches in the per-step modes, (max_off_policy_steps - slack + 1) steps' groups in the continuous
     ones (the staleness rule admits no more)."""
+    weight_updates: Literal["in_flight", "between_steps"] = "in_flight"
+    """When the fleet takes a new policy. "in_flight": as soon as the trainer publishes it (servers swap weights
+    between decode steps, so a sample's later tokens may come from the newer policy: fresher samples, but which
+    token an update lands on depends on timing). "between_steps" (per-step modes only): the fleet loads exactly
+    the version a step waits for (step - lag) before that step's groups launch, and nothing while they generate,
+    so every sample of a batch comes from one policy (staleness exactly the lag) and a run with the same seed
+    samples the same batches again (arbor.orchestrator.weight_sync). one_step_off keeps its overlap: the trainer
+    trains step N while step N + 1 is sampled from the policy before it."""
     oversample: Float = Field(1.0, ge=1.0)
     """Per-step modes (sync, one_step_off): launch ceil(oversample x groups per step) groups; once the batch is
     full, the surplus still generating is cancelled (counted as partial/cancelled) or, with
@@ -222,6 +230,11 @@ class RolloutScheduleConfig(Config):
         if self.lag is not None and self.mode in PER_STEP_MODES:
             continuous = ", ".join(n for n in MODES.names() if n not in PER_STEP_MODES)
             raise ValueError(f"lag applies to the continuous modes ({continuous}), not to {self.mode!r}")
+        if self.weight_updates == "between_steps" and self.mode not in PER_STEP_MODES and ":" not in self.mode:
+            raise ValueError(
+                f"weight_updates = 'between_steps' needs a per-step mode (sync, one_step_off), not {self.mode!r}: "
+                "a continuous mode's groups generate across step boundaries, so no point lies between steps"
+            )
         if self.adaptive_max is not None and self.adaptive_max < self.adaptive_min:
             raise ValueError(f"adaptive_max ({self.adaptive_max}) is below adaptive_min ({self.adaptive_min})")
         return self

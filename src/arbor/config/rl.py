@@ -185,6 +185,7 @@ class RLConfig(Config):
             self.sft.environment = self.orchestrator.environment
         self._check_teacher()
         self._check_colocate()
+        self._check_weight_updates()
         if self.fleet is not None and self.model.lora is None:
             raise ValueError(
                 "fleet needs [model.lora]: a run on a shared fleet trains and serves a LoRA adapter on "
@@ -223,6 +224,21 @@ class RLConfig(Config):
             why = f"weights.kind = 'filesystem' (got {self.weights.kind!r}: NCCL cannot join two ranks on one GPU)"
         if why is not None:
             raise ValueError(f"inference.colocate = true needs {why}")
+
+    def _check_weight_updates(self) -> None:
+        """`weight_updates = "between_steps"` loads exactly one version per step from its published directory."""
+        if self.orchestrator.scheduler.weight_updates != "between_steps":
+            return
+        why = None
+        if self.inference.colocate:
+            why = "inference.colocate = false (a colocated fleet sleeps while the trainer trains: its batches are "
+            why += "already sampled from one policy; leave weight_updates = 'in_flight')"
+        elif self.weights.kind != "filesystem":
+            why = f"weights.kind = 'filesystem' (got {self.weights.kind!r}: NCCL sends a version as it is published)"
+        elif self.trainer.keep_broadcasts < 2:
+            why = "trainer.keep_broadcasts >= 2 (the trainer may publish the next version before a step loads its own)"
+        if why is not None:
+            raise ValueError(f"orchestrator.scheduler.weight_updates = 'between_steps' needs {why}")
 
     def _derive_router_replay(self) -> None:
         """`model.router_replay` makes the trainer replay the fleet's routes, so the fleet must return them: the

@@ -315,6 +315,19 @@ def check_tasks_fit(cfg: RLConfig) -> None:
         for i, eval_env in enumerate(orch.eval.environments):  # the template alone: these are built by the run
             check_prompt_format(eval_env, None, tokenizer, f"orchestrator.eval.environments.{i}")
     check_some_task_fits(env, tasks, tokenizer, orch.seq_len, orch.sampling.max_tokens, orch.environment.prompt_format)
+    check_group_fits_engine(cfg, env)
+
+
+def check_group_fits_engine(cfg: RLConfig, env: Any) -> None:
+    """A single-turn group is one request for `group_size` samples, which arbor's local engine decodes together,
+    one cache slot each: more than `inference.max_batch_size` could never run (vLLM queues them; a multi-turn
+    episode asks for one sample a turn)."""
+    group, slots = cfg.orchestrator.group_size, cfg.inference.max_batch_size
+    if cfg.fleet is None and cfg.inference.backend == "local" and group > slots and not is_multi_turn(env):
+        raise PreflightError(
+            f"orchestrator.group_size ({group}) exceeds inference.max_batch_size ({slots}): the local engine "
+            "decodes a group's samples together, one slot each; raise inference.max_batch_size or lower group_size"
+        )
 
 
 def check_prompt_format(cfg: EnvironmentConfig, env: Any, tokenizer: Tokenizer, where: str) -> None:

@@ -194,6 +194,7 @@ class Orchestrator:
                 await client.wait_healthy(cfg.client.timeout),
                 lora_name=lora,
                 republish_timeout=cfg.republish_timeout,
+                pinned=cfg.scheduler.weight_updates == "between_steps",
             )
             client.policy_version = weights.loaded_version
             if cfg.colocate:

@@ -177,6 +177,10 @@ def build_mode(settings: ModeSettings) -> SchedulingMode:
     if not isinstance(mode, SchedulingMode):  # a plugin's class that misses part of the interface
         missing = [m for m in (*SchedulingMode.__annotations__, "lag", "admits", "pick") if not hasattr(mode, m)]
         raise TypeError(f"{MODES.field}: {name!r} is not a SchedulingMode (it lacks {', '.join(sorted(missing))})")
+    if mode.continuous and settings.scheduler.weight_updates == "between_steps":  # a plugin's (the config checks ours)
+        raise ValueError(
+            f"orchestrator.scheduler.weight_updates = 'between_steps' needs a per-step mode; {name!r} is continuous"
+        )
     return mode
 
 

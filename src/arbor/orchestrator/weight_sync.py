@@ -4,10 +4,13 @@ A background task watches `broadcasts/` (as often as `arbor.run_dir.poll_interva
 version it loaded) and, as soon as the trainer publishes a newer version, tells every server to load it (servers
 swap weights between decode steps, so in-flight requests continue and their later tokens carry the new version).
 `ensure(v)` blocks a step until the fleet serves version >= v: that is the scheduler's lag bound
-(`ensure(step - lag)`, arbor.orchestrator.scheduler). With `pause_generation`/`resume_generation` set (partial
-rollouts, `abort_on_weight_update`), running generations are aborted before each update and resumed after it. A
-LoRA run (`lora_name` set) loads each published adapter version through `/v1/load_lora_adapter` under that name
-instead of `/update_weights`: the base weights, and other runs' adapters on a shared fleet, stay as they are.
+(`ensure(step - lag)`, arbor.orchestrator.scheduler). Pinned (`scheduler.weight_updates = "between_steps"`), the
+watcher loads no version beyond the one the last `ensure` asked for, and that one exactly, so no update lands
+while a step's groups generate and every batch comes from one policy. With `pause_generation`/`resume_generation`
+set (partial rollouts, `abort_on_weight_update`), running generations are aborted before each update and resumed
+after it. A LoRA run (`lora_name` set) loads each published adapter version through `/v1/load_lora_adapter`
+under that name instead of `/update_weights`: the base weights, and other runs' adapters on a shared fleet, stay
+as they are.
 
 A server that was unreachable (a restarted process) is brought back to the policy the fleet serves before it
 serves again (`catch_up`, the client's recovery hook): the same version is loaded on it alone, or the newest
@@ -54,8 +57,12 @@ class WeightSync:
         loaded_version: int,
         lora_name: str | None = None,
         republish_timeout: float = 1800.0,
+        pinned: bool = False,
     ) -> None:
         self.client, self.output_dir = client, Path(output_dir)
+        self.pinned = pinned
+        self.target = loaded_version
+        """Pinned: the version the last `ensure` asked for, the only one the watcher may load next."""
         self.lora_name = lora_name
         self.loaded_version = loaded_version
         self.republish_timeout = republish_timeout
@@ -104,14 +111,14 @@ class WeightSync:
         while True:
             if self.awake is not None:
                 await self.awake.wait()
-            newest = latest_published(self.output_dir)
+            newest = self._next_version()
             if newest is not None and newest > self.loaded_version:
                 t0 = time.perf_counter()
                 try:
                     await self._load(newest)
                 except InferenceError as e:
                     # The directory may have been pruned after a newer one appeared; retry with the newest.
-                    if (latest_published(self.output_dir) or -1) > newest:
+                    if (self._next_version() or -1) > newest:
                         continue
                     self.refused += 1
                     reason = " ".join(str(e).split())
@@ -130,6 +137,23 @@ class WeightSync:
                 self._changed = asyncio.Event()
                 since = time.monotonic()
             await asyncio.sleep(poll_interval(time.monotonic() - since))
+
+    def _next_version(self) -> int | None:
+        """The version to load next: the newest published one, or (pinned) the target itself once it is
+        published; pinned, a target that is gone (a refused version republished as a newer one) gives the oldest
+        published version after it."""
+        if not self.pinned:
+            return latest_published(self.output_dir)
+        if self.target <= self.loaded_version:
+            return None
+        published = published_steps(self.output_dir)
+        if self.target in published:
+            return self.target
+        later = [v for v in published if v > self.target]
+        if later:
+            log.warning("policy version %d is not published; loading version %d instead", self.target, later[0])
+            return later[0]
+        return None
 
     async def _load(self, version: int) -> None:
         """Tells the fleet to load published `version` (running generations paused around it when configured)."""
@@ -197,7 +221,8 @@ class WeightSync:
         log.warning("%s came back at policy version %d: loaded version %d on it", url, version, newest)
 
     async def ensure(self, version: int, timeout: float) -> float:
-        """Waits until the fleet serves `version` or newer; returns the seconds waited."""
+        """Waits until the fleet serves `version` or newer (pinned: loads `version` itself); the seconds waited."""
+        self.target = max(self.target, version)
         t0 = time.perf_counter()
         deadline = t0 + timeout
         while self.loaded_version < version:
