@@ -19,7 +19,7 @@ median `mismatch_kl` over the run (one step of policy drift plus the numerical m
 A case passes when its mean bf16 rise over the seeds is within `--tolerance` (0.05) of its mean fp32 rise. One
 pair cannot resolve 0.05: the same recipe's fp32 rise moves by ~0.08 from seed to seed, and bf16 rounds
 differently from step 0, so each arm follows its own trajectory (docs/training.md "bfloat16": `cp`'s seed 0
-differed by +0.150, its five seeds' means by +0.008). Hence five seeds by default; every pair is printed too.
+differed by +0.150, its five seeds' means by +0.018). Hence five seeds by default; every pair is printed too.
 
     uv run python benchmarks/bf16_learning.py                       # three cases x five seeds (~2 h on 2 cores)
     uv run python benchmarks/bf16_learning.py --cases moe --seeds 0,1,2
