@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from arbor.config.model import ModelConfig
-from arbor.models import build_model
+from arbor.models import build_model, vision
 from arbor.models.attention import position_ids_for
 from arbor.models.image_parts import ImageRefused, refuse_images_for_text_model
 from arbor.models.vision import VisionProcessor, data_url
@@ -60,6 +60,32 @@ def test_image_parts_render_with_placeholders_and_pixels(processor, tmp_path) ->
     )
     assert later.num_images == 4 and later.extends(processor.render(_chat(*parts, answer="3"), False))
     assert not later.extends(processor.render(_chat(parts[1], answer="3"), False))
+
+
+def test_a_reply_extends_an_image_prompt_as_the_template_renders_it_without_reading_the_images_again(
+    processor, tmp_path, monkeypatch
+) -> None:
+    """`with_reply` (a chat turn's view: its prompt's ids, then the reply as the template renders it) equals the
+    whole conversation rendered again, for replies that start, end or consist of whitespace and special text,
+    and reads no image: the gateway used to process every image of a call twice."""
+    path = tmp_path / "green.png"
+    Image.new("RGB", (48, 32), "green").save(path)
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (32, 32), "red"))}},
+        {"type": "image_url", "image_url": {"url": f"file://{path}"}},
+    ]
+    messages = [{"role": "system", "content": "Count."}, *_chat(*parts)]
+    prompt = processor.render(messages)
+    loads = []
+    real = vision.load_image
+    monkeypatch.setattr(vision, "load_image", lambda part: loads.append(part) or real(part))
+    replies = ["2", "\n\ntwo\n", " 2 ", "", "<|im_end|> literal", "<tool_call>{}</tool_call>"]
+    for text in replies:
+        reply = {"role": "assistant", "content": text}
+        got = processor.with_reply(prompt.ids, messages, reply)
+        assert loads == []
+        assert got == processor.render([*messages, reply], False).ids, text
+        loads.clear()
 
 
 def test_images_beyond_limits_and_text_models_are_one_line(processor) -> None:

@@ -22,7 +22,7 @@ from arbor.config.model import ModelConfig
 from arbor.config.orchestrator import GatewayConfig
 from arbor.inference.engine.core import Engine
 from arbor.inference.server import BackgroundServer
-from arbor.models import build_model
+from arbor.models import build_model, vision
 from arbor.models.tokenizer import ByteTokenizer, load_tokenizer
 from arbor.models.vision import VisionProcessor, data_url
 from arbor.models.vision_tiny import write_tiny_vl
@@ -135,8 +135,14 @@ def _leaf_call(sample, calls) -> tuple[list[int], Any, Any]:
 
 
 @pytest.mark.slow
-def test_black_box_agents_with_images_train_token_exactly(vl_dir, tmp_path) -> None:
+def test_black_box_agents_with_images_train_token_exactly(vl_dir, tmp_path, monkeypatch) -> None:
+    loads = []
+    real = vision.load_image
+    monkeypatch.setattr(vision, "load_image", lambda part: loads.append(part) or real(part))
     model, chat, responses, calls, (a, b) = _serve(vl_dir, tmp_path)
+    # each call's images are read once, for its prompt (1 + 2 + 2 + 1 chat, 1 + 2 responses): recording the turn
+    # takes the reply's tokens from the template's text (VisionProcessor.with_reply), not from a second rendering
+    assert len(loads) == 9
     processor = VisionProcessor(vl_dir)
     assert len(calls) == 6 and all(im is not None for _, im, _ in calls)
     assert len(chat) == 2 and len(responses) == 1  # the chat agent's branch is a sample of its own

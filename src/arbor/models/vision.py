@@ -112,23 +112,42 @@ class VisionProcessor:
                 )
         return images
 
-    def render(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-    ) -> VisionPrompt:
-        """Token ids (placeholders expanded) and pixel inputs of `messages` under the model's chat template."""
-        images = self.images(messages)
+    def text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The chat template's text of `messages`, one placeholder per image (not expanded): no image is read."""
         # Copies: transformers rewrites each message's `image_url` parts in place (into its own "image" form)
-        text = self.processor.apply_chat_template(
+        return self.processor.apply_chat_template(
             [dict(m) for m in messages],
             tools=tools or None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> VisionPrompt:
+        """Token ids (placeholders expanded) and pixel inputs of `messages` under the model's chat template."""
+        images = self.images(messages)
+        text = self.text(messages, add_generation_prompt, tools)
         out = self.processor(text=[text], images=images or None, return_tensors="pt")
         ids = out["input_ids"][0].tolist()
         if not images:
             return VisionPrompt(ids, None, None)
         return VisionPrompt(ids, out["pixel_values"].float(), out["image_grid_thw"].long())
+
+    def with_reply(
+        self, prompt_ids: list[int], messages: list[dict], reply: dict, tools: list[dict] | None = None
+    ) -> list[int] | None:
+        """The ids of `messages + [reply]` without a generation prompt, from `prompt_ids` (`render(messages)`'s,
+        images expanded) and the template's text alone, so no image is read or processed again. The reply adds
+        text only, and each image placeholder is a special token, which the tokenizer splits the text at and never
+        merges with a neighbour: the tokens after the prompt are the same whatever a placeholder expands to. None
+        when the text with the reply does not begin with the prompt's tokens (a template that rewrites earlier
+        turns, or a reply that merges with the generation prompt's last token)."""
+        before = self.tokenizer(self.text(messages, True, tools))["input_ids"]
+        after = self.tokenizer(self.text([*messages, reply], False, tools))["input_ids"]
+        if after[: len(before)] != before:
+            return None
+        return [*prompt_ids, *after[len(before) :]]
 
 
 class VisionTokenizer(HFTokenizer):
@@ -149,6 +168,13 @@ class VisionTokenizer(HFTokenizer):
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> list[int]:
         return self.render_images(messages, add_generation_prompt, tools).ids
+
+    def with_reply(
+        self, prompt_ids: list[int], messages: list[dict], reply: dict, tools: list[dict] | None = None
+    ) -> list[int] | None:
+        """`apply_chat_template(messages + [reply], add_generation_prompt=False)` from the rendered prompt's ids,
+        without processing its images again (VisionProcessor.with_reply); None where that cannot be exact."""
+        return self.vision.with_reply(prompt_ids, messages, reply, tools)
 
     def save(self, path: str | Path) -> None:
         """The tokenizer and the processor (image processor, template): a saved checkpoint serves images too."""

@@ -169,10 +169,8 @@ class Trajectory:
             )
         view, reply_at = None, 0
         if prompt.template is not None and reply is not None:
-            rendered = self.tokenizer.apply_chat_template(
-                prompt.messages + [reply], add_generation_prompt=False, tools=prompt.tools
-            )
-            if rendered[: len(prompt.template)] == prompt.template:  # else the reply cannot be located: a leaf
+            rendered = self._with_reply(prompt, reply)
+            if rendered is not None and rendered[: len(prompt.template)] == prompt.template:  # else a leaf
                 view, reply_at = rendered, len(prompt.template)
         turn = Turn(
             list(prompt.ids),
@@ -189,6 +187,15 @@ class Trajectory:
         )
         self.turns.append(turn)
         return turn
+
+    def _with_reply(self, prompt: Prompt, reply: dict[str, Any]) -> list[int] | None:
+        """The template's ids of the prompt's messages and `reply`: an image prompt's from its rendered ids and the
+        template's text (its images were processed once, for the prompt), any other's rendered whole."""
+        if prompt.images is not None and hasattr(self.tokenizer, "with_reply"):
+            return self.tokenizer.with_reply(prompt.template, prompt.messages, reply, prompt.tools)
+        return self.tokenizer.apply_chat_template(
+            prompt.messages + [reply], add_generation_prompt=False, tools=prompt.tools
+        )
 
     def _splice(self, t: Turn, full: list[int]) -> list[int]:
         """t's exact tokens, then the template's tokens after t's reply (which full begins with)."""
