@@ -92,7 +92,10 @@ class DSAAttention(nn.Module):
     """DSA context parallel state (arbor.trainer.dsa_cp.DSAContextParallel), installed by `apply_dsa_cp`."""
     train_indexer = False
     """Set by `enable_indexer_training` (`trainer.indexer.train`): a forward with gradient in training mode also
-    computes the indexer's KL loss (arbor.models.dsa_indexer_loss) into `indexer_loss`."""
+    computes the indexer's KL loss (arbor.models.dsa_indexer_loss) and appends it to `indexer_sink`."""
+    indexer_sink: list[ChunkLoss] | None = None
+    """Where the layer's indexer loss goes: a list the model's forward installs for its duration only (so an
+    activation-checkpointing recompute in backward keeps nothing, and the module never holds a graph)."""
 
     def __init__(self, args: DSAArgs, layer_idx: int) -> None:
         super().__init__()
@@ -114,8 +117,6 @@ class DSAAttention(nn.Module):
         self.last_topk: torch.Tensor | None = None
         """Key indices `[B, T, k]` the last forward selected, -1 where a query had fewer than k visible keys (indices
         into the global row under context parallelism)."""
-        self.indexer_loss: ChunkLoss | None = None
-        """The last forward's indexer KL accumulator (None unless it trained the indexer)."""
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], grad_indexer: bool = False):
         """(q_nope, q_pe, index queries, index weights, per-token row `[B, T, R + Dr + Di]` = latent | rope key |
@@ -154,11 +155,14 @@ class DSAAttention(nn.Module):
         c_kv, k_pe, ik = keys.split([a.kv_lora_rank, a.qk_rope_head_dim, a.index_head_dim], dim=-1)
         idx, valid = indexer_topk(iq.detach(), iw.detach(), ik.detach(), mask, a.index_topk)
         self.last_topk = idx.masked_fill(~valid, -1)
-        self.indexer_loss = ChunkLoss(iq, iw, ik, idx, valid) if grad_indexer else None
-        kv_b = linear_weight(self.kv_b_proj)
-        out = sparse_mla(q_nope, q_pe, c_kv, k_pe, kv_b, idx, valid, a.v_head_dim, self.scale, self.indexer_loss)
-        if self.indexer_loss is not None:
-            self.indexer_loss.release()
+        loss = ChunkLoss(iq, iw, ik, idx, valid) if grad_indexer else None
+        out = sparse_mla(
+            q_nope, q_pe, c_kv, k_pe, linear_weight(self.kv_b_proj), idx, valid, a.v_head_dim, self.scale, loss
+        )
+        if loss is not None:
+            loss.release()
+            if self.indexer_sink is not None:
+                self.indexer_sink.append(loss)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -280,20 +284,23 @@ class DeepseekV32ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         B, T = input_ids.shape
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
-        chosen = []
+        chosen, losses = [], []
         for layer in self.model.layers:
-            replay = routed_experts[:, :, len(chosen)] if routed_experts is not None and layer.is_moe else None
-            x, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
-            if idx is not None:
-                chosen.append(idx)
+            layer.self_attn.indexer_sink = losses
+        try:
+            for layer in self.model.layers:
+                replay = routed_experts[:, :, len(chosen)] if routed_experts is not None and layer.is_moe else None
+                x, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
+                if idx is not None:
+                    chosen.append(idx)
+        finally:
+            for layer in self.model.layers:
+                layer.self_attn.indexer_sink = None
         self.last_routed_experts = (
             torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
         )
         self.aux_loss = self.indexer_stats = None
-        losses = [
-            layer.self_attn.indexer_loss for layer in self.model.layers if layer.self_attn.indexer_loss is not None
-        ]
-        if losses:
+        if losses:  # the indexer trained in this forward (arbor.models.dsa_indexer_loss)
             cp = self.model.layers[0].self_attn.cp
             model_indexer_loss(self, losses, None if cp is None or kv_cache is not None else cp.group)
         return lm_logits(self, x, logits_to_keep, head_fn)
