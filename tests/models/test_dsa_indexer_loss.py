@@ -172,20 +172,21 @@ def _overlap(model, ids, pos, mask, seen) -> float:
     return hits / n
 
 
-def test_training_the_indexer_lowers_its_kl_and_raises_top_k_overlap():
-    """From a random indexer, 40 Adam steps on the indexer loss alone (fixed batch) cut the KL by >= 30% and raise
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_training_the_indexer_lowers_its_kl_and_raises_top_k_overlap(seed):
+    """From a random indexer, 80 Adam steps on the indexer loss alone (fixed batch) cut the KL by >= 30% and raise
     the overlap of its selection with the main attention's top keys."""
-    model = _model(seed=3)
+    model = _model(seed=3 + seed)
     with torch.no_grad():  # a random indexer, unrelated to the attention
-        gen = torch.Generator().manual_seed(11)
+        gen = torch.Generator().manual_seed(11 + seed)
         for _, p in _indexer_params(model):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if p.dim() > 1 else torch.ones_like(p))
-    ids, pos, mask = _batch(seed=5)
+    ids, pos, mask = _batch(seed=5 + seed)
     seen = _capture(model)
-    opt = torch.optim.Adam([p for _, p in _indexer_params(model)], lr=1e-2)
+    opt = torch.optim.Adam([p for _, p in _indexer_params(model)], lr=2e-2)
     overlap0 = _overlap(model, ids, pos, mask, seen)
     kls = []
-    for _ in range(40):
+    for _ in range(80):
         model(ids, pos, mask)
         kls.append(float(model.aux_loss))
         opt.zero_grad()
