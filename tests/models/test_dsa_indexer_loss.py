@@ -152,6 +152,24 @@ def test_indexer_loss_leaves_the_policy_gradients_unchanged(dtype):
     assert on.aux_loss is None
 
 
+def test_activation_checkpointing_recomputes_the_same_indexer_loss():
+    """Under the trainer's per-layer activation checkpointing (its recompute runs the indexer loss again inside
+    backward), the loss and every gradient equal the plain forward's, and no layer keeps a loss sink."""
+    from arbor.trainer.parallel import apply_ac
+
+    plain = _model()
+    ac = copy.deepcopy(plain)
+    apply_ac(ac)
+    for m in (plain, ac):
+        (m(*_batch()).square().mean() + m.aux_loss).backward()
+    assert torch.equal(plain.aux_loss, ac.aux_loss)
+    for (n, p), (_, q) in zip(plain.named_parameters(), ac.named_parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, f"ac grad {n}", 1e-6)
+    assert all(layer.self_attn.indexer_sink is None for layer in ac.model.layers)
+
+
 def _overlap(model, ids, pos, mask, seen) -> float:
     """Mean fraction of each sparse query's selection that is among the main attention's k best keys (dense
     attention probabilities summed over heads), over layers and queries that see more than k keys."""
