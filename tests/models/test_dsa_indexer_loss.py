@@ -225,6 +225,13 @@ def test_config_errors():
         TrainerConfig(model=ModelConfig(name="dsa-test", lora={"rank": 4}), indexer={"train": True})
     TrainerConfig(model=ModelConfig(name="qwen3-test"))  # off by default: any model
     TrainerConfig(model=ModelConfig(name="dsa-test"), indexer={"train": True}, parallel={"cp": 2})
+    from arbor.config.loader import ConfigError, load_config
+    from arbor.config.rl import RLConfig
+
+    with pytest.raises(ConfigError, match=r"^trainer.indexer.train = true needs a DeepSeek .* qwen3-test"):
+        load_config(RLConfig, ["--model.name", "qwen3-test", "--trainer.indexer.train", "true"], env={})
+    rl = load_config(RLConfig, ["--model.name", "dsa-test", "--trainer.indexer.train", "true"], env={})
+    assert rl.trainer.indexer.train and rl.trainer.indexer.weight == 1.0
     with pytest.raises(ValueError, match="trainer.indexer.train = true: Qwen3ForCausalLM has no DeepSeek"):
         enable_indexer_training(build_model(ModelConfig(name="qwen3-test")), 1.0)
 
