@@ -12,9 +12,12 @@ Per layer the loss is the sum over the queries whose selection holds at least tw
 one key has nothing to choose: its KL is 0 and it is not counted, which also leaves padding out), divided by their
 count; the model's `aux_loss` is `weight x` the sum over layers. The scores over S_t are computed a query chunk
 at a time (`dsa.QUERY_CHUNK`, fed by `sparse_mla`'s per-chunk probabilities) under
-`torch.utils.checkpoint`, so the `[chunk, Hi, k]` ReLU logits are recomputed in backward rather than kept: the
-extra memory is O(T x k) per layer at most transiently (the target and selected-key rows of one chunk), and the
-extra work is about one more pass of the indexer over the selected keys forward and two backward.
+`torch.utils.checkpoint`, so the `[chunk, Hi, k]` ReLU logits and `[chunk, k, Di]` gathered keys are recomputed
+in backward rather than kept: what stays for backward is the index queries, weights and keys `[T, Hi, Di]`,
+`[T, Hi]`, `[T, Di]` and the fp32 targets `[T, k]` per layer (1/64 of the `[T, H, k]` bf16 attention
+probabilities sparse attention keeps for its own backward at H = 128); the extra work is one more scoring pass
+over the selected keys forward, and its recompute and gradient in backward. A prefix-tree merged row counts each
+node once.
 
 Under DSA context parallelism each rank scores its local queries against the all-gathered global keys; the index
 keys travel in the gathered per-token row with their indexer-path graph, so the all-gather's backward returns each
