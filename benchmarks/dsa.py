@@ -7,7 +7,9 @@ query heads, latent `kv_lora_rank`, nope/rope/value head dims; causal, one seque
 - dsa-sparse: the top-k sparse attention alone (`arbor.models.dsa.sparse_mla`, `index_topk` keys per query,
   gathered; the selection precomputed), the part of DSA whose cost is O(T x k);
 - dsa: the whole of DSA as the model runs it: lightning indexer scores (O(T^2), few small heads, no gradient),
-  top-k selection, then the sparse attention.
+  top-k selection, then the sparse attention;
+- dsa+indexer-loss (forward+backward only): `dsa` plus the indexer's KL loss to the attention over the selected
+  keys (`trainer.indexer.train`, arbor.models.dsa_indexer_loss), with the indexer's gradients: its cost.
 
 Each is timed forward and forward+backward (gradients of the attention inputs), best of `--repeats`, in CPU
 time of one torch thread by default: on a shared machine wall time measures the neighbours, CPU time the work
@@ -29,6 +31,7 @@ import torch
 from smoke import parse_args
 
 from arbor.models.dsa import causal_mask, dense_mla, indexer_topk, mla_scale, sparse_mla
+from arbor.models.dsa_indexer_loss import ChunkLoss
 
 LENGTHS = (1024, 2048, 4096)
 """Sequence lengths timed by default; growth is t(last) / t(first)."""
@@ -68,14 +71,19 @@ def run_case(kind: str, x: dict[str, torch.Tensor], a: argparse.Namespace, backw
     mla_in = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["kv_b"])
     fixed = indexer_topk(x["iq"], x["iw"], x["ik"], mask, a.topk)
 
+    index_in = [x[k].detach().requires_grad_(kind == "dsa+indexer-loss") for k in ("iq", "iw", "ik")]
+
     def step():
+        loss = None
         if kind == "dense":
             out = dense_mla(*mla_in, None, a.v, scale)
         else:
             idx, valid = fixed if kind == "dsa-sparse" else indexer_topk(x["iq"], x["iw"], x["ik"], mask, a.topk)
-            out = sparse_mla(*mla_in, idx, valid, a.v, scale)
+            loss = ChunkLoss(*index_in, idx, valid) if kind == "dsa+indexer-loss" else None
+            out = sparse_mla(*mla_in, idx, valid, a.v, scale, loss)
         if backward:
-            torch.autograd.grad(out.float().square().mean(), [t for t in mla_in if t.requires_grad])
+            total = out.float().square().mean() + (loss.kl_sum if loss is not None else 0.0)
+            torch.autograd.grad(total, [t for t in [*mla_in, *index_in] if t.requires_grad])
 
     if not backward:
         with torch.no_grad():
@@ -104,8 +112,8 @@ def main() -> None:
     first, last = a.lengths[0], a.lengths[-1]
     for T in a.lengths:
         x = make_inputs(T, a, gen)
-        for kind in ("dense", "dsa-sparse", "dsa"):
-            for backward in (False, True):
+        for kind in ("dense", "dsa-sparse", "dsa", "dsa+indexer-loss"):
+            for backward in (False, True) if kind != "dsa+indexer-loss" else (True,):
                 key = f"{kind} {'fwd+bwd' if backward else 'fwd'}"
                 times.setdefault(key, {})[T] = run_case(kind, x, a, backward)
                 print(f"T={T:5d}  {key:18s} {times[key][T] * 1e3:9.1f} ms CPU", flush=True)
@@ -126,6 +134,9 @@ def main() -> None:
                 "growth": {k: round(g, 3) for k, g in growth.items()},
                 "dense_growth_over_dsa_growth_fwd_bwd": round(growth["dense fwd+bwd"] / value, 3),
                 "dense_over_dsa_at_4k_fwd_bwd": round(times["dense fwd+bwd"][last] / times["dsa fwd+bwd"][last], 3),
+                "indexer_loss_over_dsa_fwd_bwd": {
+                    str(T): round(times["dsa+indexer-loss fwd+bwd"][T] / times["dsa fwd+bwd"][T], 3) for T in a.lengths
+                },
                 "ms": {k: {str(T): round(t * 1e3, 2) for T, t in v.items()} for k, v in times.items()},
                 "lengths": a.lengths,
                 "topk": a.topk,

@@ -113,9 +113,9 @@ def test_packed_row_equals_separate_sequences(name):
 
 
 def test_indexer_matters_only_where_a_query_sees_more_than_index_topk_keys():
-    """The indexer is not trained (module docstring of arbor.models.dsa), so it must not matter where selection is
-    dense: documents of at most `index_topk` (8) tokens give the same logits whatever its weights (the reverse_text
-    recipes: `seq_len` 64, dsa-tiny's top-64) up to summation order, and longer ones do not."""
+    """Unless `trainer.indexer.train` trains it, the indexer keeps its loaded weights, so it must not matter where
+    selection is dense: documents of at most `index_topk` (8) tokens give the same logits whatever its weights
+    (the reverse_text recipes: `seq_len` 64, dsa-tiny's top-64) up to summation order, and longer ones do not."""
     model = build_model(ModelConfig(name="dsa-test")).eval()
     model.init_weights(0, std=0.3)
     gen = torch.Generator().manual_seed(4)
@@ -362,13 +362,16 @@ def test_dsa_context_parallel_matches_one_process(name):
 
 
 @pytest.mark.slow
-def test_dsa_context_parallel_trainer_matches_one_rank(tmp_path: Path):
+@pytest.mark.parametrize("indexer", [False, True])
+def test_dsa_context_parallel_trainer_matches_one_rank(tmp_path: Path, indexer: bool):
     """`trainer` under torchrun with cp = 2 on dsa-test (cp_style auto -> dsa, FSDP2 over the cp ranks, activation
-    checkpointing) trains exactly as one rank: loss figures and published weights after each step."""
+    checkpointing) trains exactly as one rank: loss figures and published weights after each step; with
+    `indexer.train` also the indexer's KL and gradient norm (arbor.models.dsa_indexer_loss)."""
     one, cp = tmp_path / "one", tmp_path / "cp"
     write_rollouts({1: one}, steps=2)
     shutil.copytree(one / "rollouts", cp / "rollouts")
     common = ["--max-steps", "2", "--model.name", "dsa-test", "--optim.lr", "1e-3", "--num-threads", "1"]
+    common += ["--indexer.train", "true"] if indexer else []
     assert trainer_main(["--output-dir", str(one), *common]) == 0
     run_torchrun(
         2,
@@ -388,6 +391,11 @@ def test_dsa_context_parallel_trainer_matches_one_rank(tmp_path: Path):
         assert r1["loss"] == pytest.approx(r2["loss"], abs=1e-5)
         assert r1["grad_norm"] == pytest.approx(r2["grad_norm"], rel=1e-5)
         assert r1["num_tokens"] == r2["num_tokens"]
+        assert ("indexer/kl" in r1) == ("indexer/kl" in r2) == indexer
+        if indexer:
+            # ~1.8e-5 at init: a difference of O(1) fp32 entropies, so compared in absolute terms
+            assert r1["indexer/kl"] == pytest.approx(r2["indexer/kl"], abs=1e-7)
+            assert r1["indexer/grad_norm"] == pytest.approx(r2["indexer/grad_norm"], rel=1e-5)
     for version in (1, 2):
         assert_same_weights(broadcast_dir(one, version), broadcast_dir(cp, version), atol=1e-5)
 

@@ -65,6 +65,20 @@ def check_transformers_path(model: ModelConfig, parallel: ParallelConfig, prefix
         )
 
 
+def check_indexer(model: ModelConfig) -> None:
+    """`trainer.indexer.train = true` needs a DeepSeek sparse attention model (its lightning indexer), and one
+    whose full weights train (a LoRA run freezes the indexer). A checkpoint not on this machine is checked by the
+    trainer when it builds the model."""
+    if model.lora is not None:
+        raise ValueError("trainer.indexer.train = true: a LoRA run ([model.lora]) freezes the indexer; unset one")
+    args = model_shape(model)
+    if args is not None and not family_of(args).dsa:
+        raise ValueError(
+            f"trainer.indexer.train = true needs a DeepSeek sparse attention model; {model.name} has no lightning "
+            "indexer (unset it, or use e.g. dsa-tiny)"
+        )
+
+
 def check_model_split(parallel: ParallelConfig, args: ModelArgs | DSAArgs, name: str) -> None:
     """Raises ValueError unless the model divides as `parallel` asks (keys named relative to the trainer)."""
     dsa = family_of(args).dsa

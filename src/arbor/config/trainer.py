@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from arbor.config.base import Config, Count, FilePath, Float, Int, Ranks, Seconds, Seed, Tokens
-from arbor.config.layout import check_model_split, check_transformers_path, model_shape
+from arbor.config.layout import check_indexer, check_model_split, check_transformers_path, model_shape
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.config.transport import WeightTransportConfig, check_lora_transport
@@ -162,6 +162,20 @@ class DraftConfig(Config):
     """Multiplies the draft loss (it only reaches the MTP modules' gradients)."""
 
 
+class IndexerConfig(Config):
+    """`[trainer.indexer]`: training the lightning indexer of a DeepSeek sparse attention model (DeepSeek-V3.2,
+    GLM-5) with its KL loss to the main attention over the keys it selects (arbor.models.dsa_indexer_loss). The
+    indexer reads detached hidden states, so this loss never changes the policy's loss or gradients, and its
+    gradients are clipped as their own group (`indexer/grad_norm`)."""
+
+    train: bool = False
+    """Train the indexer every RL step (reported as `indexer/kl`, the mean per query and layer); false keeps its
+    weights as loaded (the RL loss never reaches them: top-k is not differentiable). Needs a DSA model."""
+    weight: Float = Field(1.0, gt=0)
+    """Multiplies the indexer loss (the sum over layers of each layer's mean KL; it only reaches the indexers'
+    gradients, so it sets their step size relative to their clipping, not a trade-off with the policy)."""
+
+
 class CheckpointConfig(Config):
     interval: Int = Field(10, ge=1)
     """Save trainer state every this many steps (and at the last step)."""
@@ -199,6 +213,8 @@ class TrainerConfig(Config):
     """Policy loss."""
     draft: DraftConfig = DraftConfig()
     """Online training of the MTP draft modules (models with `mtp_depth` > 0)."""
+    indexer: IndexerConfig = IndexerConfig()
+    """Training of a DeepSeek sparse attention model's lightning indexer (off by default)."""
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
     parallel: ParallelConfig = ParallelConfig()
@@ -243,6 +259,8 @@ class TrainerConfig(Config):
                 f"tokens only), got {self.model.dtype!r}; use ep_backend = 'all_to_all' for other dtypes"
             )
         check_transformers_path(self.model, self.parallel)
+        if self.indexer.train:
+            check_indexer(self.model)
         if self.parallel.cp == 1 and self.parallel.ep == 1:
             return self  # nothing to split: no need to read a checkpoint's config.json
         args = model_shape(self.model)

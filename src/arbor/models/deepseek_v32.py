@@ -14,6 +14,7 @@ from torch import nn
 
 from arbor.models.args import DSAArgs
 from arbor.models.dsa import DSACache, causal_mask, indexer_topk, mla_scale, sparse_mla
+from arbor.models.dsa_indexer_loss import ChunkLoss, model_indexer_loss
 from arbor.models.qwen3 import MLP, HeadFn, RMSNorm, embed, linear_weight, lm_logits
 from arbor.models.qwen3_moe import GroupedExperts, MoE, local_dispatch
 from arbor.models.rope import RotaryEmbedding, apply_rope, rope_frequencies, yarn_get_mscale
@@ -73,19 +74,28 @@ class Indexer(nn.Module):
         pe, nope = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([self.rope(pe, cos, sin), nope], dim=-1)
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(queries `[B, T, Hi, Di]`, head weights `[B, T, Hi]`, keys `[B, T, Di]`), all rotated and scaled."""
+    def forward(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grad: bool = False):
+        """(queries `[B, T, Hi, Di]`, head weights `[B, T, Hi]`, keys `[B, T, Di]`), all rotated and scaled. With
+        `grad` (the indexer loss is training it) they carry gradient to the indexer's weights only: its inputs are
+        detached from the main model's graph (arbor.models.dsa_indexer_loss)."""
         B, T, _ = x.shape
-        q = self._rotate(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = self._rotate(self.k_norm(self.wk(x)), cos, sin)
-        w = self.weights_proj(x) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        with torch.set_grad_enabled(grad):
+            x, q_lat = x.detach(), q_lat.detach()
+            q = self._rotate(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), cos, sin)
+            k = self._rotate(self.k_norm(self.wk(x)), cos, sin)
+            w = self.weights_proj(x) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, w, k
 
 
 class DSAAttention(nn.Module):
     cp = None
     """DSA context parallel state (arbor.trainer.dsa_cp.DSAContextParallel), installed by `apply_dsa_cp`."""
+    train_indexer = False
+    """Set by `enable_indexer_training` (`trainer.indexer.train`): a forward with gradient in training mode also
+    computes the indexer's KL loss (arbor.models.dsa_indexer_loss) and appends it to `indexer_sink`."""
+    indexer_sink: list[ChunkLoss] | None = None
+    """Where the layer's indexer loss goes: a list the model's forward installs for its duration only (so an
+    activation-checkpointing recompute in backward keeps nothing, and the module never holds a graph)."""
 
     def __init__(self, args: DSAArgs, layer_idx: int) -> None:
         super().__init__()
@@ -108,9 +118,10 @@ class DSAAttention(nn.Module):
         """Key indices `[B, T, k]` the last forward selected, -1 where a query had fewer than k visible keys (indices
         into the global row under context parallelism)."""
 
-    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], grad_indexer: bool = False):
         """(q_nope, q_pe, index queries, index weights, per-token row `[B, T, R + Dr + Di]` = latent | rope key |
-        index key): the row is what the cache stores and context parallelism all-gathers."""
+        index key): the row is what the cache stores and context parallelism all-gathers (its index-key part
+        carrying the indexer loss's graph when `grad_indexer`)."""
         a = self.args
         B, T, _ = x.shape
         if a.q_lora_rank:
@@ -126,13 +137,14 @@ class DSAAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = self.rope(k_pe, *rope)
-        iq, iw, ik = self.indexer(x, q_lat, *rope)
+        iq, iw, ik = self.indexer(x, q_lat, *rope, grad=grad_indexer)
         return q_nope, q_pe, iq, iw, torch.cat([c_kv, k_pe, ik.to(c_kv.dtype)], dim=-1)
 
     def forward(self, x, rope, position_ids, attn_mask, kv_cache, cache_slots) -> torch.Tensor:
         a = self.args
         B, T, _ = x.shape
-        q_nope, q_pe, iq, iw, row = self.project(x, rope)
+        grad_indexer = self.train_indexer and self.training and torch.is_grad_enabled() and kv_cache is None
+        q_nope, q_pe, iq, iw, row = self.project(x, rope, grad_indexer)
         if self.cp is not None and kv_cache is None:
             keys, mask = self.cp.gather_keys(row), self.cp.local_mask()
         elif kv_cache is not None:
@@ -141,9 +153,16 @@ class DSAAttention(nn.Module):
             keys = row
             mask = causal_mask(T, x.device) if attn_mask is None else attn_mask[:, 0]
         c_kv, k_pe, ik = keys.split([a.kv_lora_rank, a.qk_rope_head_dim, a.index_head_dim], dim=-1)
-        idx, valid = indexer_topk(iq, iw, ik, mask, a.index_topk)
+        idx, valid = indexer_topk(iq.detach(), iw.detach(), ik.detach(), mask, a.index_topk)
         self.last_topk = idx.masked_fill(~valid, -1)
-        out = sparse_mla(q_nope, q_pe, c_kv, k_pe, linear_weight(self.kv_b_proj), idx, valid, a.v_head_dim, self.scale)
+        loss = ChunkLoss(iq, iw, ik, idx, valid) if grad_indexer else None
+        out = sparse_mla(
+            q_nope, q_pe, c_kv, k_pe, linear_weight(self.kv_b_proj), idx, valid, a.v_head_dim, self.scale, loss
+        )
+        if loss is not None:
+            loss.release()
+            if self.indexer_sink is not None:
+                self.indexer_sink.append(loss)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -244,7 +263,13 @@ class DeepseekV32ForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.last_routed_experts: torch.Tensor | None = None
-        self.aux_loss = None  # DeepSeek balances experts without an auxiliary loss
+        self.aux_loss = None
+        """DeepSeek balances experts without an auxiliary loss: None, or the indexer's KL loss times
+        `indexer_loss_weight` when it is trained (arbor.models.dsa_indexer_loss)."""
+        self.indexer_loss_weight = 1.0
+        self.indexer_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(indexer KL summed over counted queries, mean over layers; counted queries) of the last forward that
+        trained the indexer, detached, for the trainer's `indexer/kl`."""
 
     def forward(
         self,
@@ -259,15 +284,25 @@ class DeepseekV32ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         B, T = input_ids.shape
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
-        chosen = []
+        chosen, losses = [], []
         for layer in self.model.layers:
-            replay = routed_experts[:, :, len(chosen)] if routed_experts is not None and layer.is_moe else None
-            x, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
-            if idx is not None:
-                chosen.append(idx)
+            layer.self_attn.indexer_sink = losses
+        try:
+            for layer in self.model.layers:
+                replay = routed_experts[:, :, len(chosen)] if routed_experts is not None and layer.is_moe else None
+                x, idx = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots, replay)
+                if idx is not None:
+                    chosen.append(idx)
+        finally:
+            for layer in self.model.layers:
+                layer.self_attn.indexer_sink = None
         self.last_routed_experts = (
             torch.stack(chosen, dim=1).reshape(B, T, len(chosen), -1).detach() if chosen else None
         )
+        self.aux_loss = self.indexer_stats = None
+        if losses:  # the indexer trained in this forward (arbor.models.dsa_indexer_loss)
+            cp = self.model.layers[0].self_attn.cp
+            model_indexer_loss(self, losses, None if cp is None or kv_cache is not None else cp.group)
         return lm_logits(self, x, logits_to_keep, head_fn)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:

@@ -11,9 +11,10 @@ Departures from DeepSeek-V3.2-Exp's reference (`inference/model.py`):
 
 - no FP8 quantisation and no Hadamard rotation of the indexer activations (both exist for FP8 kernels; the
   rotation is orthogonal, so it leaves the bf16/fp32 dot products unchanged up to rounding);
-- the indexer runs without gradient: top-k is not differentiable, and DeepSeek trains the indexer with a
-  separate KL loss to the main attention that we do not implement, so the RL loss leaves indexer weights as
-  loaded;
+- top-k is not differentiable, so the selection itself runs without gradient and the RL loss never reaches the
+  indexer; with `trainer.indexer.train` the indexer is trained as DeepSeek does, by a separate KL loss to the
+  main attention over the selected keys (arbor.models.dsa_indexer_loss: `sparse_mla` hands it each query
+  chunk's attention probabilities); without it the indexer keeps its loaded weights;
 - attention over the selected keys uses the "absorbed" MLA form everywhere (queries projected into the
   `kv_lora_rank` latent space, one shared latent key/value per token, output projected back per head), which the
   reference uses for decoding only; it gathers `k` latent rows per query instead of expanding per-head keys, so
@@ -100,13 +101,16 @@ def sparse_mla(
     valid: torch.Tensor,
     v_head_dim: int,
     scale: float,
+    on_probs: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its selected keys only, in MLA's absorbed form; output `[B, Tq, H, Dv]`.
 
     `q_nope [B, Tq, H, Dn]`, `q_pe [B, Tq, H, Dr]` (rotated), `c_kv [B, Tk, R]` normalised latent, `k_pe
     [B, Tk, Dr]` rotated shared rope key, `kv_b [H * (Dn + Dv), R]` the up-projection weight (`kv_b_proj`),
     `idx, valid [B, Tq, k]` from `select_topk`. The score of key t is `q_nope W_uk c_t + q_pe k_pe_t`, the value
-    `W_uv c_t`, exactly as with per-head keys and values."""
+    `W_uv c_t`, exactly as with per-head keys and values. `on_probs(s, e, p)`, when given, receives each chunk's
+    attention probabilities `p [B, e - s, H, k]` (fp32, detached) of queries `[s, e)` over their selection: the
+    indexer loss's target (arbor.models.dsa_indexer_loss), with no `[Tq, k]` copy kept."""
     B, Tq, H, Dn = q_nope.shape
     Tk, R = c_kv.shape[1], c_kv.shape[2]
     w = kv_b.view(H, Dn + v_head_dim, R)
@@ -122,7 +126,10 @@ def sparse_mla(
         logits = torch.einsum("bqhr,bqkr->bqhk", q_lat[:, s:e], c_sel)
         logits = logits + torch.einsum("bqhd,bqkd->bqhk", q_pe[:, s:e], pe_sel)
         logits = (logits.float() * scale).masked_fill(~valid[:, s:e, None, :], float("-inf"))
-        p = torch.softmax(logits, dim=-1).to(c_sel.dtype)
+        p = torch.softmax(logits, dim=-1)
+        if on_probs is not None:
+            on_probs(s, e, p.detach())
+        p = p.to(c_sel.dtype)
         outs.append(torch.einsum("bqhk,bqkr->bqhr", p, c_sel))
     o_lat = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return torch.einsum("bqhr,hvr->bqhv", o_lat, w[:, Dn:])

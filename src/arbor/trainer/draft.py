@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arbor.models.dsa_indexer_loss import indexer_modules
 from arbor.models.qwen3 import linear_weight
 from arbor.trainer.logprobs import chunked_token_logprobs, default_chunk, real_rows
 from arbor.trainer.parallel import clip_grad_norm
@@ -163,16 +164,29 @@ def draft_loss(
 
 def clip_grad_norm_split(model: nn.Module, max_norm: float, state: ParallelState = UNPREPARED) -> torch.Tensor:
     """Clips the policy's gradients by their own global norm (returned, what the step reports) and the MTP
-    modules' by theirs, so that training the drafts leaves the policy's update exactly as it would be."""
+    modules' by theirs, so that training the drafts leaves the policy's update exactly as it would be; a trained
+    DSA indexer (arbor.models.dsa_indexer_loss) is its own group too (`clip_grad_norm_groups`)."""
+    return clip_grad_norm_groups(model, max_norm, state)["policy"]
+
+
+def clip_grad_norm_groups(
+    model: nn.Module, max_norm: float, state: ParallelState = UNPREPARED
+) -> dict[str, torch.Tensor]:
+    """Clips each group by its own global norm, each to `max_norm`: the MTP draft modules ("draft"), the DSA
+    indexers the indexer loss trains ("indexer") and every other parameter ("policy"); returns the norms of the
+    groups the model has ("policy" always). Neither side group's gradients change the policy's clipping."""
     mtp = getattr(model, "mtp", None)
-    if mtp is None or not len(mtp):
-        return clip_grad_norm(model, max_norm, state.expert_replicas)
-    params = list(mtp.parameters())
+    groups = {"draft": mtp if mtp is not None and len(mtp) else None, "indexer": indexer_modules(model)}
+    groups = {k: v for k, v in groups.items() if v is not None}
+    if not groups:
+        return {"policy": clip_grad_norm(model, max_norm, state.expert_replicas)}
+    params = [p for g in groups.values() for p in g.parameters()]
     held = [p.grad for p in params]
     for p in params:
         p.grad = None
-    norm = clip_grad_norm(model, max_norm, state.expert_replicas)
+    norms = {"policy": clip_grad_norm(model, max_norm, state.expert_replicas)}
     for p, g in zip(params, held):
         p.grad = g
-    clip_grad_norm(mtp, max_norm)
-    return norm
+    for name, group in groups.items():
+        norms[name] = clip_grad_norm(group, max_norm)
+    return norms

@@ -11,7 +11,8 @@ never `[Tl, T]` at once), the top-k is taken
 over the global row, and sparse MLA runs for the local queries. Backward: the all-gather's gradient is summed
 over the ranks and each keeps its own tokens' part (a reduce-scatter; gloo lacks one, so all-reduce + slice,
 see `context_parallel._AllGatherRows`). The result equals the single-rank forward: same scores, same top-k,
-same attention, per query.
+same attention, per query. When the indexer trains (`trainer.indexer`, arbor.models.dsa_indexer_loss) the index
+keys in the row carry its loss's graph, so the same backward returns every rank's key gradients to their owner.
 
 Layout: rows are split zig-zag as for ring attention (rank r holds chunks r and 2cp-1-r of 2cp), padding to a
 multiple of 2 x cp with single-token documents (`ContextParallel.set_row`). With the indexer computing a

@@ -23,6 +23,7 @@ from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.config.loader import ConfigError
 from arbor.config.trainer import TrainerConfig
 from arbor.models import build_model, build_tokenizer
+from arbor.models.dsa_indexer_loss import enable_indexer_training
 from arbor.monitor.heartbeat import beat
 from arbor.monitor.metrics import RunClock
 from arbor.run_dir import (
@@ -87,6 +88,8 @@ def build_training(
     # Master weights are always fp32; a lower model.dtype is the compute dtype (see parallel.py).
     model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
     try:
+        if cfg.indexer.train:  # before FSDP: the flags live on the attention modules
+            enable_indexer_training(model, cfg.indexer.weight)
         dims = ParallelDims.from_config(cfg.parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -25,7 +25,7 @@ from torch import nn
 
 from arbor.config.trainer import DraftConfig, LossConfig
 from arbor.models.attention import subtree_end_for
-from arbor.trainer.draft import DraftOut, clip_grad_norm_split, draft_modules, make_draft_fn
+from arbor.trainer.draft import DraftOut, clip_grad_norm_groups, draft_modules, make_draft_fn
 from arbor.trainer.forward import (
     micro_batch_logprobs,
     packed_logprobs,
@@ -118,8 +118,9 @@ def train_step(
     logprobs (arbor.trainer.loss) are computed first, with no gradient; the token figures (mismatch_kl,
     entropy, staleness) are counted in the first epoch and the loss figures averaged over the epochs. With
     `draft` enabled and MTP modules in the model, each micro-batch's forward also trains them
-    (arbor.trainer.draft; `draft/kl` in the figures). `state` and `ref_state`: how `parallelize` prepared the
-    model and the reference (arbor.trainer.parallel_state).
+    (arbor.trainer.draft; `draft/kl` in the figures). A DSA model whose indexer trains (`trainer.indexer`) puts
+    its KL loss in `aux_loss` and reports `indexer/kl` and `indexer/grad_norm`. `state` and `ref_state`: how
+    `parallelize` prepared the model and the reference (arbor.trainer.parallel_state).
     """
     cp_ctx = state.cp
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
@@ -160,9 +161,13 @@ def train_step(
                 if epoch == 0:
                     seen = logprobs if proximal[i] is None else proximal[i]  # the policy before any update
                     _account(acc, batch.micro_batches[i], mask, seen, entropy, batch.step, device)
-            grad_norm = clip_grad_norm_split(model, max_norm, state)
-            skipped += _update(optimizer, grad_norm, batch.step)
+            norms = clip_grad_norm_groups(model, max_norm, state)
+            grad_norm = norms["policy"]
+            # a non-finite indexer gradient skips the update too (it would reach the indexer's weights for good)
+            skipped += _update(optimizer, grad_norm + 0.0 * norms.get("indexer", 0.0), batch.step)
             acc.add("grad_norm_max", grad_norm)  # identical on every rank: MAX keeps it as is
+            if "indexer" in norms:
+                acc.add("indexer/grad_norm_max", norms["indexer"])
     return {**_figures(acc, dp_size, max(batch.loss_tokens_total, 1)), "skipped_updates": skipped}
 
 
@@ -287,6 +292,10 @@ def _micro_batch_backward(
     if aux is not None:
         total = total + aux / n_mb
         acc.add("aux_loss_sum", aux / n_mb * mask.sum() / epochs)  # reported per loss token like the loss metrics
+    indexer = getattr(model, "indexer_stats", None)
+    if indexer is not None:  # the indexer's KL loss is the aux loss above (arbor.models.dsa_indexer_loss)
+        acc.add("indexer_kl_total", indexer[0] / epochs)
+        acc.add("indexer_queries", indexer[1] / epochs)
     if drafted is not None:
         total = total + draft.weight * drafted.loss / n_mb
         acc.add("draft_kl_total", drafted.kl_sum / epochs)  # averaged over the passes, like the loss figures
@@ -363,6 +372,12 @@ def _figures(acc: _Accumulator, world_size: int, normaliser: int) -> dict[str, f
     draft_kl = sums.pop("draft_kl_total", 0.0)
     if draft_positions > 0:
         out["draft/kl"] = draft_kl / draft_positions
+    indexer_queries = sums.pop("indexer_queries", 0.0)
+    indexer_kl = sums.pop("indexer_kl_total", 0.0)
+    if indexer_queries > 0:
+        out["indexer/kl"] = indexer_kl / indexer_queries
+    if "indexer/grad_norm_max" in maxes:  # one figure per step like grad_norm (the last optimizer step's)
+        out["indexer/grad_norm"] = maxes.pop("indexer/grad_norm_max")
     stale_tokens = sums.pop("staleness_tokens")
     stale_sum = sums.pop("staleness_sum")
     if stale_tokens > 0:
