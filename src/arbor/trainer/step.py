@@ -225,6 +225,22 @@ def mini_batch_normalisers(batch: StepBatch, groups: list[range], weight: float)
     return [total * float(w) / whole if w > 0 else float(total) for w in sums]
 
 
+def _model_aux_loss(
+    model: nn.Module, acc: "_Accumulator", n_mb: int, mask: torch.Tensor, epochs: int
+) -> torch.Tensor | float:
+    """The model's own loss of this forward, per micro-batch (0 when none): an MoE model's load balancing, a DSA
+    model's indexer KL (arbor.models.dsa_indexer_loss, also counted as `indexer/kl`)."""
+    aux = getattr(model, "aux_loss", None)
+    indexer = getattr(model, "indexer_stats", None)
+    if indexer is not None:
+        acc.add("indexer_kl_total", indexer[0] / epochs)
+        acc.add("indexer_queries", indexer[1] / epochs)
+    if aux is None:
+        return 0.0
+    acc.add("aux_loss_sum", aux / n_mb * mask.sum() / epochs)  # reported per loss token like the loss metrics
+    return aux / n_mb
+
+
 def _micro_batch_backward(
     model: nn.Module,
     batch: StepBatch,
@@ -287,15 +303,7 @@ def _micro_batch_backward(
         loss_cfg,
         ctx,
     )
-    total = out.loss_sum * scale
-    aux = getattr(model, "aux_loss", None)
-    if aux is not None:
-        total = total + aux / n_mb
-        acc.add("aux_loss_sum", aux / n_mb * mask.sum() / epochs)  # reported per loss token like the loss metrics
-    indexer = getattr(model, "indexer_stats", None)
-    if indexer is not None:  # the indexer's KL loss is the aux loss above (arbor.models.dsa_indexer_loss)
-        acc.add("indexer_kl_total", indexer[0] / epochs)
-        acc.add("indexer_queries", indexer[1] / epochs)
+    total = out.loss_sum * scale + _model_aux_loss(model, acc, n_mb, mask, epochs)
     if drafted is not None:
         total = total + draft.weight * drafted.loss / n_mb
         acc.add("draft_kl_total", drafted.kl_sum / epochs)  # averaged over the passes, like the loss figures
