@@ -210,8 +210,9 @@ class RolloutScheduleConfig(Config):
     between decode steps, so a sample's later tokens may come from the newer policy: fresher samples, but which
     token an update lands on depends on timing). "between_steps" (per-step modes only): the fleet loads exactly
     the version a step waits for (step - lag) before that step's groups launch, and nothing while they generate,
-    so every sample of a batch comes from one policy (staleness exactly the lag) and a run with the same seed
-    samples the same batches again (arbor.orchestrator.weight_sync). one_step_off keeps its overlap: the trainer
+    so every sample of a batch comes from one policy (staleness exactly the lag; the first step after a resume
+    samples from the checkpoint's policy, as in_flight does) and a run with the same seed samples the same
+    batches again (arbor.orchestrator.weight_sync). one_step_off keeps its overlap: the trainer
     trains step N while step N + 1 is sampled from the policy before it."""
     oversample: Float = Field(1.0, ge=1.0)
     """Per-step modes (sync, one_step_off): launch ceil(oversample x groups per step) groups; once the batch is
