@@ -170,6 +170,19 @@ def test_activation_checkpointing_recomputes_the_same_indexer_loss():
     assert all(layer.self_attn.indexer_sink is None for layer in ac.model.layers)
 
 
+def _fit_indexer(model, params, inputs, steps: int) -> list[float]:
+    """`steps` Adam steps (lr 2e-2) on the indexer loss alone over one batch; the KL before each."""
+    opt = torch.optim.Adam(params, lr=2e-2)
+    kls = []
+    for _ in range(steps):
+        model(*inputs)
+        kls.append(float(model.aux_loss))
+        opt.zero_grad()
+        model.aux_loss.backward()
+        opt.step()
+    return kls
+
+
 def _overlap(model, ids, pos, mask, seen) -> float:
     """Mean fraction of each sparse query's selection that is among the main attention's k best keys (dense
     attention probabilities summed over heads), over layers and queries that see more than k keys."""
@@ -201,15 +214,8 @@ def test_training_the_indexer_lowers_its_kl_and_raises_top_k_overlap(seed):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if p.dim() > 1 else torch.ones_like(p))
     ids, pos, mask = _batch(seed=5 + seed)
     seen = _capture(model)
-    opt = torch.optim.Adam([p for _, p in _indexer_params(model)], lr=2e-2)
     overlap0 = _overlap(model, ids, pos, mask, seen)
-    kls = []
-    for _ in range(80):
-        model(ids, pos, mask)
-        kls.append(float(model.aux_loss))
-        opt.zero_grad()
-        model.aux_loss.backward()
-        opt.step()
+    kls = _fit_indexer(model, [p for _, p in _indexer_params(model)], (ids, pos, mask), 80)
     overlap1 = _overlap(model, ids, pos, mask, seen)
     print(f"kl {kls[0]:.4f} -> {kls[-1]:.4f}, overlap {overlap0:.3f} -> {overlap1:.3f}")
     assert kls[-1] < 0.7 * kls[0], kls
@@ -341,12 +347,5 @@ def test_indexer_loss_on_cuda_bf16():
     for (n, p_on), (_, p_off) in zip(on.named_parameters(), off.named_parameters(), strict=True):
         if ".indexer." not in n and p_off.grad is not None:
             assert torch.equal(p_on.grad, p_off.grad), n
-    opt = torch.optim.Adam(params, lr=2e-2)
-    kls = []
-    for _ in range(30):
-        model(ids, pos, mask)
-        kls.append(float(model.aux_loss))
-        opt.zero_grad()
-        model.aux_loss.backward()
-        opt.step()
+    kls = _fit_indexer(model, params, (ids, pos, mask), 30)
     assert kls[-1] < 0.7 * kls[0], kls
