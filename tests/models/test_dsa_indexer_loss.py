@@ -346,6 +346,8 @@ def test_indexer_loss_on_cuda_bf16():
     off(ids, pos, mask).float().square().mean().backward()
     for (n, p_on), (_, p_off) in zip(on.named_parameters(), off.named_parameters(), strict=True):
         if ".indexer." not in n and p_off.grad is not None:
-            assert torch.equal(p_on.grad, p_off.grad), n
+            # CUDA's index backward (the gathered latents) adds in a varying order: a bf16 ulp or two, where a
+            # leak of the indexer loss into the policy would move the gradients by their own size
+            torch.testing.assert_close(p_on.grad.float(), p_off.grad.float(), rtol=2e-2, atol=1e-5, msg=n)
     kls = _fit_indexer(model, params, (ids, pos, mask), 30)
     assert kls[-1] < 0.7 * kls[0], kls
