@@ -102,7 +102,8 @@ def enable_indexer_training(model: nn.Module, weight: float) -> None:
 def indexer_modules(model: nn.Module) -> nn.ModuleList | None:
     """The indexers the loss trains (a list of references for clipping them as their own group), or None."""
     layers = getattr(getattr(model, "model", None), "layers", [])
-    found = [layer.self_attn.indexer for layer in layers if getattr(layer.self_attn, "train_indexer", False)]
+    attns = [getattr(layer, "self_attn", None) for layer in layers]  # a hybrid model's linear layers have none
+    found = [attn.indexer for attn in attns if getattr(attn, "train_indexer", False)]
     return nn.ModuleList(found) if found else None
 
 

@@ -188,6 +188,13 @@ class SenderGroup:
         self.store.set(f"v{version}/done", "1")
 
 
+ANSWER_GRACE = 10.0
+"""Seconds a receiver waits for the trainer's answer beyond the shared timeout: the trainer decides whether a
+group forms (its clock starts as it publishes, about when the receivers check in) and, past its timeout, answers
+which rank did not join; the grace lets that answer, not a bare timeout of the receiver's own, reach every
+receiver that did (under load the two clocks used to tie)."""
+
+
 class ReceiverGroup:
     """A receiver's side (a vLLM worker, a test process): rank `rank` of `world`, rejoining when told to."""
 
@@ -203,14 +210,15 @@ class ReceiverGroup:
     def join(self, version: int) -> WeightComm:
         """Checks in for `version`; returns the communicator of the generation the trainer answers with."""
         where = f"the weight group at {self.host}:{self.port}"
+        wait = self.timeout + ANSWER_GRACE
         try:  # a fresh client per update: a restarted trainer serves a new store
-            store = _store(self.host, self.port, False, self.timeout)
+            store = _store(self.host, self.port, False, wait)
             store.set(f"v{version}/rank{self.rank}", self.incarnation)
             generation = store.get(f"v{version}/gen").decode()
             late = store.check([f"v{version}/done"])
         except dist.DistStoreError as e:
             raise WeightTransferTimeout(
-                f"weight update {version}: rank {self.rank} got no answer from {where} within {self.timeout:.0f}s ({e})"
+                f"weight update {version}: rank {self.rank} got no answer from {where} within {wait:.0f}s ({e})"
             ) from None
         if generation.startswith(ERROR):
             raise WeightTransferError(generation.removeprefix(ERROR))
