@@ -94,22 +94,19 @@ def test_gspo_on_merged_rows_equals_the_same_samples_unmerged_in_the_same_mini_b
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # SFT warm-up and 60 RL steps: about a minute on 2 idle cores, twice at worst
+@pytest.mark.timeout(1200)  # SFT warm-up and 60 RL steps: about a minute on 2 idle cores, three on a loaded one
 def test_gspo_example_learns_with_a_one_step_lag(tmp_path: Path) -> None:
     """`rl @ examples/reverse_text/rl.toml @ configs/algorithms/gspo.toml`: the example's one_step_off schedule
     (the retired `async_lag = 1`), prefix-merged rows, GSPO's paper band and two mini-batches. Every step
     clips under half its loss tokens and the reward rises: the best 10-step window's mean reward is at least 0.1
-    above the first window's. Runs are not reproducible (asynchronous timing decides which rollouts fill a step)
-    and about one in six rose less (idle runs: +0.13, +0.13, +0.16, and one CI run +0.046), so a second seed runs
-    when the first did not rise: one of two must, and both keep the staleness bound and the clip fraction."""
-    rises = []
-    for seed in (0, 1):
-        rewards = _gspo_run(tmp_path / f"run{seed}", seed)
-        windows = [sum(rewards[i : i + 10]) / 10 for i in range(len(rewards) - 9)]
-        rises.append(max(windows) - windows[0])
-        if rises[-1] >= 0.1:
-            break
-    assert max(rises) >= 0.1, rises
+    above the first window's. The fleet takes each policy between steps (`weight_updates = "between_steps"`,
+    still one step behind the trainer), so a seeded run samples the same batches again and one run decides:
+    in-flight updates let timing pick which rollouts fill a step, and one in six such runs rose under 0.1.
+    Measured (2026-12-02): seeds 0 / 1 / 2 rose +0.185 / +0.206 / +0.127, clip_frac at most 0.33 / 0.27 / 0.35;
+    seed 0 again gave the same rewards (a few differ in the last bit of a float sum)."""
+    rewards = _gspo_run(tmp_path / "run", 0)
+    windows = [sum(rewards[i : i + 10]) / 10 for i in range(len(rewards) - 9)]
+    assert max(windows) - windows[0] >= 0.1, rewards
 
 
 def _gspo_run(out: Path, seed: int) -> list[float]:
@@ -127,6 +124,8 @@ def _gspo_run(out: Path, seed: int) -> list[float]:
             str(out),
             "--seed",
             str(seed),
+            "--orchestrator.scheduler.weight-updates",
+            "between_steps",
         ],
         capture_output=True,
         text=True,
