@@ -87,6 +87,8 @@ SETTINGS = "bench_settings.json"
 """Written into each arm's run directory: a later invocation reads a run back only if its settings match."""
 ENV_ARGS = '{ min_len = 3, max_len = 8, alphabet = "abcdefgh" }'
 MAX_TOKENS = 24
+RL_BATCH = 64
+"""Samples per RL step and the inference server's slots, as RUN passes them (`--rl-batch`; 8 per prompt)."""
 RUN = [
     "--seq-len",
     "64",
@@ -114,13 +116,19 @@ RUN = [
     "--inference.num-threads",
     "1",
     "--inference.max-batch-size",
-    "64",
+    "64",  # RL_BATCH
     "--inference.speculative.enabled",
     "true",
 ]
 
 
-def rl_argv(out: Path, model: str, steps: int, draft_tokens: int, online: bool, sft_steps: int) -> list[str]:
+def rl_argv(
+    out: Path, model: str, steps: int, draft_tokens: int, online: bool, sft_steps: int, batch: int = RL_BATCH
+) -> list[str]:
+    # another `batch` (`--rl-batch`) overrides RUN's, as later arguments win
+    other = (
+        [] if batch == RL_BATCH else ["--orchestrator.batch-size", str(batch), "--inference.max-batch-size", str(batch)]
+    )
     return [
         sys.executable,
         "-m",
@@ -136,6 +144,7 @@ def rl_argv(out: Path, model: str, steps: int, draft_tokens: int, online: bool, 
         "--trainer.draft.enabled",
         "true" if online else "false",
         *RUN,
+        *other,
         "--sft.steps",
         str(sft_steps),
         "--sft.batch-size",
@@ -156,15 +165,19 @@ def acceptance(out: Path, steps: int, settings: dict) -> list[float] | None:
     return [r["spec/acceptance_rate"] for r in rows] if len(rows) >= steps else None
 
 
-def rl_runs(root: Path, model: str, steps: int, draft_tokens: int, sft_steps: int) -> dict[str, list[float]]:
+def rl_runs(
+    root: Path, model: str, steps: int, draft_tokens: int, sft_steps: int, batch: int = RL_BATCH
+) -> dict[str, list[float]]:
     """Both arms' acceptance rates. The runs go side by side, so machine load hits both alike; an arm whose
     directory already holds a completed run (a previous invocation with this `--output-dir`) is read back."""
     settings = {"model": model, "steps": steps, "draft_tokens": draft_tokens, "sft_steps": sft_steps, "run": RUN}
+    if batch != RL_BATCH:
+        settings["rl_batch"] = batch
     procs = {}
     for arm in ("online", "frozen"):
         if acceptance(root / arm, steps, settings) is None:
             shutil.rmtree(root / arm, ignore_errors=True)
-            argv = rl_argv(root / arm, model, steps, draft_tokens, arm == "online", sft_steps)
+            argv = rl_argv(root / arm, model, steps, draft_tokens, arm == "online", sft_steps, batch)
             procs[arm] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for arm, proc in procs.items():
         _, err = proc.communicate()
@@ -220,11 +233,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64, help="requests per speed measurement, --batch at a time")
     ap.add_argument("--repeats", type=int, default=7, help="paired speed measurements (plain and speculative)")
     ap.add_argument("--output-dir", default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--rl-batch", type=int, default=RL_BATCH, help="samples per RL step (8 per prompt)")
     args = parse_args(
-        ap, model="qwen3-test-mtp", steps=2, window=1, sft_steps=0, draft_tokens=2, batch=2, requests=2, repeats=1
+        ap,
+        model="qwen3-test-mtp",
+        steps=2,
+        window=1,
+        sft_steps=0,
+        draft_tokens=2,
+        batch=2,
+        requests=2,
+        repeats=1,
+        rl_batch=16,
     )
     root = Path(args.output_dir or tempfile.mkdtemp(prefix="arbor-mtp-bench-"))
-    rates = rl_runs(root, args.model, args.steps, args.draft_tokens, args.sft_steps)
+    rates = rl_runs(root, args.model, args.steps, args.draft_tokens, args.sft_steps, args.rl_batch)
     w = args.window
     ends = {arm: (statistics.mean(r[:w]), statistics.mean(r[-w:])) for arm, r in rates.items()}
     ratio = {arm: end / start for arm, (start, end) in ends.items()}

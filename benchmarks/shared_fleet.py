@@ -30,7 +30,7 @@ cores, not its slots: the fast run's requests spread over two replica processes 
 target (which assumes replicas with accelerators of their own) is not met on this machine. Run it where each
 replica has cores (or a GPU) of its own.
 
-    uv run python benchmarks/shared_fleet.py [--replicas 2] [--slots 4] [--max-tokens 64] [--steps 12]
+    uv run python benchmarks/shared_fleet.py [--replicas 2] [--slots 4] [--max-tokens 64] [--steps 12] [--batch 32]
 """
 
 from __future__ import annotations
@@ -53,13 +53,22 @@ from arbor.run_dir import fleet_url_path, fleet_usage_path, metrics_path
 
 TARGET = 1.3
 BATCH, GROUP = 32, 4
+"""Samples per step of each run (`--batch`), and per prompt."""
+MEDIAN_S = 1.0
+"""The slow environment's median scoring wait in seconds (`--median-s`)."""
+
+
+def slow_env_args(median_s: float) -> str:
+    return f"{{ median_s = {median_s}, sigma = 0.6, straggler_p = 0.0, max_len = 5 }}"
+
+
 MODEL = ["--model.name", "qwen3-test", "--seq-len", "128", "--seed", "0"]
 RUNS = {
     "slow": [
         "--orchestrator.environment.id",
         "arbor.environments.skewed_latency:SkewedLatencyEnv",
         "--orchestrator.environment.args",
-        "{ median_s = 1.0, sigma = 0.6, straggler_p = 0.0, max_len = 5 }",
+        slow_env_args(MEDIAN_S),
     ],
     "fast": [
         "--orchestrator.environment.id",
@@ -107,7 +116,7 @@ def start_fleet(out: Path, replicas: int, slots: int) -> tuple[subprocess.Popen,
     return proc, fleet_url_path(out).read_text().strip()
 
 
-def run_argv(name: str, url: str, out: Path, steps: int, max_tokens: int) -> list[str]:
+def run_argv(name: str, url: str, out: Path, steps: int, max_tokens: int, batch: int, median_s: float) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -119,11 +128,11 @@ def run_argv(name: str, url: str, out: Path, steps: int, max_tokens: int) -> lis
         "--max-steps",
         str(steps),
         *MODEL,
-        *RUNS[name],
+        *(RUNS[name] if name != "slow" else [*RUNS[name][:-1], slow_env_args(median_s)]),
         "--model.lora.rank",
         "8",
         "--orchestrator.batch-size",
-        str(BATCH),
+        str(batch),
         "--orchestrator.group-size",
         str(GROUP),
         "--orchestrator.sampling.max-tokens",
@@ -133,11 +142,11 @@ def run_argv(name: str, url: str, out: Path, steps: int, max_tokens: int) -> lis
     ]
 
 
-def run_figures(out: Path, tail: int) -> dict[str, float]:
+def run_figures(out: Path, tail: int, batch: int) -> dict[str, float]:
     rows = read_jsonl(metrics_path(out))
     loop = rows[-1]["elapsed_s"] - rows[0]["elapsed_s"]
     return {
-        "samples_per_s": BATCH * (len(rows) - 1) / loop,
+        "samples_per_s": batch * (len(rows) - 1) / loop,
         "loop_s": loop,
         "reward": statistics.mean(r["reward/mean"] for r in rows[-tail:]),
     }
@@ -148,19 +157,17 @@ def fleet_utilisation(out: Path) -> float | None:
     return rows[-1]["fleet"].get("utilisation") if rows else None
 
 
-def arm(
-    shared: bool, replicas: int, slots: int, steps: int, max_tokens: int, tail: int, root: Path
-) -> dict[str, object]:
+def arm(shared: bool, a: argparse.Namespace, root: Path) -> dict[str, object]:
     """One arm: its fleets up, both runs to their end, the fleets down."""
     fleets = (
-        {"all": start_fleet(root / "fleet", replicas, slots)}
+        {"all": start_fleet(root / "fleet", a.replicas, a.slots)}
         if shared
-        else {name: start_fleet(root / f"fleet_{name}", replicas // 2, slots) for name in RUNS}
+        else {name: start_fleet(root / f"fleet_{name}", a.replicas // 2, a.slots) for name in RUNS}
     )
     try:
         runs = {
             name: subprocess.Popen(
-                run_argv(name, fleets["all" if shared else name][1], root, steps, max_tokens),
+                run_argv(name, fleets["all" if shared else name][1], root, a.steps, a.max_tokens, a.batch, a.median_s),
                 stdout=subprocess.DEVNULL,
                 stderr=open(root / f"{name}.log", "w"),
                 env=_env(),
@@ -174,7 +181,7 @@ def arm(
         for proc, _ in fleets.values():
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(120)
-    figures = {name: run_figures(root / name, tail) for name in RUNS}
+    figures = {name: run_figures(root / name, a.tail, a.batch) for name in RUNS}
     util = [fleet_utilisation(root / ("fleet" if shared else f"fleet_{n}")) for n in (["all"] if shared else RUNS)]
     return {
         "total": sum(f["samples_per_s"] for f in figures.values()),
@@ -203,16 +210,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--tail", type=int, default=4, help="last steps whose reward/mean is averaged")
     p.add_argument("--repeats", type=int, default=1)
-    args = parse_args(p, max_tokens=4, steps=2, tail=1)
+    p.add_argument("--batch", type=int, default=BATCH, help=f"samples per step of each run ({GROUP} per prompt)")
+    p.add_argument("--median-s", type=float, default=MEDIAN_S, help="the slow environment's median scoring wait")
+    args = parse_args(p, max_tokens=4, steps=2, tail=1, batch=8, median_s=0.05)
     if args.replicas < 2 or args.replicas % 2:
         raise SystemExit("--replicas must be even and at least 2 (the separate arm gives each run half)")
     results: dict[str, list[dict]] = {"separate": [], "shared": []}
     for i in range(args.repeats):
         for name in ("separate", "shared"):
             with tempfile.TemporaryDirectory(prefix=f"arbor_shared_fleet_{name}_") as tmp:
-                res = arm(
-                    name == "shared", args.replicas, args.slots, args.steps, args.max_tokens, args.tail, Path(tmp)
-                )
+                res = arm(name == "shared", args, Path(tmp))
             results[name].append(res)
             runs = ", ".join(
                 f"{n} {f['samples_per_s']:.2f}/s (reward {f['reward']:.3f})" for n, f in res["runs"].items()

@@ -49,8 +49,9 @@ def bare_import() -> float:
     return time.perf_counter() - t0
 
 
-def first_step(out: Path) -> float:
-    """Seconds from `rl`'s start to the first row of metrics.jsonl; the run (one step) is then let finish."""
+def first_step(out: Path, extra: tuple[str, ...] = ()) -> float:
+    """Seconds from `rl`'s start to the first row of metrics.jsonl; the run (two steps) is then let finish.
+    `extra`: more `rl` arguments, which win over the ones here (with `--smoke`: one step of a smaller batch)."""
     argv = [
         sys.executable,
         "-m",
@@ -63,6 +64,7 @@ def first_step(out: Path) -> float:
         "2",
         "--output-dir",
         str(out),
+        *extra,
     ]
     metrics = out / "metrics.jsonl"
     t0 = time.perf_counter()
@@ -84,11 +86,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per arm; medians are reported")
     a = parse_args(p, repeats=1)
+    smoke = ("--max-steps", "1", "--orchestrator.batch-size", "16") if a.smoke else ()
     bare, rl = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
             bare.append(bare_import())
-            rl.append(first_step(Path(tmp) / f"run{i}"))
+            rl.append(first_step(Path(tmp) / f"run{i}", smoke))
             print(f"#{i}: import torch {bare[-1]:.1f}s, rl to first step {rl[-1]:.1f}s", flush=True)
     floor = PROCESSES * statistics.median(bare)
     ratio = statistics.median(rl) / floor

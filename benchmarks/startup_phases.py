@@ -126,11 +126,14 @@ def main() -> None:
     root = Path(__file__).resolve().parents[1]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", default=str(root / "examples/reverse_text/rl.toml"), help="the run's TOML")
-    config = parse_args(p).config  # --smoke: the same single start-up (there is nothing to shrink)
+    a = parse_args(p)
+    config = a.config  # --smoke: the same single start-up, then one step of 16 samples (not two of the example's)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         argv = [sys.executable, "-m", "arbor.launch.rl", "@", config]
         argv += ["--sft.steps", "0", "--max-steps", "2", "--output-dir", str(run)]
+        if a.smoke:  # later arguments win
+            argv += ["--max-steps", "1", "--orchestrator.batch-size", "16"]
         launched = time.time()
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
         trace = StartupTrace(run, proc.pid, launched)

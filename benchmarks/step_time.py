@@ -166,7 +166,8 @@ def plain_arm(steps: int, skip: int, threads: int, prompts: int = PROMPTS) -> di
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-def arbor_arm(out: Path, mode: str, steps: int, skip: int) -> float:
+def arbor_arm(out: Path, mode: str, steps: int, skip: int, extra: tuple[str, ...] = ()) -> float:
+    """`extra`: more `rl` arguments (with `--smoke`: the smoke's smaller batch)."""
     argv = [
         sys.executable,
         "-m",
@@ -181,6 +182,7 @@ def arbor_arm(out: Path, mode: str, steps: int, skip: int) -> float:
         str(out),
         "--orchestrator.scheduler.mode",
         mode,
+        *extra,
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -196,7 +198,9 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=3, help="warm-up steps per arm and round, not timed")
     p.add_argument("--cores", type=int, default=2, help="threads of the plain loop (all cores)")
     p.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step of the plain loop (the example's)")
-    a = parse_args(p, repeats=1, steps=1, skip=1, cores=1, prompts=2)
+    a = parse_args(p, repeats=1, steps=1, skip=0, cores=1, prompts=2)
+    # --smoke: the arbor arms train the plain loop's batch (prompts x GROUP samples), not the example's 128
+    extra = ("--orchestrator.batch-size", str(a.prompts * GROUP)) if a.smoke else ()
     res: dict[str, list[float]] = {k: [] for k in ("plain_all", "plain_1t", "generate_1t", "train_1t", "lag1", "lag0")}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
@@ -205,8 +209,8 @@ def main() -> None:
             res["plain_1t"].append(one["step"])
             res["generate_1t"].append(one["generate"])
             res["train_1t"].append(one["train"])
-            res["lag1"].append(arbor_arm(Path(tmp) / f"lag1_{i}", "one_step_off", a.steps, a.skip))
-            res["lag0"].append(arbor_arm(Path(tmp) / f"lag0_{i}", "sync", a.steps, a.skip))
+            res["lag1"].append(arbor_arm(Path(tmp) / f"lag1_{i}", "one_step_off", a.steps, a.skip, extra))
+            res["lag0"].append(arbor_arm(Path(tmp) / f"lag0_{i}", "sync", a.steps, a.skip, extra))
             print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in res.items()), flush=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     # The plain loop is credited with its faster setting: on a loaded machine, all-core OpenMP can lose to one thread.

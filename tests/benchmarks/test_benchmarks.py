@@ -52,6 +52,11 @@ EXPECTED: dict[str, set[str]] = {
 HELPERS = {"smoke", "vs_trl_task"}
 """Modules in benchmarks/ that are not benchmarks."""
 
+IN_GPU_KIT = {"decode": "decode_0.6b", "logprobs_memory": "logprobs_memory", "mfu": "mfu_0.6b"}
+"""Benchmark -> the part of scripts/gpu_check.py whose CPU mode runs its `--smoke` run, the same command (checked
+below): tests/launch/test_gpu_kit.py::test_cpu_mode_passes_and_prints_its_json_lines runs it and checks its JSON
+against EXPECTED, so test_smoke_run_prints_its_json does not run it a second time."""
+
 
 def _extra_args(name: str, tmp: Path) -> list[str]:
     """Arguments beyond `--smoke`: where a benchmark keeps its runs by default (a temporary directory it leaves)."""
@@ -63,9 +68,25 @@ def test_every_benchmark_has_a_smoke_test():
     assert scripts == set(EXPECTED), "benchmarks/ and EXPECTED list different benchmarks"
 
 
+def test_the_gpu_kit_runs_the_smoke_runs_it_stands_in_for():
+    spec = importlib.util.spec_from_file_location("kit_gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["kit_gpu_check"] = gpu_check  # dataclasses look their module up by name
+    spec.loader.exec_module(gpu_check)
+    argv = {p.name: p.argv for p in gpu_check.parts(cpu=True)}
+    for name, part in IN_GPU_KIT.items():
+        # mfu's `--smoke` shape is "tiny" (benchmarks/mfu.py), which the kit names explicitly
+        assert argv[part] == [
+            str(BENCHMARKS / f"{name}.py"),
+            "--smoke",
+            *(["--shape", "tiny"] if name == "mfu" else []),
+        ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.vllm) if n == "engines" else n for n in sorted(EXPECTED)]
+    "name",
+    [pytest.param(n, marks=pytest.mark.vllm) if n == "engines" else n for n in sorted(set(EXPECTED) - set(IN_GPU_KIT))],
 )
 def test_smoke_run_prints_its_json(name: str, tmp_path: Path):
     argv = [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", *_extra_args(name, tmp_path)]

@@ -18,7 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    return _load_path(name, ROOT / "scripts" / f"{name}.py")
+
+
+def _load_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
@@ -91,3 +95,9 @@ def test_cpu_mode_passes_and_prints_its_json_lines(tmp_path):
     figures = {r["part"]: r["result"] for r in records}
     assert figures["mfu_0.6b"]["tokens_per_s"] > 0 and figures["decode_0.6b"]["tokens_per_s"] > 0
     assert all(figures[p]["steps"] >= 1 for p in ("rl_bf16", "rl_fp8", "rl_moe"))
+    # these parts are benchmarks' `--smoke` runs, which tests/benchmarks/test_benchmarks.py leaves to this test
+    smokes = _load_path("benchmark_smokes", ROOT / "tests" / "benchmarks" / "test_benchmarks.py")
+    for name, part in smokes.IN_GPU_KIT.items():
+        assert figures[part]["benchmark"] == name
+        missing = smokes.EXPECTED[name] - figures[part].keys()
+        assert not missing, f"{part}'s JSON lacks {sorted(missing)}: {figures[part]}"
