@@ -2,13 +2,17 @@
 line, each MoE gate's output and weight dtypes and the largest difference between its logits on bf16 activations
 and the trainer's router logits (arbor.models.qwen3_moe: `F.linear(x.float(), w.float())`) on the weights it
 serves (the checkpoint's where the CPU build packed them away).
-Whether arbor's plugin acts is the caller's environment (arbor.inference.vllm.fp32_router.FP32_ROUTER_ENV).
+Whether arbor's plugin acts is the caller's environment (arbor.inference.vllm.fp32_router.FP32_ROUTER_ENV); with
+`off,on` the probe builds the model twice in this one process (one vLLM import, not two), first with the plugin's
+switch unset, then with it set, vLLM loading its plugins anew (through their entry points) before each build, and
+prints a line for each: `GATES off [...]`, then `GATES on [...]`.
 
-    python tests/vllm_router_probe.py MODEL DTYPE
+    python tests/vllm_router_probe.py MODEL DTYPE [off,on]
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -18,10 +22,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import vllm.plugins  # noqa: E402
 from vllm import LLM  # noqa: E402
+from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 
 from arbor.config.inference import InferenceConfig  # noqa: E402
 from arbor.config.model import ModelConfig  # noqa: E402
+from arbor.inference.vllm.fp32_router import FP32_ROUTER_ENV  # noqa: E402
 from arbor.inference.vllm.model_dir import model_dir  # noqa: E402
 from arbor.models import build_model  # noqa: E402
 
@@ -62,8 +69,23 @@ def main() -> None:
     name, dtype = sys.argv[1], sys.argv[2]
     path, _ = model_dir(InferenceConfig.model_validate({"model": {"name": name}, "seq_len": 128}))
     CHECKPOINT.update(build_model(ModelConfig(name=name)).state_dict())  # what model_dir saved (same seed)
-    llm = LLM(model=path, dtype=dtype, enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.3)
-    print("GATES " + json.dumps(llm.collective_rpc(gates)[0]), flush=True)
+    if len(sys.argv) < 4:  # the caller's environment decides
+        llm = LLM(model=path, dtype=dtype, enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.3)
+        print("GATES " + json.dumps(llm.collective_rpc(gates)[0]), flush=True)
+        return
+    modes = sys.argv[3].split(",")
+    assert modes == ["off", "on"], modes  # the plugin patches GateLinear for good: off must come first
+    for mode in modes:
+        if mode == "on":
+            os.environ[FP32_ROUTER_ENV] = "1"
+        else:
+            os.environ.pop(FP32_ROUTER_ENV, None)
+        vllm.plugins.plugins_loaded = False  # vLLM loads the general plugins (ours: register()) again at the build
+        llm = LLM(model=path, dtype=dtype, enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.3)
+        print(f"GATES {mode} " + json.dumps(llm.collective_rpc(gates)[0]), flush=True)
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
 
 
 if __name__ == "__main__":

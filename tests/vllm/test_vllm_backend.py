@@ -2,7 +2,8 @@
 ids and logprobs through arbor's proxy, per-token policy versions, filesystem weight updates in a row with the
 trainer-vs-vLLM mismatch after each, abort and resume, cache salts, pause/resume, chat with the byte
 tokenizer's Hugging Face export, hostile requests answered in arbor's error shape (never a 5xx, never a dead
-engine), and the router in front of it and a second server that is killed.
+engine), and the router in front of it and a second server that is killed (serving test_vllm_padding's
+padding-heavy model, whose check it passes first).
 
 The dense model is the `qwen3-tiny` preset (head_dim 32: vLLM's CPU attention refuses `qwen3-test`'s 8), in
 float32, served by name (the adapter writes it and its tokenizer out once)."""
@@ -22,6 +23,7 @@ import pytest
 import torch
 from fuzz_requests import check_answer, malformed, send
 from test_orphans import alive
+from test_vllm_padding import check_never_samples_a_padding_row, serve_padding_heavy_model
 from vllm_server import SharedServer, post_json, vllm_server
 
 from arbor.config.inference import RouterConfig
@@ -202,13 +204,21 @@ def children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
+@pytest.mark.timeout(1800)  # a second vLLM start: minutes on a loaded 2-core machine
 def test_router_in_front_of_two_vllm_servers_survives_one_killed(server: str, tmp_path: Path) -> None:
     """arbor's router over the module's server and a second one: requests go to both; once the second is killed
     (its proxy SIGKILLed, vLLM then dies with it) every request still answers (retried on the survivor), the dead
-    one is ejected, and an admin fan-out reports it as unreachable while the survivor takes the call."""
+    one is ejected, and an admin fan-out reports it as unreachable while the survivor takes the call.
+
+    The second server serves test_vllm_padding's padding-heavy `qwen3-tiny` (one vLLM start for both claims), and
+    before the router test that module's claim is checked on it: vLLM never samples or decodes a padding row of
+    the head, and reports the tempered logprobs renormalised over the tokenizer's ids
+    (test_vllm_padding.check_never_samples_a_padding_row)."""
     body = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0.0, "logprobs": 0}
     procs: list = []
-    with vllm_server(tmp_path, MODEL, SEQ_LEN, procs=procs) as second:
+    _, padding_heavy, padding_logits = serve_padding_heavy_model(tmp_path)
+    with vllm_server(tmp_path, padding_heavy, SEQ_LEN, procs=procs) as second:
+        check_never_samples_a_padding_row(second, padding_logits)
 
         async def go() -> None:
             router = Router([server, second], RouterConfig(policy="round_robin", health_interval=0.5, eject_after=1))

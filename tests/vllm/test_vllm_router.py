@@ -26,28 +26,36 @@ def test_servers_arbor_starts_switch_the_plugin_on_unless_configured_off():
     assert FP32_ROUTER_ENV not in serve_env(base={}, cfg=off)
 
 
-def _gates(dtype: str, plugin: bool) -> list[dict]:
+def _gates(dtype: str, plugin: bool, *modes: str) -> dict[str, list[dict]]:
+    """The probe's gates by mode: "" (the switch set in its environment or not: `plugin`), or with `modes`
+    ("off", "on") each build of one probe process, the switch unset and then set (tests/vllm_router_probe.py)."""
     env = {k: v for k, v in os.environ.items() if k != FP32_ROUTER_ENV}
     if plugin:
         env[FP32_ROUTER_ENV] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(PROBE), "qwen3-moe-tiny", dtype], env=env, capture_output=True, text=True, timeout=600
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("GATES ")), None)
-    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
-    found = json.loads(line[len("GATES ") :])
-    assert len(found) == 4  # one gate per MoE layer of the preset
+    argv = [sys.executable, str(PROBE), "qwen3-moe-tiny", dtype] + ([",".join(modes)] if modes else [])
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {}
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("GATES "):
+            mode, _, gates = ln[len("GATES ") :].partition(" ") if modes else ("", "", ln[len("GATES ") :])
+            found[mode] = json.loads(gates)
+    assert list(found) == (list(modes) or [""]), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert all(len(g) == 4 for g in found.values())  # one gate per MoE layer of the preset
     return found
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_bf16_moe_served_by_vllm_gets_the_trainers_fp32_router_logits():
-    for gate in _gates("bfloat16", plugin=True):
+    # One probe process (one vLLM import, ~25 s of a 2-core machine) builds the model twice: without the switch,
+    # then with it, vLLM loading its plugins (ours through its entry point) before each build.
+    found = _gates("bfloat16", False, "off", "on")
+    for gate in found["on"]:
         assert gate["out_dtype"] == "torch.float32", gate
         assert gate["max_diff"] <= 1e-5 * max(1.0, gate["scale"]), gate
     # without the plugin vLLM's CPU build computes them in bf16, ~1e-2 away: the check above can tell
-    for gate in _gates("bfloat16", plugin=False):
+    for gate in found["off"]:
         assert gate["out_dtype"] == "torch.bfloat16" and gate["max_diff"] > 1e-3, gate
 
 
@@ -55,6 +63,6 @@ def test_a_bf16_moe_served_by_vllm_gets_the_trainers_fp32_router_logits():
 @pytest.mark.vllm
 @pytest.mark.gpu(reason="vLLM's CUDA router GEMMs (bf16 in, fp32 out on Hopper and Blackwell)")
 def test_vllm_cuda_router_gemms_return_fp32_logits_of_the_served_weights():
-    for gate in _gates("bfloat16", plugin=True):
+    for gate in _gates("bfloat16", plugin=True)[""]:
         assert gate["out_dtype"] == "torch.float32", gate
         assert gate["max_diff"] <= 1e-4 * max(1.0, gate["scale"]), gate
