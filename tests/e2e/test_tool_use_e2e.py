@@ -28,17 +28,19 @@ def test_tool_use_runs_end_to_end_with_context_truncation(tmp_path):
 
 def test_tool_use_runs_end_to_end_with_the_151k_bpe_vocabulary(tmp_path, qwen_bpe):
     """The same run from a local checkpoint: Qwen's 151k BPE tokenizer with its tool template and a Qwen3 of
-    151,680 embedding rows (tiny hidden size); no token the engine sampled is a padding row."""
+    151,680 embedding rows (tiny hidden size); no token the engine sampled is a padding row. One group of four
+    episodes a step (the trainer's logprobs over 151k columns cost ~3 ms a token here, and the steps' prompts carry
+    the tool template's ~600 tokens)."""
     args = dataclasses.replace(PRESETS["qwen3-test"], vocab_size=qwen_bpe_tokenizer.MODEL_VOCAB)
     model = Qwen3ForCausalLM(args)
     model.init_weights(0)  # as the presets are initialised
     save_checkpoint_dir(model.state_dict(), args, tmp_path / "ckpt", qwen_bpe)
-    batch = _run_and_check(tmp_path / "run", str(tmp_path / "ckpt"))
+    batch = _run_and_check(tmp_path / "run", str(tmp_path / "ckpt"), "--orchestrator.batch-size", "4")
     for mb in batch.micro_batches:
         assert bool((mb.input_ids[mb.loss_mask] < qwen_bpe.vocab_size).all())
 
 
-def _run_and_check(out, model: str):
+def _run_and_check(out, model: str, *extra: str):
     argv = [
         sys.executable,
         "-m",
@@ -63,6 +65,7 @@ def _run_and_check(out, model: str):
         "3",
         "--orchestrator.environment.context.keep-turns",
         "1",
+        *extra,
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
