@@ -10,7 +10,8 @@ import torch
 import transformers
 from PIL import Image
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.numpy import save_file
+from safetensors.torch import load_file
 
 from arbor.config.model import ModelConfig
 from arbor.models import build_model, vision

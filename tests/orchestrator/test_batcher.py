@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.config.orchestrator import AdvantageConfig
@@ -14,6 +18,9 @@ from arbor.orchestrator.advantages import compute_advantages, grpo
 from arbor.orchestrator.batcher import build_step_batches
 from arbor.orchestrator.rollout import Rollout
 from arbor.orchestrator.state import OrchestratorState, TaskSampler, load_state, save_state
+from arbor.run_dir import rollout_rank_file
+from arbor.transport.batch import DTYPES
+from arbor.transport.files import read_step
 
 
 def _rollout(p: int, c: int, reward: float = 0.0, version: int = 0) -> Rollout:
@@ -201,3 +208,46 @@ def test_packing_keeps_each_samples_images_with_it():
         build_step_batches(
             rollouts, step=0, ranks=1, micro_batch_tokens=64, temperature=1.0, pad_id=0, prefix_merge=True
         )
+
+
+NO_TORCH_WRITER = """
+import sys
+from arbor.orchestrator import main  # the orchestrator's whole import graph
+from arbor.orchestrator.batcher import build_step_batches
+from arbor.orchestrator.rollout import Rollout
+from arbor.transport.files import write_step
+
+rollouts = [
+    Rollout(g, [1, 2, 3, 4], [10 + g, 11, 12 + k], [-0.5, -0.25, -0.125], [0, 0, 1], "x", "stop", float(k))
+    for g in range(3) for k in range(2)
+]
+for step, merge in ((0, False), (1, True)):
+    write_step(sys.argv[1], step, build_step_batches(rollouts, step, 2, 8, 1.0, 0, prefix_merge=merge))
+assert "torch" not in sys.modules, "the orchestrator's batches imported torch"
+"""
+
+
+@pytest.mark.slow  # a process of its own: the test process has torch
+def test_the_orchestrator_writes_batches_without_torch_and_the_trainer_reads_them_as_tensors(tmp_path):
+    """The orchestrator process never imports torch (~2 s of CPU and ~500 MB at each start): it builds its batches
+    as numpy arrays and writes them; the trainer reads the same values as torch tensors, in the wire dtypes."""
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH_WRITER, str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rollouts = [
+        Rollout(g, [1, 2, 3, 4], [10 + g, 11, 12 + k], [-0.5, -0.25, -0.125], [0, 0, 1], "x", "stop", float(k))
+        for g in range(3)
+        for k in range(2)
+    ]
+    for step, merge in ((0, False), (1, True)):
+        built = build_step_batches(rollouts, step, 2, 8, 1.0, 0, prefix_merge=merge)
+        for rank, want in enumerate(built):
+            got = read_step(rollout_rank_file(tmp_path, step, rank))
+            assert len(got.micro_batches) == len(want.micro_batches) and got.micro_batches
+            for g, w in zip(got.micro_batches, want.micro_batches):
+                assert isinstance(g.input_ids, torch.Tensor) and g.merged == merge
+                for f in dataclasses.fields(w):
+                    a, b = getattr(g, f.name), getattr(w, f.name)
+                    assert (a is None) == (b is None), f.name
+                    if b is not None:
+                        assert str(a.dtype).removeprefix("torch.") == DTYPES.get(f.name, str(b.dtype)), f.name
+                        assert np.array_equal(a.numpy(), b), f.name

@@ -236,9 +236,9 @@ def test_teacher_logprobs_ride_in_the_batch_per_sample_token(prefix_merge, tmp_p
     for k, r in enumerate(rs):
         r.teacher_logprobs = [-(k + 1) - 0.1 * i for i in range(len(r.completion_ids))]
     (batch,) = build_step_batches(rs, 0, 1, 64, 1.0, 0, prefix_merge=prefix_merge)
-    (mb,) = batch.micro_batches
+    (mb,) = batch.torch().micro_batches
     assert mb.merged == prefix_merge
-    got = StepBatch.from_tensors(*batch.to_tensors()).micro_batches[0]
+    got = StepBatch.from_tensors(*batch.to_tensors()).torch().micro_batches[0]
     assert torch.equal(got.teacher_logprobs, mb.teacher_logprobs)
     # Per original sample token, in the row's sample order: zero on prompt and inserted tokens.
     want = {

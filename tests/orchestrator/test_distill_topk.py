@@ -127,7 +127,7 @@ def test_the_teacher_ships_its_topk_in_the_batch_from_a_local_server(prefix_merg
         want_ids.append(np.concatenate([pad, np.where(trained, top.indices.numpy(), 0)]))
         want_lps.append(np.concatenate([pad, np.where(trained, top.values.numpy(), 0)]))
     (batch,) = build_step_batches(rollouts, 0, 1, 64, 1.0, 0, prefix_merge=prefix_merge)
-    batch = StepBatch.from_tensors(*batch.to_tensors())
+    batch = StepBatch.from_tensors(*batch.to_tensors()).torch()
     (mb,) = batch.micro_batches
     assert mb.merged == prefix_merge and mb.teacher_topk_ids.dtype == torch.int32
     # the row holds the samples in its own order: match each by its tokens
@@ -212,7 +212,7 @@ def topk_step(k: int, prefix_merge: bool) -> StepBatch:
         r.teacher_topk_ids, r.teacher_topk_logprobs = top.indices.numpy().astype(np.int32), top.values.numpy()
         rollouts.append(r)
     (batch,) = build_step_batches(rollouts, 0, 1, 64, 1.0, 0, prefix_merge=prefix_merge)
-    return batch
+    return batch.torch()
 
 
 @pytest.mark.parametrize("prefix_merge", [False, True])

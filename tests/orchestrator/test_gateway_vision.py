@@ -172,7 +172,7 @@ def test_black_box_agents_with_images_train_token_exactly(vl_dir, tmp_path, monk
     )
     grids = [mb.image_grid_thw for mb in batch.micro_batches if mb.pixel_values is not None]
     assert sum(int(g.shape[0]) for g in grids) == 5
-    for mb in batch.micro_batches:
+    for mb in batch.torch().micro_batches:  # as the trainer reads them
         with torch.no_grad():
             ours, _ = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), with_entropy=False)
         assert (ours - mb.inference_logprobs)[mb.loss_mask].abs().max() <= 1e-4

@@ -168,7 +168,7 @@ def test_image_episodes_on_the_engine_train_token_exactly(vl_dir) -> None:
         assert (r.prompt_ids + r.completion_ids).count(pad) == 10 and r.prompt_ids.count(pad) == 4
     (batch,) = build_step_batches(rollouts, step=0, ranks=1, micro_batch_tokens=512, temperature=1.0, pad_id=0)
     assert sum(int(mb.image_grid_thw.shape[0]) for mb in batch.micro_batches if mb.pixel_values is not None) == 6
-    for mb in batch.micro_batches:
+    for mb in batch.torch().micro_batches:  # as the trainer reads them
         with torch.no_grad():
             ours, _ = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), with_entropy=False)
         assert (ours - mb.inference_logprobs)[mb.loss_mask].abs().max() <= 1e-4

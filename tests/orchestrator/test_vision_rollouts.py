@@ -57,7 +57,7 @@ def test_shapes_rollouts_train_token_exactly(vl_dir) -> None:
     assert len(out) == 6 and all(r.images is not None for r in out)
     (batch,) = build_step_batches(out, step=0, ranks=1, micro_batch_tokens=96, temperature=1.0, pad_id=0)
     assert sum(int(mb.image_grid_thw.shape[0]) for mb in batch.micro_batches if mb.pixel_values is not None) == 6
-    for mb in batch.micro_batches:
+    for mb in batch.torch().micro_batches:  # as the trainer reads them
         with torch.no_grad():
             ours, _ = micro_batch_logprobs(model, mb, 1.0, torch.device("cpu"), with_entropy=False)
         gap = (ours - mb.inference_logprobs)[mb.loss_mask].abs().max()

@@ -72,6 +72,7 @@ def test_gspo_on_merged_rows_equals_the_same_samples_unmerged_in_the_same_mini_b
     (merged,) = build_step_batches(
         rollouts, 0, 1, 60, 1.0, 0, normalization="sequence", prefix_merge=True, min_micro_batches=2
     )
+    merged = merged.torch()
     assert all(mb.merged for mb in merged.micro_batches) and len(merged.micro_batches) >= 2
     plain = StepBatch(
         0, [_unmerged(mb) for mb in merged.micro_batches], merged.loss_tokens_total, merged.num_samples_total, 1.0

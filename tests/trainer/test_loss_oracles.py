@@ -307,7 +307,7 @@ def test_prefix_merged_row_matches_the_oracle_on_samples_forwarded_alone(case: s
     rollouts = tree_rollouts(2)
     arrays = [sample_arrays(r) for r in rollouts]
     ordered = [arrays[i] for i in lexicographic_order(arrays)]
-    merged = merge_row(ordered)
+    merged = merge_row(ordered).torch()
     assert merged.merged
     lp, _ = micro_batch_logprobs(model, merged, 0.8, CPU, with_entropy=False)
     ctx = LossContext(merged.seq_lens, merged.loss_weights.double(), policy_versions=merged.policy_versions, step=0)

@@ -76,7 +76,7 @@ def _samples(rollouts: list[Rollout]) -> list[dict[str, np.ndarray]]:
 def test_trie_layout_maps_every_sample_token_and_masks_ancestors_only():
     samples = _samples(tree_rollouts())
     ordered = [samples[i] for i in lexicographic_order(samples)]
-    mb = merge_row(ordered)
+    mb = merge_row(ordered).torch()
     total = sum(len(s["input_ids"]) for s in samples)
     assert mb.num_tokens == trie_size(samples) < total
     assert int(mb.seq_lens.sum()) == mb.token_nodes.shape[0] == mb.loss_mask.shape[0] == total
@@ -110,7 +110,7 @@ def test_flex_mask_mod_gives_the_sdpa_mask():
     from torch.nn.attention.flex_attention import create_mask
 
     samples = _samples(tree_rollouts(3))
-    mb = merge_row([samples[i] for i in lexicographic_order(samples)])
+    mb = merge_row([samples[i] for i in lexicographic_order(samples)]).torch()
     M = mb.num_tokens
     dense = create_mask(tree_mask_mod(mb.subtree_end), None, None, M, M, device="cpu")
     assert torch.equal(dense.reshape(M, M), tree_mask(mb.subtree_end)[0, 0])
@@ -124,7 +124,7 @@ def test_flex_block_mask_forward_matches_dense_sdpa_on_cpu():
     from arbor.models.attention import attend
 
     samples = _samples(tree_rollouts(4))
-    mb = merge_row([samples[i] for i in lexicographic_order(samples)])
+    mb = merge_row([samples[i] for i in lexicographic_order(samples)]).torch()
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, mb.num_tokens, 16, generator=gen) for h in (4, 2, 2))
     with torch.no_grad():
@@ -140,7 +140,7 @@ def test_flex_block_mask_forward_backward_matches_dense_sdpa_on_gpu():
 
     dev = torch.device("cuda")
     samples = _samples(tree_rollouts(5))
-    mb = merge_row([samples[i] for i in lexicographic_order(samples)])
+    mb = merge_row([samples[i] for i in lexicographic_order(samples)]).torch()
     end = mb.subtree_end.to(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, 4, mb.num_tokens, 32, device=dev, generator=gen, requires_grad=True)
@@ -200,7 +200,7 @@ def test_merged_equals_unmerged_logprobs_loss_and_gradients(preset, replay, pert
         _with_routes(model, rollouts, perturb)
     samples = _samples(rollouts)
     ordered = [samples[i] for i in lexicographic_order(samples)]
-    merged, plain = merge_row(ordered), _micro_batch(ordered)
+    merged, plain = merge_row(ordered).torch(), _micro_batch(ordered).torch()
     assert merged.num_tokens < plain.num_tokens
     if perturb is not None:  # the perturbed sample shares only the 5 tokens before its changed route
         head = samples[perturb]["input_ids"][:9].tolist()
@@ -225,8 +225,8 @@ def test_merged_equals_unmerged_on_gpu_with_flex_attention():
     model = build_model(ModelConfig(name="qwen3-tiny"), device="cuda")
     samples = _samples(tree_rollouts(9))
     ordered = [samples[i] for i in lexicographic_order(samples)]
-    lp_m, loss_m, grads_m = _loss_and_grads(model, merge_row(ordered), False, dev)
-    lp_p, loss_p, grads_p = _loss_and_grads(model, _micro_batch(ordered), False, dev)
+    lp_m, loss_m, grads_m = _loss_and_grads(model, merge_row(ordered).torch(), False, dev)
+    lp_p, loss_p, grads_p = _loss_and_grads(model, _micro_batch(ordered).torch(), False, dev)
     mask = torch.from_numpy(np.concatenate([s["loss_mask"] for s in ordered]))
     assert (lp_m[mask] - lp_p[mask]).abs().max().item() < 1e-4
     assert abs(loss_m.item() - loss_p.item()) < 1e-4
@@ -239,8 +239,8 @@ def test_merged_entropy_and_ref_logprobs_equal_unmerged():
     samples = _samples(tree_rollouts(2))
     ordered = [samples[i] for i in lexicographic_order(samples)]
     with torch.no_grad():
-        lp_m, ent_m = micro_batch_logprobs(model, merge_row(ordered), 1.0, CPU)
-        lp_p, ent_p = micro_batch_logprobs(model, _micro_batch(ordered), 1.0, CPU)
+        lp_m, ent_m = micro_batch_logprobs(model, merge_row(ordered).torch(), 1.0, CPU)
+        lp_p, ent_p = micro_batch_logprobs(model, _micro_batch(ordered).torch(), 1.0, CPU)
     mask = torch.from_numpy(np.concatenate([s["loss_mask"] for s in ordered]))
     assert (ent_m[mask] - ent_p[mask]).abs().max().item() < TOL
     assert (lp_m[mask] - lp_p[mask]).abs().max().item() < TOL

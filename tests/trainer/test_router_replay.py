@@ -82,7 +82,7 @@ def test_engine_routes_replayed_by_trainer_and_mismatch_not_larger(name):
 
     (batch,) = build_step_batches(rollouts, step=0, ranks=1, micro_batch_tokens=128, temperature=1.0, pad_id=0)
     assert all(mb.routed_experts is not None for mb in batch.micro_batches)
-    batch = StepBatch.from_tensors(*batch.to_tensors())  # through the rollout file format
+    batch = StepBatch.from_tensors(*batch.to_tensors()).torch()  # through the rollout file format
 
     # A trainer whose router differs slightly from inference's (as bf16 kernels vs fp32 would make it).
     trainer = copy.deepcopy(model)

@@ -19,9 +19,7 @@ weight 0, and every count above (L, len_i, tokens_g) counts trained tokens only.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from arbor.models.attention import position_ids_for
 from arbor.orchestrator.prefix_tree import merged_rank_rows
 from arbor.orchestrator.rollout import Rollout
 from arbor.transport.batch import MicroBatch, StepBatch
@@ -109,12 +107,13 @@ def _micro_batch(samples: list[dict[str, np.ndarray]]) -> MicroBatch:
     # Routed experts (teacher logprobs) only when every sample of the row has them (a row is replayed whole or
     # not at all; a run has a teacher for every sample or for none).
     keys = [k for k in samples[0] if all(k in s for s in samples) and k not in IMAGE_KEYS]
-    cat = {k: torch.from_numpy(np.concatenate([s[k] for s in samples])) for k in keys}
+    cat = {k: np.concatenate([s[k] for s in samples]) for k in keys}
     for k in IMAGE_KEYS:  # each sample's images, in row order (samples without images add none)
         if any(k in s for s in samples):
-            cat[k] = torch.from_numpy(np.concatenate([s[k] for s in samples if k in s]))
+            cat[k] = np.concatenate([s[k] for s in samples if k in s])
     lens = [len(s["input_ids"]) for s in samples]
-    return MicroBatch(position_ids=position_ids_for(lens)[0], seq_lens=torch.tensor(lens, dtype=torch.int32), **cat)
+    positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])  # restarting at 0 for each sample
+    return MicroBatch(position_ids=positions, seq_lens=np.array(lens, np.int32), **cat)
 
 
 def _empty_micro_batch(pad_id: int) -> MicroBatch:

@@ -27,7 +27,6 @@ per micro-batch, shared by all layers; FlexAttention block masks on CUDA) and no
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from arbor.transport.batch import TEACHER_FIELDS, MicroBatch
 
@@ -85,10 +84,11 @@ def merge_row(ordered: list[dict[str, np.ndarray]]) -> MicroBatch:
     per_token += tuple(k for k in TEACHER_FIELDS if all(k in s for s in ordered))
     cat = {k: np.concatenate([s[k] for s in ordered]) for k in per_token}
     return MicroBatch(
-        **{k: torch.from_numpy(v) for k, v in {**node, **cat}.items()},
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        subtree_end=torch.from_numpy(ends.astype(np.int32)),
-        token_nodes=torch.from_numpy(np.concatenate(nodes).astype(np.int32)),
+        **node,
+        **cat,
+        seq_lens=np.array(lens, np.int32),
+        subtree_end=ends.astype(np.int32),
+        token_nodes=np.concatenate(nodes).astype(np.int32),
     )
 
 

@@ -223,6 +223,7 @@ def micro_batch_logprobs(
     """(logprobs, entropy) per token of the micro-batch's samples (per original sample token when merged), of
     the distribution the tokens were sampled from (`top_p`: its nucleus; see arbor.trainer.logprobs); with
     `extra_ids [N, k]` (a teacher's top-k ids) a third result, their logprobs `[N, k]` (`packed_logprobs`)."""
+    mb = mb.torch()
     replay = mb.routed_experts if router_replay else None
     if mb.merged:
         return tree_logprobs(model, mb, temperature, device, with_entropy, replay, top_p, extra_ids, state)

@@ -120,8 +120,10 @@ def train_step(
     `draft` enabled and MTP modules in the model, each micro-batch's forward also trains them
     (arbor.trainer.draft; `draft/kl` in the figures). A DSA model whose indexer trains (`trainer.indexer`) puts
     its KL loss in `aux_loss` and reports `indexer/kl` and `indexer/grad_norm`. `state` and `ref_state`: how
-    `parallelize` prepared the model and the reference (arbor.trainer.parallel_state).
+    `parallelize` prepared the model and the reference (arbor.trainer.parallel_state). A batch of numpy arrays
+    (the orchestrator's, handed over in process) is trained as its torch tensors.
     """
+    batch = batch.torch()
     cp_ctx = state.cp
     acc = _Accumulator(weight=1.0 if cp_ctx is None or cp_ctx.rank == 0 else 0.0)
     groups = split_mini_batches(len(batch.micro_batches), mini_batches, batch.step)

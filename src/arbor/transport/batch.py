@@ -5,17 +5,25 @@ Per-token arrays (`input_ids`, `position_ids`, `loss_mask`, `advantages`, `infer
 from the tokens before it; prefix-tree merged rows add `subtree_end` and `token_nodes`; a vision-language row adds
 its images' `pixel_values` and `image_grid_thw` (every sample's images, in row order). Every field, and how merged
 rows depart from "every per-token array has the length of input_ids": docs/training.md, "The batch format".
+
+A batch holds numpy arrays where the orchestrator builds it and torch tensors where the trainer reads it
+(`torch()` turns one into the other; `arbor.transport.files` writes either): the orchestrator never imports torch,
+which is ~2 s of CPU and ~500 MB of memory at its start. Only the trainer-side methods import torch, and by then
+the trainer has.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from arbor.models.attention import subtree_end_for
+if TYPE_CHECKING:
+    import torch
+
+    Array = torch.Tensor | np.ndarray
 
 NODE_FIELDS = ("input_ids", "position_ids")
 """Per row token (per trie node in a merged row)."""
@@ -24,60 +32,61 @@ SAMPLE_TOKEN_FIELDS = ("loss_mask", "advantages", "inference_logprobs", "policy_
 PER_TOKEN = NODE_FIELDS + SAMPLE_TOKEN_FIELDS
 TEACHER_FIELDS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
 """On-policy distillation's optional per-sample-token fields (`[N]`, `[N, k]`, `[N, k]`)."""
-DTYPES = {
-    "input_ids": torch.int64,
-    "position_ids": torch.int64,
-    "loss_mask": torch.bool,
-    "advantages": torch.float32,
-    "inference_logprobs": torch.float32,
-    "policy_versions": torch.int32,
-    "seq_lens": torch.int32,
-    "loss_weights": torch.float32,
-    "subtree_end": torch.int32,
-    "token_nodes": torch.int32,
-    "teacher_logprobs": torch.float32,
-    "teacher_topk_ids": torch.int32,
-    "teacher_topk_logprobs": torch.float32,
-    "pixel_values": torch.float32,
-    "image_grid_thw": torch.int64,
+DTYPES = {  # by name: numpy and torch both know them
+    "input_ids": "int64",
+    "position_ids": "int64",
+    "loss_mask": "bool",
+    "advantages": "float32",
+    "inference_logprobs": "float32",
+    "policy_versions": "int32",
+    "seq_lens": "int32",
+    "loss_weights": "float32",
+    "subtree_end": "int32",
+    "token_nodes": "int32",
+    "teacher_logprobs": "float32",
+    "teacher_topk_ids": "int32",
+    "teacher_topk_logprobs": "float32",
+    "pixel_values": "float32",
+    "image_grid_thw": "int64",
 }
 
 
 @dataclasses.dataclass
 class MicroBatch:
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    inference_logprobs: torch.Tensor
-    policy_versions: torch.Tensor
-    seq_lens: torch.Tensor
-    loss_weights: torch.Tensor | None = None
+    input_ids: Array
+    position_ids: Array
+    loss_mask: Array
+    advantages: Array
+    inference_logprobs: Array
+    policy_versions: Array
+    seq_lens: Array
+    loss_weights: Array | None = None
     """Per-token loss multipliers; None (the default) means all ones."""
-    routed_experts: torch.Tensor | None = None
+    routed_experts: Array | None = None
     """Router replay: the engine's experts per row token `[T, moe_layers, top_k]`; None for dense models."""
-    subtree_end: torch.Tensor | None = None
+    subtree_end: Array | None = None
     """Tree mask `[T]`: token i attends to j iff j <= i < subtree_end[j]; None means packed causal (seq_lens)."""
-    token_nodes: torch.Tensor | None = None
+    token_nodes: Array | None = None
     """Merged row: the row token (trie node) holding each original sample token `[N]`; None for a plain row."""
-    teacher_logprobs: torch.Tensor | None = None
+    teacher_logprobs: Array | None = None
     """On-policy distillation: the teacher's logprob of each sample token `[N]`; None without a teacher."""
-    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_ids: Array | None = None
     """With the teacher's `top_k = k`: its k most likely tokens at each sample token `[N, k]`; else None."""
-    teacher_topk_logprobs: torch.Tensor | None = None
+    teacher_topk_logprobs: Array | None = None
     """Their logprobs `[N, k]` (present exactly when `teacher_topk_ids` is)."""
-    pixel_values: torch.Tensor | None = None
+    pixel_values: Array | None = None
     """Vision-language rows: the patches `[P, D]` of every image whose placeholder tokens are in the row, in row
     order (the model's processor's `pixel_values`, concatenated sample after sample); None for text rows."""
-    image_grid_thw: torch.Tensor | None = None
+    image_grid_thw: Array | None = None
     """Each of those images' patch grid `[I, 3]` (t, h, w; P = sum of t*h*w); present exactly with pixel_values."""
 
     def __post_init__(self) -> None:
         m = self.input_ids.shape[0]
         n = m if self.token_nodes is None else self.token_nodes.shape[0]
         if self.loss_weights is None:
-            self.loss_weights = torch.ones(n, dtype=torch.float32)
-        if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != m):
+            ones = np.ones(n, np.float32)
+            self.loss_weights = ones if isinstance(self.input_ids, np.ndarray) else _torch().from_numpy(ones)
+        if self.routed_experts is not None and (self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != m):
             raise ValueError(
                 f"micro-batch field routed_experts has shape {tuple(self.routed_experts.shape)}, "
                 f"expected ({m}, layers, top_k)"
@@ -85,14 +94,14 @@ class MicroBatch:
         for names, size in ((NODE_FIELDS, m), (SAMPLE_TOKEN_FIELDS, n)):
             for name in names:
                 t = getattr(self, name)
-                if t.dim() != 1 or t.shape[0] != size:
+                if t.ndim != 1 or t.shape[0] != size:
                     raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({size},)")
         t = self.teacher_logprobs
-        if t is not None and (t.dim() != 1 or t.shape[0] != n):
+        if t is not None and (t.ndim != 1 or t.shape[0] != n):
             raise ValueError(f"micro-batch field teacher_logprobs has shape {tuple(t.shape)}, expected ({n},)")
         self._check_topk(n)
         self._check_images()
-        if self.subtree_end is not None and (self.subtree_end.dim() != 1 or self.subtree_end.shape[0] != m):
+        if self.subtree_end is not None and (self.subtree_end.ndim != 1 or self.subtree_end.shape[0] != m):
             shape = tuple(self.subtree_end.shape)
             raise ValueError(f"micro-batch field subtree_end has shape {shape}, expected ({m},)")
         if self.token_nodes is not None:
@@ -114,7 +123,7 @@ class MicroBatch:
         if self.teacher_logprobs is None:
             raise ValueError("micro-batch has teacher_topk_ids but no teacher_logprobs")
         for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
-            if t.dim() != 2 or t.shape[0] != n or t.shape != ids.shape:
+            if t.ndim != 2 or t.shape[0] != n or t.shape != ids.shape:
                 raise ValueError(f"micro-batch field {name} has shape {tuple(t.shape)}, expected ({n}, k) with one k")
 
     def _check_images(self) -> None:
@@ -123,7 +132,7 @@ class MicroBatch:
             raise ValueError("micro-batch has one of pixel_values and image_grid_thw without the other")
         if pix is None:
             return
-        if grid.dim() != 2 or grid.shape[1] != 3 or pix.dim() != 2:
+        if grid.ndim != 2 or grid.shape[1] != 3 or pix.ndim != 2:
             shapes = f"{tuple(pix.shape)} and {tuple(grid.shape)}"
             raise ValueError(f"micro-batch pixel_values / image_grid_thw have shapes {shapes}, expected (P, D), (I, 3)")
         patches = int(grid.prod(-1).sum())
@@ -134,8 +143,16 @@ class MicroBatch:
                 "a prefix-tree merged row cannot carry images: set orchestrator.batching.prefix_merge = false"
             )
 
+    def torch(self) -> MicroBatch:
+        """This micro-batch with torch tensors (itself if it holds them already): what the trainer computes on."""
+        if not isinstance(self.input_ids, np.ndarray):
+            return self
+        torch = _torch()
+        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return MicroBatch(**{k: None if v is None else torch.from_numpy(v) for k, v in arrays.items()})
+
     @property
-    def images(self) -> dict[str, torch.Tensor]:
+    def images(self) -> dict[str, Array]:
         """The row's image inputs as the model's forward keywords (empty for a text row)."""
         if self.pixel_values is None:
             return {}
@@ -151,11 +168,15 @@ class MicroBatch:
         return self.token_nodes is not None
 
     def row_subtree_end(self) -> torch.Tensor:
-        """The row's tree-mask encoding `[T]` (derived from `seq_lens` for a plain row)."""
+        """The row's tree-mask encoding `[T]` (derived from `seq_lens` for a plain row). Trainer side: torch."""
+        from arbor.models.attention import subtree_end_for  # noqa: PLC0415 - torch, which the trainer has loaded
+
         return self.subtree_end if self.subtree_end is not None else subtree_end_for(self.seq_lens, self.num_tokens)
 
     def predictor_nodes(self) -> torch.Tensor:
-        """Merged row: `[N]` int64, the node whose logits predict each sample token (-1 at each sample's start)."""
+        """Merged row: `[N]` int64, the node whose logits predict each sample token (-1 at each sample's start).
+        Trainer side: torch tensors."""
+        torch = _torch()
         if self.token_nodes is None:
             raise ValueError("predictor_nodes needs a merged row (token_nodes)")
         nodes = self.token_nodes.to(torch.long)
@@ -182,19 +203,18 @@ class StepBatch:
     """Nucleus mass the tokens were sampled with; below 1 the trainer scores the truncated distribution (as the
     engines report it). Files written without it read as 1."""
 
-    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
+    def to_tensors(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The file's arrays (numpy, each field in its wire dtype; `arbor.transport.files` writes them) and its
+        header."""
+        tensors: dict[str, np.ndarray] = {}
         for i, mb in enumerate(self.micro_batches):
             for f in dataclasses.fields(MicroBatch):
                 t = getattr(mb, f.name)
                 if t is None:  # optional field
                     continue
-                t = (t.to(DTYPES[f.name]) if f.name in DTYPES else t).contiguous()
-                if t.data_ptr() in seen:  # safetensors refuses aliased tensors (e.g. one micro-batch reused)
-                    t = t.clone()
-                seen.add(t.data_ptr())
-                tensors[f"{i}.{f.name}"] = t
+                if not isinstance(t, np.ndarray):  # a trainer-side batch: CPU tensors
+                    t = t.detach().cpu().numpy()
+                tensors[f"{i}.{f.name}"] = np.ascontiguousarray(t, dtype=DTYPES.get(f.name, t.dtype))
         header = {
             "step": self.step,
             "num_micro_batches": len(self.micro_batches),
@@ -207,7 +227,7 @@ class StepBatch:
         return tensors, {"arbor": json.dumps(header)}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "StepBatch":
+    def from_tensors(cls, tensors: dict[str, Array], meta: dict[str, str]) -> StepBatch:
         header = json.loads(meta["arbor"])
         mbs = [
             MicroBatch(
@@ -224,3 +244,14 @@ class StepBatch:
             metadata=header.get("metadata", {}),
             top_p=header.get("top_p", 1.0),
         )
+
+    def torch(self) -> StepBatch:
+        """This step with torch tensors (itself if it holds them already)."""
+        return dataclasses.replace(self, micro_batches=[mb.torch() for mb in self.micro_batches])
+
+
+def _torch() -> Any:
+    """The torch module, imported only by methods that a batch of tensors (the trainer's) calls."""
+    import torch  # noqa: PLC0415 - the orchestrator builds and writes batches without torch
+
+    return torch

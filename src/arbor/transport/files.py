@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import safetensors.torch
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 
 from arbor.run_dir import poll_interval, rollout_rank_file, room_for, write_atomic
 from arbor.transport.batch import StepBatch
@@ -25,11 +24,14 @@ def write_step(output_dir: str | Path, step: int, batches: list[StepBatch]) -> N
         tensors, meta = batch.to_tensors()
         path = rollout_rank_file(output_dir, step, rank)
         # a full disk: one line naming the file and its size
-        with room_for(path, sum(t.numel() * t.element_size() for t in tensors.values())):
+        with room_for(path, sum(t.nbytes for t in tensors.values())):
             write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def read_step(path: str | Path) -> StepBatch:
+    """The trainer's read: the step's batch as torch tensors."""
+    import safetensors.torch  # noqa: PLC0415 - torch: the trainer's, never the orchestrator's (which only writes)
+
     # Read the bytes through one file handle: safetensors' safe_open re-opens the path for its mmap, so a
     # concurrent rename between the two opens would pair one version's header with another's data.
     with open(path, "rb") as f:
