@@ -229,7 +229,7 @@ assert "torch" not in sys.modules, "the orchestrator's batches imported torch"
 
 @pytest.mark.slow  # a process of its own: the test process has torch
 def test_the_orchestrator_writes_batches_without_torch_and_the_trainer_reads_them_as_tensors(tmp_path):
-    """The orchestrator process never imports torch (~2 s of CPU and ~500 MB at each start): it builds its batches
+    """The orchestrator process never imports torch (~2 s of CPU and ~460 MB at each start): it builds its batches
     as numpy arrays and writes them; the trainer reads the same values as torch tensors, in the wire dtypes."""
     proc = subprocess.run([sys.executable, "-c", NO_TORCH_WRITER, str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,7 +8,7 @@ rows depart from "every per-token array has the length of input_ids": docs/train
 
 A batch holds numpy arrays where the orchestrator builds it and torch tensors where the trainer reads it
 (`torch()` turns one into the other; `arbor.transport.files` writes either): the orchestrator never imports torch,
-which is ~2 s of CPU and ~500 MB of memory at its start. Only the trainer-side methods import torch, and by then
+which is ~2 s of CPU and ~460 MB of memory at its start. Only the trainer-side methods import torch, and by then
 the trainer has.
 """
 
