@@ -116,6 +116,51 @@ def test_flex_mask_mod_gives_the_sdpa_mask():
     assert torch.equal(dense.reshape(M, M), tree_mask(mb.subtree_end)[0, 0])
 
 
+def _segment_rows() -> list[torch.Tensor]:
+    """`subtree_end` of rows the trainer forwards: packed samples with padding; two merged prefix trees with
+    packed samples between and after them, then padding; one long sample that fills its row (no cut); padding."""
+    parts = []
+    for n, chain in ((3, 10), (4, 20), (None, 30), (None, -40)):
+        if n is not None:
+            samples = _samples(tree_rollouts(n))
+            parts.append(merge_row([samples[i] for i in lexicographic_order(samples)]).torch().subtree_end.long())
+        ends = torch.full((chain,), chain) if chain > 0 else torch.arange(1, -chain + 1)
+        parts.append(ends)
+    row, at = [], 0
+    for part in parts:  # each part's ends, from its own start to the row's
+        row.append(part + at)
+        at += part.shape[0]
+    packed, long, padding = subtree_end_for([9, 3, 17, 1, 8, 12], 64), subtree_end_for([40], 40), subtree_end_for([], 7)
+    return [packed, torch.cat(row), long, padding]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segmented_attention_equals_the_dense_tree_mask_forward_and_backward(dtype):
+    """On CPU the trainer cuts a row into chunks no attention crosses (`segment_mask`): outputs and the gradients
+    of q, k, v equal SDPA under the row's dense mask, for packed samples, merged trees and padding; a row that
+    cuts too little keeps the dense mask."""
+    from arbor.models.attention import SegmentMask, attend, segment_mask
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    gen = torch.Generator().manual_seed(0)
+    kinds = []
+    for end in _segment_rows():
+        T = end.shape[0]
+        seg = segment_mask(end)
+        kinds.append(type(seg).__name__)
+        q, k, v = (torch.randn(1, h, T, 16, generator=gen).to(dtype).requires_grad_() for h in (4, 2, 2))
+        outs = []
+        for mask in (seg, tree_mask(end)):
+            out = attend(q, k, v, mask, True)
+            outs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+        for a, b in zip(*outs):  # relative to the largest value: the gradients reach ~10
+            scale = max(1.0, b.float().abs().max().item())
+            assert a.shape == b.shape and (a.float() - b.float()).abs().max() <= tol * scale
+    assert kinds == ["SegmentMask", "SegmentMask", "Tensor", "SegmentMask"]
+    packed = segment_mask(subtree_end_for([9, 3, 17, 1, 8, 12], 64))
+    assert isinstance(packed, SegmentMask) and packed.index.shape == (5, 17)  # 50 tokens and 14 of padding
+
+
 @pytest.mark.slow
 def test_flex_block_mask_forward_matches_dense_sdpa_on_cpu():
     """FlexAttention runs forward only on CPU (eager): the block mask built from the mask_mod gives SDPA's output."""

@@ -9,12 +9,16 @@ Tree rows (prefix-tree merging, arbor.orchestrator.prefix_tree) and packed rows 
 of the row, `subtree_end[j]`, the end of j's subtree in DFS order; token i may attend to j iff
 `j <= i < subtree_end[j]`, i.e. iff j is an ancestor of i (or i itself). A packed row is the special case of
 chains: `subtree_end[j]` is the end of j's sample, and a padding token's is `j + 1` (it sees only itself). On
-CPU the trainer builds the dense mask once per micro-batch (`tree_mask`, vectorised) and every layer shares it
-(SDPA with an explicit mask, since FlexAttention has no CPU backward); on CUDA `tree_block_mask` gives a
-FlexAttention block mask from the same predicate (`tree_mask_mod`), so masked-out blocks are never computed.
+CUDA `tree_block_mask` gives a FlexAttention block mask from the same predicate (`tree_mask_mod`), so masked-out
+blocks are never computed. On CPU (FlexAttention has no CPU backward) the trainer cuts the row where no attention
+crosses, into chunks of whole samples or trees (`segment_mask`), and runs SDPA on the chunks as a batch, each
+under its own slice of the tree mask: a 512-token row of 40-token samples costs a tenth of the dense [T, T]
+attention; a row that does not cut well gets the dense mask (`tree_mask`). Every layer shares the row's mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,21 +70,91 @@ def tree_block_mask(subtree_end: torch.Tensor):
 
 
 def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, block_mask: bool = True):
-    """What the model's attention takes for one row: a FlexAttention block mask on CUDA (when `block_mask`: the
-    model's attention goes through `attend`), else the dense mask."""
+    """What the model's attention takes for one row: when `block_mask` (the model's attention goes through
+    `attend`), a FlexAttention block mask on CUDA and a `SegmentMask` on CPU where the row cuts well; else the
+    dense mask."""
     end = subtree_end.to(device, non_blocking=True)
     if block_mask and end.is_cuda:
         return tree_block_mask(end)
+    if block_mask:
+        return segment_mask(end)
     return tree_mask(end)
 
 
+@dataclass(frozen=True)
+class SegmentMask:
+    """A row's tree mask as S chunks of at most C tokens that no attention crosses (`segment_mask`).
+
+    `index [S, C]`: the row position of each chunk slot (slots past a chunk's end repeat its last token);
+    `mask [S, 1, C, C]`: the tree mask within each chunk (a slot past the end sees only itself, so its softmax
+    stays finite; it is never read back); `gather [T]`: where row token t sits in the flattened `[S * C]` slots."""
+
+    index: torch.Tensor
+    mask: torch.Tensor
+    gather: torch.Tensor
+
+
+SEGMENT_GAIN = 2.0
+"""`segment_mask` cuts a row only when its chunks' attention area S x C^2 is at most T^2 / SEGMENT_GAIN: below
+that the gathers cost more than the masked-out work saved."""
+
+
+def segment_mask(subtree_end: torch.Tensor) -> "SegmentMask | torch.Tensor":
+    """The row's mask as chunks of whole segments (a segment: a span no attention enters or leaves, i.e. one
+    packed sample or one prefix tree; a padding token is one of its own), packed greedily in row order into
+    chunks of at most C tokens, C the longest segment; the dense `tree_mask` where that saves too little."""
+    end = subtree_end.to(torch.long)
+    T = end.shape[0]
+    reach = torch.cummax(end, 0).values  # reach[j]: the furthest token that tokens 0..j attend from
+    starts = torch.cat([end.new_zeros(1), torch.nonzero(torch.arange(1, T, device=end.device) >= reach[:-1])[:, 0] + 1])
+    lens = torch.diff(torch.cat([starts, end.new_tensor([T])])).tolist()
+    C = max(lens)
+    chunks: list[tuple[int, int]] = []  # (start, length)
+    for s, n in zip(starts.tolist(), lens):
+        if chunks and chunks[-1][1] + n <= C:
+            chunks[-1] = (chunks[-1][0], chunks[-1][1] + n)
+        else:
+            chunks.append((s, n))
+    if len(chunks) * C * C * SEGMENT_GAIN > T * T:
+        return tree_mask(end)
+    first = end.new_tensor([c[0] for c in chunks])
+    length = end.new_tensor([c[1] for c in chunks])
+    slot = torch.arange(C, device=end.device)
+    valid = slot[None] < length[:, None]  # [S, C]
+    index = first[:, None] + torch.minimum(slot[None], length[:, None] - 1)
+    rel_end = end[index] - first[:, None]  # [S, C]: each key's subtree end, relative to its chunk
+    q, k = slot[None, :, None], slot[None, None, :]
+    inside = (k <= q) & (q < rel_end[:, None, :]) & valid[:, None, :] & valid[:, :, None]
+    mask = inside | ((q == k) & ~valid[:, :, None])
+    flat = torch.arange(len(chunks) * C, device=end.device).view(-1, C)
+    return SegmentMask(index=index, mask=mask[:, None], gather=flat[valid])
+
+
+def _segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: SegmentMask, gqa: bool) -> torch.Tensor:
+    """`attend` over a `SegmentMask`: the chunks' q, k, v gathered into a batch `[B * S, H, C, D]`, attended
+    under their masks, and the outputs gathered back into row order `[B, H, T, D]`."""
+    B, H, _, D = q.shape
+    S, C = seg.index.shape
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B * S, h, C, D]
+        return x[:, :, seg.index].permute(0, 2, 1, 3, 4).reshape(B * S, x.shape[1], C, D)
+
+    mask = seg.mask.repeat(B, 1, 1, 1) if B > 1 else seg.mask
+    out = F.scaled_dot_product_attention(chunked(q), chunked(k), chunked(v), attn_mask=mask, enable_gqa=gqa)
+    out = out.reshape(B, S, H, C, D).permute(0, 2, 1, 3, 4).reshape(B, H, S * C, D)
+    return out[:, :, seg.gather]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
-    """Attention `[B, H, T, D]` under `mask`: None (plain causal), a boolean tensor (SDPA) or a FlexAttention
-    `BlockMask` (flex_attention, compiled where Triton is available, eager otherwise)."""
+    """Attention `[B, H, T, D]` under `mask`: None (plain causal), a boolean tensor (SDPA), a `SegmentMask` (SDPA
+    over the row's chunks) or a FlexAttention `BlockMask` (flex_attention, compiled where Triton is available,
+    eager otherwise)."""
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, SegmentMask):
+        return _segment_attend(q, k, v, mask, gqa)
     # "AUTO" picks the flex-decoding kernel for rows under 128 tokens, which has no training variant: on an H100
     # (torch 2.11) a 73-token row then failed to compile ("No choices to select"); the standard Triton kernel
     # serves every length, with no recompile when the length changes.

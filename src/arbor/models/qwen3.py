@@ -179,8 +179,8 @@ class Qwen3ForCausalLM(nn.Module):
     With `args.mtp_depth`, `mtp` holds the multi-token-prediction draft modules (arbor.models.mtp)."""
 
     accepts_block_mask = True
-    """Its attention takes a FlexAttention `BlockMask` as `attn_mask` (arbor.models.attention.attend); the trainer
-    passes dense masks to models without this attribute."""
+    """Its attention takes a FlexAttention `BlockMask` (CUDA) or a `SegmentMask` (CPU) as `attn_mask`
+    (arbor.models.attention.attend); the trainer passes dense masks to models without this attribute."""
     draft_fn: DraftFn | None = None
     """Set by the trainer while it trains the MTP modules (`DraftFn`)."""
     draft_out: Any = None
@@ -206,9 +206,10 @@ class Qwen3ForCausalLM(nn.Module):
         logits_to_keep: int = 0,
         head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
-        """`attn_mask` `[B, 1, T, T]` (True = attend) or a FlexAttention `BlockMask` (arbor.models.attention)
-        overrides plain causal attention; with `kv_cache` the mask comes from the cache. `logits_to_keep > 0`
-        computes logits for the last positions only (prefill). `head_fn` replaces the head (`HeadFn`)."""
+        """`attn_mask` `[B, 1, T, T]` (True = attend), a FlexAttention `BlockMask` or a `SegmentMask`
+        (arbor.models.attention) overrides plain causal attention; with `kv_cache` the mask comes from the cache.
+        `logits_to_keep > 0` computes logits for the last positions only (prefill). `head_fn` replaces the head
+        (`HeadFn`)."""
         x, rope, position_ids = embed(self.model, input_ids, position_ids)
         for layer in self.model.layers:
             x = layer(x, rope, position_ids, attn_mask, kv_cache, cache_slots)
