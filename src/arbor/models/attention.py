@@ -69,14 +69,16 @@ def tree_block_mask(subtree_end: torch.Tensor):
     return create_block_mask(tree_mask_mod(subtree_end), None, None, T, T, device=subtree_end.device)
 
 
-def row_attention_mask(subtree_end: torch.Tensor, device: torch.device | str, block_mask: bool = True):
-    """What the model's attention takes for one row: when `block_mask` (the model's attention goes through
-    `attend`), a FlexAttention block mask on CUDA and a `SegmentMask` on CPU where the row cuts well; else the
-    dense mask."""
+def row_attention_mask(
+    subtree_end: torch.Tensor, device: torch.device | str, block_mask: bool = True, segments: bool | None = None
+):
+    """What the model's attention takes for one row: a FlexAttention block mask on CUDA when `block_mask` (the
+    model's attention goes through `attend`); else, when `segments` (default: `block_mask`), a `SegmentMask` where
+    the row cuts well; else the dense mask."""
     end = subtree_end.to(device, non_blocking=True)
     if block_mask and end.is_cuda:
         return tree_block_mask(end)
-    if block_mask:
+    if block_mask if segments is None else segments:
         return segment_mask(end)
     return tree_mask(end)
 
@@ -92,6 +94,23 @@ class SegmentMask:
     index: torch.Tensor
     mask: torch.Tensor
     gather: torch.Tensor
+
+    def chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """`[B, h, T, ...]` (heads first: q, k, v) -> `[B * S, h, C, ...]`, the chunks as a batch."""
+        S, C = self.index.shape
+        y = x[:, :, self.index]  # [B, h, S, C, ...]
+        return y.transpose(1, 2).reshape(x.shape[0] * S, x.shape[1], C, *x.shape[3:])
+
+    def masks(self, batch: int) -> torch.Tensor:
+        """The chunks' masks `[B * S, 1, C, C]` for a batch of `batch` rows."""
+        return self.mask.repeat(batch, 1, 1, 1) if batch > 1 else self.mask
+
+    def rows(self, out: torch.Tensor, batch: int) -> torch.Tensor:
+        """The chunks' outputs `[B * S, h, C, D]` back in row order `[B, h, T, D]`."""
+        S, C = self.index.shape
+        h, D = out.shape[1], out.shape[3]
+        flat = out.reshape(batch, S, h, C, D).transpose(1, 2).reshape(batch, h, S * C, D)
+        return flat[:, :, self.gather]
 
 
 SEGMENT_GAIN = 2.0
@@ -131,18 +150,12 @@ def segment_mask(subtree_end: torch.Tensor) -> "SegmentMask | torch.Tensor":
 
 
 def _segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: SegmentMask, gqa: bool) -> torch.Tensor:
-    """`attend` over a `SegmentMask`: the chunks' q, k, v gathered into a batch `[B * S, H, C, D]`, attended
-    under their masks, and the outputs gathered back into row order `[B, H, T, D]`."""
-    B, H, _, D = q.shape
-    S, C = seg.index.shape
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, h, T, D] -> [B * S, h, C, D]
-        return x[:, :, seg.index].permute(0, 2, 1, 3, 4).reshape(B * S, x.shape[1], C, D)
-
-    mask = seg.mask.repeat(B, 1, 1, 1) if B > 1 else seg.mask
-    out = F.scaled_dot_product_attention(chunked(q), chunked(k), chunked(v), attn_mask=mask, enable_gqa=gqa)
-    out = out.reshape(B, S, H, C, D).permute(0, 2, 1, 3, 4).reshape(B, H, S * C, D)
-    return out[:, :, seg.gather]
+    """`attend` over a `SegmentMask`: the chunks attended as a batch under their masks, back in row order."""
+    B = q.shape[0]
+    out = F.scaled_dot_product_attention(
+        seg.chunks(q), seg.chunks(k), seg.chunks(v), attn_mask=seg.masks(B), enable_gqa=gqa
+    )
+    return seg.rows(out, B)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:

@@ -5,7 +5,8 @@ transformers calls `arbor_attention(module, q, k, v, ...)` from every attention 
 scaling, sliding window, sinks (gpt-oss) and soft-capping; arbor's mask, positions and cache reach it as the
 `arbor` keyword the decoder forwards to every layer (`ArborAttention`; a keyword, not a global, so activation
 checkpointing's recomputation sees it too). transformers' own mask building is skipped (the mask function
-returns None): the mask is arbor's, dense, combined here with the layer's sliding window by position.
+returns None): the mask is arbor's, dense or a packed row's chunks (`SegmentMask`: each chunk attended alone), and
+combined here with the layer's sliding window by position.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from arbor.models.attention import KVCache
+from arbor.models.attention import KVCache, SegmentMask
 
 ATTN_IMPLEMENTATION = "arbor"
 
 
 @dataclasses.dataclass
 class ArborAttention:
-    """What one forward's attention layers read: the mask `[B, 1, T, T]` (None: causal), positions `[B, T]`, and
-    in the engine the slot KV cache and each row's slot."""
+    """What one forward's attention layers read: the mask `[B, 1, T, T]` or a `SegmentMask` (None: causal),
+    positions `[B, T]`, and in the engine the slot KV cache and each row's slot."""
 
-    mask: torch.Tensor | None
+    mask: torch.Tensor | SegmentMask | None
     positions: torch.Tensor
     kv_cache: KVCache | None
     slots: torch.Tensor | None
@@ -52,30 +53,40 @@ def arbor_attention(
     if arbor is None:
         raise ValueError("the 'arbor' attention implementation runs inside arbor's model forward only")
     pos_q = arbor.positions
+    layer = dict(dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
     if arbor.kv_cache is not None:
         key, value, mask = arbor.kv_cache.write_and_read(module.layer_idx, key, value, arbor.slots, pos_q)
         pos_k = torch.arange(key.shape[2], device=key.device)[None]
+    elif isinstance(arbor.mask, SegmentMask):  # a packed row cut into chunks (arbor.models.attention)
+        seg, B = arbor.mask, query.shape[0]
+        pos = seg.chunks(pos_q[:, None])[:, 0]
+        out = _attend(seg.chunks(query), seg.chunks(key), seg.chunks(value), seg.masks(B), pos, pos, **layer)
+        return seg.rows(out, B).transpose(1, 2).contiguous(), None
     else:
         mask, pos_k = arbor.mask, pos_q
-        if mask is None and (sliding_window or softcap or s_aux is not None):
-            T = query.shape[2]
-            mask = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()[None, None]
+    return _attend(query, key, value, mask, pos_q, pos_k, **layer).transpose(1, 2).contiguous(), None
+
+
+def _attend(q, k, v, mask, pos_q, pos_k, dropout, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
+    """`[B, H, T, D]` under `mask` (None: causal) narrowed to the layer's sliding window by position, with the
+    layer's scaling, soft-capping and sinks."""
+    if mask is None and (sliding_window or softcap or sinks is not None):
+        T = q.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
     if sliding_window and mask is not None:
         mask = mask & ((pos_q[:, None, :, None] - pos_k[:, None, None, :]) < sliding_window)
-    if softcap is None and s_aux is None:
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
             attn_mask=mask,
             is_causal=mask is None,
             dropout_p=dropout,
             scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
+            enable_gqa=q.shape[1] != k.shape[1],
         )
-    else:
-        out = _explicit(query, key, value, mask, scaling, softcap, s_aux, dropout)
-    return out.transpose(1, 2).contiguous(), None
+    return _explicit(q, k, v, mask, scaling, softcap, sinks, dropout)
 
 
 def _explicit(q, k, v, mask, scaling, softcap, sinks, dropout) -> torch.Tensor:

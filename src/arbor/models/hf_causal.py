@@ -73,7 +73,13 @@ class HFCausalLM(nn.Module):
     """A transformers `*ForCausalLM` with arbor's forward (see the module docstring)."""
 
     accepts_block_mask = False
-    """The arbor attention function takes dense boolean masks (it combines them with sliding windows)."""
+    """The arbor attention function takes dense boolean masks (it combines them with sliding windows)..."""
+
+    @property
+    def accepts_segment_mask(self) -> bool:
+        """...and a packed row's chunks (`SegmentMask`) on every device, unless the model has recurrent layers
+        (`_by_sample` reads the samples off the dense mask)."""
+        return not self.args.recurrent
 
     def __init__(self, args: HFArgs) -> None:
         super().__init__()

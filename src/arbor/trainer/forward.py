@@ -128,7 +128,8 @@ def _row_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`head_fn`'s (logprobs, entropy) for one row forwarded under its tree mask (a packed row is a forest of
     chains): one mask per row, shared by every layer (dense on CPU, a FlexAttention block mask on CUDA)."""
-    mask = row_attention_mask(subtree_end, device, getattr(model, "accepts_block_mask", False))
+    block, segments = getattr(model, "accepts_block_mask", False), getattr(model, "accepts_segment_mask", None)
+    mask = row_attention_mask(subtree_end, device, block, segments)
     kwargs = {} if routed_experts is None else {"routed_experts": routed_experts.to(device)[None]}
     kwargs.update({k: v.to(device) for k, v in (images or {}).items()})
     return model(
