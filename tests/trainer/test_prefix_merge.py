@@ -157,6 +157,7 @@ def test_segmented_attention_equals_the_dense_tree_mask_forward_and_backward(dty
             scale = max(1.0, b.float().abs().max().item())
             assert a.shape == b.shape and (a.float() - b.float()).abs().max() <= tol * scale
     assert kinds == ["SegmentMask", "SegmentMask", "Tensor", "SegmentMask"]
+    assert segment_mask(torch.zeros(0, dtype=torch.long)).shape == (1, 1, 0, 0)  # an empty row: dense, empty
     packed = segment_mask(subtree_end_for([9, 3, 17, 1, 8, 12], 64))
     assert isinstance(packed, SegmentMask) and packed.index.shape == (5, 17)  # 50 tokens and 14 of padding
 

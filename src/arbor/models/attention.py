@@ -124,6 +124,8 @@ def segment_mask(subtree_end: torch.Tensor) -> "SegmentMask | torch.Tensor":
     chunks of at most C tokens, C the longest segment; the dense `tree_mask` where that saves too little."""
     end = subtree_end.to(torch.long)
     T = end.shape[0]
+    if T < 2:  # nothing to cut (an empty row too)
+        return tree_mask(end)
     reach = torch.cummax(end, 0).values  # reach[j]: the furthest token that tokens 0..j attend from
     starts = torch.cat([end.new_zeros(1), torch.nonzero(torch.arange(1, T, device=end.device) >= reach[:-1])[:, 0] + 1])
     lens = torch.diff(torch.cat([starts, end.new_tensor([T])])).tolist()
