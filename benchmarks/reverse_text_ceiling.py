@@ -34,6 +34,7 @@ from arbor.config.environment import EnvironmentConfig
 from arbor.config.model import ModelConfig
 from arbor.environments import env_prompt_ids, load_environment
 from arbor.models import build_tokenizer
+from arbor.models.presets import PRESETS
 from arbor.models.tokenizer import ByteTokenizer
 
 TARGET = 0.1
@@ -82,21 +83,20 @@ def measure(path: Path, tasks: list[dict], prompt_format: str, samples: int, see
     return figures
 
 
-def tiny_llama(path: Path) -> Path:
-    """A random ~20k-parameter `LlamaForCausalLM` with the byte tokenizer (the smoke run's checkpoint)."""
+def tiny_llama(path: Path, preset: str | None = None, seed: int = 0) -> Path:
+    """A random `LlamaForCausalLM` with the byte tokenizer: ~20k parameters (the smoke run's checkpoint), or of arbor
+    preset `preset`'s shape as a user brings one (transformers' own initialisation from `seed`, untied head, no q/k
+    norm: issue 34's Llama, as tests/hf_tiny.py writes it)."""
     byte = ByteTokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=byte.vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        pad_token_id=byte.pad_token_id,
-        eos_token_id=byte.eos_token_id,
-    )
-    torch.manual_seed(0)
+    shape = dict(vocab_size=byte.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    shape.update(num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    if preset is not None:
+        p = PRESETS[preset]
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        names += ("num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings")
+        shape = {k: getattr(p, k) for k in names}
+    config = transformers.LlamaConfig(pad_token_id=byte.pad_token_id, eos_token_id=byte.eos_token_id, **shape)
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     byte.save(path)
     return path

@@ -96,10 +96,13 @@ from vs_trl_task import (
     GROUP,
     MAX_TOKENS,
     PROMPTS,
+    GRPOSettings,
     build_checkpoint,
     held_out_reward,
+    newest_published,
     reward_curve_summary,
     score,
+    trl_grpo_config,
 )
 
 from arbor.environments.reverse_text import ReverseTextEnv
@@ -168,11 +171,6 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
-def _newest_published(out: Path) -> Path | None:
-    done = [p for p in (out / "broadcasts").glob("step_*") if (p / "STABLE").exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-
-
 def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> dict:
     """`rl` on the matched config, stopped (SIGTERM, its clean stop) `seconds` after its first generation; the
     newest published weights are kept for the held-out evaluation."""
@@ -192,7 +190,7 @@ def arbor_arm(ckpt: Path, out: Path, seed: int, lr: float, seconds: float) -> di
         first_gen = launched + trace.first_generation
         rows = _rows(run / "metrics.jsonl")
         if rows and rows[-1]["time"] - first_gen >= seconds:
-            final = _newest_published(run)
+            final = newest_published(run)
             if final is not None:
                 shutil.copytree(final, out / "final", dirs_exist_ok=True)
                 break
@@ -223,7 +221,7 @@ def trl_worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     out, env = Path(spec["out"]), ReverseTextEnv(**ENV_ARGS)
     tasks = env.dataset(spec["seed"])[:20000]
@@ -248,42 +246,7 @@ def trl_worker(spec: dict) -> None:
             if time.time() - self.t0 >= spec["seconds"]:
                 control.should_training_stop = True
 
-    config = GRPOConfig(
-        output_dir=str(out / "trl"),
-        use_cpu=True,
-        bf16=False,
-        seed=spec["seed"],
-        per_device_train_batch_size=PROMPTS * GROUP,
-        num_generations=GROUP,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        max_completion_length=MAX_TOKENS,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        loss_type="dapo",
-        scale_rewards="none",
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        max_steps=1_000_000,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        shuffle_dataset=False,  # the tasks in order, as arbor's orchestrator takes them
-    )
+    config = trl_grpo_config(out / "trl", spec["seed"], GRPOSettings(lr=spec["lr"]))
     clock = Clock()
     tok = AutoTokenizer.from_pretrained(spec["ckpt"])
     model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32)

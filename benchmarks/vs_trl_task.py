@@ -1,10 +1,12 @@
 """What both arms of vs_trl.py share: the matched task's settings, the random checkpoint both load, the reward
-(reverse_text's own `similarity`), the held-out greedy evaluation and the reward curve's summary. A helper of
-benchmarks/vs_trl.py, not a benchmark."""
+(reverse_text's own `similarity`), the held-out greedy evaluation and the reward curve's summary; and the GRPO
+settings TRL's arm takes (`GRPOSettings`, `trl_grpo_config`, also warm_start_vs_trl.py's). A helper of the
+benchmarks, not a benchmark."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -68,6 +70,12 @@ def held_out_reward(model_dir: Path) -> float:
     return sum(scores) / len(scores)
 
 
+def newest_published(run: Path) -> Path | None:
+    """The newest weights an `rl` run published in full (`<run>/broadcasts/step_N` with its STABLE marker)."""
+    done = [p for p in (run / "broadcasts").glob("step_*") if (p / "STABLE").exists()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
 async def score(env: ReverseTextEnv, tasks: list[dict], texts: list[str]) -> list[float]:
     return [(await env.score(t, x))["similarity"] for t, x in zip(tasks, texts)]
 
@@ -90,3 +98,73 @@ def reward_curve_summary(curve: list[tuple[float, float]], gain: float, window: 
         "first_window": round(base, 4),
         "last_window": round(sum(rewards[-window:]) / window, 4),
     }
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """A GRPO run's settings as TRL's `GRPOConfig` takes them; the defaults are vs_trl.py's matched ones. In arbor's
+    terms: `prompts * group` = orchestrator.batch_size, one optimizer step per batch (trainer.mini_batches = 1,
+    epochs = 1), the clipped ratio normalised by the step's loss tokens (TRL `loss_type = "dapo"`), a constant lr
+    without warm-up."""
+
+    prompts: int = PROMPTS
+    group: int = GROUP
+    max_tokens: int = MAX_TOKENS
+    lr: float = 3e-4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    std_normalize: bool = False
+    kl_coef: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_norm: float = 1.0
+    steps: int = 1_000_000
+    """Optimizer steps (vs_trl.py stops on its clock instead)."""
+    shuffle: bool = False
+    """Draw the tasks shuffled (arbor's orchestrator draws them in order)."""
+
+
+def trl_grpo_config(out: Path, seed: int, s: GRPOSettings):
+    """TRL's `GRPOConfig` for `s` on CPU in float32, logging every step, saving nothing (trl is imported here:
+    the benchmarks run without it, skipping its arm)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        per_device_train_batch_size=s.prompts * s.group,
+        num_generations=s.group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=0,
+        beta=s.kl_coef,
+        epsilon=s.clip_low,
+        epsilon_high=s.clip_high,
+        loss_type="dapo",
+        scale_rewards="group" if s.std_normalize else "none",
+        learning_rate=s.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=s.weight_decay,
+        adam_beta1=s.betas[0],
+        adam_beta2=s.betas[1],
+        adam_epsilon=s.eps,
+        max_grad_norm=s.max_norm,
+        optim="adamw_torch",
+        max_steps=s.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        shuffle_dataset=s.shuffle,
+    )

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from arbor.config.loader import load_config
+from arbor.config.rl import RLConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SCORED = {"benchmark", "value", "target", "ok"}
@@ -46,6 +49,7 @@ EXPECTED: dict[str, set[str]] = {
     "trainer_throughput": SCORED | {"arbor_tokens_per_s", "plain_tokens_per_s", "tokens_per_step"},
     "weight_publish": SCORED | {"throughput_ratio", "publish_load_seconds", "full_path_memory"},
     "vs_trl": SCORED | {"steps_per_s_ratio", "arbor", "trl", "lr", "ceiling"},
+    "warm_start_vs_trl": SCORED | {"rise_target", "arbor_rise", "trl_rise", "trl", "seeds"},
     "weights": SCORED | {"raw_seconds", "publish_load_seconds", "sha256_ratio"},
 }
 """Benchmark (benchmarks/NAME.py) -> keys its last-line JSON must hold."""
@@ -102,3 +106,25 @@ def test_smoke_run_prints_its_json(name: str, tmp_path: Path):
     if name == "vs_trl" and importlib.util.find_spec("trl") is None:  # CI: the bench group is not installed
         assert result["trl"].startswith("skipped") and "TRL is not installed" in proc.stdout
         assert result["arbor"] and result["arbor"][0]["steps"] >= 1
+    if name == "warm_start_vs_trl" and importlib.util.find_spec("trl") is None:
+        assert result["trl"].startswith("skipped") and "TRL is not installed" in proc.stdout
+        assert result["seeds"][0]["arbor"]["steps"] == 3 and "held_out" in result["seeds"][0]["arbor"]
+
+
+def test_warm_start_vs_trl_gives_trl_the_examples_own_rl_settings(monkeypatch):
+    """benchmarks/warm_start_vs_trl.py's TRL arm takes the settings `rl` resolves for the example (equal arms), and a
+    setting TRL's arm has no equal of is refused in one line naming the field."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("warm_start_vs_trl", BENCHMARKS / "warm_start_vs_trl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    example = ["@", str(ROOT / "examples/reverse_text/rl.toml")]
+    cfg = load_config(RLConfig, [*example, "--trainer.optim.lr", "2e-3"], env={})
+    s = bench.grpo_settings(cfg)
+    assert (s.prompts * s.group, s.group, s.steps) == (cfg.orchestrator.batch_size, 8, cfg.max_steps)
+    assert (s.lr, s.max_tokens, s.temperature) == (2e-3, 16, cfg.orchestrator.sampling.temperature)
+    assert (s.clip_low, s.clip_high, s.std_normalize) == (0.2, 0.28, False)
+    with pytest.raises(SystemExit, match=r"^trainer.loss.name = 'cispo': TRL's arm of this benchmark maps only"):
+        bench.grpo_settings(load_config(RLConfig, [*example, "--trainer.loss.name", "cispo"], env={}))
+    with pytest.raises(SystemExit, match=r"^sft.steps = 0: "):
+        bench.grpo_settings(load_config(RLConfig, [*example, "--sft.steps", "0"], env={}))
