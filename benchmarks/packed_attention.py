@@ -8,7 +8,9 @@ load on the machine hits both alike. Reported: non-padding tokens per second of 
 steps, their ratio chunked / dense (target >= 1.5 on the default shape), and the largest logprob difference
 between the arms (the same values within float rounding). The transformers path (`--impl transformers` with a
 checkpoint directory) cuts rows on CUDA too; arbor's native models use FlexAttention block masks there, so the
-native arm is a CPU figure. Last line: `{"benchmark": "packed_attention", "value": chunked/dense, ...}`.
+native arm is a CPU figure. Besides, `tree` times attention alone over one merged RL row whose groups share a
+root (`--tree`: a cascaded `SegmentMask` against the dense mask). Last line: `{"benchmark": "packed_attention",
+"value": chunked/dense, ..., "tree": {"ratio": dense/cascade, ...}}`.
 
     uv run python benchmarks/packed_attention.py [--model qwen3-small] [--row-tokens 2048] [--sample-tokens 40 300]
 
@@ -30,7 +32,7 @@ from smoke import parse_args
 
 from arbor.config.model import ModelConfig
 from arbor.models import build_model
-from arbor.models.attention import position_ids_for
+from arbor.models.attention import SegmentMask, attend, position_ids_for, segment_mask, tree_mask
 from arbor.trainer.forward import packed_logprobs
 from arbor.trainer.parallel_state import ParallelState
 
@@ -62,6 +64,41 @@ def step(model: torch.nn.Module, ids: torch.Tensor, lens: list[int], chunked: bo
         return time.perf_counter() - t, lp.detach()
 
 
+def tree_row(root: int, groups: int, prompt: int, completion: int, group: int) -> torch.Tensor:
+    """`subtree_end` of one merged RL row: a `root` shared by every prompt (a chat template's first tokens, a
+    system prompt), then per group its own `prompt` tokens and `group` completions of `completion` tokens."""
+    T = root + groups * (prompt + group * completion)
+    ends, at = [T] * root, root
+    for _ in range(groups):
+        ends += [at + prompt + group * completion] * prompt
+        at += prompt
+        for _ in range(group):
+            ends += [at + completion] * completion
+            at += completion
+    return torch.tensor(ends)
+
+
+def tree_ratio(shape: list[int], repeats: int) -> dict:
+    """Attention forward and backward (8 query / 4 KV heads of 64) of a `tree_row`: cascaded chunks against the
+    dense mask; seconds are medians of `repeats` after one warm-up."""
+    end = tree_row(*shape)
+    T, seg = end.shape[0], segment_mask(end)
+    seconds = {}
+    for arm, mask in (("cascade", seg), ("dense", tree_mask(end))):
+        q, k, v = (torch.randn(1, h, T, 64, requires_grad=True) for h in (8, 4, 4))
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            attend(q, k, v, mask, True).sum().backward()
+            times.append(time.perf_counter() - t)
+        seconds[arm] = statistics.median(times[1:])
+    print(
+        f"tree row of {T} tokens ({type(seg).__name__}): cascade {seconds['cascade'] * 1e3:.1f} ms, dense "
+        f"{seconds['dense'] * 1e3:.1f} ms"
+    )
+    return {"tokens": T, "cut": isinstance(seg, SegmentMask), "ratio": round(seconds["dense"] / seconds["cascade"], 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-small", help="a preset or a checkpoint directory")
@@ -71,7 +108,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    a = parse_args(p, model="qwen3-test", row_tokens=128, sample_tokens=[8, 40], repeats=1, warmup=0)
+    p.add_argument(
+        "--tree",
+        type=int,
+        nargs=5,
+        default=[200, 6, 40, 30, 8],
+        metavar=("ROOT", "GROUPS", "PROMPT", "COMPLETION", "GROUP"),
+        help="the merged RL row whose attention is timed besides (tree_row)",
+    )
+    tiny = dict(model="qwen3-test", row_tokens=128, sample_tokens=[8, 40], repeats=1, warmup=0, tree=[15, 3, 17, 5, 4])
+    a = parse_args(p, **tiny)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=a.model, tokenizer="byte", impl=a.impl))
@@ -100,6 +146,7 @@ def main() -> None:
         "max_abs_difference": diff,
         "samples": len(lens),
         "row_tokens": a.row_tokens,
+        "tree": tree_ratio(a.tree, a.repeats),
     }
     print(json.dumps(result))
 

@@ -36,7 +36,7 @@ EXPECTED: dict[str, set[str]] = {
     "lora_update": SCORED | {"full_seconds", "adapter_seconds", "full_mib", "adapter_mib"},
     "mfu": SCORED | {"tokens_per_s", "mfu", "shape", "flops_per_token", "peak_tflops", "prime_rl"},
     "mtp_speculative": SCORED | {"online_ratio", "frozen_ratio", "decode_tokens_per_s", "acceptance_at_speed"},
-    "packed_attention": SCORED | {"chunked_tokens_per_s", "dense_tokens_per_s", "max_abs_difference"},
+    "packed_attention": SCORED | {"chunked_tokens_per_s", "dense_tokens_per_s", "max_abs_difference", "tree"},
     "parallel": SCORED | {"tokens_per_s_1_rank", "tokens_per_s_2_ranks", "speedup_2_ranks", "one_rank_fraction"},
     "prefix_merge": SCORED | {"ideal_ratio", "row_ratio", "speedup", "step_s_unmerged", "step_s_merged"},
     "reverse_text_ceiling": SCORED | {"dirs"},

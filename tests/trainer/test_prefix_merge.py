@@ -162,6 +162,51 @@ def test_segmented_attention_equals_the_dense_tree_mask_forward_and_backward(dty
     assert isinstance(packed, SegmentMask) and packed.index.shape == (5, 17)  # 50 tokens and 14 of padding
 
 
+def group_rollouts(groups: int, group_size: int, seed: int = 0) -> list[Rollout]:
+    """RL groups as the quick start makes them: every prompt opens with the same template tokens, then its task's
+    own; each group's samples share their prompt and branch at the completion (one merged tree per row)."""
+    g = np.random.default_rng(seed)
+    template, out = _seq(g, 15), []
+    for group in range(groups):
+        prompt = template + _seq(g, int(g.integers(15, 20)))
+        for _ in range(group_size):
+            c = _seq(g, int(g.integers(3, 7)))
+            logprobs = (-0.5 - 0.3 * g.random(len(c))).tolist()
+            out.append(Rollout(len(out), prompt, c, logprobs, [0] * len(c), "", "stop", advantage=1.0, group_id=group))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_of_groups_is_cut_by_group_under_its_shared_root(dtype):
+    """A row of RL groups whose prompts share the template's first tokens is one tree, no span of it closed to
+    attention: `segment_mask` cascades it (each chunk holds the shared root and whole groups) where the row
+    would otherwise stay dense, and outputs and q/k/v gradients equal SDPA under the dense mask; packed samples
+    and padding beside the tree cut as before."""
+    from arbor.models.attention import SegmentMask, attend, segment_mask
+
+    samples = _samples(group_rollouts(8, 8))
+    tree = merge_row([samples[i] for i in lexicographic_order(samples)]).torch().subtree_end.long()
+    T = tree.shape[0]
+    tail = subtree_end_for([30, 12, 25], 80) + T  # packed samples, then padding, after the tree
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    gen = torch.Generator().manual_seed(0)
+    for end in (tree, torch.cat([tree, tail])):
+        seg = segment_mask(end)
+        assert isinstance(seg, SegmentMask)
+        S, C = seg.index.shape
+        assert S * C * C * 4 < end.shape[0] ** 2  # a quarter of the dense area at most
+        of_tree = seg.index[:, 0] < T
+        assert of_tree.sum() >= 2 and (seg.index[of_tree, :15] == torch.arange(15)).all()  # the root leads each
+        q, k, v = (torch.randn(1, h, end.shape[0], 16, generator=gen).to(dtype).requires_grad_() for h in (4, 2, 2))
+        outs = []
+        for mask in (seg, tree_mask(end)):
+            out = attend(q, k, v, mask, True)
+            outs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+        for a, b in zip(*outs):
+            scale = max(1.0, b.float().abs().max().item())
+            assert (a.float() - b.float()).abs().max() <= tol * scale
+
+
 @pytest.mark.slow
 def test_flex_block_mask_forward_matches_dense_sdpa_on_cpu():
     """FlexAttention runs forward only on CPU (eager): the block mask built from the mask_mod gives SDPA's output."""

@@ -85,11 +85,13 @@ def row_attention_mask(
 
 @dataclass(frozen=True)
 class SegmentMask:
-    """A row's tree mask as S chunks of at most C tokens that no attention crosses (`segment_mask`).
+    """A row's tree mask as S chunks of at most C tokens, each holding every key its tokens attend
+    (`segment_mask`; a tree's shared root may sit in several).
 
-    `index [S, C]`: the row position of each chunk slot (slots past a chunk's end repeat its last token);
-    `mask [S, 1, C, C]`: the tree mask within each chunk (a slot past the end sees only itself, so its softmax
-    stays finite; it is never read back); `gather [T]`: where row token t sits in the flattened `[S * C]` slots."""
+    `index [S, C]`: the row position of each chunk slot, in row order (slots past a chunk's end repeat its last
+    token); `mask [S, 1, C, C]`: the tree mask within each chunk (a slot past the end sees only itself, so its
+    softmax stays finite; it is never read back); `gather [T]`: where row token t's output is read in the
+    flattened `[S * C]` slots (a root token's first copy)."""
 
     index: torch.Tensor
     mask: torch.Tensor
@@ -117,38 +119,106 @@ SEGMENT_GAIN = 2.0
 """`segment_mask` cuts a row only when its chunks' attention area S x C^2 is at most T^2 / SEGMENT_GAIN: below
 that the gathers cost more than the masked-out work saved."""
 
+Piece = tuple[int, int, int, int]
+"""A run of tokens a chunk holds: (prefix start, prefix length, body start, body length); the prefix is the shared
+root of a prefix tree whose body is one of its children (length 0 for a whole segment)."""
+
 
 def segment_mask(subtree_end: torch.Tensor) -> "SegmentMask | torch.Tensor":
-    """The row's mask as chunks of whole segments (a segment: a span no attention enters or leaves, i.e. one
-    packed sample or one prefix tree; a padding token is one of its own), packed greedily in row order into
-    chunks of at most C tokens, C the longest segment; the dense `tree_mask` where that saves too little."""
+    """The row's mask as chunks that no attention leaves, packed greedily in row order into chunks of at most C
+    tokens; the dense `tree_mask` where that saves too little. A chunk holds whole segments (a span no attention
+    enters or leaves: one packed sample, one prefix tree, one padding token) or, cascaded, a prefix tree's shared
+    root with some of the children it branches into (each child attends the root and itself, so a row of groups
+    that share the chat template's first tokens, one tree, still cuts by group): the root's keys are read by each
+    such chunk and its outputs taken from the first. Of the two packings the smaller area wins."""
     end = subtree_end.to(torch.long)
     T = end.shape[0]
     if T < 2:  # nothing to cut (an empty row too)
         return tree_mask(end)
-    reach = torch.cummax(end, 0).values  # reach[j]: the furthest token that tokens 0..j attend from
-    starts = torch.cat([end.new_zeros(1), torch.nonzero(torch.arange(1, T, device=end.device) >= reach[:-1])[:, 0] + 1])
-    lens = torch.diff(torch.cat([starts, end.new_tensor([T])])).tolist()
-    C = max(lens)
-    chunks: list[tuple[int, int]] = []  # (start, length)
-    for s, n in zip(starts.tolist(), lens):
-        if chunks and chunks[-1][1] + n <= C:
-            chunks[-1] = (chunks[-1][0], chunks[-1][1] + n)
-        else:
-            chunks.append((s, n))
-    if len(chunks) * C * C * SEGMENT_GAIN > T * T:
+    ends = end.tolist()
+    segments = list(zip(*_segments(end, 0, T)))
+    best = min((_pack(_pieces(end, ends, segments, cascade)) for cascade in (False, True)), key=_area)
+    if _area(best) * SEGMENT_GAIN > T * T:
         return tree_mask(end)
-    first = end.new_tensor([c[0] for c in chunks])
-    length = end.new_tensor([c[1] for c in chunks])
+    return _segment_tensors(end, *best)
+
+
+def _segments(end: torch.Tensor, lo: int, hi: int) -> tuple[list[int], list[int]]:
+    """Starts and lengths of the spans of [lo, hi) that no attention enters or leaves: a token starts one when
+    every earlier token's subtree ends at or before it."""
+    reach = torch.cummax(end[lo:hi], 0).values  # reach[j]: the furthest token that tokens lo..lo+j attend from
+    cut = torch.nonzero(torch.arange(lo + 1, hi, device=end.device) >= reach[:-1])[:, 0] + lo + 1
+    starts = [lo, *cut.tolist()]
+    return starts, [b - a for a, b in zip(starts, [*starts[1:], hi])]
+
+
+def _pieces(end: torch.Tensor, ends: list[int], segments: list[tuple[int, int]], cascade: bool) -> list[Piece]:
+    """The row's segments as pieces; `cascade` splits each prefix tree into its shared root (the leading tokens
+    whose subtree is the whole segment) and the children that follow it."""
+    pieces = []
+    for s, n in segments:
+        root = 0
+        while cascade and root < n and ends[s + root] == s + n:
+            root += 1
+        if root in (0, n):  # one sample (every token's subtree ends with it), or no cascade
+            pieces.append((s, 0, s, n))
+        else:
+            pieces.extend((s, root, c, m) for c, m in zip(*_segments(end, s + root, s + n)))
+    return pieces
+
+
+def _pack(pieces: list[Piece]) -> tuple[list[list[Piece]], int]:
+    """Pieces packed greedily in row order into chunks of at most C tokens, C the longest piece with its root;
+    pieces of one root in one chunk share its copy."""
+    C = max(p + m for _, p, _, m in pieces)
+    chunks: list[list[Piece]] = []
+    size = 0
+    for piece in pieces:
+        ps, p, _, m = piece
+        if chunks:
+            last = chunks[-1][-1]
+            grow = m if (last[0], last[1]) == (ps, p) else p + m
+            if size + grow <= C:
+                chunks[-1].append(piece)
+                size += grow
+                continue
+        chunks.append([piece])
+        size = p + m
+    return chunks, C
+
+
+def _area(packing: tuple[list[list[Piece]], int]) -> int:
+    chunks, C = packing
+    return len(chunks) * C * C
+
+
+def _segment_tensors(end: torch.Tensor, chunks: list[list[Piece]], C: int) -> "SegmentMask":
+    """The `SegmentMask` of packed chunks: each chunk's row positions (padded with its last one), the tree mask
+    among them, and for every row token its slot in the first chunk that holds it."""
+    rows, lengths = [], []
+    for chunk in chunks:
+        spans, root = [], None
+        for ps, p, bs, m in chunk:
+            if p and (ps, p) != root:
+                spans.append(range(ps, ps + p))
+            root = (ps, p)
+            spans.append(range(bs, bs + m))
+        tokens = [t for span in spans for t in span]
+        rows.append(tokens + [tokens[-1]] * (C - len(tokens)))
+        lengths.append(len(tokens))
+    index = torch.tensor(rows, dtype=torch.long, device=end.device)  # [S, C]
+    length = torch.tensor(lengths, device=end.device)
     slot = torch.arange(C, device=end.device)
     valid = slot[None] < length[:, None]  # [S, C]
-    index = first[:, None] + torch.minimum(slot[None], length[:, None] - 1)
-    rel_end = end[index] - first[:, None]  # [S, C]: each key's subtree end, relative to its chunk
-    q, k = slot[None, :, None], slot[None, None, :]
-    inside = (k <= q) & (q < rel_end[:, None, :]) & valid[:, None, :] & valid[:, :, None]
-    mask = inside | ((q == k) & ~valid[:, :, None])
+    # A chunk lists its tokens in row order, so "key at or before the query" is a slot comparison, and a valid
+    # query's earlier slots are valid: only "the query is inside the key's subtree" needs the row positions.
+    causal = slot[None, :] <= slot[:, None]  # [C, C]
+    inside = causal & (index[:, :, None] < end[index][:, None, :]) & valid[:, :, None]
+    mask = inside | ((slot[:, None] == slot[None, :]) & ~valid[:, :, None])
     flat = torch.arange(len(chunks) * C, device=end.device).view(-1, C)
-    return SegmentMask(index=index, mask=mask[:, None], gather=flat[valid])
+    gather = torch.full((end.shape[0],), len(chunks) * C, dtype=torch.long, device=end.device)
+    gather = gather.scatter_reduce(0, index[valid], flat[valid], "amin")  # a root's first copy
+    return SegmentMask(index=index, mask=mask[:, None], gather=gather)
 
 
 def _segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: SegmentMask, gqa: bool) -> torch.Tensor:
