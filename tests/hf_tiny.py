@@ -62,9 +62,32 @@ TINY_HF: dict[str, tuple[str, dict]] = {
 }
 """architecture -> (model_type, what differs from the shared tiny shape)."""
 
+MORE_HF: dict[str, tuple[str, dict]] = {
+    "GPTNeoXForCausalLM": ("gpt_neox", {}),  # Pythia: layers at `gpt_neox.layers`, head `embed_out`
+    "GPTBigCodeForCausalLM": ("gpt_bigcode", {}),  # StarCoder: `transformer.h`, multi-query attention
+    "OPTForCausalLM": ("opt", {}),  # `model.decoder.layers`, learned positions
+    "StableLmForCausalLM": ("stablelm", {}),  # its layers do not pass their keywords on to attention
+    "SeedOssForCausalLM": ("seed_oss", {}),  # attention and residual dropout 0.1 in its config
+    "PhimoeForCausalLM": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # routes sampled in training
+    "FalconH1ForCausalLM": ("falcon_h1", {}),  # a Mamba mixer beside attention in every layer
+    "NemotronHForCausalLM": ("nemotron_h", {}),  # layer kinds in `layers_block_type`
+}
+"""The transformers path's second ring: families whose layout or training-mode forward differs from Llama's
+(logprobs and engine decoding checked in tests/models/test_hf_causal.py)."""
+
+REFUSED_HF: dict[str, tuple[str, dict]] = {
+    "BloomForCausalLM": ("bloom", {}),  # ALiBi attention of its own
+    "MambaForCausalLM": ("mamba", {}),  # no attention at all
+    "DiffLlamaForCausalLM": ("diffllama", {}),  # two attention calls per layer
+    "GPTJForCausalLM": ("gptj", {}),  # picks its attention class from its own table
+    "MptForCausalLM": ("mpt", {}),  # reads the causal mask transformers would build
+    "ModernBertDecoderForCausalLM": ("modernbert-decoder", {}),  # a dense + norm head before the vocabulary
+}
+"""Causal LMs the transformers path cannot train, each refused in one line (at build or on its first forward)."""
+
 
 def tiny_config(arch: str) -> transformers.PretrainedConfig:
-    model_type, extra = TINY_HF[arch]
+    model_type, extra = {**TINY_HF, **MORE_HF, **REFUSED_HF}[arch]
     config = AutoConfig.for_model(model_type, **{**_BASE, **extra})
     config.architectures = [arch]
     return config

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_tiny import TINY_HF, write_tiny
+from hf_tiny import MORE_HF, REFUSED_HF, TINY_HF, write_tiny
 
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.model import ModelConfig
@@ -23,7 +23,9 @@ from arbor.models import build_model
 from arbor.models.attention import SegmentMask, row_attention_mask, subtree_end_for
 from arbor.models.family import UnsupportedArchitecture, args_from_dir, choose_family
 from arbor.models.hf import save_checkpoint_dir
+from arbor.models.hf_args import HFArgs
 from arbor.models.hf_causal import HFCausalLM
+from arbor.trainer.parallel import apply_ac
 from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import packed_logprobs
 
@@ -35,6 +37,8 @@ PAD = 3
 FAST = ("LlamaForCausalLM", "Qwen3_5ForCausalLM", "GptOssForCausalLM")
 """The fast tier's share of the matrix: a plain decoder, a recurrent hybrid, sinks + sliding window + MoE."""
 MATRIX = [arch if arch in FAST else pytest.param(arch, marks=pytest.mark.slow) for arch in TINY_HF]
+RING = MATRIX + [pytest.param(arch, marks=pytest.mark.slow) for arch in MORE_HF]
+"""The matrix and the second ring (tests/hf_tiny.py): logprobs and engine decoding."""
 
 
 class TinyDirs(dict):
@@ -64,10 +68,11 @@ def _reference(arch: str, path: str):
     return getattr(transformers, arch).from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("arch", MATRIX)
+@pytest.mark.parametrize("arch", RING)
 def test_trainer_logprobs_of_a_packed_row_equal_transformers_per_sample(arch, tiny_dirs):
     """The row is attended as chunks of whole samples (arbor.models.attention.SegmentMask), each under the
-    layer's own sliding window, sinks and soft-capping."""
+    layer's own sliding window, sinks and soft-capping. The model is in training mode, as the trainer's is:
+    transformers' modules still run their inference forward (no dropout: Seed-OSS; no sampled routes: PhiMoE)."""
     assert choose_family(arch, "transformers")[1].startswith(f"{arch}: transformers' own modules")
     _check_packed_row(arch, tiny_dirs[arch], CPU)
 
@@ -83,7 +88,7 @@ def test_trainer_logprobs_of_a_packed_row_equal_transformers_per_sample_on_cuda(
 def _check_packed_row(arch: str, path: str, device: torch.device) -> None:
     """`packed_logprobs` of a row of three samples and padding, on `device`, against transformers' eager forward
     of each sample alone on the CPU (fp32, <= 1e-4)."""
-    model, ref = _model(path).to(device), _reference(arch, path)
+    model, ref = _model(path).to(device).train(), _reference(arch, path)
     samples, ids, pos = _packed_row()
     lp, _ = packed_logprobs(model, ids, pos, LENS, 1.0, device, state=ParallelState(logprob_chunk=16))
     lp, start = lp.cpu(), 0
@@ -119,7 +124,7 @@ def test_chunked_attention_equals_the_dense_mask_in_bfloat16(arch, tiny_dirs, mo
     assert (chunked.float() - dense.float()).abs().max() <= 5e-2  # measured: Mistral 6e-4, gpt-oss 0
 
 
-@pytest.mark.parametrize("arch", MATRIX)
+@pytest.mark.parametrize("arch", RING)
 def test_engine_decoding_through_the_slot_cache_equals_a_full_forward(arch, tiny_dirs):
     model = _model(tiny_dirs[arch]).eval()
     cache = model.make_kv_cache(3, 32)
@@ -233,3 +238,40 @@ def test_auto_falls_back_to_transformers_where_the_native_family_refuses_a_setti
     assert args_from_dir(mistral).impl == "transformers"
     with pytest.raises(ValueError, match="sliding_window = 5"):
         args_from_dir(mistral, "native")
+
+
+@pytest.mark.parametrize("arch", REFUSED_HF)
+def test_a_model_that_does_not_attend_through_the_registry_is_refused_in_one_line(arch, tiny_dirs):
+    """ALiBi or state-space layers of their own, two attention calls a layer, a head that is more than a linear
+    layer: arbor's packed-row mask would not hold, so the model is refused when built or on its first forward."""
+    _, ids, pos = _packed_row()
+    with pytest.raises(UnsupportedArchitecture) as e:
+        model = _model(tiny_dirs[arch])
+        packed_logprobs(model, ids, pos, LENS, 1.0, CPU, state=ParallelState(logprob_chunk=16))
+    assert str(e.value).startswith(f"model.name: {arch}") and "\n" not in str(e.value), str(e.value)
+
+
+def test_activation_checkpointing_recomputes_a_layer_that_does_not_pass_its_keywords_on(tiny_dirs):
+    """StableLM's decoder layer calls its attention without the layer's keywords: arbor's context reaches it
+    anyway (`carry_to_attention`), also when activation checkpointing recomputes the layer in backward."""
+    _, ids, pos = _packed_row()
+    grads = []
+    for ac in (False, True):
+        model = _model(tiny_dirs["StableLmForCausalLM"])
+        if ac:
+            apply_ac(model)
+        lp, _ = packed_logprobs(model, ids, pos, LENS, 1.0, CPU, state=ParallelState(logprob_chunk=16))
+        lp.sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(g is not None for g in grads[0].values())
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], atol=1e-6), name
+
+
+def test_config_fields_under_other_names_and_missing_ones(tmp_path):
+    """XGLM's and LongCat-Flash's `num_layers`, GPT-style `n_embd` / `n_head`: read; a field missing under every
+    name is one line naming them."""
+    args = HFArgs(config={"vocab_size": 9, "n_embd": 8, "num_layers": 3, "n_head": 2}, architecture="XForCausalLM")
+    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.head_dim) == (8, 3, 2, 4)
+    with pytest.raises(UnsupportedArchitecture, match="config.json has no num_hidden_layers / num_layers"):
+        _ = HFArgs(config={"vocab_size": 9}, architecture="XForCausalLM").num_hidden_layers

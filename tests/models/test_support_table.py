@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hf_tiny import TINY_HF, tiny_config
+from hf_tiny import MORE_HF, TINY_HF, tiny_config
 
 from arbor.models.families.transformers import TRANSFORMERS
 from arbor.models.support import support_row, support_table
@@ -18,7 +18,7 @@ BLOCK = re.compile(r"<!-- support-table -->\n(.*?)\n<!-- /support-table -->", re
 
 def expected_table() -> str:
     rows = [support_row(arch, MODEL_FAMILIES.load(arch)) for arch in MODEL_FAMILIES.names()]
-    for arch in TINY_HF:
+    for arch in [*TINY_HF, *MORE_HF]:
         args = TRANSFORMERS.from_hf_config(tiny_config(arch).to_dict())
         rows.append(support_row(arch, TRANSFORMERS, args))
     return support_table(rows)

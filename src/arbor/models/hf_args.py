@@ -7,9 +7,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from arbor.models.family import UnsupportedArchitecture
+
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries that are softmax attention; any other (Qwen3.5's `linear_attention`, Mamba
 mixers) is a recurrent layer: no packed rows, no prefix-tree mask, no KV cache (`HFArgs.recurrent`)."""
+
+
+ALIASES = {
+    "vocab_size": ("padded_vocab_size",),
+    "hidden_size": ("d_model", "n_embd", "dim"),
+    "num_hidden_layers": ("num_layers", "n_layer", "n_layers", "decoder_layers"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads", "attention_heads", "decoder_attention_heads"),
+    "num_key_value_heads": ("num_kv_heads", "n_head_kv"),
+    "intermediate_size": ("ffn_dim", "ffn_hidden_size", "n_inner", "decoder_ffn_dim"),
+    "max_position_embeddings": ("n_positions", "max_seq_len", "seq_length"),
+}
+"""Other names configs give the fields arbor reads (transformers maps them by each config class's
+`attribute_map`, which this torch-free reader does not load): LongCat-Flash's and XGLM's `num_layers`, GPT-style
+`n_embd` / `n_head` / `n_positions`."""
+
+
+BLOCK_TYPES = {"attention": "full_attention"}
+"""RecurrentGemma's `block_types` words that are transformers' `layer_types` ones."""
+RECURRENT_FIELD_PREFIXES = ("mamba_", "ssm_")
+"""Config fields of a state-space mixer: the model keeps recurrent state whatever its layer types say."""
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:
@@ -32,25 +54,39 @@ class HFArgs:
     is_dsa = False
     mtp_depth = 0
 
+    def _need(self, name: str) -> Any:
+        """A field arbor cannot do without: missing under every name it goes by is one line."""
+        value = self._get(name)
+        if value is None:
+            names = " / ".join((name, *ALIASES.get(name, ())))
+            raise UnsupportedArchitecture(f"model.name: {self.architecture}'s config.json has no {names}")
+        return value
+
     def _get(self, name: str, default: Any = None) -> Any:
-        value = _text(self.config).get(name)
-        return default if value is None else value
+        text = _text(self.config)
+        for key in (name, *ALIASES.get(name, ())):
+            if text.get(key) is not None:
+                return text[key]
+        return default
 
     @property
     def vocab_size(self) -> int:
-        return int(self._get("vocab_size"))
+        return int(self._need("vocab_size"))
 
     @property
     def hidden_size(self) -> int:
-        return int(self._get("hidden_size"))
+        return int(self._need("hidden_size"))
 
     @property
     def num_hidden_layers(self) -> int:
-        return int(self._get("num_hidden_layers"))
+        listed = self._get("layers_block_type") or self._get("layer_types")
+        return int(
+            len(listed) if listed and self._get("num_hidden_layers") is None else self._need("num_hidden_layers")
+        )
 
     @property
     def num_attention_heads(self) -> int:
-        return int(self._get("num_attention_heads"))
+        return int(self._need("num_attention_heads"))
 
     @property
     def num_key_value_heads(self) -> int:
@@ -74,7 +110,17 @@ class HFArgs:
 
     @property
     def layer_types(self) -> list[str]:
-        return list(self._get("layer_types", ["full_attention"] * self.num_hidden_layers))
+        """Each layer's kind, in transformers' `layer_types` words, from whichever field the config lists them in
+        (Nemotron-H's `layers_block_type`, RecurrentGemma's repeating `block_types`); all attention if none."""
+        if self._get("layer_types") is not None:
+            return list(self._get("layer_types"))
+        if self._get("layers_block_type") is not None:
+            return list(self._get("layers_block_type"))
+        cycle = self._get("block_types")
+        if cycle:
+            named = [BLOCK_TYPES.get(t, t) for t in cycle]
+            return [named[i % len(named)] for i in range(self.num_hidden_layers)]
+        return ["full_attention"] * self.num_hidden_layers
 
     @property
     def vision(self) -> bool:
@@ -83,7 +129,10 @@ class HFArgs:
 
     @property
     def recurrent(self) -> bool:
-        """Whether some layer keeps recurrent state instead of attending (`ATTENTION_LAYER_TYPES`)."""
+        """Whether some layer keeps recurrent state instead of attending (`ATTENTION_LAYER_TYPES`), or beside it
+        (Falcon-H1's Mamba mixer in every layer: `mamba_*` fields)."""
+        if any(k.startswith(RECURRENT_FIELD_PREFIXES) for k in _text(self.config)):
+            return True
         return any(t not in ATTENTION_LAYER_TYPES for t in self.layer_types)
 
     @property

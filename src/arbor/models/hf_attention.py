@@ -4,13 +4,16 @@ mask registries, and the engine's caches for transformers models (arbor.models.h
 transformers calls `arbor_attention(module, q, k, v, ...)` from every attention layer with the layer's own
 scaling, sliding window, sinks (gpt-oss) and soft-capping; arbor's mask, positions and cache reach it as the
 `arbor` keyword the decoder forwards to every layer (`ArborAttention`; a keyword, not a global, so activation
-checkpointing's recomputation sees it too). transformers' own mask building is skipped (the mask function
+checkpointing's recomputation sees it too). A layer that does not pass its keywords on to its attention
+(StableLM, Nemotron) gets them there by `carry_to_attention`, which holds the layer's `arbor` for the length of
+its own forward (and of that forward's recomputation). transformers' own mask building is skipped (the mask function
 returns None): the mask is arbor's, dense or a packed row's chunks (`SegmentMask`: each chunk attended alone), and
 combined here with the layer's sliding window by position.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable
 
@@ -22,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from arbor.models.attention import KVCache, SegmentMask
 
 ATTN_IMPLEMENTATION = "arbor"
+_LAYER_CONTEXT: contextvars.ContextVar["ArborAttention | None"] = contextvars.ContextVar("arbor_layer", default=None)
 
 
 @dataclasses.dataclass
@@ -33,6 +37,21 @@ class ArborAttention:
     positions: torch.Tensor
     kv_cache: KVCache | None
     slots: torch.Tensor | None
+    counter: "CallCounter" = dataclasses.field(default_factory=lambda: CallCounter())
+    """Attention layers that ran through `arbor_attention` in this forward (checked against the model's
+    attention layers: a layer that attends by itself would ignore arbor's mask)."""
+
+    @property
+    def calls(self) -> int:
+        return self.counter.calls
+
+
+class CallCounter:
+    """A plain object, so the copies FSDP2's input casting makes of `ArborAttention` (dataclasses, lists and
+    dicts are rebuilt on the way into each layer) all count into the one the forward checks."""
+
+    def __init__(self) -> None:
+        self.calls = 0
 
 
 def arbor_attention(
@@ -50,8 +69,13 @@ def arbor_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention `[B, T, H, D]` of `query [B, H, T, D]` against `key, value [B, Hkv, S, D]` under arbor's mask."""
+    arbor = arbor if arbor is not None else _LAYER_CONTEXT.get()
     if arbor is None:
-        raise ValueError("the 'arbor' attention implementation runs inside arbor's model forward only")
+        raise ValueError(
+            f"the 'arbor' attention implementation runs inside arbor's model forward only, and "
+            f"{type(module).__name__} was called without the `arbor` context (its decoder does not pass it on)"
+        )
+    arbor.counter.calls += 1
     pos_q = arbor.positions
     layer = dict(dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
     if arbor.kv_cache is not None:
@@ -65,6 +89,29 @@ def arbor_attention(
     else:
         mask, pos_k = arbor.mask, pos_q
     return _attend(query, key, value, mask, pos_q, pos_k, **layer).transpose(1, 2).contiguous(), None
+
+
+_CARRYING: dict[type, type] = {}
+
+
+def carry_to_attention(layer: torch.nn.Module) -> None:
+    """Makes the `arbor` keyword of `layer`'s forward reach its attention even where the layer does not pass it on:
+    the layer's class becomes a subclass (same name) whose forward holds the keyword for its length. A class, not
+    an instance attribute, so a deep copy of the model runs its own layers; activation checkpointing wraps this
+    forward (arbor.trainer.parallel.apply_ac), so the recomputation in backward runs through it again."""
+    cls = type(layer)
+    if cls not in _CARRYING:
+
+        def forward(self, *args, **kwargs):
+            token = _LAYER_CONTEXT.set(kwargs.get("arbor"))
+            try:
+                return cls.forward(self, *args, **kwargs)
+            finally:
+                _LAYER_CONTEXT.reset(token)
+
+        attrs = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _CARRYING[cls] = type(cls.__name__, (cls,), attrs)
+    layer.__class__ = _CARRYING[cls]
 
 
 def _attend(q, k, v, mask, pos_q, pos_k, dropout, scaling, sliding_window, softcap, sinks) -> torch.Tensor:

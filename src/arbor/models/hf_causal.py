@@ -6,7 +6,7 @@ The model's children are the transformers model's (`model`, `lm_head`), so param
 and `model.model.layers` is the decoder stack FSDP2 and activation checkpointing wrap. Attention goes through
 transformers' attention-function registry: `"arbor"` (arbor.models.hf_attention) applies arbor's packed or
 prefix-tree mask, each layer's sliding window, sinks and soft-capping, and in the engine the slot KV cache. The
-head is arbor's: the backbone's final (normed) hidden states and `lm_head`'s weight go to `head_fn`, so `[T, V]`
+head is arbor's: the decoder's final (normed) hidden states and `lm_head`'s weight go to `head_fn`, so `[T, V]`
 logits never exist; a model whose own head does more (final-logit soft-capping, logit scaling) is refused in one
 line. Recurrent layers (Qwen3.5's gated delta net) see one sample per forward: a packed row is cut into its
 samples, a prefix-tree row is refused, and the engine recomputes a slot's sequence (`TokenCache`).
@@ -33,8 +33,9 @@ from transformers.core_model_loading import (
 
 from arbor.models.attention import KVCache
 from arbor.models.family import UnsupportedArchitecture
-from arbor.models.hf_args import HFArgs
-from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache, TokenCache
+from arbor.models.hf_args import ATTENTION_LAYER_TYPES, HFArgs
+from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache, TokenCache, carry_to_attention
+from arbor.models.lora import LoRALinearMixin
 from arbor.models.qwen3 import HeadFn, linear_weight
 
 HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -43,10 +44,37 @@ HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "outp
 
 def hf_config(args: HFArgs) -> transformers.PretrainedConfig:
     """The transformers config of `args.config`, attention through arbor's function."""
-    raw = dict(args.config)
+    raw = _special_floats(dict(args.config))
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     config._attn_implementation = ATTN_IMPLEMENTATION
     return config
+
+
+def _special_floats(value):
+    """transformers' JSON spelling of infinities and NaN (`{"__float__": "Infinity"}`, Falcon-H1's and
+    Nemotron-H's `time_step_limit`) read back as floats, as `from_pretrained` does."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].lower().replace("infinity", "inf"))
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
+
+
+def build_hf(args: HFArgs, config: transformers.PretrainedConfig) -> nn.Module:
+    """The transformers model of `config`; a model that picks its attention class by name from its own table
+    (GPT-J, CodeGen) has no entry for arbor's attention function: refused in one line."""
+    try:
+        return hf_class(args)(config)
+    except KeyError as e:
+        if e.args == (ATTN_IMPLEMENTATION,):
+            raise UnsupportedArchitecture(
+                f"model.name: {args.architecture} does not attend through transformers' attention-function "
+                "registry, where arbor applies its packed-row and prefix-tree masks; this architecture cannot "
+                "train on the transformers path"
+            ) from None
+        raise
 
 
 def hf_class(args: HFArgs) -> type[nn.Module]:
@@ -69,6 +97,45 @@ def check_head(args: HFArgs, config: transformers.PretrainedConfig) -> None:
             )
 
 
+DECODER_STACKS = ("layers", "h", "blocks", "decoder.layers")
+"""Where a decoder keeps its layers: `model.layers` (Llama-style), `h` (GPT-2 style: GPT-BigCode, GPT-J),
+`blocks` (MPT), `decoder.layers` (OPT)."""
+
+
+def alias_decoder(model: nn.Module, hf: nn.Module, architecture: str) -> None:
+    """Makes `model.model` the decoder, `model.model.layers` its stack and `model.lm_head` the head, whatever the
+    architecture calls them (GPT-NeoX's `gpt_neox.layers` and `embed_out`, GPT-BigCode's `transformer.h`): plain
+    attributes beside the registered children, so parameter names stay the checkpoint's and arbor's
+    parallelisation, checkpointing and head find them where they are for Llama."""
+    decoder = hf.base_model if hf.base_model is not hf else None
+    stack = next((_attr(decoder, path) for path in DECODER_STACKS if _attr(decoder, path) is not None), None)
+    head = hf.get_output_embeddings()
+    if not isinstance(stack, nn.ModuleList) or not isinstance(head, nn.Linear):
+        raise UnsupportedArchitecture(
+            f"model.name: {architecture} is not a decoder-only model with a layer stack ({', '.join(DECODER_STACKS)}) "
+            "and a linear head; the transformers path cannot wrap it"
+        )
+    between = [
+        n
+        for n, c in hf.named_children()
+        if c is not decoder and c is not head and next(c.parameters(), None) is not None
+    ]
+    if between:
+        raise UnsupportedArchitecture(
+            f"model.name: {architecture} applies {', '.join(between)} between its decoder and its head, which "
+            "arbor's vocabulary-chunked logprobs do not; this checkpoint cannot train on the transformers path"
+        )
+    for owner, name, module in ((model, "model", decoder), (decoder, "layers", stack), (model, "lm_head", head)):
+        if getattr(owner, name, None) is not module:
+            object.__setattr__(owner, name, module)
+
+
+def _attr(module: nn.Module | None, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
 class HFCausalLM(nn.Module):
     """A transformers `*ForCausalLM` with arbor's forward (see the module docstring)."""
 
@@ -86,14 +153,23 @@ class HFCausalLM(nn.Module):
         self.args = args
         config = hf_config(args)
         check_head(args, config)
-        hf = hf_class(args)(config)
+        hf = build_hf(args, config)
         for name, child in hf.named_children():
             self.add_module(name, child)
-        if not hasattr(self, "model") or not hasattr(self.model, "layers"):
-            raise UnsupportedArchitecture(
-                f"model.name: {args.architecture} has no `model.layers` decoder stack; arbor wraps decoders only"
-            )
+        alias_decoder(self, hf, args.architecture)
         self._hf = [hf]  # a list: the transformers model is not a child (its children are ours)
+        for layer in self.model.layers:
+            carry_to_attention(layer)
+        self.train()
+
+    def train(self, mode: bool = True) -> "HFCausalLM":
+        """Only arbor's own modules (LoRA adapters) follow `mode`: transformers' run their inference forward in
+        training too, so the trainer scores a sample as the engine sampled it: no dropout (Seed-OSS ships
+        attention and residual dropout 0.1), no router jitter or sampled routes (Phi-3.5-MoE's sparsemixer)."""
+        super().train(mode)
+        for module in self.modules():
+            module.training = mode and (module is self or isinstance(module, LoRALinearMixin))
+        return self
 
     @property
     def hf(self) -> nn.Module:
@@ -116,28 +192,60 @@ class HFCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         if isinstance(kv_cache, TokenCache):
-            x = kv_cache.forward(self.backbone, input_ids, position_ids, cache_slots)
+            x = kv_cache.forward(self.decoder_hidden, input_ids, position_ids, cache_slots)
         elif self.args.recurrent:
             x = self._by_sample(input_ids, position_ids, attn_mask)
         else:
-            x = self.backbone(input_ids, position_ids, ArborAttention(attn_mask, position_ids, kv_cache, cache_slots))
+            x = self.decoder_hidden(
+                input_ids, position_ids, ArborAttention(attn_mask, position_ids, kv_cache, cache_slots)
+            )
         if head_fn is not None:
             return head_fn(x, linear_weight(self.lm_head))
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)
 
-    def backbone(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: ArborAttention) -> torch.Tensor:
+    def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: ArborAttention) -> torch.Tensor:
         """The decoder's final hidden states `[B, T, H]`, after its final norm."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, arbor=ctx)
+        if self._attends_through_arbor:
+            return self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, arbor=ctx
+            ).last_hidden_state
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, arbor=ctx)
+        except (AttributeError, TypeError, RuntimeError) as e:
+            if getattr(self.hf, "_supports_attention_backend", True):
+                raise
+            raise UnsupportedArchitecture(  # MPT reads transformers' causal mask, which arbor's registry leaves out
+                f"model.name: {self.args.architecture} does not take transformers' attention-function registry "
+                f"(its forward failed without the mask it builds itself: {type(e).__name__}: {e}); this "
+                "architecture cannot train on the transformers path"
+            ) from e
+        self._check_attention_calls(ctx.calls)
         return out.last_hidden_state
+
+    _attends_through_arbor = False
+    """Set once a forward's attention layers all ran through arbor's attention function."""
+
+    def _check_attention_calls(self, calls: int) -> None:
+        """A model whose layers attend by their own code (ALiBi models such as BLOOM, state-space models such as
+        Mamba, or attention under another name) would train packed rows with attention across samples and ignore
+        the prefix-tree mask: refused on its first forward, in one line."""
+        expected = sum(t in ATTENTION_LAYER_TYPES for t in self.args.layer_types)
+        if calls != expected:
+            raise UnsupportedArchitecture(
+                f"model.name: {self.args.architecture} made {calls} calls to transformers' attention-function "
+                f"registry for its {expected} attention layers (one each), so arbor's packed-row and prefix-tree "
+                "masks would not hold; this architecture cannot train on the transformers path"
+            )
+        self._attends_through_arbor = True
 
     def _by_sample(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
         """A recurrent model's packed row: its samples (the chains of the mask) right-padded into one batch, so
-        that no state crosses a sample boundary. One backbone call per row whatever its samples (FSDP2's
+        that no state crosses a sample boundary. One decoder call per row whatever its samples (FSDP2's
         per-layer collectives then match across ranks); causal layers never read the padding after a sample."""
         if mask is None:
-            return self.backbone(input_ids, position_ids, ArborAttention(None, position_ids, None, None))
+            return self.decoder_hidden(input_ids, position_ids, ArborAttention(None, position_ids, None, None))
         if input_ids.shape[0] != 1:
             raise ValueError("a recurrent model's packed forward takes one row at a time")
         m = mask[0, 0]
@@ -154,7 +262,7 @@ class HFCausalLM(nn.Module):
         n, width = int(sample[-1]) + 1, int(offset.max()) + 1
         ids = input_ids.new_zeros(n, width).index_put((sample, offset), input_ids[0])
         pos = torch.arange(width, device=m.device)[None].expand(n, width)
-        hidden = self.backbone(ids, pos, ArborAttention(None, pos, None, None))
+        hidden = self.decoder_hidden(ids, pos, ArborAttention(None, pos, None, None))
         return hidden[sample, offset][None]
 
     def init_weights(self, seed: int) -> None:

@@ -20,8 +20,8 @@ from torch import nn
 from arbor.models.attention import KVCache
 from arbor.models.family import UnsupportedArchitecture
 from arbor.models.hf_args import HFArgs
-from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache
-from arbor.models.hf_causal import HFCausalLM, check_head, hf_class, hf_config
+from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache, carry_to_attention
+from arbor.models.hf_causal import HFCausalLM, build_hf, check_head, hf_config
 from arbor.models.qwen3 import HeadFn, linear_weight
 
 VISION_TOWER_MODES = ("frozen", "trainable")
@@ -36,6 +36,12 @@ def sample_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], int(position_ids.shape[0])]))
 
 
+_NOT_QWEN_VL = (
+    "model.name: {} is not a Qwen-VL-style model (a `language_model` decoder with 3-D rotary positions); arbor's "
+    "vision-language path serves Qwen2-VL, Qwen2.5-VL and Qwen3-VL"
+)
+
+
 class HFVisionLM(HFCausalLM):
     """A transformers vision-language model with arbor's forward (see the module docstring)."""
 
@@ -43,22 +49,24 @@ class HFVisionLM(HFCausalLM):
         nn.Module.__init__(self)
         self.args = args
         config = hf_config(args)
+        if not hasattr(config, "text_config"):
+            raise UnsupportedArchitecture(_NOT_QWEN_VL.format(args.architecture))
         config.text_config._attn_implementation = ATTN_IMPLEMENTATION
         config.vision_config._attn_implementation = "sdpa"
         check_head(args, config)
-        hf = hf_class(args)(config)
+        hf = build_hf(args, config)
         for name, child in hf.named_children():
             self.add_module(name, child)
         inner = getattr(self, "model", None)
         if not hasattr(inner, "language_model") or not hasattr(inner, "get_rope_index"):
-            raise UnsupportedArchitecture(
-                f"model.name: {args.architecture} is not a Qwen-VL-style model (a `language_model` decoder with "
-                "3-D rotary positions); arbor's vision-language path serves Qwen2-VL, Qwen2.5-VL and Qwen3-VL"
-            )
+            raise UnsupportedArchitecture(_NOT_QWEN_VL.format(args.architecture))
         # The decoder stack where arbor's parallelisation looks for it (`model.model.layers`): an alias in the
         # instance's dict, not a registered child, so parameter names stay the checkpoint's.
         object.__setattr__(inner, "layers", inner.language_model.layers)
         self._hf = [hf]
+        for layer in inner.layers:
+            carry_to_attention(layer)
+        self.train()
         self.image_token_id = int(config.image_token_id)
         self.start_token_id = int(config.vision_start_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
