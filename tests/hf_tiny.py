@@ -71,6 +71,12 @@ MORE_HF: dict[str, tuple[str, dict]] = {
     "PhimoeForCausalLM": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # routes sampled in training
     "FalconH1ForCausalLM": ("falcon_h1", {}),  # a Mamba mixer beside attention in every layer
     "NemotronHForCausalLM": ("nemotron_h", {}),  # layer kinds in `layers_block_type`
+    "Gemma2ForCausalLM": (  # logits soft-capped (30 in the real models; 0.3 bites on tiny random weights)
+        "gemma2",
+        {"sliding_window": 5, "tie_word_embeddings": True, "final_logit_softcapping": 0.3},
+    ),
+    "GraniteForCausalLM": ("granite", {"logits_scaling": 4.0}),  # logits divided by logits_scaling
+    "CohereForCausalLM": ("cohere", {}),  # logits times logit_scale (0.0625)
 }
 """The transformers path's second ring: families whose layout or training-mode forward differs from Llama's
 (logprobs and engine decoding checked in tests/models/test_hf_causal.py)."""

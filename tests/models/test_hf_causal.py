@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_tiny import MORE_HF, REFUSED_HF, TINY_HF, write_tiny
+from hf_tiny import MORE_HF, REFUSED_HF, TINY_HF, tiny_config, write_tiny
 
 from arbor.config.loader import ConfigError, load_config
 from arbor.config.model import ModelConfig
@@ -194,14 +194,22 @@ def test_an_architecture_neither_path_builds_is_one_line(tmp_path):
 
 
 def test_a_head_arbor_cannot_reproduce_is_refused_in_one_line(tmp_path):
-    config = transformers.Gemma2Config(
+    """Gemma 2's soft-capping, Cohere's and Granite's scales are honoured (the second ring's parity); a scale
+    field on a model arbor does not know it of (its meaning differs: Granite divides by `logits_scaling`,
+    HyperCLOVA X multiplies), or a head with a bias, is one line."""
+    config = transformers.LlamaConfig(
         vocab_size=264, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0,
+        num_key_value_heads=1, head_dim=8, logits_scaling=2.0,
     )  # fmt: skip
-    config.architectures = ["Gemma2ForCausalLM"]
-    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedArchitecture, match="applies final_logit_softcapping = 30.0 after its head"):
-        _model(str(tmp_path))
+    config.architectures = ["LlamaForCausalLM"]
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "scaled")
+    with pytest.raises(UnsupportedArchitecture, match="applies logits_scaling = 2.0 after its head, which arbor does"):
+        _model(str(tmp_path / "scaled"))
+    config = tiny_config("PhimoeForCausalLM")
+    config.lm_head_bias = True
+    transformers.PhimoeForCausalLM(config).save_pretrained(tmp_path / "bias")
+    with pytest.raises(UnsupportedArchitecture, match="PhimoeForCausalLM's head has a bias"):
+        _model(str(tmp_path / "bias"))
 
 
 @pytest.mark.parametrize(

@@ -190,3 +190,27 @@ def test_cuda_values_and_gradients_equal_the_full_logits_path(dtype):
     _close(ent, ref_ent, tol, "entropy")
     for a, b, name in zip(g, ref_g, ("hidden", "weight")):
         _close(a.float(), b.float(), tol, f"{name} gradient")
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_soft_capped_logits_values_and_gradients_equal_autograd_through_the_cap(top_p, chunk):
+    """Gemma 2's head caps its logits at `softcap * tanh(logits / softcap)` before the temperature: the chunked
+    path's values, entropy and exact backward (the chain rule through tanh) equal autograd on the full logits, with
+    a cap (5) that the head's logits reach, alone and under a top-p nucleus."""
+    hidden, weight, ids = _inputs(torch.float64, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    upstream = torch.randn(T, generator=gen, dtype=torch.float32)
+    logits = F.linear(hidden, weight)
+    capped = torch.tanh(logits / 5.0) * 5.0
+    assert logits.abs().max() > 5.0  # the cap bites
+    ref, ref_ent = shifted_logprobs(capped, ids, 0.7, True, top_p=top_p)
+    ref_gh, ref_gw = torch.autograd.grad((ref * upstream).sum(), (hidden, weight))
+    lp, ent = shifted_chunked_logprobs(hidden, weight, ids, 0.7, True, chunk, top_p, softcap=5.0)
+    gh, gw = torch.autograd.grad((lp * upstream).sum(), (hidden, weight))
+    _close(lp, ref, 1e-6, "logprobs")
+    _close(ent, ref_ent, 1e-6, "entropy")
+    _close(gh, ref_gh, 1e-6, "hidden gradient")
+    _close(gw, ref_gw, 1e-6, "weight gradient")
+    uncapped, _ = shifted_chunked_logprobs(hidden, weight, ids, 0.7, False, chunk, top_p)
+    assert (uncapped - lp).abs().max() > 1e-2  # the cap changes what is scored

@@ -100,7 +100,10 @@ def build_model(cfg: ModelSpec, device: str = "cpu", load: bool = True) -> "nn.M
             load_weights(model, resolve_dir(cfg.name))
     if hasattr(model, "set_vision_tower"):  # a vision-language model (arbor.models.hf_vision)
         model.set_vision_tower(getattr(cfg, "vision_tower", "frozen"))
-    return model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    if load and hasattr(model, "check_attention"):  # the transformers path: refuse what it cannot mask, now
+        model.check_attention()
+    return model
 
 
 __all__ = [

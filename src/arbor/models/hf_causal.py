@@ -38,8 +38,14 @@ from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotC
 from arbor.models.lora import LoRALinearMixin
 from arbor.models.qwen3 import HeadFn, linear_weight
 
-HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-"""Config fields a model's own head applies after `lm_head`; arbor's vocabulary-chunked head does not."""
+HEAD_SCALES = {
+    "logit_scale": {"cohere": 1},
+    "logits_scaling": {"granite": -1, "hyperclovax": 1},
+    "output_multiplier_scale": {},
+}
+"""Config fields a model's own head multiplies its logits by, per model-type prefix: 1 = times the value (Cohere's
+`logit_scale`, HyperCLOVA X's `logits_scaling`), -1 = divided by it (Granite's `logits_scaling`). arbor scales the
+hidden states instead (exact: the head has no bias); a field with another meaning, or of another model, is refused."""
 
 
 def hf_config(args: HFArgs) -> transformers.PretrainedConfig:
@@ -86,15 +92,24 @@ def hf_class(args: HFArgs) -> type[nn.Module]:
     return cls
 
 
-def check_head(args: HFArgs, config: transformers.PretrainedConfig) -> None:
+def head_transform(args: HFArgs, config: transformers.PretrainedConfig) -> tuple[float, float]:
+    """(scale, softcap) of what the model's head applies to its logits after `lm_head` (`HEAD_SCALES`, and
+    Gemma 2's `final_logit_softcapping`, 0 for none); anything else after the head is refused in one line."""
     text = config.get_text_config()
-    for field in HEAD_EXTRAS:
+    model_type = str(getattr(text, "model_type", ""))
+    scale = 1.0
+    for field, by_type in HEAD_SCALES.items():
         value = getattr(text, field, None)
-        if value not in (None, 1, 1.0, 0, 0.0):
+        if value in (None, 1, 1.0, 0, 0.0):
+            continue
+        sign = next((v for prefix, v in by_type.items() if model_type.startswith(prefix)), None)
+        if sign is None:
             raise UnsupportedArchitecture(
-                f"model.name: {args.architecture} applies {field} = {value} after its head, which arbor's "
-                "vocabulary-chunked logprobs do not; this checkpoint cannot train on the transformers path"
+                f"model.name: {args.architecture} applies {field} = {value} after its head, which arbor does not "
+                "know the meaning of for this model; this checkpoint cannot train on the transformers path"
             )
+        scale = scale * float(value) ** sign
+    return scale, float(getattr(text, "final_logit_softcapping", None) or 0.0)
 
 
 DECODER_STACKS = ("layers", "h", "blocks", "decoder.layers")
@@ -114,6 +129,11 @@ def alias_decoder(model: nn.Module, hf: nn.Module, architecture: str) -> None:
         raise UnsupportedArchitecture(
             f"model.name: {architecture} is not a decoder-only model with a layer stack ({', '.join(DECODER_STACKS)}) "
             "and a linear head; the transformers path cannot wrap it"
+        )
+    if head.bias is not None:
+        raise UnsupportedArchitecture(
+            f"model.name: {architecture}'s head has a bias, which arbor's vocabulary-chunked logprobs do not add; "
+            "this checkpoint cannot train on the transformers path"
         )
     between = [
         n
@@ -152,7 +172,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.args = args
         config = hf_config(args)
-        check_head(args, config)
+        self.head_scale, self.logit_softcap = head_transform(args, config)
         hf = build_hf(args, config)
         for name, child in hf.named_children():
             self.add_module(name, child)
@@ -199,11 +219,16 @@ class HFCausalLM(nn.Module):
             x = self.decoder_hidden(
                 input_ids, position_ids, ArborAttention(attn_mask, position_ids, kv_cache, cache_slots)
             )
-        if head_fn is not None:
+        if self.head_scale != 1.0:  # the head's logit scale, on its input (`head_transform`)
+            x = x * self.head_scale
+        if head_fn is not None:  # the soft-capping is the trainer's to apply (arbor.trainer.forward.logit_softcap)
             return head_fn(x, linear_weight(self.lm_head))
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: ArborAttention) -> torch.Tensor:
         """The decoder's final hidden states `[B, T, H]`, after its final norm."""
@@ -223,6 +248,16 @@ class HFCausalLM(nn.Module):
             ) from e
         self._check_attention_calls(ctx.calls)
         return out.last_hidden_state
+
+    def check_attention(self) -> None:
+        """A two-token forward (no gradient), so that a model whose layers attend by their own code is refused in
+        one line when it is built (`_check_attention_calls`), before the engine's first request or the trainer's
+        first step; vision-language models attend through the registry by construction (arbor.models.hf_vision)."""
+        if self.args.vision or self._attends_through_arbor:
+            return
+        p = next(self.parameters())
+        with torch.no_grad():
+            self(torch.tensor([[0, 1]], device=p.device))
 
     _attends_through_arbor = False
     """Set once a forward's attention layers all ran through arbor's attention function."""

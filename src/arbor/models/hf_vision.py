@@ -21,7 +21,7 @@ from arbor.models.attention import KVCache
 from arbor.models.family import UnsupportedArchitecture
 from arbor.models.hf_args import HFArgs
 from arbor.models.hf_attention import ATTN_IMPLEMENTATION, ArborAttention, SlotCache, carry_to_attention
-from arbor.models.hf_causal import HFCausalLM, build_hf, check_head, hf_config
+from arbor.models.hf_causal import HFCausalLM, build_hf, head_transform, hf_config
 from arbor.models.qwen3 import HeadFn, linear_weight
 
 VISION_TOWER_MODES = ("frozen", "trainable")
@@ -53,7 +53,7 @@ class HFVisionLM(HFCausalLM):
             raise UnsupportedArchitecture(_NOT_QWEN_VL.format(args.architecture))
         config.text_config._attn_implementation = ATTN_IMPLEMENTATION
         config.vision_config._attn_implementation = "sdpa"
-        check_head(args, config)
+        self.head_scale, self.logit_softcap = head_transform(args, config)
         hf = build_hf(args, config)
         for name, child in hf.named_children():
             self.add_module(name, child)

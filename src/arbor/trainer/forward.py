@@ -106,14 +106,19 @@ def packed_logprobs(
         )
     input_ids = input_ids.to(device, non_blocking=True)
     end = subtree_end_for(seq_lens, input_ids.shape[0])
-    chunk, vocab = state.logprob_chunk, state.vocab
+    chunk, vocab, softcap = state.logprob_chunk, state.vocab, logit_softcap(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return shifted_chunked_logprobs(
-            hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p, extra_ids, vocab
+            hidden[0], weight, input_ids, temperature, with_entropy, chunk, top_p, extra_ids, vocab, softcap
         )
 
     return _row_forward(model, input_ids, position_ids, end, device, routed_experts, head, images)
+
+
+def logit_softcap(model: nn.Module) -> float:
+    """The soft-capping the model's head applies to its logits (`logit_softcap`, Gemma 2's 30), 0 for none."""
+    return float(getattr(model, "logit_softcap", 0.0))
 
 
 def _row_forward(
@@ -162,11 +167,22 @@ def tree_logprobs(
     nodes = mb.token_nodes.to(device, torch.long)
     input_ids = mb.input_ids.to(device)
     predictors = mb.predictor_nodes().to(device)
-    chunk, vocab = state.logprob_chunk, state.vocab
+    chunk, vocab, softcap = state.logprob_chunk, state.vocab, logit_softcap(model)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return unmerged_logprobs(
-            hidden[0], weight, input_ids, nodes, predictors, temperature, with_entropy, chunk, top_p, extra_ids, vocab
+            hidden[0],
+            weight,
+            input_ids,
+            nodes,
+            predictors,
+            temperature,
+            with_entropy,
+            chunk,
+            top_p,
+            extra_ids,
+            vocab,
+            softcap,
         )
 
     moe = hasattr(model, "aux_valid")
@@ -191,6 +207,7 @@ def unmerged_logprobs(
     top_p: float = 1.0,
     extra_ids: torch.Tensor | None = None,
     vocab: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
     """Per sample token t: log p(input_ids[token_nodes[t]] | node predictors[t]) under the head `weight` (its
     first `vocab` rows, arbor.trainer.logprobs) applied to the node hidden states `[M, H]` (0 where
@@ -200,7 +217,7 @@ def unmerged_logprobs(
     has = predictors >= 0
     src = predictors.clamp(min=0)
     picked, ent, extra = chunked_extra_logprobs(
-        hidden, weight, src, input_ids[token_nodes], extra_ids, temperature, with_entropy, chunk, top_p, vocab
+        hidden, weight, src, input_ids[token_nodes], extra_ids, temperature, with_entropy, chunk, top_p, vocab, softcap
     )
     zero = torch.zeros_like(picked)
     logprobs = torch.where(has, picked, zero)

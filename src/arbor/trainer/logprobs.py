@@ -52,25 +52,34 @@ def _nucleus_pairs(
     return lp - norm, lse_nuc - norm, outside
 
 
-def _chunk_logp(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logp(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, softcap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log_softmax` of one chunk's tempered logits `[C, V]` in fp32: the same ops, in the same order, as
-    `shifted_logprobs` applies to the full logits."""
+    `shifted_logprobs` applies to the full logits. With `softcap` (Gemma 2's final-logit soft-capping, as the
+    model's own head applies it: `softcap * tanh(logits / softcap)`) also `tanh(logits / softcap)`, which the
+    backward's chain rule reads; else None."""
     logits = torch.nn.functional.linear(hidden, weight).float()
+    tanh = None
+    if softcap:
+        tanh = logits.div_(softcap).tanh_()  # in place: the buffer is this function's own
+        logits = tanh * softcap
     if temperature > 0:  # greedy rollouts (temperature 0) are scored untempered
         logits.div_(temperature)  # in place: the buffer is this function's own, and no autograd runs here
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1), tanh
 
 
 class VocabChunkedLogprobs(torch.autograd.Function):
-    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy, top_p, vocab)` ->
-    `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(hidden[rows[k]] W^T / temperature)[targets[k]]`
-    with `W` the head's first `vocab` rows (`real_rows`; the other rows' gradient is 0), renormalised over the
-    row's nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty unless `with_entropy`.
+    """`(hidden [N, H], weight [V, H], rows [K], targets [K], temperature, chunk, with_entropy, top_p, vocab,
+    softcap)` -> `(logprobs [K], entropy [N])`: `logprobs[k] = log softmax(cap(hidden[rows[k]] W^T) /
+    temperature)[targets[k]]` with `W` the head's first `vocab` rows (`real_rows`; the other rows' gradient is
+    0) and `cap` the soft-capping `softcap * tanh(x / softcap)` (identity at 0), renormalised over the row's
+    nucleus with top_p < 1 (the module docstring); entropy (no gradient) is empty unless `with_entropy`.
     `hidden` and `weight` share a dtype (autocast is applied by the caller, see `chunked_token_logprobs`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy, top_p=1.0, vocab=0):
-        ctx.temperature, ctx.chunk, ctx.top_p, ctx.vocab = temperature, chunk, top_p, vocab
+    def forward(ctx, hidden, weight, rows, targets, temperature, chunk, with_entropy, top_p=1.0, vocab=0, softcap=0.0):
+        ctx.temperature, ctx.chunk, ctx.top_p, ctx.vocab, ctx.softcap = temperature, chunk, top_p, vocab, softcap
         head = real_rows(weight, vocab)
         order, bounds = _pairs_by_chunk(rows, hidden.shape[0], chunk)
         out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
@@ -80,7 +89,7 @@ class VocabChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for i, start in enumerate(range(0, hidden.shape[0], chunk)):
-                logp = _chunk_logp(hidden[start : start + chunk], head, temperature)
+                logp, _ = _chunk_logp(hidden[start : start + chunk], head, temperature, softcap)
                 mine = order[bounds[i] : bounds[i + 1]]
                 if top_p < 1:
                     out[mine], shift[mine], outside[mine] = _nucleus_pairs(
@@ -128,7 +137,7 @@ class VocabChunkedLogprobs(torch.autograd.Function):
             for i, start in enumerate(range(0, live.shape[0], chunk)):
                 idx = live[start : start + chunk]
                 h = hidden[idx]
-                logp = _chunk_logp(h, head, temperature)
+                logp, tanh = _chunk_logp(h, head, temperature, ctx.softcap)
                 if top_p < 1:  # the softmax over the nucleus
                     nuc = nucleus_mask(logp, top_p)
                     logp = torch.where(nuc, logp, torch.full_like(logp, -torch.inf)).log_softmax(-1)
@@ -138,6 +147,8 @@ class VocabChunkedLogprobs(torch.autograd.Function):
                 grad.index_put_((p_rows[mine] - start, p_targets[mine]), p_target_grad[mine], accumulate=True)
                 if temperature > 0:
                     grad.div_(temperature)
+                if tanh is not None:  # through the soft-capping: d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+                    grad.mul_(tanh.square_().neg_().add_(1))
                 grad = grad.to(hidden.dtype)
                 if need_h:
                     grad_h[idx] = grad.mm(head)
@@ -147,7 +158,7 @@ class VocabChunkedLogprobs(torch.autograd.Function):
                     grad_head += grad.t().mm(h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def _pairs_by_chunk(rows: torch.Tensor, n_rows: int, chunk: int) -> tuple[torch.Tensor, list[int]]:
@@ -169,10 +180,12 @@ def chunked_token_logprobs(
     chunk: int = 0,
     top_p: float = 1.0,
     vocab: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 `(logprobs [K], entropy [N] or None)` of `targets` under the head's first `vocab` rows (0: all of
     them) applied to `hidden [N, H]` rows `rows` (renormalised over each row's top-p nucleus when `top_p < 1`
-    and the temperature is above 0); `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's
+    and the temperature is above 0; logits soft-capped at `softcap` when above 0, as Gemma 2's head does);
+    `chunk` rows at a time (0: `default_chunk(V)`). Under autocast the head's
     matmuls run in the autocast dtype, as `nn.Linear` would; the casts are outside the function so autograd
     carries their gradients."""
     dtype = weight.dtype
@@ -190,6 +203,7 @@ def chunked_token_logprobs(
         with_entropy,
         effective_top_p(temperature, top_p),
         vocab,
+        softcap,
     )
     return logprobs, entropy if with_entropy else None
 
@@ -205,12 +219,15 @@ def chunked_extra_logprobs(
     chunk: int = 0,
     top_p: float = 1.0,
     vocab: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`chunked_token_logprobs` plus, with `extra_ids [K, k]`, the logprobs `[K, k]` of those ids under each
     pair's row (pair j's row read at `extra_ids[j]` as well as at `targets[j]`), in the same chunked pass."""
     if extra_ids is None:
         return (
-            *chunked_token_logprobs(hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p, vocab),
+            *chunked_token_logprobs(
+                hidden, weight, rows, targets, temperature, with_entropy, chunk, top_p, vocab, softcap
+            ),
             None,
         )
     n, k = rows.shape[0], extra_ids.shape[1]
@@ -219,7 +236,7 @@ def chunked_extra_logprobs(
     extra = extra_ids.to(hidden.device, torch.long).reshape(-1)
     all_targets = torch.cat([targets.to(hidden.device, torch.long), extra])
     lp, entropy = chunked_token_logprobs(
-        hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk, top_p, vocab
+        hidden, weight, all_rows, all_targets, temperature, with_entropy, chunk, top_p, vocab, softcap
     )
     return lp[:n], entropy, lp[n:].view(n, k)
 
@@ -234,6 +251,7 @@ def shifted_chunked_logprobs(
     top_p: float = 1.0,
     extra_ids: torch.Tensor | None = None,
     vocab: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
     """`shifted_logprobs` from hidden states `[T, H]` and the head weight: per-token logprobs `[T]` (token t
     scored by row t-1, token 0 gets 0) and, optionally, the entropy of the distribution that predicted each.
@@ -252,6 +270,7 @@ def shifted_chunked_logprobs(
         chunk,
         top_p,
         vocab,
+        softcap,
     )
     logprobs = torch.cat([lp.new_zeros(1), lp])
     entropy = None if ent is None else torch.cat([ent.new_zeros(1), ent])
