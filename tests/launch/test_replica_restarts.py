@@ -6,7 +6,6 @@ are stand-ins that exit, sleep or answer /health; the end-to-end run is in test_
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from arbor.config.rl import RLConfig
 from arbor.launch import rl, servers, supervise
 from arbor.launch.children import replica_servers, teacher_servers
 from arbor.launch.process import ChildFailed, Supervisor
+from arbor.launch.process import free_port as _free_port
 from arbor.launch.rl import resolve
 from arbor.launch.servers import Servers
 from arbor.run_dir import configs_dir
@@ -265,9 +265,3 @@ def _poll_until(done, sup: Supervisor, group: Servers, timeout: float) -> None:
         assert time.monotonic() < deadline, "timed out"
         supervise.check_children(sup, set(), servers=[group])
         time.sleep(0.05)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

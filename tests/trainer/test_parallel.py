@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 import sys
 
 import pytest
@@ -18,18 +17,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from arbor.config.model import ModelConfig
+from arbor.launch.process import free_port as _free_port
 from arbor.models import build_model
 from arbor.models.attention import packed_causal_mask, position_ids_for
 
 pytestmark = pytest.mark.slow
 
 REL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(fn, *args, world: int = 2, backend: str = "gloo") -> None:

@@ -5,7 +5,6 @@ published; on 2 gloo ranks whose rollout files and view of the request differ, b
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_transport import _batch
 
+from arbor.launch.process import free_port as _free_port
 from arbor.run_dir import STABLE, broadcast_dir
 from arbor.trainer.republish import RolloutWait
 from arbor.transport.files import write_step
@@ -72,12 +72,6 @@ def test_the_wait_still_times_out_naming_the_file(tmp_path):
     wait = RolloutWait(tmp_path, 1, 0.2, lambda v: None, 0, torch.device("cpu"))
     with pytest.raises(TimeoutError, match="rank_1.safetensors never appeared"):
         wait.batch(4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:

@@ -8,6 +8,7 @@ launchers (`rl`, `fleet`) share SIGTERM-as-an-exception (`Terminated`) and `free
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,11 +30,37 @@ def on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+LOWEST_PORT = 10000
+"""The lowest port `free_port` draws (below it lie the well-known services' defaults)."""
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (the kernel picks it; a server started next binds it)."""
+    """A TCP port free now, drawn outside the kernel's ephemeral range: a port from that range (what binding port
+    0 returns) may be handed to any outgoing connection as its source port in the seconds before the server started
+    next binds it (one `rl` run's inference server failed so: "address already in use"); ports below the range are
+    only ever taken by an explicit bind, which this one checks. The kernel's pick where the range leaves no room."""
+    low, _ = ephemeral_range()
+    draw = random.SystemRandom()
+    for _ in range(64 if low - LOWEST_PORT > 1000 else 0):
+        port = draw.randrange(LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # taken on any address: not free
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 class ChildFailed(RuntimeError):
