@@ -77,6 +77,10 @@ MORE_HF: dict[str, tuple[str, dict]] = {
     ),
     "GraniteForCausalLM": ("granite", {"logits_scaling": 4.0}),  # logits divided by logits_scaling
     "CohereForCausalLM": ("cohere", {}),  # logits times logit_scale (0.0625)
+    "RecurrentGemmaForCausalLM": (  # layer kinds in `block_types`; logits soft-capped as `logits_soft_cap`
+        "recurrent_gemma",
+        {"num_hidden_layers": 3, "logits_soft_cap": 0.3, "attention_window_size": 5},
+    ),
 }
 """The transformers path's second ring: families whose layout or training-mode forward differs from Llama's
 (logprobs and engine decoding checked in tests/models/test_hf_causal.py)."""
@@ -88,8 +92,10 @@ REFUSED_HF: dict[str, tuple[str, dict]] = {
     "GPTJForCausalLM": ("gptj", {}),  # picks its attention class from its own table
     "MptForCausalLM": ("mpt", {}),  # reads the causal mask transformers would build
     "ModernBertDecoderForCausalLM": ("modernbert-decoder", {}),  # a dense + norm head before the vocabulary
+    "MoshiForCausalLM": ("moshi", {}),  # its decoder calls its layers without their keywords
+    "HYV4ForCausalLM": ("hy_v4", {}),  # its sparse-attention indexer reads the causal mask transformers builds
 }
-"""Causal LMs the transformers path cannot train, each refused in one line (at build or on its first forward)."""
+"""Causal LMs the transformers path cannot train, each refused in one line when built (its two-token forward)."""
 
 
 def tiny_config(arch: str) -> transformers.PretrainedConfig:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from arbor.models.family import UnsupportedArchitecture
 from arbor.run_dir import (
     DISK_FULL_EXIT,
     DONE,
@@ -213,12 +214,15 @@ def resume_step(
 
 
 def stop_cleanly(work: Callable[[], int], speak: bool = True) -> int:
-    """Runs a process's `work`; a damaged checkpoint (exit 1) or a full disk (exit `DISK_FULL_EXIT`) ends it with
+    """Runs a process's `work`; a damaged checkpoint (exit 1), a full disk (exit `DISK_FULL_EXIT`) or a model the
+    process cannot build (`UnsupportedArchitecture`, found when it is built: exit 2, as a config error) ends it with
     one line, `arbor.run_dir.stop_line` (printed when `speak`: rank 0 of the trainer), that `rl` shows as is."""
     try:
         return work()
     except CheckpointDamaged as e:
         code, error = 1, e
+    except UnsupportedArchitecture as e:
+        code, error = 2, e
     except Exception as e:
         if not is_disk_full(e):
             raise

@@ -12,6 +12,8 @@ import torch
 
 from arbor import checkpoint_manifest as cm
 from arbor import run_dir
+from arbor.launch.process import stopped_child
+from arbor.models.family import UnsupportedArchitecture
 from arbor.monitor.metrics import append_jsonl, read_jsonl, truncate_jsonl
 from arbor.orchestrator.state import OrchestratorState, load_state, save_state
 from arbor.transport.batch import StepBatch
@@ -178,3 +180,22 @@ def test_enospc_at_the_state_writer_is_one_line_and_stop_cleanly_prints_it(tmp_p
     line = capsys.readouterr().err.strip()
     assert line.startswith(run_dir.STOP_PREFIX + "disk full: writing ") and "orchestrator.json" in line
     assert "\n" not in line and not run_dir.orchestrator_state_path(tmp_path, 5).exists()
+
+
+def test_a_model_a_process_cannot_build_stops_it_on_one_line_that_rl_shows(tmp_path: Path, capsys) -> None:
+    """`UnsupportedArchitecture` raised where a process builds its model (the transformers path's two-token
+    forward) ends it with exit status 2 and one stop line; the launcher's error is that line, its status 2."""
+
+    def work() -> int:
+        raise UnsupportedArchitecture("model.name: XForCausalLM failed a two-token forward (TypeError: no\nmask)")
+
+    assert cm.stop_cleanly(work) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == run_dir.STOP_PREFIX + "model.name: XForCausalLM failed a two-token forward (TypeError: no mask)"
+    log = tmp_path / "inference.log"
+    log.write_text("loading\n" + line + "\n")
+    failed = stopped_child("inference", 2, log)
+    assert str(failed) == "inference stopped: " + line[len(run_dir.STOP_PREFIX) :] and failed.exit_code == 2
+    assert stopped_child("trainer", 1, log).exit_code == 1  # torchrun's status is 1 whatever its rank's was
+    log.write_text("Traceback (most recent call last):\n  ...\nValueError: x\n")
+    assert stopped_child("inference", 1, log) is None  # no stop line: the launcher shows the log's tail

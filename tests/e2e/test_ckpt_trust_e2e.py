@@ -42,9 +42,6 @@ def base_run(tmp_path_factory) -> Path:
 def _damage(out: Path, case: str) -> str:
     """Damages the copy `out` as `case` says; returns the file a resume must name ("" when none is damaged)."""
     shard = checkpoint_dir(out, 8) / "__0_0.distcp"
-    if case == "flipped_shard":
-        invert_middle(shard)
-        return "__0_0.distcp"
     if case == "truncated_shard":
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         return "__0_0.distcp"
@@ -56,7 +53,9 @@ def _damage(out: Path, case: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("case", ["flipped_shard", "truncated_shard", "orchestrator_state", "broadcasts"])
+# A flipped shard takes the truncated one's path here (each kind of damage is told apart in one line by
+# tests/core/test_checkpoint_manifest.py, and set aside by the trainer itself in tests/trainer/test_checkpoint_trust.py)
+@pytest.mark.parametrize("case", ["truncated_shard", "orchestrator_state", "broadcasts"])
 def test_a_damaged_run_resumes_from_its_last_intact_state_with_each_step_once(base_run: Path, tmp_path, case):
     out = tmp_path / "run"
     shutil.copytree(base_run, out)

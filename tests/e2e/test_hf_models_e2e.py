@@ -46,3 +46,16 @@ def test_three_rl_steps_with_the_local_engine(arch, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["mismatch_kl"] < 1e-3, (arch, r["mismatch_kl"])
+
+
+def test_an_architecture_the_transformers_path_cannot_mask_stops_rl_in_one_line(tmp_path):
+    """A checkpoint whose layers do not take arbor's mask (Moshi's decoder drops the layers' keywords) passes the
+    config check (its config.json names a causal LM transformers builds) and is refused where it is first built:
+    the process stops on one line (arbor.checkpoint_manifest.stop_cleanly) and `rl` shows that line, exiting 2 as
+    on a config error, with no traceback."""
+    model = write_tiny("MoshiForCausalLM", tmp_path / "model")
+    rc, stdout, stderr = _finish(_rl(tmp_path / "run", "--model.name", str(model), "--max-steps", "2"), 240)
+    assert rc == 2, stderr + stdout
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("rl: error: ") and " stopped: model.name: MoshiForCausalLM failed a two-token" in error
+    assert "Traceback" not in stdout + stderr, stderr

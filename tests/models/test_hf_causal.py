@@ -25,6 +25,7 @@ from arbor.models.family import UnsupportedArchitecture, args_from_dir, choose_f
 from arbor.models.hf import save_checkpoint_dir
 from arbor.models.hf_args import HFArgs
 from arbor.models.hf_causal import HFCausalLM
+from arbor.models.tokenizer import ByteTokenizer
 from arbor.trainer.parallel import apply_ac
 from arbor.trainer.parallel_state import ParallelState
 from arbor.trainer.step import packed_logprobs
@@ -257,6 +258,22 @@ def test_a_model_that_does_not_attend_through_the_registry_is_refused_in_one_lin
         model = _model(tiny_dirs[arch])
         packed_logprobs(model, ids, pos, LENS, 1.0, CPU, state=ParallelState(logprob_chunk=16))
     assert str(e.value).startswith(f"model.name: {arch}") and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_checkpoint_transformers_cannot_run_either_is_told_from_a_refused_architecture(tmp_path, tiny_dirs):
+    """A model whose two-token forward fails under arbor's attention is one line, which says whose fault it is:
+    the checkpoint's (transformers' own eager forward fails too: 4 query heads over 3 key heads) or the
+    architecture's (Moshi runs on its own, not under arbor's attention)."""
+    config = transformers.LlamaConfig(**{**tiny_config("LlamaForCausalLM").to_dict(), "num_key_value_heads": 3})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "broken")
+    ByteTokenizer().save(tmp_path / "broken")
+    with pytest.raises(UnsupportedArchitecture) as e:
+        _model(str(tmp_path / "broken"))
+    why = str(e.value)
+    assert why.startswith("model.name: LlamaForCausalLM: transformers' own forward of this checkpoint fails on two")
+    assert why.endswith("check its config.json") and "RuntimeError" in why and "\n" not in why
+    with pytest.raises(UnsupportedArchitecture, match="where transformers' own forward runs; this architecture"):
+        _model(tiny_dirs["MoshiForCausalLM"])
 
 
 def test_activation_checkpointing_recomputes_a_layer_that_does_not_pass_its_keywords_on(tiny_dirs):

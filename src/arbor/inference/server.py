@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import SecretStr
 
+from arbor.checkpoint_manifest import stop_cleanly
 from arbor.colocate import host_memory, reset_peak
 from arbor.config.admin import require_admin_token
 from arbor.config.inference import InferenceConfig
@@ -452,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(InferenceConfig, argv, prog="inference")  # before torch: a bad config fails fast
     require_admin_token(cfg.host, cfg.admin_token, "admin_token")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return cfg.engine_backend().serve(cfg)  # the backend loads its engine (torch, vLLM) only now
+    # the backend loads its engine (torch, vLLM) only now; a model it cannot build is one line, no traceback
+    return stop_cleanly(lambda: cfg.engine_backend().serve(cfg))
 
 
 if __name__ == "__main__":

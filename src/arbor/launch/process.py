@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from arbor.orphans import die_with_parent
-from arbor.run_dir import STOP_PREFIX
+from arbor.run_dir import DISK_FULL_EXIT, STOP_PREFIX
 
 
 class Terminated(BaseException):
@@ -143,6 +143,18 @@ def stop_reason(path: Path) -> str | None:
         return None
     lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.startswith(STOP_PREFIX)]
     return lines[-1][len(STOP_PREFIX) :] if lines else None
+
+
+def stopped_child(name: str, rc: int, log_path: Path) -> ChildFailed | None:
+    """The launcher's error for child `name`, dead with code `rc`, when it stopped on one line (a full disk, a
+    damaged checkpoint, a model it cannot build: `arbor.checkpoint_manifest.stop_cleanly`); None when it printed
+    none. `rl` exits with `DISK_FULL_EXIT` for a full disk (torchrun's own code is 1 whatever its rank's), with 2
+    where the child exited as on a config error, else 1."""
+    stopped = stop_reason(log_path)
+    if stopped is None:
+        return None
+    code = DISK_FULL_EXIT if stopped.startswith("disk full") else 2 if rc == 2 else 1
+    return ChildFailed(f"{name} stopped: {stopped}", exit_code=code)
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from arbor.launch.process import ChildFailed, Supervisor, tail
+from arbor.launch.process import ChildFailed, Supervisor, stopped_child, tail
 
 RESTART_BACKOFF = 5.0
 """Seconds between two restarts of the same dead server."""
@@ -139,6 +139,9 @@ class Servers:
             return
         alive = [n for n in self.argv if self.sup.children[n].poll() is None]
         if not alive:
+            stopped = stopped_child(name, rc, child.log_path)  # a model it cannot build: its one line is the error
+            if stopped is not None:
+                raise stopped
             what = (
                 f"{name} exited with code {rc}"
                 if len(self.argv) == 1

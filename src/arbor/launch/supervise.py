@@ -16,7 +16,7 @@ from arbor import run_dir
 from arbor.colocate import ready_path
 from arbor.config.rl import RLConfig
 from arbor.launch.console import Console
-from arbor.launch.process import ChildFailed, Supervisor, stop_reason, tail
+from arbor.launch.process import ChildFailed, Supervisor, stopped_child, tail
 from arbor.launch.servers import Servers, healthy
 from arbor.launch.watchdog import Watchdog
 
@@ -99,10 +99,9 @@ def check_children(
         if group is not None:
             group.on_death(name, rc, console.say if console is not None else None)
             continue
-        stopped = stop_reason(child.log_path)  # a full disk or a damaged checkpoint: its one line is the error
+        stopped = stopped_child(name, rc, child.log_path)  # a full disk, a damaged checkpoint: its one line
         if stopped is not None:
-            code = run_dir.DISK_FULL_EXIT if stopped.startswith("disk full") else 1
-            raise ChildFailed(f"{name} stopped: {stopped}", exit_code=code)
+            raise stopped
         raise ChildFailed(f"{name} exited with code {rc}; see {child.log_path}\n{tail(child.log_path)}")
     for group in servers:
         group.check_liveness(console.say if console is not None else None)

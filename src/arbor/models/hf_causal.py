@@ -47,6 +47,10 @@ HEAD_SCALES = {
 `logit_scale`, HyperCLOVA X's `logits_scaling`), -1 = divided by it (Granite's `logits_scaling`). arbor scales the
 hidden states instead (exact: the head has no bias); a field with another meaning, or of another model, is refused."""
 
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+"""Config fields of the `cap * tanh(logits / cap)` a model's head applies: Gemma 2 / 3 / 4's, VaultGemma's and
+nanochat's, RecurrentGemma's, xLSTM's."""
+
 
 def hf_config(args: HFArgs) -> transformers.PretrainedConfig:
     """The transformers config of `args.config`, attention through arbor's function."""
@@ -66,6 +70,12 @@ def _special_floats(value):
     if isinstance(value, list):
         return [_special_floats(v) for v in value]
     return value
+
+
+def _one_line(e: BaseException) -> str:
+    """`e` as `Type: first line of its message`."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def build_hf(args: HFArgs, config: transformers.PretrainedConfig) -> nn.Module:
@@ -93,8 +103,8 @@ def hf_class(args: HFArgs) -> type[nn.Module]:
 
 
 def head_transform(args: HFArgs, config: transformers.PretrainedConfig) -> tuple[float, float]:
-    """(scale, softcap) of what the model's head applies to its logits after `lm_head` (`HEAD_SCALES`, and
-    Gemma 2's `final_logit_softcapping`, 0 for none); anything else after the head is refused in one line."""
+    """(scale, softcap) of what the model's head applies to its logits after `lm_head` (`HEAD_SCALES`, and the
+    soft-capping of `SOFTCAP_FIELDS`, 0 for none); anything else after the head is refused in one line."""
     text = config.get_text_config()
     model_type = str(getattr(text, "model_type", ""))
     scale = 1.0
@@ -109,7 +119,8 @@ def head_transform(args: HFArgs, config: transformers.PretrainedConfig) -> tuple
                 "know the meaning of for this model; this checkpoint cannot train on the transformers path"
             )
         scale = scale * float(value) ** sign
-    return scale, float(getattr(text, "final_logit_softcapping", None) or 0.0)
+    caps = [getattr(text, field, None) for field in SOFTCAP_FIELDS]
+    return scale, float(next((c for c in caps if c), 0.0))
 
 
 DECODER_STACKS = ("layers", "h", "blocks", "decoder.layers")
@@ -256,8 +267,44 @@ class HFCausalLM(nn.Module):
         if self.args.vision or self._attends_through_arbor:
             return
         p = next(self.parameters())
-        with torch.no_grad():
-            self(torch.tensor([[0, 1]], device=p.device))
+        try:
+            with torch.no_grad():
+                self(torch.tensor([[0, 1]], device=p.device))
+        except (UnsupportedArchitecture, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # transformers' modules broke under arbor's attention, or on their own
+            own = self._own_forward_error()
+            if own is not None:
+                raise UnsupportedArchitecture(
+                    f"model.name: {self.args.architecture}: transformers' own forward of this checkpoint fails on "
+                    f"two tokens ({own}); check its config.json"
+                ) from e
+            raise UnsupportedArchitecture(
+                f"model.name: {self.args.architecture} failed a two-token forward with arbor's attention "
+                f"({_one_line(e)}) where transformers' own forward runs; this architecture cannot train on the "
+                "transformers path"
+            ) from e
+
+    def _own_forward_error(self) -> str | None:
+        """What transformers' own forward of the model (its eager attention, its own masks) raises on two tokens, in
+        one line; None when it runs: tells a checkpoint transformers cannot run either from arbor's refusal."""
+        configs = {
+            id(c): c
+            for m in self.hf.modules()
+            if isinstance(c := getattr(m, "config", None), transformers.PretrainedConfig)
+        }
+        saved = {k: c._attn_implementation for k, c in configs.items()}
+        try:
+            for c in configs.values():
+                c._attn_implementation = "eager"
+            with torch.no_grad():
+                self.hf(input_ids=torch.tensor([[0, 1]], device=next(self.parameters()).device), use_cache=False)
+            return None
+        except Exception as e:
+            return _one_line(e)
+        finally:
+            for k, c in configs.items():
+                c._attn_implementation = saved[k]
 
     _attends_through_arbor = False
     """Set once a forward's attention layers all ran through arbor's attention function."""

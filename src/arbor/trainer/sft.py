@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from arbor.checkpoint_manifest import stop_cleanly
 from arbor.config.loader import ConfigError, load_config, main_guard
 from arbor.config.sft import SFTConfig
 from arbor.monitor.heartbeat import install
@@ -22,8 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     install(cfg.output_dir, "sft", "loading torch")
     from arbor.trainer.sft_train import run_sft  # torch loads here, once the config is known to be valid
 
-    run_sft(cfg)
-    return 0
+    def work() -> int:
+        run_sft(cfg)
+        return 0
+
+    # a model the warm-up cannot build, a full disk: one line, no traceback
+    return stop_cleanly(work)
 
 
 if __name__ == "__main__":
