@@ -85,7 +85,7 @@ def _ep_worker(rank: int, world: int, name: str = "qwen3-moe-test") -> None:
             continue
         if id(p) in experts:
             # Local experts: the gradient over every rank's tokens arrives through the all-to-all backward; the
-            # hook divides it by ep for the trainer's loss scaling (see expert_parallel.py).
+            # experts' grad_scale divides it by ep for the trainer's loss scaling (see expert_parallel.py).
             local = g.to_local() * world
             n = local.shape[0]
             assert_close(local, ref_params[name].grad[rank * n : (rank + 1) * n], f"EP grad {name}")

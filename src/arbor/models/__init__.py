@@ -2,7 +2,9 @@
 
 `build_model(cfg)` is the one way every process gets its model: a preset name builds a tiny model initialised
 deterministically from `cfg.init_seed` (identical in trainer and inference), a directory or a Hugging Face hub
-id (resolved to its cached snapshot, downloaded when missing: arbor.models.hub) loads a Hugging Face checkpoint.
+id (resolved to its cached snapshot, downloaded when missing: arbor.models.hub) loads a Hugging Face checkpoint,
+a layer at a time into a model built without weights. The trainer builds its sharded model from the two halves
+(`build_empty`, then `load_initial_weights` after sharding: arbor.trainer.loop.build_sharded).
 """
 
 from __future__ import annotations
@@ -83,27 +85,59 @@ def build_tokenizer(cfg: ModelSpec) -> Tokenizer:
     return load_tokenizer(resolve_dir(cfg.name))
 
 
-def build_model(cfg: ModelSpec, device: str = "cpu", load: bool = True) -> "nn.Module":
+def build_model(cfg: ModelSpec, device: str = "cpu") -> "nn.Module":
     """The model its family builds (arbor.models.family: dense or MoE Qwen3, DeepSeek sparse attention, ...) on
-    `device` in `cfg.dtype`; `load=False` skips weights (meta-device init for FSDP callers)."""
+    `device` in `cfg.dtype`, with its weights: a preset's drawn from `cfg.init_seed`, a checkpoint's read layer
+    by layer straight into the model on `device` (it is built without weights first: no second copy)."""
     # Building loads torch; the package itself stays without it for the launcher and config checks (presets, args).
     import torch
 
-    from arbor.models.hf import load_weights  # safetensors and torch: as above
+    from arbor.models.materialize import materialize  # torch: as above
+
+    if cfg.name in PRESETS:
+        model = family_of(model_args(cfg)).build(model_args(cfg))
+        model.init_weights(cfg.init_seed)
+        _set_vision_tower(model, cfg)
+        return model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    model = build_empty(cfg).to(dtype=getattr(torch, cfg.dtype))
+    materialize(model, device)
+    load_initial_weights(model, cfg)
+    return model
+
+
+def build_empty(cfg: ModelSpec) -> "nn.Module":
+    """The model without its weights (parameters on the meta device, fp32; computed buffers real): what a
+    trainer shards before any rank allocates its part (arbor.models.materialize), and `load_initial_weights`
+    fills."""
+    from arbor.models.materialize import params_on_meta  # torch: see build_model
 
     args = model_args(cfg)
-    model = family_of(args).build(args)
-    if load:
-        if cfg.name in PRESETS:
-            model.init_weights(cfg.init_seed)
-        else:
-            load_weights(model, resolve_dir(cfg.name))
+    with params_on_meta():
+        model = family_of(args).build(args)
+    _set_vision_tower(model, cfg)
+    return model
+
+
+def load_initial_weights(model: "nn.Module", cfg: ModelSpec) -> None:
+    """Fills a materialised `build_empty` model (sharded or not) with its initial weights: a preset's, drawn on the
+    host from `cfg.init_seed` (presets are small) and written part by part; a checkpoint's, read one layer at a
+    time (arbor.models.hf.load_weights). The transformers path then runs its two-token check (a collective under
+    FSDP2, as every forward), so a model it cannot mask is refused now, in one line."""
+    from arbor.models.hf import copy_model_state, load_weights  # safetensors and torch: see build_model
+
+    if cfg.name in PRESETS:
+        host = family_of(model.args).build(model.args)
+        host.init_weights(cfg.init_seed)
+        copy_model_state(model, host.state_dict(), f"preset {cfg.name}")
+    else:
+        load_weights(model, resolve_dir(cfg.name))
+    if hasattr(model, "check_attention"):  # the transformers path: refuse what it cannot mask, now
+        model.check_attention()
+
+
+def _set_vision_tower(model: "nn.Module", cfg: ModelSpec) -> None:
     if hasattr(model, "set_vision_tower"):  # a vision-language model (arbor.models.hf_vision)
         model.set_vision_tower(getattr(cfg, "vision_tower", "frozen"))
-    model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
-    if load and hasattr(model, "check_attention"):  # the transformers path: refuse what it cannot mask, now
-        model.check_attention()
-    return model
 
 
 __all__ = [
@@ -111,8 +145,10 @@ __all__ = [
     "ModelSpec",
     "PRESETS",
     "Tokenizer",
+    "build_empty",
     "build_model",
     "build_tokenizer",
+    "load_initial_weights",
     "load_tokenizer",
     "model_args",
     "resolve_dir",

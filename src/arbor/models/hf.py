@@ -1,5 +1,9 @@
 """Hugging Face checkpoint directories: config.json + safetensors (single file or sharded with an index).
 
+`load_weights` reads a checkpoint one layer at a time into a model that may be sharded already (arbor.models.
+materialize): every name and shape is checked on meta tensors from the safetensors headers before any data is
+read, and each rank copies only its part of each tensor, so no process holds the whole checkpoint or model.
+
 Checkpoints in DeepSeek's FP8 format (float8 `weight` + `weight_scale_inv` per 128x128 block, a
 `quantization_config` in config.json: DeepSeek-V3, Qwen3-*-FP8, and what arbor publishes with `model.fp8 =
 "block"`) load by dequantisation into the model's own dtype; `fp8=True` writes that format.
@@ -12,11 +16,14 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
 from arbor.models.family import family_of
 from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, high_precision_modules, quantize_state
+from arbor.models.lora import is_lora_param
+from arbor.models.materialize import check_matches, copy_checked, write_full
 from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer
 
 
@@ -88,7 +95,16 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, in memory (published weights, adapters: small; a model's
+    checkpoint loads layer by layer through `load_weights`)."""
     path = Path(path)
+    state: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(path):
+        state.update(load_file(str(path / f)))
+    return state
+
+
+def _safetensors_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -96,24 +112,84 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(path / f)))
-    return state
+    return files
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def checkpoint_layout(path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (file, a meta tensor of its dtype and shape) for every tensor of a checkpoint directory, from the
+    safetensors headers alone (no tensor data is read)."""
+    path = Path(path)
+    layout = {}
+    for f in _safetensors_files(path):
+        with open(path / f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"checkpoint {path}: {name} has dtype {info['dtype']}, which arbor does not read")
+            layout[name] = (f, torch.empty(info["shape"], dtype=dtype, device="meta"))
+    return layout
+
+
+def checkpoint_groups(names: list[str]) -> list[list[str]]:
+    """The checkpoint's tensor names in the groups `load_weights` reads at once: a layer's (every name up to its
+    first number: `model.layers.3`, with its experts, FP8 scales and fused projections) or a module's."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), len(parts) - 1)
+        groups.setdefault(".".join(parts[:cut]), []).append(name)
+    return list(groups.values())
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copies a checkpoint directory's tensors into `model` in place (names, mapped by the model's family, and
-    shapes must match exactly); FP8 weights are dequantised with their `weight_scale_inv`. A model with MTP
-    modules loads them from the checkpoint when it has them, else starts them from its last decoder layer."""
-    state = family_of(model.args).from_hf_state(dequantize_state(read_safetensors_dir(path)), model.args)
-    mtp = getattr(model, "mtp", None)
-    if mtp is not None and len(mtp) and not has_mtp_weights(state):
-        own = {k: v for k, v in model.state_dict().items() if k.startswith("mtp.")}
-        copy_model_state(model, {**state, **own}, path)
+    shapes must match exactly); FP8 weights are dequantised with their `weight_scale_inv`. `model` may be
+    sharded (DTensors: each rank writes its own part) and is read one layer at a time, after every name and
+    shape matched. A model with MTP modules loads them from the checkpoint when it has them, else starts them
+    from its last decoder layer."""
+    path = Path(path)
+    layout = checkpoint_layout(path)
+    own = model_tensors(model)
+    mapped = _model_state(model, {name: meta for name, (_, meta) in layout.items()})
+    from_last_layer = any(k.startswith("mtp.") for k in own) and not has_mtp_weights(mapped)
+    if from_last_layer:
+        own = {k: v for k, v in own.items() if not k.startswith("mtp.")}
+    check_matches(own, mapped, f"checkpoint {path}", "the model")
+    for names in checkpoint_groups(list(layout)):
+        state = {}
+        for f in sorted({layout[n][0] for n in names}):
+            with safe_open(str(path / f), "pt") as fh:
+                state.update({n: fh.get_tensor(n) for n in names if layout[n][0] == f})
+        for name, full in _model_state(model, state).items():
+            write_full(own[name], full)
+    if from_last_layer:
         init_mtp_from_last_layer(model)
-        return
-    copy_model_state(model, state, path)
+
+
+def _model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (any part of a checkpoint) under arbor's names, dequantised; a tied head dropped."""
+    out = family_of(model.args).from_hf_state(dequantize_state(state), model.args)
+    if model.args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
 
 
 def drop_mtp_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -136,27 +212,20 @@ def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
 def copy_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
     """`copy_checked` of tensors already under arbor's names (parameters and persistent buffers, such as a
     transformers MoE router's expert bias); a tied head is the embedding's."""
-    own = dict(model.named_parameters())
+    if model.args.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    copy_checked(model_tensors(model), state, f"checkpoint {source}", "the model")
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: parameters and persistent buffers by name (a tied head is the embedding's; LoRA
+    adapters are not the checkpoint's)."""
+    own = {k: p for k, p in model.named_parameters() if not is_lora_param(k)}
     persistent = set(model.state_dict())
     own.update({k: b for k, b in model.named_buffers() if k in persistent})
     if model.args.tie_word_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         own.pop("lm_head.weight", None)
-    copy_checked(own, state, f"checkpoint {source}", "the model")
-
-
-def copy_checked(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], what: str, target: str) -> None:
-    """Copies `state` into the tensors `own` names once every name and shape matched (`what` and `target` name
-    the two sides in the error)."""
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{what} does not match {target}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(f"{what}: {name} has shape {tuple(tensor.shape)}, model has {tuple(own[name].shape)}")
-    with torch.no_grad():
-        for name, tensor in state.items():
-            own[name].copy_(tensor.to(own[name].dtype))
+    return own
 
 
 def save_checkpoint_dir(

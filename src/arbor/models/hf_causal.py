@@ -21,6 +21,7 @@ from copy import deepcopy
 import torch
 import transformers
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -294,6 +295,8 @@ class HFCausalLM(nn.Module):
             if isinstance(c := getattr(m, "config", None), transformers.PretrainedConfig)
         }
         saved = {k: c._attn_implementation for k, c in configs.items()}
+        if isinstance(self, FSDPModule):  # sharded: the root's parameters (embedding, head) are gathered by hand
+            self.unshard()  # (the layers gather their own as transformers' forward calls them)
         try:
             for c in configs.values():
                 c._attn_implementation = "eager"

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.models.hf import copy_checked
-from arbor.models.qwen3_moe import GroupedExperts, _local, grouped_mm
+from arbor.models.materialize import copy_checked
+from arbor.models.qwen3_moe import GroupedExperts, grouped_mm
 
 EXPERT_PROJS = ("gate", "up", "down")
 """The projections of a SwiGLU expert, in PEFT's per-expert module names (`experts.{e}.{proj}_proj`)."""
@@ -83,17 +83,17 @@ class LoRAGroupedExperts(GroupedExperts):
     lora_dropout: float
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate, up = grouped_mm(x, _local(self.gate_up_proj), counts).chunk(2, dim=-1)
+        gate, up = grouped_mm(x, self.local("gate_up_proj"), counts).chunk(2, dim=-1)
         gate = gate + self._delta("gate", x, counts)
         up = up + self._delta("up", x, counts)
         h = F.silu(gate) * up
-        return grouped_mm(h, _local(self.down_proj), counts) + self._delta("down", h, counts)
+        return grouped_mm(h, self.local("down_proj"), counts) + self._delta("down", h, counts)
 
     def _delta(self, proj: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | float:
         if proj not in self.lora_projs:
             return 0.0
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        a, b = _local(getattr(self, f"lora_{proj}_A")), _local(getattr(self, f"lora_{proj}_B"))
+        a, b = self.local(f"lora_{proj}_A"), self.local(f"lora_{proj}_B")
         return grouped_mm(grouped_mm(h, a, counts), b, counts) * self.lora_scale
 
     def expert_delta(self, proj: str) -> torch.Tensor:
@@ -140,6 +140,8 @@ def apply_lora(model: nn.Module, cfg: Any, seed: int) -> list[str]:
     r, scale = cfg.rank, cfg.alpha / cfg.rank
     for path, (module, projs) in targets.items():
         dev = next(module.parameters()).device
+        if dev.type == "meta":  # a model built without weights: adapters are drawn now and kept (materialize)
+            dev = torch.device("cpu")
         if projs:
             module.__class__ = LoRAGroupedExperts
             shapes = expert_shapes(module)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from arbor.models.args import ModelArgs
+from arbor.models.materialize import local_tensor, write_full
 
 
 class SharedHead(nn.Module):
@@ -63,17 +64,19 @@ class MTPLayer(nn.Module):
 def init_mtp_from_last_layer(model: nn.Module) -> None:
     """Starts every MTP depth from the decoder's last layer: the block is a copy of it, the norms are 1 and
     `eh_proj` passes the normalised hidden state through (its embedding half is 0), so a fresh module begins as
-    one more pass of the last layer and training moves it from there."""
-    last = model.model.layers[-1].state_dict()
+    one more pass of the last layer and training moves it from there. The model may be sharded: a block and the
+    last layer are sharded alike, so each rank copies its own parts."""
+    last = model.model.layers[-1].state_dict(keep_vars=True)
     h = model.args.hidden_size
     with torch.no_grad():
         for layer in model.mtp:
-            layer.block.load_state_dict(last)
+            for name, t in layer.block.state_dict(keep_vars=True).items():
+                local_tensor(t).copy_(local_tensor(last[name]))
             for norm in (layer.enorm, layer.hnorm, layer.shared_head.norm):
-                norm.weight.fill_(1.0)
-            w = torch.zeros(h, 2 * h, dtype=layer.eh_proj.weight.dtype, device=layer.eh_proj.weight.device)
-            w[:, h:] = torch.eye(h, dtype=w.dtype, device=w.device)
-            layer.eh_proj.weight.copy_(w)
+                local_tensor(norm.weight).fill_(1.0)
+            w = torch.zeros(h, 2 * h)
+            w[:, h:] = torch.eye(h)
+            write_full(layer.eh_proj.weight, w)
 
 
 _OWN = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")

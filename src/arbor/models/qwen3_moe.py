@@ -61,9 +61,27 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return out
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts as 3-D weights; under expert parallelism the weights are DTensors sharded on
     dim 0 and each rank computes with its local experts."""
+
+    grad_scale = 1.0
+    """What the experts' weight gradients are multiplied by: 1 / ep under expert parallelism
+    (arbor.trainer.expert_parallel). Part of the forward rather than a hook on the parameters, which a model built
+    on the meta device replaces when it allocates them (arbor.models.materialize)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
@@ -71,10 +89,16 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
+    def local(self, name: str) -> torch.Tensor:
+        """This rank's experts of the weight `name` (all of them without expert parallelism), `grad_scale` applied
+        to its gradient."""
+        t = _local(getattr(self, name))
+        return t if self.grad_scale == 1.0 or not t.requires_grad else _ScaleGrad.apply(t, self.grad_scale)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of `x` grouped by local expert, `counts[e]` rows for local expert e."""
-        gate, up = grouped_mm(x, _local(self.gate_up_proj), counts).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, _local(self.down_proj), counts)
+        gate, up = grouped_mm(x, self.local("gate_up_proj"), counts).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.local("down_proj"), counts)
 
 
 class TopKRouter(nn.Module):

@@ -134,9 +134,8 @@ def apply_ep(model: nn.Module, ep_mesh: "DeviceMesh", backend: str = "all_to_all
             sharded = nn.Parameter(
                 distribute_tensor(full.detach(), ep_mesh, [Shard(0)]), requires_grad=full.requires_grad
             )  # a LoRA base stays frozen
-            if sharded.requires_grad:
-                sharded.register_hook(lambda g, ep=ep: g / ep)
             setattr(experts, name, sharded)
+        experts.grad_scale = 1.0 / ep
 
 
 def expert_param_names(experts: GroupedExperts) -> list[str]:

@@ -21,9 +21,10 @@ from torch import nn
 
 from arbor.checkpoint_manifest import CheckpointDamaged
 from arbor.config.loader import ConfigError
-from arbor.config.trainer import TrainerConfig
-from arbor.models import build_model, build_tokenizer
+from arbor.config.trainer import IndexerConfig, TrainerConfig
+from arbor.models import build_empty, build_tokenizer, load_initial_weights
 from arbor.models.dsa_indexer_loss import enable_indexer_training
+from arbor.models.materialize import materialize
 from arbor.monitor.heartbeat import beat
 from arbor.monitor.metrics import RunClock
 from arbor.run_dir import (
@@ -40,7 +41,7 @@ from arbor.trainer.checkpoint import load_checkpoint, save_checkpoint, verify_ch
 from arbor.trainer.loss import build_loss
 from arbor.trainer.offload import ColocatedTurns, Offloader
 from arbor.trainer.optim import build_optimizer, set_lr
-from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize
+from arbor.trainer.parallel import ParallelDims, forward_context, init_distributed, parallelize, reshard
 from arbor.trainer.parallel_state import UNPREPARED, ParallelState
 from arbor.trainer.republish import RolloutWait
 from arbor.trainer.step import train_step
@@ -85,21 +86,34 @@ def build_training(
 ) -> tuple[nn.Module, torch.optim.Optimizer, ParallelDims, ParallelState]:
     """The parallelised fp32 model and its optimizer (AdamW or Muon + AdamW), plus the ParallelDims in use and
     the model's ParallelState (what the step is handed)."""
-    # Master weights are always fp32; a lower model.dtype is the compute dtype (see parallel.py).
-    model = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
     try:
-        if cfg.indexer.train:  # before FSDP: the flags live on the attention modules
-            enable_indexer_training(model, cfg.indexer.weight)
         dims = ParallelDims.from_config(cfg.parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not dims.fsdp_enabled:
-        model.to(device)  # before EP: its DTensors live on the mesh's device
+    model, state = build_sharded(cfg, dims, device, indexer=cfg.indexer)
+    return model, build_optimizer(model, cfg.optim), dims, state
+
+
+def build_sharded(
+    cfg: TrainerConfig, dims: ParallelDims, device: torch.device, indexer: IndexerConfig | None = None
+) -> tuple[nn.Module, ParallelState]:
+    """`cfg.model` in fp32, parallelised and loaded without any rank holding the whole model: built with its
+    parameters on the meta device, sharded by `parallelize`, then each rank allocates its own parts on `device`
+    and reads them from the checkpoint one layer at a time (arbor.models.materialize). Master weights are always
+    fp32; a lower model.dtype is the compute dtype (see parallel.py). `indexer` (the policy's): DSA indexer
+    training flags, set before FSDP2 as they live on the attention modules."""
+    spec = cfg.model.model_copy(update={"dtype": "float32"})
+    model = build_empty(spec)
+    if indexer is not None and indexer.train:
+        enable_indexer_training(model, indexer.weight)
     try:
-        state = parallelize(model, dims, cfg, device.type)  # fully_shard moves the shards to the mesh's device
+        state = parallelize(model, dims, cfg, device.type)
     except ValueError as e:  # e.g. ep on a dense model, experts or heads not divisible: a config error
         raise ConfigError(str(e)) from None
-    return model, build_optimizer(model, cfg.optim), dims, state
+    materialize(model, device)
+    load_initial_weights(model, spec)
+    reshard(model)  # the transformers path's two-token check left FSDP2's root gathered
+    return model, state
 
 
 def train(cfg: TrainerConfig, device: torch.device, loss_fn) -> None:
@@ -333,14 +347,13 @@ def build_reference(
     with its own ParallelState. None when `loss.kl_coef` is 0."""
     if cfg.loss.kl_coef <= 0:
         return None
-    with torch.random.fork_rng():  # the same initial weights as the policy's, without moving the global RNG
-        torch.manual_seed(cfg.seed)
-        ref = build_model(cfg.model.model_copy(update={"dtype": "float32"}), device="cpu")
-    ref.requires_grad_(False).eval()
     # LoRA: the reference is the base model, which a zero adapter leaves unchanged: none is added
     ref_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
-    state = parallelize(ref, dims, ref_cfg, device.type)
-    return (ref if dims.fsdp_enabled else ref.to(device)), state
+    with torch.random.fork_rng():  # the same initial weights as the policy's, without moving the global RNG
+        torch.manual_seed(cfg.seed)
+        ref, state = build_sharded(ref_cfg, dims, device)
+    ref.requires_grad_(False).eval()
+    return ref, state
 
 
 class Publisher:

@@ -255,6 +255,16 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
 
 
+def reshard(model: nn.Module) -> None:
+    """Frees the full parameters a forward left gathered (FSDP2 keeps the root's and the last layer's after a
+    forward, `reshard_after_forward=False`), so that what follows (the optimizer) sees the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule  # see apply_fsdp
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float, expert_replicas: DeviceMesh | None = None) -> torch.Tensor:
     """Clips by the global gradient norm over parameters that may be DTensors on different meshes (FSDP2 over
     dp_shard x cp, experts over ep), which `torch.nn.utils.clip_grad_norm_` rejects. Each parameter's squared
