@@ -67,7 +67,7 @@ def _fsdp_ep_bf16_worker(rank: int, world: int, seed: int, name: str) -> None:
             continue
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name  # fp32 masters and gradients
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if id(p) in experts:  # ep-sharded: rank r holds experts [r n, (r + 1) n); GroupedExperts.grad_scale divides by ep
+        if id(p) in experts:  # ep-sharded: rank r holds experts [r n, (r + 1) n); grad_scale divides by ep
             n = local.shape[0]
             assert_close(local * world, ref_grads[name][rank * n : (rank + 1) * n], f"grad {name}", GRAD_REL)
             checked.add("expert")

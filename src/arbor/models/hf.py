@@ -126,8 +126,12 @@ _SAFETENSORS_DTYPES = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,  # MX block scales
 }
 
 
