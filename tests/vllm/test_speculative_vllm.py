@@ -40,6 +40,28 @@ def test_speculative_config_renders_vllm_mtp_method():
     assert "--speculative-config" in dry_run_command(cfg)
 
 
+def test_a_float32_latent_attention_model_on_the_cpu_build_takes_vllms_reference_mla(tmp_path):
+    """vLLM's CPU build picks its AMX MLA backend on processors with AMX tiles, which packs bf16/fp16 weights only:
+    a float32 MLA model (and its MTP drafts) asks for the reference backend; bf16, the CUDA build, a model without
+    latent attention and a backend the config names itself are left to vLLM."""
+    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    mla = str(tmp_path)
+    spec = {"speculative": {"enabled": True, "draft_tokens": 2}}
+    cfg = InferenceConfig.model_validate({"model": {"dtype": "float32"}, **spec})
+    argv = serve_argv(cfg, mla, 1, cpu=True)
+    assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
+    assert _spec_flag(argv)["attention_backend"] == "CPU_MLA"
+    for argv in (
+        serve_argv(InferenceConfig.model_validate({"model": {"dtype": "bfloat16"}, **spec}), mla, 1, cpu=True),
+        serve_argv(cfg, mla, 1, cpu=False),
+        serve_argv(cfg, "/a/hub/id", 1, cpu=True),
+    ):
+        assert "--attention-backend" not in argv and "attention_backend" not in _spec_flag(argv)
+    own = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={"extra_args": {"attention_backend": "X"}})})
+    argv = serve_argv(own, mla, 1, cpu=True)
+    assert argv.count("--attention-backend") == 1 and "attention_backend" not in _spec_flag(argv)
+
+
 @pytest.mark.parametrize(
     "argv, key",
     [

@@ -158,8 +158,19 @@ def serve_argv(
         argv += ["--kv-offloading-backend", v.kv_offloading_backend, "--kv-offloading-size", str(v.kv_offloading_size)]
     if cfg.router_replay:
         argv.append("--enable-return-routed-experts")
+    # vLLM's CPU build picks its AMX MLA backend whenever the processor has AMX tiles, and that backend packs
+    # bf16/fp16 weights only (a float32 model fails at load); its reference MLA backend serves any dtype, for the
+    # model and for its MTP drafts alike.
+    reference_mla = (
+        cpu and dtype == "float32" and "attention_backend" not in v.extra_args and latent_attention(model_path)
+    )
+    if reference_mla:
+        argv += ["--attention-backend", "CPU_MLA"]
     if cfg.speculative.enabled:
-        argv += ["--speculative-config", json.dumps(speculative_config(cfg.speculative), separators=(",", ":"))]
+        spec = speculative_config(cfg.speculative)
+        if reference_mla:
+            spec = {"attention_backend": "CPU_MLA", **spec}
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if lora_enabled(cfg):
         argv += ["--enable-lora", "--max-loras", str(cfg.max_loras), "--max-lora-rank", str(vllm_lora_rank(cfg))]
     if cpu and "enable_chunked_prefill" not in v.extra_args:
@@ -173,6 +184,13 @@ def serve_argv(
     if vision:
         argv += VISION_ARGS
     return argv + render_extra(v.extra_args)
+
+
+def latent_attention(model_path: str) -> bool:
+    """Whether the checkpoint directory at `model_path` attends by multi-head latent attention (DeepSeek's MLA: a
+    `kv_lora_rank` in its config.json); False for what is not a directory yet (a hub id)."""
+    config = Path(model_path) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("kv_lora_rank"))
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
