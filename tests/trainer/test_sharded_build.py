@@ -3,7 +3,8 @@ parameters on the meta device, sharded by FSDP2, then each rank allocates and re
 time. Two gloo ranks build checkpoints transformers wrote (bf16, as published models are): each rank's peak host
 memory stays near half of one fp32 copy of the model (the old build held the whole fp32 model plus the checkpoint on
 every rank: ~1.5 copies), every parameter equals the checkpoint's, computed buffers (RoPE) survive, a tied head
-stays the embedding, a LoRA adapter is the one an unsharded build draws, and the logits equal transformers'."""
+stays the embedding, a LoRA adapter is the one an unsharded build draws, and the logits equal transformers';
+under HSDP too, and MTP modules start from the sharded last layer."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ IDS = torch.tensor([[5, 9, 200, 7, 31, 8, 100, 3]])
 
 def _write(path: Path, arch: str, **shape) -> str:
     config = transformers.AutoConfig.for_model(
-        "llama" if arch == "LlamaForCausalLM" else "qwen2",
+        {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch],
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=512,
@@ -103,6 +104,30 @@ def _worker(rank: int, world: int, warm: str, big: str, tied: str) -> None:
         assert torch.equal(p.full_tensor(), want[name]), name
 
 
+def _hsdp_and_mtp_worker(rank: int, world: int, tied: str, qwen3: str) -> None:
+    """HSDP (2 replicas of 1 shard: each rank holds whole tensors, replicated) reads the same weights; a Qwen3
+    checkpoint without MTP layers starts `model.mtp_depth = 1`'s module from its last decoder layer on sharded
+    parameters."""
+    from torch.distributed.tensor import DTensor
+
+    hsdp = TrainerConfig(
+        model=ModelConfig(name=tied, tokenizer="byte", impl="transformers"),
+        parallel=ParallelConfig(nproc=world, dp_replicate=world),
+    )
+    model, _ = build_sharded(hsdp, ParallelDims.from_config(hsdp.parallel, world), CPU)
+    assert isinstance(model.model.embed_tokens.weight, DTensor)
+    _check_against_transformers(model, tied, "tied qwen2 under HSDP")
+
+    fsdp = ParallelDims.from_config(ParallelConfig(nproc=world), world)
+    model, _ = build_sharded(_cfg(qwen3, world, mtp_depth=1), fsdp, CPU)
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+    last, h = model.args.num_hidden_layers - 1, model.args.hidden_size
+    block = [n for n in full if n.startswith("mtp.0.block.")]
+    assert block and all(torch.equal(full[n], full[n.replace("mtp.0.block.", f"model.layers.{last}.")]) for n in block)
+    assert torch.equal(full["mtp.0.eh_proj.weight"], torch.cat([torch.zeros(h, h), torch.eye(h)], 1))
+    assert all(torch.equal(full[f"mtp.0.{n}.weight"], torch.ones(h)) for n in ("enorm", "hnorm", "shared_head.norm"))
+
+
 def _checkpoints(tmp_path: Path) -> tuple[str, str, str]:
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=300)
     warm = _write(tmp_path / "warm", "LlamaForCausalLM", **small, tie_word_embeddings=False)
@@ -116,6 +141,13 @@ def _checkpoints(tmp_path: Path) -> tuple[str, str, str]:
 
 def test_two_ranks_build_a_checkpoint_without_holding_it(tmp_path):
     _spawn(_worker, *_checkpoints(tmp_path))
+
+
+def test_hsdp_and_mtp_modules_of_a_sharded_build(tmp_path):
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=300)
+    tied = _write(tmp_path / "qwen2", "Qwen2ForCausalLM", **small, tie_word_embeddings=True)
+    qwen3 = _write(tmp_path / "qwen3", "Qwen3ForCausalLM", **small, head_dim=8, tie_word_embeddings=False)
+    _spawn(_hsdp_and_mtp_worker, tied, qwen3)
 
 
 def _gpu_worker(rank: int, world: int, warm: str, big: str, tied: str) -> None:
