@@ -137,3 +137,50 @@ def write_llama_of_preset(path: Path, preset: str = "qwen3-tiny", seed: int = 0,
         del tokenizer_config["chat_template"]
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return path
+
+
+_E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's published MXFP4 storage of an expert tensor `w [E, in, out]` (in % 32 == 0), per the OCP
+    Microscaling spec, written here independently of arbor: blocks of 32 along `in`, each with the E8M0 exponent
+    floor(log2(amax)) - 2 (E2M1's largest exponent) biased by 127, its elements rounded to the nearest E2M1 value
+    (clamped at 6) and packed two a byte, the earlier element in the low nibble; stored transposed, `blocks [E,
+    out, in / 32, 16]` and `scales [E, out, in / 32]`, both uint8."""
+    x = w.transpose(1, 2).float()
+    groups = x.reshape(*x.shape[:2], -1, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-120))) - 2
+    scaled = groups / torch.exp2(exponent)[..., None]
+    code = (scaled.abs()[..., None] - _E2M1_MAGNITUDES).abs().argmin(-1) + 8 * (scaled < 0)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8).reshape(*groups.shape[:3], 16)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_gpt_oss(path: Path, seed: int = 0) -> Path:
+    """A tiny `GptOssForCausalLM` stored as OpenAI publishes gpt-oss: its experts' `gate_up_proj` and `down_proj`
+    as MXFP4 `*_blocks` + `*_scales` (`quantize_mxfp4`), everything else as saved, and the `quantization_config`
+    of gpt-oss's config.json. transformers reads it (`Mxfp4Config(dequantize=True)` on a CPU)."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny("GptOssForCausalLM", path, seed)
+    state = load_file(str(path / "model.safetensors"))
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor)
+        else:
+            out[name] = tensor
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

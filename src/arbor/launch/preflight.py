@@ -3,8 +3,9 @@
 Each check answers in one line naming what to fix, so that a run that cannot work fails in a second instead of
 hours in: output directory writable with room for the retained checkpoints and weight broadcasts, the inference
 port free (when set explicitly), model and tokenizer files present (a Hugging Face hub id is fetched into the
-cache once, here), the GPUs a config asks for present, requested backends importable (an inference server's
-backend, arbor.config.inference.InferenceBackend, says which module it needs and adds its own checks; DeepEP), the SFT
+cache once, here; a quantised checkpoint served by vLLM with room under $TMPDIR for its dequantised copy), the
+GPUs a config asks for present, requested backends importable (an inference server's backend,
+arbor.config.inference.InferenceBackend, says which module it needs and adds its own checks; DeepEP), the SFT
 dataset readable, the environment importable with arguments its built-in takes and the black-box agent it names
 present, any loss or advantage function given by dotted path importable, and, last, the orchestrator's tokenizer
 and environment built as the orchestrator builds them, with the chat template a chat prompt needs
@@ -38,11 +39,13 @@ from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.environments.protocol import check_some_task_fits, is_multi_turn, load_environment
+from arbor.inference.vllm.launch import materialized_path
 from arbor.models import build_tokenizer
 from arbor.models.args import DSAArgs, ModelArgs
 from arbor.models.family import UnsupportedArchitecture, architecture_of, choose_family, read_config
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
+from arbor.models.quantization import is_quantized, quantization_note
 from arbor.models.tokenizer import Tokenizer, tokenizer_has_template
 from arbor.registry import ENVIRONMENTS
 from arbor.run_dir import format_bytes
@@ -70,6 +73,8 @@ def run_checks(cfg: RLConfig) -> list[str]:
     if model_here:
         check_model_files(cfg.model)
         check_lora_head(cfg)
+        if not cluster:  # a job's nodes have their own $TMPDIR
+            check_dequantized_copy(cfg)
     else:
         skipped.append(
             f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
@@ -137,7 +142,8 @@ def model_path_line(model: ModelConfig) -> str | None:
         return None
     try:
         config = read_config(path)
-        return f"model: {choose_family(architecture_of(config), model.impl, str(path), config)[1]}"
+        why = choose_family(architecture_of(config), model.impl, str(path), config)[1]
+        return f"model: {why}{quantization_note(config, model.dtype)}"
     except UnsupportedArchitecture as e:
         raise PreflightError(str(e)) from None
 
@@ -206,6 +212,26 @@ def check_model_files(model: ModelConfig) -> None:
     if not any(path.glob("*.safetensors")):
         raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
     model_args(model)  # an architecture arbor builds
+
+
+def check_dequantized_copy(cfg: RLConfig) -> None:
+    """Room under $TMPDIR for the dequantised copy vLLM serves of a quantised checkpoint (arbor.inference.vllm.
+    model_dir; gpt-oss-120b's is ~230 GB in bf16), unless it is written already."""
+    inf = cfg.inference
+    if inf.backend != "vllm" or cfg.model.name in PRESETS or cfg.model.fp8 == "block":
+        return
+    if not is_quantized(read_config(resolve_dir(cfg.model.name))):
+        return
+    out = materialized_path(inf, fp8=False, dequantized=True)
+    if (out / "config.json").exists():
+        return
+    need, root = BYTES[cfg.model.dtype] * model_params(cfg.model), out.parent.parent
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise PreflightError(
+            f"model.name {cfg.model.name} is quantised and vLLM serves a dequantised copy of it ({format_bytes(need)} "
+            f"in {cfg.model.dtype}) under {root}, which has {format_bytes(free)} free: set TMPDIR to a disk with room"
+        )
 
 
 def check_lora_head(cfg: RLConfig) -> None:

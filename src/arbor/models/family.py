@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from arbor.models.quantization import quantization_refusal
 from arbor.registry import MODEL_FAMILIES, TRANSFORMERS_FAMILY, load_object
 
 if TYPE_CHECKING:  # annotations only: importing them would load torch
@@ -30,7 +31,8 @@ DEFAULT_ARCHITECTURE = "Qwen3ForCausalLM"
 
 
 class UnsupportedArchitecture(ValueError):
-    """A checkpoint whose architecture no registered family serves; the message is one line naming `model.name`."""
+    """A checkpoint no registered family serves (its architecture, or weights quantised in a format arbor does not
+    dequantise); the message is one line naming `model.name`."""
 
 
 @runtime_checkable
@@ -96,9 +98,12 @@ def choose_family(
     (family, one line saying which path and why). With the checkpoint's `config`, "auto" also falls back to
     transformers where the native family refuses a setting of it (a sliding window, say) and transformers builds
     the class; "native" keeps the native family's one-line refusal. An architecture neither path builds is an
-    `UnsupportedArchitecture` in one line naming `model.name`."""
+    `UnsupportedArchitecture` in one line naming `model.name`, and so is a checkpoint quantised in a format arbor
+    does not dequantise (arbor.models.quantization)."""
     if impl not in IMPLS:
         raise ValueError(f"model.impl: {impl!r} is not one of {', '.join(IMPLS)}")
+    if config is not None and (refusal := quantization_refusal(config, source)):
+        raise UnsupportedArchitecture(refusal)
     native = arch in MODEL_FAMILIES.members
     if impl != "transformers" and native:
         family = MODEL_FAMILIES.load(arch)

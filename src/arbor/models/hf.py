@@ -6,13 +6,16 @@ read, and each rank copies only its part of each tensor, so no process holds the
 
 Checkpoints in DeepSeek's FP8 format (float8 `weight` + `weight_scale_inv` per 128x128 block, a
 `quantization_config` in config.json: DeepSeek-V3, Qwen3-*-FP8, and what arbor publishes with `model.fp8 =
-"block"`) load by dequantisation into the model's own dtype; `fp8=True` writes that format.
+"block"`) and in OpenAI's MXFP4 (gpt-oss's experts, arbor.models.mxfp4) load by dequantisation into the
+model's own dtype; `fp8=True` writes the FP8 format. `write_dequantized` copies a quantised checkpoint for a
+server that will take unquantised weight updates.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,10 +24,18 @@ from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
 from arbor.models.family import family_of
-from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, high_precision_modules, quantize_state
+from arbor.models.fp8 import (
+    QUANTIZATION_CONFIG,
+    SCALE_SUFFIX,
+    dequantize_state,
+    high_precision_modules,
+    quantize_state,
+)
 from arbor.models.lora import is_lora_param
 from arbor.models.materialize import check_matches, copy_checked, write_full
 from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer
+from arbor.models.mxfp4 import dequantize_mxfp4_state
+from arbor.models.quantization import without_quantization
 
 
 def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
@@ -104,8 +115,11 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+_INDEX = "model.safetensors.index.json"
+
+
 def _safetensors_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
+    index = path / _INDEX
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
@@ -189,8 +203,9 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def _model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (any part of a checkpoint) under arbor's names, dequantised; a tied head dropped."""
-    out = family_of(model.args).from_hf_state(dequantize_state(state), model.args)
+    """Checkpoint tensors (any part of a checkpoint) under arbor's names, dequantised (block FP8, MXFP4); a tied
+    head dropped."""
+    out = family_of(model.args).from_hf_state(dequantize_mxfp4_state(dequantize_state(state)), model.args)
     if model.args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
@@ -243,3 +258,44 @@ def save_checkpoint_dir(
     save_file(hf_state_dict(state, args, fp8), str(path / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(path)
+
+
+def write_dequantized(src: str | Path, dst: str | Path, dtype: torch.dtype) -> None:
+    """A copy of the quantised checkpoint `src` at `dst` with every block-FP8 or MXFP4 tensor dequantised to
+    `dtype` (the others as stored), one safetensors file at a time (a dequantised tensor goes where its weight or
+    blocks were); config.json without its `quantization_config`, and the checkpoint's other files (tokenizer,
+    generation config) alongside. What a server loads when the run publishes unquantised weights into it
+    (arbor.inference.vllm.model_dir)."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    layout = checkpoint_layout(src)
+    weight_map = {}
+    for f in _safetensors_files(src):
+        written = [n for n, (file, _) in layout.items() if file == f and not _is_quantization_partner(n, layout)]
+        read = written + [p for n in written for p in (n + SCALE_SUFFIX, _scales_of(n)) if p in layout and p != n]
+        state = {}
+        for g in sorted({layout[n][0] for n in read}):
+            with safe_open(str(src / g), "pt") as fh:
+                state.update({n: fh.get_tensor(n) for n in read if layout[n][0] == g})
+        out = {k: v.contiguous() for k, v in dequantize_mxfp4_state(dequantize_state(state, dtype), dtype).items()}
+        save_file(out, str(dst / f), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, f))
+    if (src / _INDEX).exists():
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (dst / _INDEX).write_text(json.dumps(index, indent=2))
+    config = without_quantization(json.loads((src / "config.json").read_text()))
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for other in src.iterdir():
+        if other.is_file() and other.suffix != ".safetensors" and other.name not in ("config.json", _INDEX):
+            shutil.copy2(other, dst / other.name)
+
+
+def _scales_of(name: str) -> str:
+    """An MXFP4 tensor's scales, named after its blocks (`name` itself when it is no blocks tensor)."""
+    return name.removesuffix("_blocks") + "_scales" if name.endswith("_blocks") else name
+
+
+def _is_quantization_partner(name: str, layout: dict) -> bool:
+    """An FP8 weight's scale or an MXFP4 tensor's scales: read with their weight or blocks, never written."""
+    blocks = name.removesuffix("_scales") + "_blocks"
+    return name.endswith(SCALE_SUFFIX) or (name.endswith("_scales") and blocks in layout)

@@ -28,7 +28,9 @@ from arbor.config.inference import InferenceConfig, SpeculativeConfig
 from arbor.inference.vllm.fp32_router import FP32_ROUTER_ENV
 from arbor.inference.vllm.images import VISION_ARGS, VisionLayout
 from arbor.models import PRESETS, build_tokenizer
+from arbor.models.family import read_config
 from arbor.models.hub import resolve_dir
+from arbor.models.quantization import is_quantized
 
 log = logging.getLogger("arbor.inference.vllm")
 
@@ -234,15 +236,13 @@ def serve_env(
     return env
 
 
-def materialized_path(cfg: InferenceConfig, fp8: bool) -> Path:
-    """Where `build_model`'s model for this config is written for vLLM (a preset by name, a directory by hash)."""
+def materialized_path(cfg: InferenceConfig, fp8: bool, dequantized: bool = False) -> Path:
+    """Where `build_model`'s model for this config is written for vLLM (a preset by name, a directory by hash),
+    or with `dequantized` a quantised checkpoint's dequantised copy (arbor.inference.vllm.model_dir)."""
     name = cfg.model.name
     tag = hashlib.sha256(str(Path(name).resolve()).encode()).hexdigest()[:16] if Path(name).exists() else name
-    return (
-        Path(tempfile.gettempdir())
-        / "arbor-vllm"
-        / f"{tag}-seed{cfg.model.init_seed}-{cfg.model.dtype}{'-fp8' if fp8 else ''}"
-    )
+    kind = "-fp8" if fp8 else "-dequantized" if dequantized else ""
+    return Path(tempfile.gettempdir()) / "arbor-vllm" / f"{tag}-seed{cfg.model.init_seed}-{cfg.model.dtype}{kind}"
 
 
 def dry_run_command(cfg: InferenceConfig) -> str:
@@ -252,6 +252,9 @@ def dry_run_command(cfg: InferenceConfig) -> str:
     name = cfg.model.name
     preset_like = "/" not in name and not Path(name).exists()
     path = str(materialized_path(cfg, cfg.model.fp8 == "block")) if preset_like or cfg.model.fp8 == "block" else name
+    if not preset_like and cfg.model.fp8 != "block" and (Path(name) / "config.json").is_file():
+        if is_quantized(read_config(name)):  # served as its dequantised copy (arbor.inference.vllm.model_dir)
+            path = str(materialized_path(cfg, fp8=False, dequantized=True))
     if not preset_like and not Path(name).is_dir():  # a hub id (reading it could mean a download) or a directory
         # written later (the SFT warm-up's): decided at start
         vocab, note = None, "  # plus the padding mask (--logits-processors) if the head outgrows the tokenizer"

@@ -1,29 +1,56 @@
 """The model directory the vLLM backend serves (arbor.inference.vllm.server): a checkpoint or hub name as it
-is, a preset materialised once as a Hugging Face directory with its tokenizer's export, or with `model.fp8 =
-"block"` a DeepSeek-format block-FP8 checkpoint."""
+is, a preset materialised once as a Hugging Face directory with its tokenizer's export, with `model.fp8 =
+"block"` a DeepSeek-format block-FP8 checkpoint, and a quantised checkpoint otherwise (gpt-oss's MXFP4, a
+Qwen3-*-FP8) as a dequantised copy: the trainer publishes unquantised weights, which vLLM's quantised layers
+would take as quantised values."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+import torch
 
 from arbor.config.inference import InferenceConfig
 from arbor.inference.vllm.launch import materialized_path
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
+from arbor.models.family import read_config
 from arbor.models.fp8 import high_precision_modules
-from arbor.models.hf import save_checkpoint_dir
+from arbor.models.hf import save_checkpoint_dir, write_dequantized
+from arbor.models.hub import resolve_dir
+from arbor.models.quantization import is_quantized
 
 
 def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
     """A directory (or hub name) vLLM can load, and whether it lacks a HF tokenizer. Presets are materialized
     (with the byte tokenizer's Hugging Face export); with `model.fp8 = "block"` the directory is a
-    DeepSeek-format FP8 checkpoint (`fp8_model_dir`)."""
+    DeepSeek-format FP8 checkpoint (`fp8_model_dir`), else a quantised checkpoint's dequantised copy
+    (`dequantized_model_dir`)."""
     name = cfg.model.name
     if name not in PRESETS:
         path = Path(name)
         no_tok = path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-        return (fp8_model_dir(cfg) if cfg.model.fp8 == "block" else name), no_tok
+        if cfg.model.fp8 == "block":
+            return fp8_model_dir(cfg), no_tok
+        return dequantized_model_dir(cfg) or name, no_tok
     return fp8_model_dir(cfg) if cfg.model.fp8 == "block" else _materialize(cfg, fp8=False), False
+
+
+def dequantized_model_dir(cfg: InferenceConfig) -> str | None:
+    """A quantised checkpoint's dequantised copy in the model's dtype (arbor.models.hf.write_dequantized), written
+    once beside the materialised presets; None for an unquantised checkpoint."""
+    source = resolve_dir(cfg.model.name)
+    if not is_quantized(read_config(source)):
+        return None
+    out = materialized_path(cfg, fp8=False, dequantized=True)
+    if not (out / "config.json").exists():  # config.json last: a copy cut short is written again
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write_dequantized(source, partial, getattr(torch, cfg.model.dtype))
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+    return str(out)
 
 
 def _materialize(cfg: InferenceConfig, fp8: bool) -> str:

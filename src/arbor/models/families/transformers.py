@@ -1,11 +1,11 @@
 """The transformers path: any `*ForCausalLM` the installed transformers builds, trained and served through
 transformers' own modules (arbor.models.hf_causal) with arbor around them.
 
-`HFArgs` keeps the checkpoint's `config.json` whole (the published config is the checkpoint's own) and reads
-the few fields arbor's processes ask of every model. Parameter names are the module's own; a model whose
-checkpoint layout differs from its modules (transformers' weight conversions, e.g. per-expert MoE tensors
-fused on load) is mapped by transformers' own conversion tables, both ways. No torch here: preflight reads
-configs through it.
+`HFArgs` keeps the checkpoint's `config.json` whole but for a `quantization_config` (the published config is the
+checkpoint's own, for the unquantised weights arbor trains) and reads the few fields arbor's processes ask of
+every model. Parameter names are the module's own; a model whose checkpoint layout differs from its modules
+(transformers' weight conversions, e.g. per-expert MoE tensors fused on load) is mapped by transformers' own
+conversion tables, both ways. No torch here: preflight reads configs through it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from arbor.models.hf_args import HFArgs
+from arbor.models.quantization import without_quantization
 
 if TYPE_CHECKING:  # annotations only: the model and tensors load torch
     import torch
@@ -42,7 +43,9 @@ class TransformersFamily:
     dsa: bool = False
 
     def from_hf_config(self, config: dict[str, Any]) -> HFArgs:
-        return HFArgs(config=dict(config), architecture=(config.get("architectures") or [""])[0])
+        # A quantised checkpoint is read dequantised, then trained and published unquantised: its config says so.
+        config = without_quantization(config)
+        return HFArgs(config=config, architecture=(config.get("architectures") or [""])[0])
 
     def to_hf_config(self, args: HFArgs) -> dict[str, Any]:
         return dict(args.config)
