@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_reads import recording_safe_open
 from safetensors.torch import load_file
 from test_parallel import _spawn, assert_close
 from test_trainer import read_metrics, write_rollouts
@@ -21,7 +22,7 @@ from arbor.config.model import ModelConfig
 from arbor.config.trainer import TrainerConfig
 from arbor.inference.engine.core import Engine
 from arbor.inference.engine.params import SamplingParams
-from arbor.models import build_model, build_tokenizer
+from arbor.models import build_model, build_tokenizer, hf
 from arbor.models.attention import packed_causal_mask, position_ids_for
 from arbor.models.dsa import dense_mla, index_scores, select_topk, sparse_mla
 from arbor.models.hf import save_checkpoint_dir
@@ -179,10 +180,10 @@ def test_hf_checkpoint_round_trip(tmp_path: Path, name: str):
         assert torch.equal(loaded(ids), model(ids))
 
 
-def test_deepseek_fp8_checkpoint_with_mtp_layer_loads(tmp_path: Path):
+def test_deepseek_fp8_checkpoint_with_mtp_layer_loads(tmp_path: Path, monkeypatch):
     """A checkpoint laid out like the published DeepSeek-V3.2 one: FP8 weights with `weight_scale_inv` and a
     multi-token-prediction layer after the decoder layers (`num_nextn_predict_layers`): the MTP weights are
-    skipped, the FP8 ones dequantised, and the model computes what the dequantised weights give."""
+    skipped (not even read), the FP8 ones dequantised, and the model computes what the dequantised weights give."""
     from safetensors.torch import save_file
 
     from arbor.models.fp8 import dequantize_state
@@ -201,7 +202,10 @@ def test_deepseek_fp8_checkpoint_with_mtp_layer_loads(tmp_path: Path):
     with pytest.raises(ValueError, match="unexpected"):
         build_model(ModelConfig(name=str(tmp_path)))  # without the config field the extra layer is an error
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
+    read: list[str] = []
+    monkeypatch.setattr(hf, "safe_open", recording_safe_open(read))
     loaded = build_model(ModelConfig(name=str(tmp_path)))
+    assert read and not any(n.startswith(f"model.layers.{L}.") for n in read)
     expected = dequantize_state(state)
     for name, p in loaded.named_parameters():
         assert torch.equal(p, expected[name].to(p.dtype)), name

@@ -4,22 +4,25 @@ time. Two gloo ranks build checkpoints transformers wrote (bf16, as published mo
 memory stays near half of one fp32 copy of the model (the old build held the whole fp32 model plus the checkpoint on
 every rank: ~1.5 copies), every parameter equals the checkpoint's, computed buffers (RoPE) survive, a tied head
 stays the embedding, a LoRA adapter is the one an unsharded build draws, and the logits equal transformers';
-under HSDP too, and MTP modules start from the sharded last layer."""
+under HSDP too, and MTP modules start from the sharded last layer. A MoE checkpoint's experts, sharded along the
+expert dimension by FSDP2 or expert parallelism, are read each by the rank that holds them and by no other."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from checkpoint_reads import recording_safe_open
 from safetensors.torch import load_file
 from test_parallel import _spawn, assert_close
 
 from arbor.config.model import ModelConfig
 from arbor.config.parallel import ParallelConfig
 from arbor.config.trainer import TrainerConfig
-from arbor.models import build_model
+from arbor.models import build_model, hf
 from arbor.models.hf import checkpoint_layout
 from arbor.models.lora import apply_lora, lora_parameters
 from arbor.trainer.loop import build_sharded
@@ -34,7 +37,12 @@ IDS = torch.tensor([[5, 9, 200, 7, 31, 8, 100, 3]])
 
 def _write(path: Path, arch: str, **shape) -> str:
     config = transformers.AutoConfig.for_model(
-        {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch],
+        {
+            "LlamaForCausalLM": "llama",
+            "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3",
+            "Qwen3MoeForCausalLM": "qwen3_moe",
+        }[arch],
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=512,
@@ -128,6 +136,27 @@ def _hsdp_and_mtp_worker(rank: int, world: int, tied: str, qwen3: str) -> None:
     assert all(torch.equal(full[f"mtp.0.{n}.weight"], torch.ones(h)) for n in ("enorm", "hnorm", "shared_head.norm"))
 
 
+def _moe_worker(rank: int, world: int, moe: str) -> None:
+    """A MoE layer's experts, sharded along the expert dimension by FSDP2 or by expert parallelism: each rank
+    reads only its own experts' checkpoint tensors, and the model equals an unsharded build of the checkpoint."""
+    from torch.distributed.tensor import DTensor
+
+    read: list[str] = []
+    hf.safe_open = recording_safe_open(read)  # a spawned process of its own: nothing to restore
+    whole = build_model(ModelConfig(name=moe, tokenizer="byte"))
+    want = dict(whole.named_parameters())
+    for what, parallel in [("fsdp", ParallelConfig(nproc=world)), ("ep", ParallelConfig(nproc=world, ep=world))]:
+        read.clear()
+        cfg = TrainerConfig(model=ModelConfig(name=moe, tokenizer="byte"), parallel=parallel)
+        model, _ = build_sharded(cfg, ParallelDims.from_config(parallel, world), CPU)
+        experts = {int(m.group(1)) for n in read if (m := re.search(r"\.experts\.(\d+)\.", n))}
+        assert experts == set(range(4 * rank, 4 * rank + 4)), f"{what}: rank {rank} read experts {sorted(experts)}"
+        assert len(read) == len({n for n in read if ".experts." not in n}) + 2 * 4 * 3  # 2 layers x 4 experts x 3
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            assert torch.equal(full, want[name]), f"{what}: {name}"
+
+
 def _checkpoints(tmp_path: Path) -> tuple[str, str, str]:
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=300)
     warm = _write(tmp_path / "warm", "LlamaForCausalLM", **small, tie_word_embeddings=False)
@@ -141,6 +170,14 @@ def _checkpoints(tmp_path: Path) -> tuple[str, str, str]:
 
 def test_two_ranks_build_a_checkpoint_without_holding_it(tmp_path):
     _spawn(_worker, *_checkpoints(tmp_path))
+
+
+def test_each_rank_reads_only_its_own_experts(tmp_path):
+    moe = _write(
+        tmp_path / "qwen3-moe", "Qwen3MoeForCausalLM", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, head_dim=8, vocab_size=300,
+    )  # fmt: skip
+    _spawn(_moe_worker, moe)
 
 
 def test_hsdp_and_mtp_modules_of_a_sharded_build(tmp_path):

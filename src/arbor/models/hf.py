@@ -32,7 +32,7 @@ from arbor.models.fp8 import (
     quantize_state,
 )
 from arbor.models.lora import is_lora_param
-from arbor.models.materialize import check_matches, copy_checked, write_full
+from arbor.models.materialize import check_matches, copy_checked, local_slices, local_tensor, write_full
 from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer
 from arbor.models.mxfp4 import dequantize_mxfp4_state
 from arbor.models.quantization import without_quantization
@@ -181,8 +181,9 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copies a checkpoint directory's tensors into `model` in place (names, mapped by the model's family, and
     shapes must match exactly); FP8 weights are dequantised with their `weight_scale_inv`. `model` may be
     sharded (DTensors: each rank writes its own part) and is read one layer at a time, after every name and
-    shape matched. A model with MTP modules loads them from the checkpoint when it has them, else starts them
-    from its last decoder layer."""
+    shape matched; a rank reads only its own experts of a MoE layer sharded along them (`local_experts`), and
+    no rank reads what the model does not hold. A model with MTP modules loads them from the checkpoint when it
+    has them, else starts them from its last decoder layer."""
     path = Path(path)
     layout = checkpoint_layout(path)
     own = model_tensors(model)
@@ -191,15 +192,62 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if from_last_layer:
         own = {k: v for k, v in own.items() if not k.startswith("mtp.")}
     check_matches(own, mapped, f"checkpoint {path}", "the model")
+    spans = local_experts(own)
     for names in checkpoint_groups(list(layout)):
-        state = {}
-        for f in sorted({layout[n][0] for n in names}):
-            with safe_open(str(path / f), "pt") as fh:
-                state.update({n: fh.get_tensor(n) for n in names if layout[n][0] == f})
+        if not _model_state(model, {n: layout[n][1] for n in names}):
+            continue  # nothing the model holds (DeepSeek's MTP layer without `model.mtp_depth`): not read
+        layer = _LAYER.match(names[0])
+        span = spans.get(layer.group(0)) if layer else None
+        state = _read(path, layout, names, span)
         for name, full in _model_state(model, state).items():
-            write_full(own[name], full)
+            if span is not None and _FUSED_EXPERTS.match(name):
+                with torch.no_grad():  # the rank's own experts, renumbered from 0 (`_read`)
+                    local_tensor(own[name]).copy_(full)
+            else:
+                write_full(own[name], full)
     if from_last_layer:
         init_mtp_from_last_layer(model)
+
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
+_LAYER = re.compile(r"^model\.layers\.\d+\.")
+
+
+def local_experts(own: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Per decoder layer (`model.layers.N.`), the experts [lo, hi) this rank holds of its fused expert tensors,
+    where FSDP2 or expert parallelism shards them along the expert dimension alone (the loader then reads only
+    those experts' checkpoint tensors); a layer whose experts the rank holds whole is absent."""
+    found: dict[str, set[tuple[int, int, int] | None]] = {}
+    for name, t in own.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or not hasattr(t, "to_local"):
+            continue
+        experts, *rest = local_slices(t)
+        by_expert = all(s == slice(0, n) for s, n in zip(rest, t.shape[1:]))
+        found.setdefault(m.group(1), set()).add((experts.start, experts.stop, t.shape[0]) if by_expert else None)
+    spans = {}
+    for layer, kinds in found.items():
+        if len(kinds) == 1 and (only := next(iter(kinds))) is not None and only[:2] != (0, only[2]):
+            spans[layer] = only[:2]
+    return spans
+
+
+def _read(path: Path, layout: dict, names: list[str], span: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """A group's checkpoint tensors; with `span`, a MoE layer's experts outside [lo, hi) are not read and those
+    inside are renumbered from 0 (the family fuses them into the rank's part of its expert tensors)."""
+    keep = {n: n for n in names}
+    if span is not None:
+        lo, hi = span
+        for n in names:
+            if (m := _EXPERT_NUMBER.search(n)) is not None:
+                e = int(m.group(1))
+                keep[n] = f"{n[: m.start()]}.experts.{e - lo}.{n[m.end() :]}" if lo <= e < hi else None
+    state = {}
+    for f in sorted({layout[n][0] for n in names}):
+        with safe_open(str(path / f), "pt") as fh:
+            state.update({keep[n]: fh.get_tensor(n) for n in names if layout[n][0] == f and keep[n] is not None})
+    return state
 
 
 def _model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -72,16 +72,21 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor:
     return getattr(module, leaf)
 
 
-def local_part(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The slice of `full` (the whole tensor, any device) that `t` holds on this rank (`t` itself a DTensor
-    sharded any way, or plain)."""
+def local_slices(t: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the whole tensor that `t` holds on this rank, a slice per dimension (`t` a DTensor sharded any
+    way, or plain: all of it)."""
     if not hasattr(t, "to_local"):
-        return full
+        return tuple(slice(0, n) for n in t.shape)
     # the offsets FSDP2, expert parallelism and DCP agree on; private, but stable across torch releases
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(tuple(full.shape), t.device_mesh, t.placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    shape, offset = compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def local_part(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The slice of `full` (the whole tensor, any device) that `t` holds on this rank."""
+    return full[local_slices(t)] if hasattr(t, "to_local") else full
 
 
 def write_full(t: torch.Tensor, full: torch.Tensor) -> None:
