@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tiny_chat_tokenizer import build_turn_tokenizer
 from transformers import AutoConfig
 
 from arbor.models.presets import BYTE_VOCAB, PRESETS
@@ -183,4 +184,16 @@ def write_mxfp4_gpt_oss(path: Path, seed: int = 0) -> Path:
         ],
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def write_gemma_chat(path: Path, seed: int = 0) -> Path:
+    """A tiny random `Gemma3ForCausalLM` with a Gemma-like chat tokenizer (tests/tiny_chat_tokenizer.py: turns
+    closed by `<end_of_turn>`, id 4, which is not the tokenizer's eos `<eos>`, id 1) and, as Gemma's chat models
+    publish it, both ids as the model's eos in config.json and generation_config.json."""
+    build_turn_tokenizer(path)
+    config = tiny_config("Gemma3ForCausalLM")
+    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 400, 0, 2, [1, 4]
+    torch.manual_seed(seed)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
     return path

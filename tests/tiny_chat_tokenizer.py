@@ -40,10 +40,10 @@ CORPUS = [
 ]
 
 
-def build(path: Path, strip_think: bool = False) -> Path:
+def _write_bpe(path: Path, specials: list[str]) -> None:
+    """A byte-level BPE of 400 ids trained on CORPUS, `specials` first (ids 0..), saved as `path/tokenizer.json`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -53,6 +53,10 @@ def build(path: Path, strip_think: bool = False) -> Path:
     tok.train_from_iterator(CORPUS, trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
+
+
+def build(path: Path, strip_think: bool = False) -> Path:
+    _write_bpe(path, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     template = TEMPLATE.replace("STRIP", "true" if strip_think else "false")
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -67,4 +71,29 @@ def build(path: Path, strip_think: bool = False) -> Path:
             }
         )
     )
+    return path
+
+
+TURN_TEMPLATE = (  # Gemma's chat layout: turns closed by <end_of_turn>, which is not the tokenizer's eos
+    "{{ bos_token }}{%- for message in messages %}"
+    "{%- set role = 'model' if message.role == 'assistant' else message.role %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message.content + '<end_of_turn>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+
+def build_turn_tokenizer(path: Path, template: str | None = TURN_TEMPLATE, eos: str | None = "<eos>") -> Path:
+    """A Gemma-like tokenizer: byte-level BPE with `<pad> <eos> <bos> <start_of_turn> <end_of_turn>` (ids 0-4),
+    the tokenizer's eos `eos` (Gemma's `<eos>`: it ends a text, not a turn) and a chat template `template` that
+    closes every turn with `<end_of_turn>`, as Gemma's chat models do (None: a base model's, without one)."""
+    _write_bpe(path, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"])
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "pad_token": "<pad>",
+        "bos_token": "<bos>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config | ({"chat_template": template} if template else {})))
     return path

@@ -67,6 +67,7 @@ async def run_eval(cfg: EvalConfig) -> dict[str, Any]:
             600.0,
             3,
             vocab_size=tokenizer.vocab_size,
+            stop_token_ids=tokenizer.stop_token_ids,
             **({"model": lora.adapter_name()} if lora is not None else {}),
         ) as client:
             figures = await evaluate(client_generator(client, cfg), tokenizer, cfg, seq_len=cfg.seq_len)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import Strict
+from rl_runs import run_example
 from tomli_w import dumps
 
 from arbor.config.base import Config
@@ -269,20 +270,7 @@ def test_rl_dry_run_writes_configs_and_starts_nothing(tmp_path):
 )
 def test_rl_bad_config_exits_before_any_process(tmp_path, flag, field):
     out = tmp_path / "out"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "arbor.launch.rl",
-            "@",
-            "examples/reverse_text/rl.toml",
-            "--output-dir",
-            str(out),
-            *flag,
-        ],
-        capture_output=True,
-        text=True,
-    )
+    res = run_example("--output-dir", str(out), *flag, timeout=300)
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0], res.stderr

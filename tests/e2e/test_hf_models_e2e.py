@@ -9,9 +9,11 @@ import json
 import os
 
 import pytest
-from hf_tiny import TINY_HF, write_tiny
+from hf_tiny import TINY_HF, write_gemma_chat, write_tiny
+from rl_runs import check_ran, run_example
 from test_rl_e2e import _finish, _rl
 
+from arbor.environments.reverse_text import ReverseTextEnv
 from arbor.models.family import choose_family
 from arbor.monitor.metrics import read_jsonl
 
@@ -59,3 +61,27 @@ def test_an_architecture_the_transformers_path_cannot_mask_stops_rl_in_one_line(
     error = stderr.strip().splitlines()[-1]
     assert error.startswith("rl: error: ") and " stopped: model.name: MoshiForCausalLM failed a two-token" in error
     assert "Traceback" not in stdout + stderr, stderr
+
+
+def test_a_gemma_like_chat_model_warmed_up_on_chat_rows_ends_its_completions_at_its_turn_end(tmp_path):
+    """A chat model whose template closes a turn with a token other than its eos (Gemma's <end_of_turn>; its eos
+    is <eos>), warmed up on the user's own chat rows (`sft.data`, each assistant turn a target up to the turn end
+    the template writes) and trained by the quick start: the rows load (they were refused as a template "that does
+    not extend its prefixes"), and the engine stops at the turn end the warm-up taught, so completions are the
+    answer's few letters and almost none runs to max_tokens (the model would go on past <end_of_turn> otherwise)."""
+    model = write_gemma_chat(tmp_path / "model")
+    env = ReverseTextEnv(min_len=2, max_len=5, alphabet="abcdefgh")
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"messages": [*env.prompt(t), {"role": "assistant", "content": t["answer"]}]}) + "\n"
+            for t in env.dataset(1)[:3000]
+        )
+    )
+    out = tmp_path / "run"
+    args = ["--model.name", str(model), "--sft.data", str(rows), "--sft.steps", "40", "--max-steps", "3"]
+    check_ran(run_example(*args, "--output-dir", str(out), timeout=600))
+    rows_ = read_jsonl(out / "metrics.jsonl")
+    assert len(rows_) == 3
+    for r in rows_:  # answers of 2..5 letters (a token or a few each) and the turn end; 16 tokens at most
+        assert r["truncated/frac"] <= 0.25 and r["completion_len/mean"] < 9, r

@@ -3,19 +3,16 @@ published version is an adapter, and the samples were generated with the run's a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rl_runs import check_ran, run_example
 
 from arbor.models.lora_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from arbor.monitor.metrics import read_jsonl
 from arbor.run_dir import broadcast_dir, published_steps
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(3600)  # SFT warm-up + 60 RL steps, twice at worst: about 2 minutes each on 2 busy cores
@@ -42,28 +39,18 @@ def test_lora_quick_start_learns(tmp_path: Path) -> None:
 
 def _lora_run(out: Path, seed: int) -> list[dict]:
     """One run of the LoRA quick start; checks that every published version is an adapter; its metrics rows."""
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "arbor.launch.rl",
-            "@",
-            "examples/reverse_text/rl.toml",
-            "@",
-            "configs/lora.toml",
-            "--sft.num-threads",
-            "1",
-            "--seed",
-            str(seed),
-            "--output-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    res = run_example(
+        "@",
+        "configs/lora.toml",
+        "--sft.num-threads",
+        "1",
+        "--seed",
+        str(seed),
+        "--output-dir",
+        str(out),
         timeout=1700,
-        cwd=ROOT,
     )
-    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    check_ran(res)
     for step in published_steps(out):  # an adapter, not the model, went out each step
         names = {p.name for p in broadcast_dir(out, step).iterdir()}
         assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= names and "model.safetensors" not in names

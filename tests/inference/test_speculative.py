@@ -37,6 +37,7 @@ class TinyTokenizer:
 
     vocab_size = VOCAB
     eos_token_id = VOCAB + 10
+    stop_token_ids = (eos_token_id,)
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return " ".join(map(str, ids))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_tiny import write_llama_of_preset
 from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
+from rl_runs import check_ran, run_example
 
 from arbor.config.environment import EnvironmentConfig
 from arbor.config.loader import ConfigError, load_config
@@ -233,28 +234,17 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
 
 def _raw_llama_run(base: Path, out: Path, seed: int) -> list[float]:
     """The quick start with the Llama and raw prompts; its rewards."""
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "arbor.launch.rl",
-            "@",
-            "examples/reverse_text/rl.toml",
-            "--model.name",
-            str(base),
-            "--orchestrator.environment.prompt-format",
-            "raw",
-            "--seed",
-            str(seed),
-            "--output-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1100,
-        cwd=Path(__file__).resolve().parents[2],
+    res = run_example(
+        "--model.name",
+        str(base),
+        "--orchestrator.environment.prompt-format",
+        "raw",
+        "--seed",
+        str(seed),
+        "--output-dir",
+        str(out),
     )
-    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    check_ran(res)
     assert "model: LlamaForCausalLM: arbor's native implementation" in res.stdout, res.stdout[-2000:]
     rewards = [r["reward/mean"] for r in read_jsonl(out / "metrics.jsonl")]
     assert len(rewards) == 60

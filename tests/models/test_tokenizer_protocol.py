@@ -30,7 +30,11 @@ def test_the_builtin_tokenizers_satisfy_the_protocol(kind: str, request: pytest.
         want = list(inspect.signature(getattr(Tokenizer, name)).parameters)[1:]
         assert list(inspect.signature(getattr(tok, name)).parameters) == want, name
     for attr, kind_ in Tokenizer.__annotations__.items():
-        assert isinstance(getattr(tok, attr), {"str": str, "int": int, "bool": bool, "list[int]": list}[kind_]), attr
+        assert isinstance(
+            getattr(tok, attr),
+            {"str": str, "int": int, "bool": bool, "list[int]": list, "tuple[int, ...]": tuple}[kind_],
+        ), attr
+    assert tok.stop_token_ids[0] == tok.eos_token_id and all(0 <= i < tok.vocab_size for i in tok.stop_token_ids)
     messages = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)

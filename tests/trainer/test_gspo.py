@@ -5,13 +5,12 @@ with configs/algorithms/gspo.toml learns with a one-step lag, clipping under hal
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from rl_runs import run_example
 from test_trainer import TEST_MODEL
 
 from arbor.config.trainer import LossConfig, OptimConfig
@@ -26,7 +25,6 @@ from arbor.trainer.step import train_step
 from arbor.transport.batch import MicroBatch, StepBatch
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _groups(seed: int = 0, groups: int = 4, size: int = 4) -> list[Rollout]:
@@ -112,26 +110,15 @@ def test_gspo_example_learns_with_a_one_step_lag(tmp_path: Path) -> None:
 
 def _gspo_run(out: Path, seed: int) -> list[float]:
     """One run of the example with GSPO; checks every step's staleness and clip fraction; its rewards."""
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "arbor.launch.rl",
-            "@",
-            "examples/reverse_text/rl.toml",
-            "@",
-            "configs/algorithms/gspo.toml",
-            "--output-dir",
-            str(out),
-            "--seed",
-            str(seed),
-            "--orchestrator.scheduler.weight-updates",
-            "between_steps",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1100,
-        cwd=ROOT,
+    res = run_example(
+        "@",
+        "configs/algorithms/gspo.toml",
+        "--output-dir",
+        str(out),
+        "--seed",
+        str(seed),
+        "--orchestrator.scheduler.weight-updates",
+        "between_steps",
     )
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     rows = read_jsonl(out / "metrics.jsonl")

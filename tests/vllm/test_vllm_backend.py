@@ -146,6 +146,21 @@ def test_abort_and_resume_equals_uninterrupted_greedy(server: str) -> None:
     assert len(resumed.logprobs) == len(resumed.policy_versions) == max_tokens
 
 
+def test_a_completion_ends_at_the_stop_token_ids_the_client_sends(server: str) -> None:
+    """The orchestrator's client sends its tokenizer's stop ids (a chat template's turn end, which vLLM would not
+    know from a checkpoint without generation_config.json): vLLM stops at the first of them, keeping it, as arbor's
+    engine does (tests/models/test_turn_end.py)."""
+
+    async def greedy(stop: tuple[int, ...]) -> tuple[list[int], str]:
+        async with InferenceClient([server], timeout=600, max_retries=0, stop_token_ids=stop) as client:
+            (c,) = await client.generate(PROMPTS[3], 1, 12, 0.0, 1.0, 0)
+            return c.token_ids, c.finish_reason
+
+    ids, _ = asyncio.run(greedy(()))
+    k = next((k for k in range(1, len(ids)) if ids[k] not in ids[:k]), 0)
+    assert asyncio.run(greedy((ByteTokenizer().eos_token_id, ids[k]))) == (ids[: k + 1], "stop")
+
+
 def test_cache_salts_pause_resume_and_chat(server: str) -> None:
     """Salted requests (the proxy's per-version salt or the caller's own) decode alike; /pause holds new
     requests in the proxy until /resume; chat runs through vLLM's tokenizer (the byte tokenizer's export)."""

@@ -42,8 +42,9 @@ class EnvironmentConfig(Config):
     """How a task's prompt becomes tokens. "chat": the environment's messages through the tokenizer's chat
     template (preflight refuses a tokenizer without one). "raw": the messages' contents, each followed by a
     blank line (the last one marks where the completion starts), tokenised as they are after the BOS the tokenizer
-    itself adds (if any), no template, as base-model RL recipes do (the completion ends at the tokenizer's
-    end-of-text token or `max_tokens`); single-turn environments only."""
+    itself adds (if any), no template, as base-model RL recipes do (the completion ends at one of the tokenizer's
+    stop tokens, its end of text or a chat template's turn end, or at `max_tokens`; a warm-up's targets end with
+    the turn end where the tokenizer has a template: docs/models.md, "Tokenizers"); single-turn environments only."""
     reward_weights: dict[str, Float] = {}
     """Weights of named reward components (default 1.0 each); the reward is their weighted sum."""
     timeout: Seconds = Field(60.0, gt=0)

@@ -72,6 +72,7 @@ def sampling_params(body: dict[str, Any], max_tokens: int, top_logprobs: int, ma
         top_p=read_top_p(body, 1.0),
         n=n,
         stop=read_stop(body),
+        stop_token_ids=tuple(body.get("stop_token_ids") or ()),
         seed=read_seed(body),
         top_logprobs=top_logprobs,
         skip_special_tokens=body.get("skip_special_tokens", True) is not False,

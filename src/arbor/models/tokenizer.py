@@ -24,6 +24,11 @@ class Tokenizer(Protocol):
     """"byte" for the byte tokenizer, else where it was loaded from."""
     vocab_size: int
     eos_token_id: int
+    """The token that ends a completion: a chat template's end of an assistant turn (ChatML's <|im_end|>, Llama
+    3's <|eot_id|>, Gemma's <end_of_turn>), else the tokenizer's end of text. SFT targets end with it."""
+    stop_token_ids: tuple[int, ...]
+    """Every token a completion stops at, `eos_token_id` first: also the tokenizer's own end of text and the
+    checkpoint's generation eos ids (generation_config.json), as vLLM stops at them."""
     pad_token_id: int
     has_chat_template: bool
     """Whether `apply_chat_template` can render chat messages (a base model's tokenizer often cannot)."""
@@ -200,6 +205,7 @@ class ByteTokenizer:
         self.vocab_size = 256 + len(self.SPECIALS)
         self.pad_token_id = self.special_ids["<|endoftext|>"]
         self.eos_token_id = self.special_ids["<|im_end|>"]
+        self.stop_token_ids = (self.eos_token_id,)
         self.im_start = self.special_ids["<|im_start|>"]
         self.prompt_prefix: list[int] = []
 
@@ -281,12 +287,17 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(self.path)
         self.vocab_size = len(self.tok)
         self.has_chat_template = bool(self.tok.chat_template)
-        # A chat model's turns end at ChatML's <|im_end|>; a base model without a template ends text at its own eos.
-        chatml = self.has_chat_template and "<|im_end|>" in self.tok.get_vocab()
-        eos = self.tok.convert_tokens_to_ids("<|im_end|>") if chatml else None
-        self.eos_token_id = eos if eos is not None else self.tok.eos_token_id
-        if self.eos_token_id is None:
-            raise ValueError(f"tokenizer at {self.path} has no eos token")
+        # A chat model's completion ends where its template ends an assistant turn; a base model's at its eos.
+        turn_end = _turn_end(self.tok) if self.has_chat_template else None
+        generation = _generation_eos(Path(self.path))
+        ends = [turn_end, self.tok.eos_token_id, *generation]
+        self.stop_token_ids = tuple(dict.fromkeys(i for i in ends if i is not None and 0 <= i < self.vocab_size))
+        if not self.stop_token_ids:
+            raise ValueError(
+                f"tokenizer at {self.path} has no eos token (no eos_token in tokenizer_config.json, no eos_token_id "
+                "in generation_config.json or config.json): a completion could not end"
+            )
+        self.eos_token_id = self.stop_token_ids[0]
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id
         self.prompt_prefix = _leading_specials(self.tok)
 
@@ -323,6 +334,39 @@ def _leading_specials(tok) -> list[int]:
     full = tok.encode("a", add_special_tokens=True)
     at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), 0)
     return list(full[:at])
+
+
+TURN_PROBE = "arbor: the reply ends here"
+
+
+def _turn_end(tok) -> int | None:
+    """The special token `tok`'s chat template closes an assistant turn with (the first non-blank token after a
+    rendered reply's text: <|im_end|>, <|eot_id|>, <end_of_turn>, </s>...); None where the template renders no such
+    turn or closes it with plain text."""
+    try:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": TURN_PROBE}], tokenize=False
+        )
+    except Exception:  # a template with its own rules (roles, order): no turn end to learn from it
+        return None
+    if not isinstance(text, str) or TURN_PROBE not in text:
+        return None
+    after = tok.encode(text[text.rindex(TURN_PROBE) + len(TURN_PROBE) :], add_special_tokens=False)
+    first = next((i for i in after if tok.decode([i]).strip()), None)
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return first if first in special else None
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """The eos ids the checkpoint at `path` generates until: generation_config.json's `eos_token_id` (an id or a
+    list: Llama 3 and Gemma chat models end with more than one), else config.json's; [] for neither."""
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    return []
 
 
 def tokenizer_has_template(tokenizer: Tokenizer) -> bool:

@@ -85,6 +85,7 @@ class InferenceClient:
         adapter: str | None = None,
         reconnect_timeout: float = 600.0,
         vocab_size: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         if not base_urls:
             raise ValueError("orchestrator.client.base_urls is empty")
@@ -101,6 +102,9 @@ class InferenceClient:
         self.reconnect_timeout = reconnect_timeout
         self.vocab_size = vocab_size
         """The tokenizer's id count: a sampled id at or beyond it is refused (`OutOfVocabulary`); None: unchecked."""
+        self.stop_token_ids = list(stop_token_ids)
+        """The tokenizer's stop ids (`Tokenizer.stop_token_ids`), sent with every request: a completion ends at its
+        chat template's turn end on every backend, whatever the served directory's generation config says."""
         self.out_of_vocab = 0
         """Completions refused for an out-of-vocabulary token, for the run's metrics."""
         self.reconnects = 0
@@ -266,6 +270,8 @@ class InferenceClient:
             body["request_id"] = request_id
         if stop:
             body["stop"] = stop
+        if self.stop_token_ids:
+            body["stop_token_ids"] = self.stop_token_ids
         if images:
             body["images"] = encode_images(images["pixel_values"], images["image_grid_thw"])
         server, data = await self._post_to("/v1/completions", body, headers=self._headers)

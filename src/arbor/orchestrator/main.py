@@ -186,6 +186,7 @@ class Orchestrator:
             adapter=lora,
             reconnect_timeout=cfg.client.reconnect_timeout,
             vocab_size=self.tokenizer.vocab_size,
+            stop_token_ids=self.tokenizer.stop_token_ids,
         ) as client:
             beat("waiting for the inference servers' /health")
             weights = WeightSync(

@@ -245,6 +245,13 @@ FIELDS: tuple[Field, ...] = (
     _shared("n", "int", "choices per prompt (each its own turn on the gateway)", lo=1, hi=MAX_N),
     _shared("seed", "int", "the request's sampling seed", lo=0, hi=MAX_SEED),
     _shared("stop", "string or list", "strings that end a completion (not returned)", check=_stop),
+    _vllm(
+        "stop_token_ids",
+        "list",
+        "token ids that end a completion (returned)",
+        max_len=MAX_STOP_STRINGS,
+        check=_token_ids,
+    ),
     _vllm("best_of", "int", "vLLM: candidates per choice (the local engine: only n)", lo=1, hi=MAX_N, neutral=(1,)),
     _vllm("top_k", "int", VLLM_SAMPLING, lo=-1, hi=MAX_TOKENS, neutral=(-1, 0)),
     _vllm("min_p", "number", VLLM_SAMPLING, lo=0, hi=1, neutral=(0, 0.0)),

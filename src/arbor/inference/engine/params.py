@@ -51,6 +51,8 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a completion besides the tokenizer's own (`Tokenizer.stop_token_ids`); kept in it."""
     seed: int | None = None
     top_logprobs: int = 0
     """Alternatives reported per generated token (the chosen token's logprob is always recorded)."""

@@ -172,7 +172,7 @@ class Sampler:
 
     def __init__(self, tokenizer: Tokenizer, nucleus_logprobs: bool = False) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_id: int = tokenizer.eos_token_id
+        self.stop_token_ids = frozenset(tokenizer.stop_token_ids)
         self.vocab_size: int = tokenizer.vocab_size
         self.nucleus_logprobs = nucleus_logprobs
         """Report the top-p nucleus' renormalised logprobs (the module docstring)."""
@@ -263,7 +263,7 @@ class Sampler:
 
     def _check_finished(self, s: Seq) -> None:
         p = s.req.params
-        if s.tokens[-1] == self.eos_token_id:
+        if s.tokens[-1] in self.stop_token_ids or s.tokens[-1] in p.stop_token_ids:
             s.finish_reason = "stop"
         elif p.stop:
             text = self._decode(s)

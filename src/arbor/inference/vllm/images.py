@@ -49,6 +49,7 @@ SAMPLING = {
     "max_tokens": "max_tokens",
     "min_tokens": "min_tokens",
     "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "logprobs": "logprobs",
     "presence_penalty": "presence_penalty",
@@ -61,7 +62,7 @@ SAMPLING = {
 """Completions fields -> vLLM `SamplingParams` fields, as vLLM's completions route maps them."""
 PASSED_OVER = frozenset({"prompt", "images", "model", "user", "request_id", "cache_salt", "return_token_ids", "stream"})
 """Completions fields the image path reads itself or that change nothing in the answer."""
-EXTRA_SAMPLING = ("stop_token_ids", "include_stop_str_in_output", "spaces_between_special_tokens")
+EXTRA_SAMPLING = ("include_stop_str_in_output", "spaces_between_special_tokens")
 """vLLM sampling fields outside arbor's schema, passed on when present (as vLLM's completions route takes them)."""
 
 

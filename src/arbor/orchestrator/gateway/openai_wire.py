@@ -107,7 +107,7 @@ def trim_at_stop(c: Completion, tokenizer: Tokenizer) -> tuple[Completion, str |
     what the agent saw. When the stop string starts inside a token no token prefix decodes to the text, so the
     completion is kept whole: "untrimmed". (c, None) when it was not cut at a stop string."""
     ids = c.token_ids
-    if c.finish_reason != "stop" or not ids or ids[-1] == tokenizer.eos_token_id:
+    if c.finish_reason != "stop" or not ids or ids[-1] in tokenizer.stop_token_ids:
         return c, None
     # Decoded as the engine decodes the returned text (special tokens skipped).
     if tokenizer.decode(ids) == c.text:
