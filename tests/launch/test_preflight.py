@@ -103,6 +103,8 @@ def test_model_directory_without_config_or_weights(tmp_path):
     assert "config.json is missing" in _fails(tmp_path / "run", "--model.name", str(tmp_path / "empty"))
     nowts = _hf_dir(tmp_path / "noweights", weights=False)
     assert "no *.safetensors" in _fails(tmp_path / "run2", "--model.name", str(nowts))
+    (nowts / "pytorch_model.bin").write_bytes(b"")  # an older checkpoint's pickled weights: said how to convert
+    assert "pytorch_model.bin is a pickled PyTorch checkpoint" in _fails(tmp_path / "run4", "--model.name", str(nowts))
     assert "neither a preset" in _fails(tmp_path / "run3", "--model.name", str(tmp_path / "missing"))
 
 

@@ -210,7 +210,14 @@ def check_model_files(model: ModelConfig) -> None:
             f"model.name {model.name}: config.json is missing (expected a Hugging Face checkpoint directory)"
         )
     if not any(path.glob("*.safetensors")):
-        raise PreflightError(f"model.name {model.name}: no *.safetensors weight files")
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = (
+            f" ({pickled[0]} is a pickled PyTorch checkpoint, which arbor does not load: re-save it with transformers' "
+            "`from_pretrained(dir).save_pretrained(new_dir)`, which writes safetensors)"
+            if pickled
+            else ""
+        )
+        raise PreflightError(f"model.name {model.name}: no *.safetensors weight files{hint}")
     model_args(model)  # an architecture arbor builds
 
 
