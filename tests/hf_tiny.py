@@ -117,15 +117,25 @@ def write_tiny(arch: str, path: Path, seed: int = 0) -> Path:
 
 
 def write_llama_of_preset(path: Path, preset: str = "qwen3-tiny", seed: int = 0, chat_template: bool = True) -> Path:
-    """A `LlamaForCausalLM` of arbor preset `preset`'s shape, as a user brings one: transformers' `LlamaConfig`
-    (its defaults: untied head, no q/k norm, its own initialisation from `seed`), `save_pretrained`, and the byte
-    tokenizer (arbor's, or with `chat_template=False` only its Hugging Face export without the template: a base
-    model's tokenizer)."""
+    """A `LlamaForCausalLM` of arbor preset `preset`'s shape (`write_llama`)."""
     p = PRESETS[preset]
+    names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    shape = {k: getattr(p, k) for k in (*names, "head_dim", "rope_theta", "max_position_embeddings")}
+    return write_llama(path, seed, chat_template, **shape)
+
+
+SMALL_LLAMA = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4)
+"""A Llama of 132k parameters (with the byte vocabulary): a quarter of qwen3-tiny's width, half its depth."""
+
+
+def write_llama(path: Path, seed: int = 0, chat_template: bool = True, **shape) -> Path:
+    """A `LlamaForCausalLM` of `shape` (LlamaConfig fields) over the byte vocabulary, as a user brings one:
+    transformers' `LlamaConfig` (its defaults: untied head, no q/k norm, its own initialisation from `seed`),
+    `save_pretrained`, and the byte tokenizer (arbor's, or with `chat_template=False` only its Hugging Face export
+    without the template: a base model's tokenizer)."""
     config = transformers.LlamaConfig(
-        **{k: getattr(p, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
-        **{k: getattr(p, k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
-        max_position_embeddings=p.max_position_embeddings,
+        **{"num_key_value_heads": 2, "max_position_embeddings": 512, **shape},
+        vocab_size=BYTE_VOCAB,
         pad_token_id=ByteTokenizer().pad_token_id,
         eos_token_id=ByteTokenizer().eos_token_id,
     )

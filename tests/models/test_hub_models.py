@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import write_llama_of_preset
+from hf_tiny import SMALL_LLAMA, write_llama, write_llama_of_preset
 from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
 from rl_runs import check_ran, run_example
 
@@ -220,7 +220,7 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     (benchmarks/warm_start_vs_trl.py; arbor +0.075..+0.114 there). Asserted with
     half the smallest rise as margin: +0.04, and a level of at least 0.74; as runs are not reproducible (a LoRA
     CI run once rose half as much as its seed's others), seed 1 (+0.098, 0.713 -> 0.811) runs when seed 0 falls
-    short, and one of the two must hold."""
+    short, and one of the two must hold. A smaller Llama, whose warm-up leaves more, rises by +0.1 (the next test)."""
     base = write_llama_of_preset(tmp_path / "base", "qwen3-tiny", chat_template=False)
     figures = []
     for seed in (0, 1):
@@ -230,6 +230,27 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
         if late >= first + 0.04 and late >= 0.74:
             return
     raise AssertionError(f"neither seed learned: (first five, last 30) {figures}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # the quick start, twice at worst: about 25 s each on 2 idle cores
+def test_a_raw_prompt_run_of_a_small_users_llama_rises_by_a_tenth(tmp_path):
+    """issue 34's acceptance run with a smaller tiny Llama (`SMALL_LLAMA`: 132k parameters, transformers'
+    initialisation, a base model's template-less tokenizer), whose warm-up leaves RL room: SFT reaches 0.51..0.58
+    over the first five RL steps, and RL adds +0.136..+0.204 over the last 30 (+0.155..+0.233 over the last five)
+    on eight runs (2026-12-03: run seeds 0-3 of checkpoint 0, seed 0 twice at once, checkpoints 1 and 2), to
+    0.71..0.77. The qwen3-tiny-shaped Llama above ends at the same level from a warm-up that took most of the gain
+    (docs/models.md, "A base model of your own"). Asserted: +0.1 and a level of 0.65; seed 1 runs when seed 0 falls
+    short, and one of the two must hold."""
+    base = write_llama(tmp_path / "base", chat_template=False, **SMALL_LLAMA)
+    figures = []
+    for seed in (0, 1):
+        rewards = _raw_llama_run(base, tmp_path / f"run{seed}", seed)
+        first, late = sum(rewards[:5]) / 5, sum(rewards[30:]) / 30
+        figures.append((round(first, 3), round(late, 3)))
+        if late >= first + 0.1 and late >= 0.65:
+            return
+    raise AssertionError(f"neither seed rose by 0.1: (first five, last 30) {figures}")
 
 
 def _raw_llama_run(base: Path, out: Path, seed: int) -> list[float]:
