@@ -120,6 +120,29 @@ def _publish(path: Path, seed: int) -> Path:
     return path
 
 
+def test_a_frozen_server_takes_no_weight_update(tmp_path: Path) -> None:
+    """`inference.frozen` (a distillation teacher, as `rl` launches it): a published directory it could otherwise
+    load is refused with a 409 that names the setting, and the server keeps serving its own weights."""
+    run = tmp_path / "run"
+    step1 = _publish(broadcast_dir(run, 1), 1)
+    weights = WeightUpdates.of(InferenceConfig(output_dir=run, frozen=True))
+    assert weights.frozen and weights.roots == [broadcasts_root(run).resolve()]
+    with (
+        running_engine(make_model()) as engine,
+        BackgroundServer(engine, TOK, weight_roots=weights.roots, frozen=True) as srv,
+    ):
+
+        async def go() -> None:
+            async with aiohttp.ClientSession() as s:
+                status, data = await _call(s, srv.url + "/update_weights", {"path": str(step1), "version": 1})
+                assert status == 409 and "inference.frozen = true" in data["error"]["message"], data
+                assert engine.version == 0
+                status, _ = await _call(s, srv.url + "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+                assert status == 200
+
+        asyncio.run(go())
+
+
 def test_update_weights_loads_only_newer_versions_from_the_allowed_roots(tmp_path: Path) -> None:
     run, outside = tmp_path / "run", tmp_path / "outside"
     step1 = _publish(broadcast_dir(run, 1), 1)

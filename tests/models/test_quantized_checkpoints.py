@@ -24,8 +24,11 @@ from safetensors.torch import load_file, save_file
 from arbor.config.inference import InferenceConfig
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
+from arbor.inference.vllm import launch
+from arbor.inference.vllm import model_dir as vllm_model_dir
 from arbor.inference.vllm.launch import dry_run_command
 from arbor.inference.vllm.model_dir import model_dir
+from arbor.launch import preflight
 from arbor.launch.preflight import PreflightError, check_dequantized_copy, model_args, model_path_line
 from arbor.models import build_model
 from arbor.models.hf import save_checkpoint_dir, write_dequantized
@@ -182,3 +185,31 @@ def test_preflight_wants_room_for_the_dequantised_copy(oss, tmp_path, monkeypatc
         check_dequantized_copy(cfg)
     model_dir(cfg.inference)  # written: nothing more to find room for
     check_dequantized_copy(cfg)
+
+
+def test_a_teacher_is_served_its_quantised_checkpoint_as_published_on_cuda(oss, tmp_path, monkeypatch):
+    """A launched distillation teacher never takes updates (`rl` freezes it), so vLLM's CUDA build serves its
+    quantised checkpoint as published, with vLLM's MXFP4 kernels (gpt-oss-120b in ~65 GB, not a ~230 GB bf16
+    copy), and preflight finds no copy to make room for; the CPU build, whose MXFP4 kernels need AMX tiles, still
+    serves the copy, and preflight checks the teacher's room for it by name."""
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    cfg = RLConfig.model_validate(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "trainer": {"loss": {"name": "distill"}},
+            "teacher": {"backend": "vllm", "model": {"name": str(oss), "dtype": "bfloat16"}},
+        }
+    )
+    assert cfg.teacher.frozen and not cfg.inference.frozen
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1024))
+    for module in (launch, vllm_model_dir, preflight):
+        monkeypatch.setattr(module, "vllm_build", lambda: "gpu")
+    assert model_dir(cfg.teacher) == (str(oss), False)
+    assert f"--model {oss} " in dry_run_command(cfg.teacher)
+    check_dequantized_copy(cfg)  # nothing to write
+    assert not (tmp_path / "arbor-vllm").exists()
+    for module in (launch, vllm_model_dir, preflight):
+        monkeypatch.setattr(module, "vllm_build", lambda: "cpu")
+    with pytest.raises(PreflightError, match=r"^teacher\.model\.name .* is quantised and vLLM serves a dequantised"):
+        check_dequantized_copy(cfg)
+    assert model_dir(cfg.teacher)[0].endswith("-bfloat16-dequantized")

@@ -461,6 +461,7 @@ TINY = ["@", "examples/tiny/rl.toml"]
             ],
             r"orchestrator\.teacher\.url = 'http://t:1' and a \[teacher\] section",
         ),
+        (["--inference.frozen", "true"], r"inference\.frozen = true: the policy's servers take the trainer's weights"),
         (
             ["--teacher.model.name", "qwen3-tiny", "--teacher.seq-len", "48", "--trainer.loss.name", "distill"],
             r"teacher\.seq_len \(48\) must exceed seq_len \(48\)",

@@ -194,6 +194,13 @@ class InferenceConfig(Config):
     level 1, the local engine's level 2) while the trainer trains, and wakes to load the new weights. Needs a
     per-step schedule (`orchestrator.scheduler.mode` "sync" or "one_step_off"), one node, the run's own fleet
     and `weights.kind = "filesystem"`; `rl plan` compares it with the split layout."""
+    frozen: bool = False
+    """The served weights never change, as a distillation teacher's (`rl` sets it for `[teacher]`; the policy's
+    servers take the trainer's weights every step and cannot be frozen): `/update_weights` is refused (409), and
+    vLLM's CUDA build serves a quantised checkpoint (gpt-oss's MXFP4, a block-FP8 Qwen3-*-FP8) as published, with
+    its quantised kernels, instead of the dequantised copy a policy server needs to take unquantised updates
+    (gpt-oss-120b: ~65 GB against ~230 GB; vLLM's CPU build, whose quantised kernels need particular processors,
+    still serves the copy)."""
     router_replay: bool = False
     """Return each token's routed experts (MoE router replay) with the completion (vLLM backend)."""
     vllm: VLLMConfig = VLLMConfig()

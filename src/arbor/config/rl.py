@@ -183,6 +183,11 @@ class RLConfig(Config):
             batching.normalization = "sequence"  # GSPO's objective is a mean over sequences
         if self.sft.steps:
             self.sft.environment = self.orchestrator.environment
+        if self.inference.frozen:
+            raise ValueError(
+                "inference.frozen = true: the policy's servers take the trainer's weights every step; frozen is "
+                "for a server whose weights never change (a [teacher])"
+            )
         self._check_teacher()
         self._check_colocate()
         self._check_weight_updates()
@@ -280,6 +285,7 @@ class RLConfig(Config):
                     "and set orchestrator.teacher.url"
                 )
             orch.teacher = orch.teacher or TeacherConfig()
+            self.teacher.frozen = True  # it scores with the weights it started with (no updates, served as published)
             allowed = self.teacher.engine_backend().max_logprobs(self.teacher)
             if allowed is not None and orch.teacher.top_k > allowed:
                 raise ValueError(

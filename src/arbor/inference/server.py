@@ -373,11 +373,12 @@ class BackgroundServer:
         port: int = 0,
         admin_token: SecretStr | None = None,
         weight_roots: list[Path] | None = None,
+        frozen: bool = False,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-http", daemon=True)
         self._thread.start()
-        app = InferenceServer(engine, tokenizer, model_name, admin_token, WeightUpdates(weight_roots)).app()
+        app = InferenceServer(engine, tokenizer, model_name, admin_token, WeightUpdates(weight_roots, frozen)).app()
         try:
             self._runner, self.url = asyncio.run_coroutine_threadsafe(start_site(app, host, port), self._loop).result()
         except BaseException:

@@ -39,7 +39,7 @@ from arbor.config.loader import ConfigError
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.environments.protocol import check_some_task_fits, is_multi_turn, load_environment
-from arbor.inference.vllm.launch import materialized_path
+from arbor.inference.vllm.launch import materialized_path, serves_as_published, vllm_build
 from arbor.models import build_tokenizer
 from arbor.models.args import DSAArgs, ModelArgs
 from arbor.models.family import UnsupportedArchitecture, architecture_of, choose_family, read_config
@@ -223,22 +223,25 @@ def check_model_files(model: ModelConfig) -> None:
 
 def check_dequantized_copy(cfg: RLConfig) -> None:
     """Room under $TMPDIR for the dequantised copy vLLM serves of a quantised checkpoint (arbor.inference.vllm.
-    model_dir; gpt-oss-120b's is ~230 GB in bf16), unless it is written already."""
-    inf = cfg.inference
-    if inf.backend != "vllm" or cfg.model.name in PRESETS or cfg.model.fp8 == "block":
-        return
-    if not is_quantized(read_config(resolve_dir(cfg.model.name))):
-        return
-    out = materialized_path(inf, fp8=False, dequantized=True)
-    if (out / "config.json").exists():
-        return
-    need, root = BYTES[cfg.model.dtype] * model_params(cfg.model), out.parent.parent
-    free = shutil.disk_usage(root).free
-    if free < need:
-        raise PreflightError(
-            f"model.name {cfg.model.name} is quantised and vLLM serves a dequantised copy of it ({format_bytes(need)} "
-            f"in {cfg.model.dtype}) under {root}, which has {format_bytes(free)} free: set TMPDIR to a disk with room"
-        )
+    model_dir; gpt-oss-120b's is ~230 GB in bf16), for the policy's servers and a launched teacher, unless it is
+    written already or the teacher is served as published (`serves_as_published`)."""
+    for section, inf in _servers(cfg):
+        if inf.backend != "vllm" or inf.model.name in PRESETS or inf.model.fp8 == "block":
+            continue
+        if serves_as_published(inf, vllm_build()) or not is_quantized(read_config(resolve_dir(inf.model.name))):
+            continue
+        out = materialized_path(inf, fp8=False, dequantized=True)
+        if (out / "config.json").exists():
+            continue
+        need, root = BYTES[inf.model.dtype] * model_params(inf.model), out.parent.parent
+        free = shutil.disk_usage(root).free
+        if free < need:
+            key = "model.name" if section == "inference" else f"{section}.model.name"
+            raise PreflightError(
+                f"{key} {inf.model.name} is quantised and vLLM serves a dequantised copy of it "
+                f"({format_bytes(need)} in {inf.model.dtype}) under {root}, which has {format_bytes(free)} free: "
+                "set TMPDIR to a disk with room"
+            )
 
 
 def check_lora_head(cfg: RLConfig) -> None:

@@ -13,7 +13,8 @@ the path an absolute directory without `..` segments that, symlinks resolved, li
 run's `broadcasts/` and `inference.weight_roots`). Every refusal of a path, whether it lies outside, is missing,
 is no directory or is spelt with `..`, is the same 400, so the answer never tells what exists on the machine. The
 backend then loads the resolved path, so a symlink swapped after the check cannot redirect the load. Updates
-are serialized: two racing ones cannot both pass the version check and regress the served policy.
+are serialized: two racing ones cannot both pass the version check and regress the served policy. A frozen
+server (`inference.frozen`, a distillation teacher) refuses every update with a 409.
 """
 
 from __future__ import annotations
@@ -92,9 +93,11 @@ class WeightUpdate:
 class WeightUpdates:
     """The `/update_weights` policy: which directories may be loaded, and which versions."""
 
-    def __init__(self, roots: Sequence[Path] | None) -> None:
+    def __init__(self, roots: Sequence[Path] | None, frozen: bool = False) -> None:
         self.roots = None if roots is None else [Path(r).resolve(strict=False) for r in roots]
         """Allowed roots, resolved; None: any directory (an in-process server whose caller owns the machine)."""
+        self.frozen = frozen
+        """No update at all (`inference.frozen`: a teacher's weights never change)."""
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -102,9 +105,9 @@ class WeightUpdates:
         """The roots of a server process: the run's `broadcasts/` and `weight_roots` (none configured: any)."""
         roots = [broadcasts_root(cfg.output_dir)] if cfg.output_dir is not None else []
         roots += cfg.weight_roots
-        if not roots:
+        if not roots and not cfg.frozen:
             log.warning("no output_dir nor weight_roots: /update_weights loads any directory it is sent")
-        return cls(roots or None)
+        return cls(roots or None, cfg.frozen)
 
     def directory(self, raw: str) -> Path:
         """The resolved directory `raw` names, or the one refusal (400) that does not say why."""
@@ -125,6 +128,8 @@ class WeightUpdates:
 
     def read(self, body: dict[str, Any], loaded: int) -> WeightUpdate | None:
         """The update a body asks for; None when it names the loaded version (nothing to do)."""
+        if self.frozen:
+            raise HTTPError(409, "this server's weights are frozen (inference.frozen = true): it takes no updates")
         path = get_field(body, "path", (str,), None)
         version = get_int(body, "version", None, 0, MAX_VERSION)
         if path is None:

@@ -245,6 +245,13 @@ def materialized_path(cfg: InferenceConfig, fp8: bool, dequantized: bool = False
     return Path(tempfile.gettempdir()) / "arbor-vllm" / f"{tag}-seed{cfg.model.init_seed}-{cfg.model.dtype}{kind}"
 
 
+def serves_as_published(cfg: InferenceConfig, build: Build | None) -> bool:
+    """Whether vLLM serves a quantised checkpoint as published rather than as its dequantised copy: a frozen
+    server's (`inference.frozen`, a teacher: no unquantised update ever reaches its quantised layers) on the CUDA
+    build. The CPU build's quantised kernels need particular processors (MXFP4: AMX tiles), so it serves the copy."""
+    return cfg.frozen and build == "gpu"
+
+
 def dry_run_command(cfg: InferenceConfig) -> str:
     """The vLLM command `inference` would run for `cfg` (port picked at start-up shown as 0), with its
     environment, as one shell line; preset models are shown at the directory they are written to."""
@@ -252,7 +259,8 @@ def dry_run_command(cfg: InferenceConfig) -> str:
     name = cfg.model.name
     preset_like = "/" not in name and not Path(name).exists()
     path = str(materialized_path(cfg, cfg.model.fp8 == "block")) if preset_like or cfg.model.fp8 == "block" else name
-    if not preset_like and cfg.model.fp8 != "block" and (Path(name) / "config.json").is_file():
+    as_published = serves_as_published(cfg, build)
+    if not preset_like and cfg.model.fp8 != "block" and not as_published and (Path(name) / "config.json").is_file():
         if is_quantized(read_config(name)):  # served as its dequantised copy (arbor.inference.vllm.model_dir)
             path = str(materialized_path(cfg, fp8=False, dequantized=True))
     if not preset_like and not Path(name).is_dir():  # a hub id (reading it could mean a download) or a directory

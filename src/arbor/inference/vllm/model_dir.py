@@ -2,7 +2,7 @@
 is, a preset materialised once as a Hugging Face directory with its tokenizer's export, with `model.fp8 =
 "block"` a DeepSeek-format block-FP8 checkpoint, and a quantised checkpoint otherwise (gpt-oss's MXFP4, a
 Qwen3-*-FP8) as a dequantised copy: the trainer publishes unquantised weights, which vLLM's quantised layers
-would take as quantised values."""
+would take as quantised values (a frozen teacher's is served as published on the CUDA build)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from arbor.config.inference import InferenceConfig
-from arbor.inference.vllm.launch import materialized_path
+from arbor.inference.vllm.launch import materialized_path, serves_as_published, vllm_build
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
 from arbor.models.family import read_config
 from arbor.models.fp8 import high_precision_modules
@@ -39,9 +39,10 @@ def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
 
 def dequantized_model_dir(cfg: InferenceConfig) -> str | None:
     """A quantised checkpoint's dequantised copy in the model's dtype (arbor.models.hf.write_dequantized), written
-    once beside the materialised presets; None for an unquantised checkpoint."""
+    once beside the materialised presets; None for an unquantised checkpoint, or one a frozen server serves as
+    published (`serves_as_published`)."""
     source = resolve_dir(cfg.model.name)
-    if not is_quantized(read_config(source)):
+    if serves_as_published(cfg, vllm_build()) or not is_quantized(read_config(source)):
         return None
     out = materialized_path(cfg, fp8=False, dequantized=True)
     if not (out / "config.json").exists():  # config.json last: a copy cut short is written again
