@@ -128,6 +128,27 @@ SMALL_LLAMA = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, n
 """A Llama of 132k parameters (with the byte vocabulary): a quarter of qwen3-tiny's width, half its depth."""
 
 
+BIG = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151_936,
+)
+"""A user's model of a few billion parameters, as its config.json says (`write_big_config`)."""
+
+
+def write_big_config(path: Path, model_type: str, arch: str, **extra) -> Path:
+    """The config.json alone (no weights) of a multi-billion-parameter `arch`, as transformers writes it: what a
+    twin, a planner or preflight reads of a user's checkpoint."""
+    config = AutoConfig.for_model(model_type, **{**BIG, **extra})
+    config.architectures = [arch]
+    config.save_pretrained(path)
+    return path
+
+
 def write_llama(path: Path, seed: int = 0, chat_template: bool = True, **shape) -> Path:
     """A `LlamaForCausalLM` of `shape` (LlamaConfig fields) over the byte vocabulary, as a user brings one:
     transformers' `LlamaConfig` (its defaults: untied head, no q/k norm, its own initialisation from `seed`),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import write_big_config
 from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
 
 from arbor.config.loader import load_config
@@ -19,10 +20,13 @@ from arbor.config.rl import SECTIONS, RLConfig
 from arbor.environments import env_prompt
 from arbor.environments.shapes import ShapesEnv
 from arbor.inference.vllm.launch import vllm_build
-from arbor.launch import rl
-from arbor.launch.twin import KNOWN_MODELS, TWIN_RANKS, TwinPlan, plan_twin, tiny_args, write_twin_model
+from arbor.launch import rl, twin_hf
+from arbor.launch.twin import TWIN_RANKS, TwinPlan, plan_twin, write_twin_model
+from arbor.launch.twin_native import KNOWN_MODELS, tiny_args
 from arbor.models import build_model
+from arbor.models.args import ModelArgs
 from arbor.models.family import args_from_config, family_of
+from arbor.models.hf_args import HFArgs
 from arbor.models.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,3 +223,118 @@ def test_a_vision_language_recipe_twins_into_a_tiny_vision_language_model(tmp_pa
     with torch.no_grad():
         logits = model(torch.tensor([ids]), **images)
     assert logits.shape[:2] == (1, len(ids)) and torch.isfinite(logits).all()
+
+
+NATIVE_BIG = {
+    "Glm4MoeForCausalLM": (
+        "glm4_moe",
+        {"n_routed_experts": 160, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3},
+    ),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", {"num_local_experts": 256, "num_experts_per_tok": 8}),
+    "Qwen2ForCausalLM": ("qwen2", {}),
+    "LlamaForCausalLM": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(NATIVE_BIG))
+def test_a_native_checkpoints_twin_keeps_every_structural_field(arch, tmp_path):
+    """A user's GLM-4.5 / MiniMax-M2 / Qwen2.5 / Llama 3 checkpoint (its config.json at a few billion parameters)
+    twins into the same native family with every field but the sizes as the checkpoint has it: the routing, its
+    top-k, shared experts and dense first layers of a MoE (a dense twin would leave EP and router replay untried),
+    Qwen2's QKV bias, Llama 3's RoPE scaling; the tiny model is written, loads, and is the planned one."""
+    model_type, extra = NATIVE_BIG[arch]
+    real_dir = write_big_config(tmp_path / "real", model_type, arch, **extra)
+    real = ModelArgs.from_dir(real_dir)
+    plan = plan_twin(RLConfig(model={"name": str(real_dir)}, output_dir=tmp_path / "run"))
+    tiny = plan.model_args
+    assert type(tiny) is type(real) and tiny.num_params() < 2_000_000 < real.num_params()
+    sizes = {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "num_experts",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "shared_expert_intermediate_size",
+    }
+    for name, value in vars(real).items():
+        if name not in sizes:
+            assert getattr(tiny, name) == value, name
+    if real.is_moe:
+        dense_first = getattr(real, "first_k_dense_replace", 0) > 0
+        assert tiny.is_moe and tiny.num_experts == 2 * real.num_experts_per_tok
+        assert tiny.moe_layers == ([1] if dense_first else [0, 1])
+    write_twin_model(plan, seed=0)
+    assert build_model(ModelConfig(name=str(plan.model_dir), tokenizer="byte")).args == tiny
+
+
+HF_BIG = {
+    "Gemma3ForCausalLM": ("gemma3_text", {"sliding_window": 1024}),
+    "Phi3ForCausalLM": ("phi3", {}),
+    "GptOssForCausalLM": ("gpt_oss", {"num_local_experts": 128, "num_experts_per_tok": 4}),
+    "Qwen3_5ForCausalLM": ("qwen3_5_text", {}),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", {"n_routed_experts": 64, "num_experts_per_tok": 6}),
+    "FalconH1ForCausalLM": ("falcon_h1", {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_BIG))
+def test_a_transformers_path_checkpoints_twin_is_its_own_class_at_a_tiny_size(arch, tmp_path):
+    """A checkpoint arbor has no native family for twins into a tiny random model of its own class, written by
+    transformers from its own config.json with the sizes shrunk: each layer kind it has (sliding and global
+    attention, gated-delta-net, Mamba mixers), its experts' top-k, multi-head latent attention; the twin takes
+    the transformers path and its forward runs (before this, every such checkpoint stopped `rl --twin` with a
+    traceback)."""
+    model_type, extra = HF_BIG[arch]
+    real_dir = write_big_config(tmp_path / "real", model_type, arch, **extra)
+    real = HFArgs(json.loads((real_dir / "config.json").read_text()), arch)
+    cfg = RLConfig(model={"name": str(real_dir)}, output_dir=tmp_path / "run")
+    plan = plan_twin(cfg)
+    assert plan.model_args is None and plan.hf_config is not None
+    tiny = HFArgs(plan.hf_config, arch)
+    assert set(tiny.layer_types) == set(real.layer_types) and tiny.hidden_size == 64
+    assert tiny.num_params() < 2_000_000 < real.num_params()
+    for key in ("num_experts_per_tok", "tie_word_embeddings", "rms_norm_eps", "hidden_act", "attention_bias"):
+        assert plan.hf_config.get(key) == real.config.get(key), key
+    if real.experts[0]:
+        assert 0 < tiny.experts[0] < real.experts[0]
+    if "sliding_window" in extra:
+        positions = plan.hf_config["max_position_embeddings"]  # the twin's longest sequence
+        assert plan.hf_config["sliding_window"] == positions // 4  # it bites within the twin's lengths
+    assert f"a tiny random {arch}, {len(tiny.layer_types)} layers" in plan.render()
+    write_twin_model(plan, seed=0)
+    twin = load_config(RLConfig, ["--model.name", str(real_dir)], overrides=plan.overrides)
+    model = build_model(twin.model)
+    assert type(model).__name__ == "HFCausalLM" and twin.model.tokenizer == "byte"
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4, 5]]))
+    assert logits.shape == (1, 5, 264) and torch.isfinite(logits).all()
+
+
+def test_a_config_transformers_cannot_shrink_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """Where transformers' own checks refuse the shrunk config (here: a mixer width that no longer adds up),
+    `rl --twin` says so in one line with the way out, never a traceback."""
+    real_dir = write_big_config(tmp_path / "real", "falcon_h1", "FalconH1ForCausalLM")
+    monkeypatch.setattr(twin_hf, "SIZES", {**twin_hf.SIZES, "mamba_d_head": 24})
+    monkeypatch.chdir(ROOT)
+    argv = ["@", "examples/reverse_text/rl.toml", "--model.name", str(real_dir), "--twin"]
+    argv += ["--orchestrator.batching.prefix-merge", "false", "--output-dir", str(tmp_path / "run")]
+    assert rl.main(argv) == 2
+    err = capsys.readouterr().err.strip().split("error: ", 1)[1]
+    assert err.startswith("rl --twin: transformers cannot build a tiny FalconH1ForCausalLM") and "\n" not in err

@@ -6,12 +6,14 @@ dataset). Each prints what it changed, then finishes its 3 steps."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hf_tiny import write_big_config
 
 from arbor.monitor.metrics import read_jsonl
 
@@ -21,13 +23,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_twin(recipe: str, tmp_path: Path) -> tuple[str, Path]:
-    """Runs `rl @ <recipe> --twin` offline; its printed output and the twin's run directory."""
+def _run_twin(recipe: str, tmp_path: Path, *args: str) -> tuple[str, Path]:
+    """Runs `rl @ <recipe> --twin *args` offline; its printed output and the twin's run directory."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "run"
     res = subprocess.run(
-        [sys.executable, "-m", "arbor.launch.rl", "@", recipe, "--twin", "--output-dir", str(out)],
+        [sys.executable, "-m", "arbor.launch.rl", "@", recipe, "--twin", "--output-dir", str(out), *args],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -60,3 +62,24 @@ def test_gsm8k_twin_runs_with_vllm_serving(tmp_path):
     printed, twin = _run_twin("examples/gsm8k/rl.toml", tmp_path)
     assert "orchestrator.environment.args.dataset: " in printed
     assert "vLLM" in (twin / "logs" / "inference.log").read_text()
+
+
+def test_a_users_gpt_oss_twin_runs_on_the_transformers_path_in_bf16(tmp_path):
+    """A checkpoint arbor has no native family for (gpt-oss-120b's config.json as published: 128 experts top-4,
+    sliding and full attention layers, MXFP4 quantisation; no weights needed) twins into a tiny random
+    GptOssForCausalLM written by transformers, on the transformers path, and trains 3 steps in bfloat16."""
+    real = tmp_path / "gpt-oss-120b"
+    write_big_config(real, "gpt_oss", "GptOssForCausalLM", num_local_experts=128, num_experts_per_tok=4)
+    config = json.loads((real / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (real / "config.json").write_text(json.dumps(config))
+    printed, twin = _run_twin(
+        "examples/reverse_text/rl.toml", tmp_path, "--model.name", str(real), "--model.dtype", "bfloat16"
+    )
+    assert (
+        "a tiny random GptOssForCausalLM, 2 layers (1 sliding_attention, 1 full_attention), hidden 64, 8 experts"
+        in printed
+    )
+    assert "model: GptOssForCausalLM: transformers' own modules (no native family" in printed
+    tiny = json.loads((twin / "twin_model" / "config.json").read_text())
+    assert tiny["num_experts_per_tok"] == 4 and "quantization_config" not in tiny

