@@ -204,7 +204,7 @@ def test_real_shapes_build_on_meta_with_the_published_parameter_counts(name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # the quick start, twice at worst: about a minute each on 2 idle cores
+@pytest.mark.timeout(1200)  # the quick start: about a minute on 2 idle cores
 def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     """issue 34's acceptance run: the quick start with a model a user brings, a transformers `LlamaForCausalLM` of
     qwen3-tiny's shape (untied head, no q/k norm, transformers' initialisation) whose tokenizer has no chat
@@ -218,39 +218,29 @@ def test_a_raw_prompt_run_of_a_users_template_less_llama_learns(tmp_path):
     from step ~20 at lr 1e-3 and 3e-4 alike (benchmarks/reverse_text_ceiling.py, docs/models.md), and TRL's
     GRPOTrainer from the same warm-up with the same settings rises less, +0.025..+0.070 on seeds 0-2
     (benchmarks/warm_start_vs_trl.py; arbor +0.075..+0.114 there). Asserted with
-    half the smallest rise as margin: +0.04, and a level of at least 0.74; as runs are not reproducible (a LoRA
-    CI run once rose half as much as its seed's others), seed 1 (+0.098, 0.713 -> 0.811) runs when seed 0 falls
-    short, and one of the two must hold. A smaller Llama, whose warm-up leaves more, rises by +0.1 (the next test)."""
+    half the smallest rise as margin: +0.04, and a level of at least 0.74 (the lowest seen 0.780). Seeds 1 and 2
+    rose alike (+0.077 / +0.116, session 31). A smaller Llama, whose warm-up leaves more, rises by +0.1 (the next
+    test)."""
     base = write_llama_of_preset(tmp_path / "base", "qwen3-tiny", chat_template=False)
-    figures = []
-    for seed in (0, 1):
-        rewards = _raw_llama_run(base, tmp_path / f"run{seed}", seed)
-        first, late = sum(rewards[:5]) / 5, sum(rewards[30:]) / 30
-        figures.append((round(first, 3), round(late, 3)))
-        if late >= first + 0.04 and late >= 0.74:
-            return
-    raise AssertionError(f"neither seed learned: (first five, last 30) {figures}")
+    rewards = _raw_llama_run(base, tmp_path / "run", seed=0)
+    first, late = sum(rewards[:5]) / 5, sum(rewards[30:]) / 30
+    assert late >= first + 0.04 and late >= 0.74, (round(first, 3), round(late, 3))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # the quick start, twice at worst: about 25 s each on 2 idle cores
+@pytest.mark.timeout(1200)  # the quick start: about 25 s on 2 idle cores
 def test_a_raw_prompt_run_of_a_small_users_llama_rises_by_a_tenth(tmp_path):
     """issue 34's acceptance run with a smaller tiny Llama (`SMALL_LLAMA`: 132k parameters, transformers'
     initialisation, a base model's template-less tokenizer), whose warm-up leaves RL room: SFT reaches 0.51..0.58
     over the first five RL steps, and RL adds +0.136..+0.204 over the last 30 (+0.155..+0.233 over the last five)
-    on eight runs (2026-12-03: run seeds 0-3 of checkpoint 0, seed 0 twice at once, checkpoints 1 and 2), to
-    0.71..0.77. The qwen3-tiny-shaped Llama above ends at the same level from a warm-up that took most of the gain
-    (docs/models.md, "A base model of your own"). Asserted: +0.1 and a level of 0.65; seed 1 runs when seed 0 falls
-    short, and one of the two must hold."""
+    on eleven runs (2026-12-03: run seeds 0-3 of checkpoint 0, seed 0 twice at once, checkpoints 1 and 2;
+    2026-12-04: seeds 4-6), to 0.67..0.77. The qwen3-tiny-shaped Llama above ends at the same level from a warm-up
+    that took most of the gain (docs/models.md, "A base model of your own"). Asserted on seed 0: +0.1 and a level
+    of 0.62."""
     base = write_llama(tmp_path / "base", chat_template=False, **SMALL_LLAMA)
-    figures = []
-    for seed in (0, 1):
-        rewards = _raw_llama_run(base, tmp_path / f"run{seed}", seed)
-        first, late = sum(rewards[:5]) / 5, sum(rewards[30:]) / 30
-        figures.append((round(first, 3), round(late, 3)))
-        if late >= first + 0.1 and late >= 0.65:
-            return
-    raise AssertionError(f"neither seed rose by 0.1: (first five, last 30) {figures}")
+    rewards = _raw_llama_run(base, tmp_path / "run", seed=0)
+    first, late = sum(rewards[:5]) / 5, sum(rewards[30:]) / 30
+    assert late >= first + 0.1 and late >= 0.62, (round(first, 3), round(late, 3))
 
 
 def _raw_llama_run(base: Path, out: Path, seed: int) -> list[float]:

@@ -29,9 +29,10 @@ from arbor.inference.vllm import model_dir as vllm_model_dir
 from arbor.inference.vllm.launch import dry_run_command
 from arbor.inference.vllm.model_dir import model_dir
 from arbor.launch import preflight
-from arbor.launch.preflight import PreflightError, check_dequantized_copy, model_args, model_path_line
+from arbor.launch.preflight import PreflightError, check_served_copies, model_args, model_path_line
 from arbor.models import build_model
-from arbor.models.hf import save_checkpoint_dir, write_dequantized
+from arbor.models.checkpoint_copies import write_dequantized
+from arbor.models.hf import save_checkpoint_dir
 from arbor.models.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_state
 from arbor.models.tokenizer import ByteTokenizer
 from arbor.monitor.metrics import read_jsonl
@@ -179,12 +180,12 @@ def test_rl_trains_an_mxfp4_gpt_oss_and_publishes_it_unquantised(oss, tmp_path):
 def test_preflight_wants_room_for_the_dequantised_copy(oss, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     cfg = RLConfig.model_validate({"model": {"name": str(oss)}, "inference": {"backend": "vllm"}})
-    check_dequantized_copy(cfg)  # room enough
+    check_served_copies(cfg)  # room enough
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1024))
-    with pytest.raises(PreflightError, match=f"vLLM serves a dequantised copy of it .* under {tmp_path}, which has"):
-        check_dequantized_copy(cfg)
+    with pytest.raises(PreflightError, match=f"served by vLLM as a dequantised copy .* under {tmp_path}, which has"):
+        check_served_copies(cfg)
     model_dir(cfg.inference)  # written: nothing more to find room for
-    check_dequantized_copy(cfg)
+    check_served_copies(cfg)
 
 
 def test_a_teacher_is_served_its_quantised_checkpoint_as_published_on_cuda(oss, tmp_path, monkeypatch):
@@ -206,10 +207,10 @@ def test_a_teacher_is_served_its_quantised_checkpoint_as_published_on_cuda(oss, 
         monkeypatch.setattr(module, "vllm_build", lambda: "gpu")
     assert model_dir(cfg.teacher) == (str(oss), False)
     assert f"--model {oss} " in dry_run_command(cfg.teacher)
-    check_dequantized_copy(cfg)  # nothing to write
+    check_served_copies(cfg)  # nothing to write
     assert not (tmp_path / "arbor-vllm").exists()
     for module in (launch, vllm_model_dir, preflight):
         monkeypatch.setattr(module, "vllm_build", lambda: "cpu")
-    with pytest.raises(PreflightError, match=r"^teacher\.model\.name .* is quantised and vLLM serves a dequantised"):
-        check_dequantized_copy(cfg)
+    with pytest.raises(PreflightError, match=r"^teacher\.model\.name .* is served by vLLM as a dequantised copy"):
+        check_served_copies(cfg)
     assert model_dir(cfg.teacher)[0].endswith("-bfloat16-dequantized")

@@ -45,7 +45,7 @@ from arbor.models.args import DSAArgs, ModelArgs
 from arbor.models.family import UnsupportedArchitecture, architecture_of, choose_family, read_config
 from arbor.models.hub import HubError, cached_config, is_hub_id, resolve_dir
 from arbor.models.presets import PRESETS
-from arbor.models.quantization import is_quantized, quantization_note
+from arbor.models.quantization import block_fp8_bytes, is_quantized, is_served_block_fp8, quantization_note
 from arbor.models.tokenizer import Tokenizer, tokenizer_has_template
 from arbor.registry import ENVIRONMENTS
 from arbor.run_dir import format_bytes
@@ -74,7 +74,7 @@ def run_checks(cfg: RLConfig) -> list[str]:
         check_model_files(cfg.model)
         check_lora_head(cfg)
         if not cluster:  # a job's nodes have their own $TMPDIR
-            check_dequantized_copy(cfg)
+            check_served_copies(cfg)
     else:
         skipped.append(
             f"model files, tokenizer, prompt lengths, checkpoint disk space: {cfg.model.name} is not in "
@@ -221,27 +221,40 @@ def check_model_files(model: ModelConfig) -> None:
     model_args(model)  # an architecture arbor builds
 
 
-def check_dequantized_copy(cfg: RLConfig) -> None:
-    """Room under $TMPDIR for the dequantised copy vLLM serves of a quantised checkpoint (arbor.inference.vllm.
-    model_dir; gpt-oss-120b's is ~230 GB in bf16), for the policy's servers and a launched teacher, unless it is
-    written already or the teacher is served as published (`serves_as_published`)."""
+def check_served_copies(cfg: RLConfig) -> None:
+    """Room under $TMPDIR for the copies vLLM is started from (arbor.models.checkpoint_copies), for the policy's
+    servers and a launched teacher: a quantised checkpoint's dequantised copy (gpt-oss-120b's is ~230 GB in bf16)
+    and with `model.fp8 = "block"` a checkpoint's block-FP8 copy (Qwen3-235B's ~460 GB: its experts stay bf16),
+    unless one is written already or none is needed (served as published, already block FP8)."""
     for section, inf in _servers(cfg):
-        if inf.backend != "vllm" or inf.model.name in PRESETS or inf.model.fp8 == "block":
+        copy = _served_copy(inf)
+        if copy is None or (copy[0] / "config.json").exists():
             continue
-        if serves_as_published(inf, vllm_build()) or not is_quantized(read_config(resolve_dir(inf.model.name))):
-            continue
-        out = materialized_path(inf, fp8=False, dequantized=True)
-        if (out / "config.json").exists():
-            continue
-        need, root = BYTES[inf.model.dtype] * model_params(inf.model), out.parent.parent
+        out, need, what = copy
+        root = out.parent.parent
         free = shutil.disk_usage(root).free
         if free < need:
             key = "model.name" if section == "inference" else f"{section}.model.name"
             raise PreflightError(
-                f"{key} {inf.model.name} is quantised and vLLM serves a dequantised copy of it "
-                f"({format_bytes(need)} in {inf.model.dtype}) under {root}, which has {format_bytes(free)} free: "
-                "set TMPDIR to a disk with room"
+                f"{key} {inf.model.name} is served by vLLM as {what} ({format_bytes(need)}) written under "
+                f"{root}, which has {format_bytes(free)} free: set TMPDIR to a disk with room"
             )
+
+
+def _served_copy(inf: InferenceConfig) -> tuple[Path, int, str] | None:
+    """(directory, about its size, what it is) of the copy a vLLM server of `inf` writes; None when it needs none."""
+    if inf.backend != "vllm" or inf.model.name in PRESETS:
+        return None
+    config, args, width = read_config(resolve_dir(inf.model.name)), model_args(inf.model), BYTES[inf.model.dtype]
+    if inf.model.fp8 == "block":
+        if is_served_block_fp8(config, args):
+            return None
+        what = 'its block-FP8 copy (model.fp8 = "block")'
+        return materialized_path(inf, fp8=True), block_fp8_bytes(args, width), what
+    if serves_as_published(inf, vllm_build()) or not is_quantized(config):
+        return None
+    what = f"a dequantised copy (it is quantised; {inf.model.dtype})"
+    return materialized_path(inf, fp8=False, dequantized=True), width * args.num_params(), what
 
 
 def check_lora_head(cfg: RLConfig) -> None:

@@ -297,19 +297,6 @@ QUANTIZATION_CONFIG = {
 group activation quantisation, 128x128 weight blocks, `weight_scale_inv` tensors)."""
 
 
-def high_precision_modules(args) -> list[str]:
-    """The modules of an FP8 checkpoint that stay in high precision although a block-FP8 server would quantise
-    them (`args`: ModelArgs or DSAArgs): every MoE layer's router (`mlp.gate`) and routed experts (`mlp.experts`,
-    which arbor trains in the model's dtype: their grouped GEMM is not block-quantised) and, for DeepSeek sparse
-    attention, MLA's `kv_b_proj`. Written as `modules_to_not_convert` in the `quantization_config`, which vLLM's
-    fp8 method (its `ignored_layers`, matched exactly) and transformers read: vLLM then serves those layers
-    unquantised, with the trainer's weights, instead of quantising its fused experts."""
-    names = [f"model.layers.{i}.mlp.{m}" for i in args.moe_layers for m in ("gate", "experts")]
-    if getattr(args, "is_dsa", False):
-        names += [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(args.num_hidden_layers)]
-    return names
-
-
 def quantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face tensors -> DeepSeek's FP8 checkpoint format: each FP8 layer's `weight` becomes e4m3 `[N, K]`
     plus `weight_scale_inv [ceil(N/128), ceil(K/128)]` float32; everything else is unchanged."""

@@ -7,15 +7,14 @@ read, and each rank copies only its part of each tensor, so no process holds the
 Checkpoints in DeepSeek's FP8 format (float8 `weight` + `weight_scale_inv` per 128x128 block, a
 `quantization_config` in config.json: DeepSeek-V3, Qwen3-*-FP8, and what arbor publishes with `model.fp8 =
 "block"`) and in OpenAI's MXFP4 (gpt-oss's experts, arbor.models.mxfp4) load by dequantisation into the
-model's own dtype; `fp8=True` writes the FP8 format. `write_dequantized` copies a quantised checkpoint for a
-server that will take unquantised weight updates.
+model's own dtype; `fp8=True` writes the FP8 format. The copies a vLLM server is started from (dequantised, or
+block FP8) are arbor.models.checkpoint_copies.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,24 +23,18 @@ from safetensors.torch import load_file, save_file
 
 from arbor.models.args import ModelArgs
 from arbor.models.family import family_of
-from arbor.models.fp8 import (
-    QUANTIZATION_CONFIG,
-    SCALE_SUFFIX,
-    dequantize_state,
-    high_precision_modules,
-    quantize_state,
-)
+from arbor.models.fp8 import QUANTIZATION_CONFIG, dequantize_state, quantize_state
 from arbor.models.lora import is_lora_param
 from arbor.models.materialize import check_matches, copy_checked, local_slices, local_tensor, write_full
 from arbor.models.mtp import has_mtp_weights, init_mtp_from_last_layer
 from arbor.models.mxfp4 import dequantize_mxfp4_state
-from arbor.models.quantization import without_quantization
+from arbor.models.quantization import high_precision_modules
 
 
 def hf_config(args: ModelArgs, fp8: bool = False) -> dict:
     """config.json's contents as the model's family writes them (arbor.models.family); with `fp8`, the
     block-FP8 `quantization_config` vLLM and transformers read (with the layers arbor keeps in high precision,
-    arbor.models.fp8.high_precision_modules)."""
+    arbor.models.quantization.high_precision_modules)."""
     config = family_of(args).to_hf_config(args)
     if fp8:
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
@@ -110,16 +103,16 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     checkpoint loads layer by layer through `load_weights`)."""
     path = Path(path)
     state: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(path):
+    for f in safetensors_files(path):
         state.update(load_file(str(path / f)))
     return state
 
 
-_INDEX = "model.safetensors.index.json"
+INDEX = "model.safetensors.index.json"
 
 
-def _safetensors_files(path: Path) -> list[str]:
-    index = path / _INDEX
+def safetensors_files(path: Path) -> list[str]:
+    index = path / INDEX
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
@@ -154,7 +147,7 @@ def checkpoint_layout(path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
     safetensors headers alone (no tensor data is read)."""
     path = Path(path)
     layout = {}
-    for f in _safetensors_files(path):
+    for f in safetensors_files(path):
         with open(path / f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
         header.pop("__metadata__", None)
@@ -306,44 +299,3 @@ def save_checkpoint_dir(
     save_file(hf_state_dict(state, args, fp8), str(path / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(path)
-
-
-def write_dequantized(src: str | Path, dst: str | Path, dtype: torch.dtype) -> None:
-    """A copy of the quantised checkpoint `src` at `dst` with every block-FP8 or MXFP4 tensor dequantised to
-    `dtype` (the others as stored), one safetensors file at a time (a dequantised tensor goes where its weight or
-    blocks were); config.json without its `quantization_config`, and the checkpoint's other files (tokenizer,
-    generation config) alongside. What a server loads when the run publishes unquantised weights into it
-    (arbor.inference.vllm.model_dir)."""
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    layout = checkpoint_layout(src)
-    weight_map = {}
-    for f in _safetensors_files(src):
-        written = [n for n, (file, _) in layout.items() if file == f and not _is_quantization_partner(n, layout)]
-        read = written + [p for n in written for p in (n + SCALE_SUFFIX, _scales_of(n)) if p in layout and p != n]
-        state = {}
-        for g in sorted({layout[n][0] for n in read}):
-            with safe_open(str(src / g), "pt") as fh:
-                state.update({n: fh.get_tensor(n) for n in read if layout[n][0] == g})
-        out = {k: v.contiguous() for k, v in dequantize_mxfp4_state(dequantize_state(state, dtype), dtype).items()}
-        save_file(out, str(dst / f), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, f))
-    if (src / _INDEX).exists():
-        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-        (dst / _INDEX).write_text(json.dumps(index, indent=2))
-    config = without_quantization(json.loads((src / "config.json").read_text()))
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for other in src.iterdir():
-        if other.is_file() and other.suffix != ".safetensors" and other.name not in ("config.json", _INDEX):
-            shutil.copy2(other, dst / other.name)
-
-
-def _scales_of(name: str) -> str:
-    """An MXFP4 tensor's scales, named after its blocks (`name` itself when it is no blocks tensor)."""
-    return name.removesuffix("_blocks") + "_scales" if name.endswith("_blocks") else name
-
-
-def _is_quantization_partner(name: str, layout: dict) -> bool:
-    """An FP8 weight's scale or an MXFP4 tensor's scales: read with their weight or blocks, never written."""
-    blocks = name.removesuffix("_scales") + "_blocks"
-    return name.endswith(SCALE_SUFFIX) or (name.endswith("_scales") and blocks in layout)

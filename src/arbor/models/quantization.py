@@ -66,3 +66,39 @@ def without_quantization(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
     return out
+
+
+def is_served_block_fp8(config: dict[str, Any], args) -> bool:
+    """Whether a checkpoint is already the block-FP8 directory vLLM serves under `model.fp8 = "block"` (DeepSeek's
+    128x128 format with the modules arbor keeps in high precision unquantised), so it is served as it is."""
+    quant = quantization_config(config) or {}
+    kept = set(quant.get("modules_to_not_convert") or quant.get("ignored_layers") or [])
+    block = quant.get("quant_method") == "fp8" and list(quant.get("weight_block_size") or []) == [128, 128]
+    return block and kept >= set(high_precision_modules(args))
+
+
+def high_precision_modules(args) -> list[str]:
+    """The modules of an FP8 checkpoint that stay in high precision although a block-FP8 server would quantise
+    them (`args`: ModelArgs or DSAArgs): every MoE layer's router (`mlp.gate`) and routed experts (`mlp.experts`,
+    which arbor trains in the model's dtype: their grouped GEMM is not block-quantised) and, for DeepSeek sparse
+    attention, MLA's `kv_b_proj`. Written as `modules_to_not_convert` in the `quantization_config`, which vLLM's
+    fp8 method (its `ignored_layers`, matched exactly) and transformers read: vLLM then serves those layers
+    unquantised, with the trainer's weights, instead of quantising its fused experts."""
+    names = [f"model.layers.{i}.mlp.{m}" for i in args.moe_layers for m in ("gate", "experts")]
+    if getattr(args, "is_dsa", False):
+        names += [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(args.num_hidden_layers)]
+    return names
+
+
+def block_fp8_bytes(args, width: int) -> int:
+    """About the size of the model's block-FP8 checkpoint (arbor.models.checkpoint_copies.write_block_fp8) whose
+    high-precision tensors take `width` bytes a parameter: the embeddings and head, routed experts and routers (and
+    MLA's kv_b_proj) at `width`, every other parameter one byte (its 128x128 block scales are negligible)."""
+    h = args.hidden_size
+    high = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
+    high += len(args.moe_layers) * args.num_experts * (3 * h * args.moe_intermediate_size + h)
+    if getattr(args, "is_dsa", False):
+        per_head = args.qk_nope_head_dim + args.v_head_dim
+        high += args.num_hidden_layers * args.kv_lora_rank * args.num_attention_heads * per_head
+    total = args.num_params()
+    return (total - min(high, total)) + min(high, total) * width

@@ -27,10 +27,10 @@ from typing import Any, Literal
 from arbor.config.inference import InferenceConfig, SpeculativeConfig
 from arbor.inference.vllm.fp32_router import FP32_ROUTER_ENV
 from arbor.inference.vllm.images import VISION_ARGS, VisionLayout
-from arbor.models import PRESETS, build_tokenizer
+from arbor.models import PRESETS, build_tokenizer, model_args
 from arbor.models.family import read_config
 from arbor.models.hub import resolve_dir
-from arbor.models.quantization import is_quantized
+from arbor.models.quantization import is_quantized, is_served_block_fp8
 
 log = logging.getLogger("arbor.inference.vllm")
 
@@ -258,7 +258,11 @@ def dry_run_command(cfg: InferenceConfig) -> str:
     build = vllm_build() or "gpu"
     name = cfg.model.name
     preset_like = "/" not in name and not Path(name).exists()
-    path = str(materialized_path(cfg, cfg.model.fp8 == "block")) if preset_like or cfg.model.fp8 == "block" else name
+    fp8 = cfg.model.fp8 == "block"
+    path = str(materialized_path(cfg, fp8)) if preset_like or fp8 else name
+    if fp8 and not preset_like and (Path(name) / "config.json").is_file():
+        if is_served_block_fp8(read_config(name), model_args(cfg.model)):  # already the format vLLM serves
+            path = name
     as_published = serves_as_published(cfg, build)
     if not preset_like and cfg.model.fp8 != "block" and not as_published and (Path(name) / "config.json").is_file():
         if is_quantized(read_config(name)):  # served as its dequantised copy (arbor.inference.vllm.model_dir)

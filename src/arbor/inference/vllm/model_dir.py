@@ -6,8 +6,6 @@ would take as quantised values (a frozen teacher's is served as published on the
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,11 +13,11 @@ import torch
 from arbor.config.inference import InferenceConfig
 from arbor.inference.vllm.launch import materialized_path, serves_as_published, vllm_build
 from arbor.models import PRESETS, build_model, build_tokenizer, model_args
+from arbor.models.checkpoint_copies import write_block_fp8, write_dequantized, write_once
 from arbor.models.family import read_config
-from arbor.models.fp8 import high_precision_modules
-from arbor.models.hf import save_checkpoint_dir, write_dequantized
+from arbor.models.hf import save_checkpoint_dir
 from arbor.models.hub import resolve_dir
-from arbor.models.quantization import is_quantized
+from arbor.models.quantization import is_quantized, is_served_block_fp8
 
 
 def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
@@ -38,32 +36,27 @@ def model_dir(cfg: InferenceConfig) -> tuple[str, bool]:
 
 
 def dequantized_model_dir(cfg: InferenceConfig) -> str | None:
-    """A quantised checkpoint's dequantised copy in the model's dtype (arbor.models.hf.write_dequantized), written
+    """A quantised checkpoint's dequantised copy in the model's dtype (arbor.models.checkpoint_copies), written
     once beside the materialised presets; None for an unquantised checkpoint, or one a frozen server serves as
     published (`serves_as_published`)."""
     source = resolve_dir(cfg.model.name)
     if serves_as_published(cfg, vllm_build()) or not is_quantized(read_config(source)):
         return None
+    dtype = getattr(torch, cfg.model.dtype)
     out = materialized_path(cfg, fp8=False, dequantized=True)
-    if not (out / "config.json").exists():  # config.json last: a copy cut short is written again
-        partial = out.with_name(out.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        write_dequantized(source, partial, getattr(torch, cfg.model.dtype))
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
-    return str(out)
+    return str(write_once(out, lambda partial: write_dequantized(source, partial, dtype)))
 
 
 def _materialize(cfg: InferenceConfig, fp8: bool) -> str:
-    """Writes the model `build_model` makes (a preset, or a checkpoint re-saved) as a HF directory, once."""
-    out = materialized_path(cfg, fp8)
+    """Writes the model `build_model` makes (a preset) as a HF directory with its tokenizer's export, once."""
     tokenizer = build_tokenizer(cfg.model)
-    # A directory written before tokenizers were exported lacks tokenizer_config.json: rewrite it.
-    if not (out / "config.json").exists() or not (out / "tokenizer_config.json").exists():
+
+    def write(partial: Path) -> None:
         model = build_model(cfg.model)
-        save_checkpoint_dir(model.state_dict(), model.args, out, tokenizer, fp8=fp8)
-    else:  # kept from an earlier run, perhaps of an older arbor: its tokenizer export (chat template) refreshed
-        tokenizer.save(out)
+        save_checkpoint_dir(model.state_dict(), model.args, partial, tokenizer, fp8=fp8)
+
+    out = write_once(materialized_path(cfg, fp8), write)
+    tokenizer.save(out)  # kept from an earlier run, perhaps of an older arbor: its tokenizer export refreshed
     return str(out)
 
 
@@ -71,17 +64,18 @@ def fp8_model_dir(cfg: InferenceConfig) -> str:
     """The checkpoint in DeepSeek's FP8 format (float8 weights + `weight_scale_inv`, `quantization_config` with
     `weight_block_size [128, 128]`), which vLLM serves with its block-FP8 linear method (DeepGEMM/CUTLASS on
     Hopper) and which the trainer publishes after every step. A checkpoint already in that format is used as
-    is; any other is quantised once into a temporary directory. Routed MoE experts and routers stay in high
-    precision, as arbor trains them: the checkpoint lists them in `modules_to_not_convert`, which vLLM's fp8 method
-    serves unquantised (arbor.models.fp8.high_precision_modules)."""
-    path = Path(cfg.model.name)
-    if (path / "config.json").exists():
-        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-        kept = set(quant.get("modules_to_not_convert") or quant.get("ignored_layers") or [])
-        block_fp8 = quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]
-        if block_fp8 and kept >= set(high_precision_modules(model_args(cfg.model))):
-            return str(path)
-    return _materialize(cfg, fp8=True)
+    is; any other is quantised once, one file at a time, into a temporary directory (`write_block_fp8`; a preset
+    is built and written). Routed MoE experts and routers stay in high precision, as arbor trains them: the
+    checkpoint lists them in `modules_to_not_convert`, which vLLM's fp8 method serves unquantised
+    (arbor.models.quantization.high_precision_modules)."""
+    if cfg.model.name in PRESETS:
+        return _materialize(cfg, fp8=True)
+    source, args = resolve_dir(cfg.model.name), model_args(cfg.model)
+    if is_served_block_fp8(read_config(source), args):
+        return str(source)
+    dtype = getattr(torch, cfg.model.dtype)
+    out = materialized_path(cfg, fp8=True)
+    return str(write_once(out, lambda partial: write_block_fp8(source, partial, args, dtype)))
 
 
 def served_head_dim(cfg: InferenceConfig) -> int | None:
