@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hub_fixtures import hub_cache, tiny_checkpoint, use_cache
 from safetensors.torch import load_file, save_file
 
 from arbor.config.inference import InferenceConfig
@@ -208,3 +209,34 @@ def test_preflight_wants_room_for_the_block_fp8_copy(tmp_path, monkeypatch):
     assert abs(size - need) < 0.05 * need  # the estimate is the size, within its scales and headers
     already = {"model": {"name": str(copy), "fp8": "block"}, "inference": {"backend": "vllm"}}
     check_served_copies(RLConfig.model_validate(already))  # already block FP8: served as it is, no copy
+
+
+def test_a_hub_checkpoint_is_served_from_its_fp8_copy(tmp_path, monkeypatch):
+    """`model.name` a hub id in the local cache, as the GLM-5 and Qwen3-235B recipes name theirs: the FP8 copy is
+    made from the cached snapshot (this used to build the whole model, the name not being a directory), under
+    `arbor-vllm/<org>/`, and preflight measures the room on the disk that will hold it (no such directory yet)."""
+    use_cache(monkeypatch, tmp_path / "hf")
+    hub_cache(tmp_path / "hf", "org/moe-model", tiny_checkpoint(tmp_path / "ckpt", "qwen3-moe-test"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cfg = RLConfig.model_validate(
+        {"model": {"name": "org/moe-model", "fp8": "block"}, "inference": {"backend": "vllm"}}
+    )
+    check_served_copies(cfg)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1024))
+    with pytest.raises(PreflightError, match=rf"model\.name org/moe-model .* under {tmp_path / 'tmp'}, which has"):
+        check_served_copies(cfg)
+    monkeypatch.undo()
+    use_cache(monkeypatch, tmp_path / "hf")
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    copy = _fp8_copy_of_hub("org/moe-model", monkeypatch)
+    assert copy.is_relative_to(tmp_path / "tmp" / "arbor-vllm" / "org")
+    assert load_file(str(copy / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
+
+
+def _fp8_copy_of_hub(name: str, monkeypatch) -> Path:
+    def no_build(*args, **kwargs):
+        raise AssertionError("the FP8 copy of a checkpoint must not build the model")
+
+    monkeypatch.setattr(vllm_model_dir, "build_model", no_build)
+    return Path(vllm_model_dir.model_dir(InferenceConfig(backend="vllm", model={"name": name, "fp8": "block"}))[0])

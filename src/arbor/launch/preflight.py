@@ -231,7 +231,7 @@ def check_served_copies(cfg: RLConfig) -> None:
         if copy is None or (copy[0] / "config.json").exists():
             continue
         out, need, what = copy
-        root = out.parent.parent
+        root = next(p for p in out.parents if p.exists())  # a hub id's copy sits under arbor-vllm/<org>/
         free = shutil.disk_usage(root).free
         if free < need:
             key = "model.name" if section == "inference" else f"{section}.model.name"
